@@ -1,0 +1,1 @@
+"""Alembic migrations; installed as ``orchestrator.migrations`` and applied by the store."""

@@ -1,0 +1,378 @@
+"""The OpenAI-compatible inference client: send a chat request, classify what comes back.
+
+It knows nothing of the queue. Every failure leaves as one of the errors in
+``orchestrator.errors`` with a stable ``error_class``:
+
+    ServerUnavailable  connect       connection refused, DNS failure, connect timeout
+                       http_502/503/504   a restarting or overloaded server
+    TransientError     timeout       no answer within the request timeout
+                       stream_idle   a stream that stopped sending
+                       disconnect    connection reset or closed mid-request
+                       rate_limited  429 (``retry_after`` from the header)
+                       http_5xx      other server errors
+                       bad_response  unparsable body, wrong content type, no choices
+                       stream_cut    a stream that ended without a finish_reason
+                       empty_content a 200 with nothing in it
+                       aborted       finish_reason "abort" (the server dropped it)
+    PermanentError     http_4xx      400/401/403/404/422 and other client errors: the
+                                     server's reason is kept
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
+
+_UNAVAILABLE = {502, 503, 504}
+_RETRYABLE_4XX = {408, 409, 425}
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """Timeouts and credentials.
+
+    ``request_timeout`` bounds a whole non-streaming request: it must exceed the longest
+    answer (16k tokens at a few tokens/s per request is over an hour), because a client
+    that gives up throws away every token generated so far. Streaming requests are
+    bounded by ``stream_idle_timeout`` between chunks instead, which catches a stalled
+    server in minutes without cutting long answers.
+    """
+
+    request_timeout: float = 3600.0
+    connect_timeout: float = 10.0
+    stream: bool = False
+    stream_idle_timeout: float = 120.0
+    api_key: str | None = field(default=None, repr=False)
+    health_timeout: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    message: dict[str, Any]
+    content: str | None
+    reasoning: str | None
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    latency: float
+    server: str
+    model: str | None
+    response_id: str | None
+
+
+def base_url(server: str) -> str:
+    """``http://h:p``, ``http://h:p/`` and ``http://h:p/v1`` all name the same server."""
+    url = server.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    return url
+
+
+def _error_reason(status: int, body: bytes) -> str:
+    text = body[:2000].decode("utf-8", "replace").strip()
+    try:
+        doc = orjson.loads(body)
+        if isinstance(doc, dict):
+            err = doc.get("error", doc)
+            if isinstance(err, dict) and err.get("message"):
+                text = str(err["message"])
+            elif isinstance(doc.get("message"), str):
+                text = doc["message"]
+            elif isinstance(doc.get("detail"), str):
+                text = doc["detail"]
+    except orjson.JSONDecodeError:
+        pass
+    return f"HTTP {status}: {text}" if text else f"HTTP {status}"
+
+
+def _retry_after(headers: Any) -> float | None:
+    value = headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def _raise_for_status(status: int, body: bytes, headers: Any) -> None:
+    reason = _error_reason(status, body)
+    if status == 429:
+        raise TransientError(reason, error_class="rate_limited", retry_after=_retry_after(headers))
+    if status in _UNAVAILABLE:
+        raise ServerUnavailable(
+            reason, error_class=f"http_{status}", retry_after=_retry_after(headers)
+        )
+    if status >= 500 or status in _RETRYABLE_4XX:
+        raise TransientError(reason, error_class=f"http_{status}")
+    raise PermanentError(reason, error_class=f"http_{status}")
+
+
+def _reasoning_of(obj: dict[str, Any]) -> str | None:
+    # SGLang and older vLLM say reasoning_content; newer vLLM says reasoning.
+    value = obj.get("reasoning_content")
+    if value is None:
+        value = obj.get("reasoning")
+    return value if isinstance(value, str) else None
+
+
+def _check_finished(
+    content: str | None, reasoning: str | None, tool_calls: Any, finish_reason: str | None
+) -> None:
+    if finish_reason == "abort":
+        raise TransientError("the server aborted the request", error_class="aborted")
+    if not content and not reasoning and not tool_calls:
+        raise TransientError(
+            f"the answer has no content (finish_reason={finish_reason!r})",
+            error_class="empty_content",
+        )
+
+
+class InferenceClient:
+    """One aiohttp session shared by every request of a worker."""
+
+    def __init__(self, config: ClientConfig | None = None):
+        self.config = config or ClientConfig()
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"User-Agent": "orchestrator"}
+            if self.config.api_key:
+                headers["Authorization"] = f"Bearer {self.config.api_key}"
+            self._session = aiohttp.ClientSession(
+                headers=headers,
+                connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+                json_serialize=lambda obj: orjson.dumps(obj).decode(),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def health(self, server: str) -> bool:
+        """True when the server's ``/health`` answers 200."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        try:
+            async with self.session.get(base_url(server) + "/health", timeout=timeout) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def chat(self, server: str, body: dict[str, Any]) -> Completion:
+        """POST one chat completion and return it, or raise a classified error."""
+        url = base_url(server) + "/v1/chat/completions"
+        body = dict(body)
+        stream = self.config.stream
+        body["stream"] = stream
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+            timeout = aiohttp.ClientTimeout(
+                total=None,
+                connect=self.config.connect_timeout,
+                sock_read=self.config.stream_idle_timeout,
+            )
+        else:
+            timeout = aiohttp.ClientTimeout(
+                total=self.config.request_timeout, connect=self.config.connect_timeout
+            )
+        started = time.monotonic()
+        try:
+            async with self.session.post(
+                url,
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json"},
+                timeout=timeout,
+            ) as resp:
+                if resp.status != 200:
+                    _raise_for_status(resp.status, await resp.read(), resp.headers)
+                if stream:
+                    return await self._read_stream(resp, server, started)
+                return self._parse(await resp.read(), resp, server, started)
+        except aiohttp.ClientConnectorError as exc:
+            raise ServerUnavailable(
+                f"cannot connect to {server}: {exc}", error_class="connect"
+            ) from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise ServerUnavailable(
+                f"connect to {server} timed out", error_class="connect"
+            ) from exc
+        except aiohttp.SocketTimeoutError as exc:
+            if stream:
+                raise TransientError(
+                    f"no data from {server} for {self.config.stream_idle_timeout:g}s",
+                    error_class="stream_idle",
+                ) from exc
+            raise TransientError(
+                f"no answer from {server} within {self.config.request_timeout:g}s",
+                error_class="timeout",
+            ) from exc
+        except TimeoutError as exc:
+            raise TransientError(
+                f"no answer from {server} within {self.config.request_timeout:g}s",
+                error_class="timeout",
+            ) from exc
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            raise TransientError(
+                f"{server} closed the connection mid-request: {exc}", error_class="disconnect"
+            ) from exc
+        except (aiohttp.ClientOSError, aiohttp.ClientResponseError) as exc:
+            raise TransientError(
+                f"{server} connection error: {exc}", error_class="disconnect"
+            ) from exc
+
+    def _parse(
+        self, raw: bytes, resp: aiohttp.ClientResponse, server: str, started: float
+    ) -> Completion:
+        latency = time.monotonic() - started
+        ctype = resp.headers.get("Content-Type", "")
+        if "json" not in ctype:
+            raise TransientError(
+                f"expected a JSON answer, got content type {ctype!r}", error_class="bad_response"
+            )
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise TransientError(f"unparsable answer: {exc}", error_class="bad_response") from exc
+        choices = doc.get("choices") if isinstance(doc, dict) else None
+        if not choices or not isinstance(choices[0], dict):
+            raise TransientError("the answer has no choices", error_class="bad_response")
+        choice = choices[0]
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            raise TransientError("the answer's choice has no message", error_class="bad_response")
+        content = message.get("content")
+        reasoning = _reasoning_of(message)
+        finish_reason = choice.get("finish_reason")
+        _check_finished(content, reasoning, message.get("tool_calls"), finish_reason)
+        usage = doc.get("usage") if isinstance(doc.get("usage"), dict) else None
+        return Completion(
+            message=_assistant_message(content, reasoning, message.get("tool_calls")),
+            content=content,
+            reasoning=reasoning,
+            finish_reason=finish_reason,
+            usage=usage,
+            latency=latency,
+            server=server,
+            model=doc.get("model"),
+            response_id=doc.get("id"),
+        )
+
+    async def _read_stream(
+        self, resp: aiohttp.ClientResponse, server: str, started: float
+    ) -> Completion:
+        ctype = resp.headers.get("Content-Type", "")
+        if "event-stream" not in ctype:
+            raise TransientError(
+                f"expected an event stream, got content type {ctype!r}",
+                error_class="bad_response",
+            )
+        content: list[str] = []
+        reasoning: list[str] = []
+        tool_calls: dict[int, dict[str, Any]] = {}
+        finish_reason: str | None = None
+        usage: dict[str, Any] | None = None
+        model: str | None = None
+        response_id: str | None = None
+        done = False
+        async for raw_line in resp.content:
+            line = raw_line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError as exc:
+                raise TransientError(
+                    f"unparsable stream chunk: {exc}", error_class="bad_response"
+                ) from exc
+            if not isinstance(chunk, dict):
+                raise TransientError("stream chunk is not an object", error_class="bad_response")
+            model = chunk.get("model") or model
+            response_id = chunk.get("id") or response_id
+            if isinstance(chunk.get("usage"), dict):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                if isinstance(delta.get("content"), str):
+                    content.append(delta["content"])
+                piece = _reasoning_of(delta)
+                if piece:
+                    reasoning.append(piece)
+                for call in delta.get("tool_calls") or []:
+                    _merge_tool_call(tool_calls, call)
+                if choice.get("finish_reason"):
+                    finish_reason = choice["finish_reason"]
+        if finish_reason is None or not done:
+            raise TransientError(
+                "the stream ended before the answer was complete", error_class="stream_cut"
+            )
+        text = "".join(content)
+        thought = "".join(reasoning) or None
+        calls = [tool_calls[i] for i in sorted(tool_calls)] or None
+        _check_finished(text, thought, calls, finish_reason)
+        return Completion(
+            message=_assistant_message(text, thought, calls),
+            content=text,
+            reasoning=thought,
+            finish_reason=finish_reason,
+            usage=usage,
+            latency=time.monotonic() - started,
+            server=server,
+            model=model,
+            response_id=response_id,
+        )
+
+
+def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    index = int(delta.get("index", len(calls)))
+    call = calls.setdefault(index, {"type": "function", "function": {"arguments": ""}})
+    if delta.get("id"):
+        call["id"] = delta["id"]
+    fn = delta.get("function") or {}
+    if fn.get("name"):
+        call["function"]["name"] = fn["name"]
+    if fn.get("arguments"):
+        call["function"]["arguments"] += fn["arguments"]
+
+
+def _assistant_message(
+    content: str | None, reasoning: str | None, tool_calls: Any
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+async def wait_healthy(client: InferenceClient, server: str, *, within: float) -> bool:
+    """Poll ``/health`` until it answers 200 or ``within`` seconds pass."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if await client.health(server):
+            return True
+        await asyncio.sleep(0.2)
+    return False

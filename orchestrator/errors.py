@@ -1,0 +1,78 @@
+"""The errors the orchestrator raises, in one small hierarchy.
+
+    OrchestratorError            anything the CLI turns into a message and an exit code
+    ├── InputError               a bad input file or line: names the file and line
+    ├── ConfigError              an impossible option or dataset setting
+    ├── StorageError             the database cannot be used (locked, full, read-only, ...)
+    │   └── SchemaError          the database schema is newer than this code, or not ours
+    └── InferenceError           an inference request did not give a usable answer
+        ├── PermanentError       the server rejected the request (400, 401, 403, 404, 422):
+        │                        retrying cannot help, the item fails at once
+        └── TransientError       timeouts, resets, 429, 500, unparsable bodies: retry later
+            └── ServerUnavailable  the server cannot be reached or is restarting (refused
+                                 connections, 502/503/504): the worker pauses and the
+                                 item's attempt is given back
+
+Each inference error carries an ``error_class``: a short stable name that is stored with
+the item, counted by ``status`` and selected by ``requeue --error-class``.
+"""
+
+from __future__ import annotations
+
+
+class OrchestratorError(Exception):
+    """Base class; ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class InputError(OrchestratorError):
+    """A bad input file: the message names ``FILE:LINE`` where it can."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None):
+        self.path = path
+        self.line = line
+        self.reason = message
+        where = path if line is None else f"{path}:{line}"
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+class ConfigError(OrchestratorError):
+    exit_code = 2
+
+
+class StorageError(OrchestratorError):
+    exit_code = 3
+
+
+class SchemaError(StorageError):
+    pass
+
+
+class InferenceError(OrchestratorError):
+    error_class = "error"
+
+    def __init__(self, message: str, *, error_class: str | None = None):
+        super().__init__(message)
+        if error_class is not None:
+            self.error_class = error_class
+
+
+class PermanentError(InferenceError):
+    error_class = "rejected"
+
+
+class TransientError(InferenceError):
+    error_class = "transient"
+
+    def __init__(
+        self, message: str, *, error_class: str | None = None, retry_after: float | None = None
+    ):
+        super().__init__(message, error_class=error_class)
+        self.retry_after = retry_after
+
+
+class ServerUnavailable(TransientError):
+    error_class = "unavailable"

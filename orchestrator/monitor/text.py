@@ -1,0 +1,96 @@
+"""``status`` as text for a terminal: one row per dataset, a total, errors, workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, sec = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _row(name: str, e: dict[str, Any]) -> list[str]:
+    c = e["counts"]
+    mean = e["completion_tokens"]["mean"]
+    return [
+        name,
+        f"{c['done']:,}/{c['total']:,}",
+        f"{100 * e['progress']:.1f}%",
+        f"{c['pending']:,}",
+        f"{c['running']:,}",
+        f"{c['failed']:,}",
+        f"{e['recent']['requests_per_s']:.2f}",
+        f"{e['recent']['tokens_per_s']:.0f}",
+        f"{e['overall']['requests_per_s']:.2f}",
+        f"{e['overall']['tokens_per_s']:.0f}",
+        f"{mean:.0f}" if mean is not None else "-",
+        duration(e["eta_seconds"]),
+    ]
+
+
+def render_status(snap: dict[str, Any]) -> str:
+    window = int(snap["window_seconds"])
+    header = [
+        "dataset",
+        "done/total",
+        "progress",
+        "pending",
+        "running",
+        "failed",
+        f"req/s {window // 60}m",
+        f"tok/s {window // 60}m",
+        "req/s all",
+        "tok/s all",
+        "mean tok",
+        "ETA",
+    ]
+    rows = []
+    for e in snap["datasets"]:
+        name = e["name"] + (" (paused)" if e["paused"] else "")
+        rows.append(_row(name, e))
+    if len(snap["datasets"]) != 1:
+        rows.append(_row("TOTAL", snap["totals"]))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [f"database: {snap['database']}"]
+    if not snap["datasets"]:
+        lines.append("no datasets yet: start with `orchestrator enqueue FILE --dataset NAME`")
+        return "\n".join(lines)
+    for r in [header, *rows]:
+        cells = [r[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
+        ]
+        lines.append("  ".join(cells))
+    errors = snap["totals"]["errors"]
+    if errors:
+        lines.append("")
+        lines.append("errors by class (attempts):")
+        for cls, n in sorted(errors.items(), key=lambda kv: -sum(kv[1].values())):
+            parts = [f"{k} {v:,}" for k, v in n.items() if v]
+            lines.append(f"  {cls:<16} " + ", ".join(parts))
+    failed = snap["totals"]["failed_by_class"]
+    if failed:
+        lines.append("failed items by class: " + ", ".join(f"{k} {v:,}" for k, v in failed.items()))
+        lines.append("  (see them again with `orchestrator requeue --error-class CLASS`)")
+    live = [w for w in snap["workers"] if not w["stopped"]]
+    if live:
+        lines.append("")
+        lines.append("workers:")
+        for w in live:
+            note = " SILENT" if w["silent"] else ""
+            lines.append(
+                f"  {w['id']}  in flight {w['in_flight']}, done {w['completed']:,},"
+                f" last heartbeat {duration(w['heartbeat_age_s'])} ago{note}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""Simulated OpenAI-compatible inference server and sample data, for tests and rehearsals.
+
+Names are imported on first use: that keeps ``import orchestrator.sim`` cheap and lets
+``python -m orchestrator.sim.server`` run without the module being imported twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchestrator.sim.sample import write_sample
+    from orchestrator.sim.server import (
+        SimConfig,
+        answer_matches,
+        build_app,
+        parse_fault,
+        parse_outage,
+        request_digest,
+        run_forever,
+        serve,
+    )
+
+__all__ = [
+    "SimConfig",
+    "answer_matches",
+    "build_app",
+    "parse_fault",
+    "parse_outage",
+    "request_digest",
+    "run_forever",
+    "serve",
+    "write_sample",
+]
+
+_HOMES = {name: "orchestrator.sim.server" for name in __all__}
+_HOMES["write_sample"] = "orchestrator.sim.sample"
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

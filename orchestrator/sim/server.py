@@ -1,0 +1,729 @@
+"""A simulated OpenAI-compatible inference server.
+
+It stands in for an SGLang/vLLM server wherever a GPU is not wanted: tests, rehearsals of a
+run, benchmarks of the orchestrator itself and the demo. Answers are deterministic and carry
+the digest of the request they answer, so a caller can prove that every stored answer
+belongs to its prompt. Failures real servers show under load (5xx, 429, resets, hangs,
+garbage bodies, restarts) can be injected at chosen rates to rehearse recovery.
+
+Run it with ``python -m orchestrator.sim.server --port 30000 --fault 500=0.05``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import math
+import random
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+__all__ = [
+    "FAULT_KINDS",
+    "SimConfig",
+    "answer_matches",
+    "build_app",
+    "main",
+    "parse_fault",
+    "parse_outage",
+    "request_digest",
+    "run_forever",
+    "serve",
+]
+
+#: Fault kinds in the order their probability ranges are laid out on ``[0, 1)``.
+FAULT_KINDS: tuple[str, ...] = ("500", "503", "429", "400", "reset", "hang", "malformed")
+
+#: Words of the filler text; short and plain so that one word is one "token".
+_FILLER = (
+    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
+    "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi",
+    "chi", "psi", "omega", "river", "stone", "cloud", "field", "light", "shadow", "signal",
+    "vector", "matrix", "kernel", "tensor", "batch", "token", "cache", "queue", "worker",
+    "answer", "prompt", "model", "layer", "north", "south", "east", "west", "amber", "cobalt",
+    "copper", "silver", "violet", "green", "orange", "purple", "quiet", "swift",
+)  # fmt: skip
+
+#: Words per streamed chunk: a few, like a server that flushes every couple of decode steps.
+_CHUNK_WORDS = 4
+
+#: KV-cache size the ``sglang:token_usage`` gauge is measured against.
+_KV_CAPACITY_TOKENS = 262_144
+
+#: Window of ``sglang:gen_throughput``, in seconds.
+_THROUGHPUT_WINDOW = 10
+
+_LATENCY_BUCKETS = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+_JSON = "application/json"
+
+
+@dataclass
+class SimConfig:
+    """How the simulated server behaves.
+
+    Attributes:
+        model: the served model name; requests naming another model get 404.
+        latency: base seconds spent on every answer (time to first token when streaming).
+        per_token: extra seconds per generated token, so long answers take longer.
+        seed: seeds both the filler words and the fault draws.
+        mean_tokens: mean completion length; each request's length is fixed by its digest,
+            spread about uniformly over ``[mean/2, 3*mean/2]``, at least 1.
+        faults: fault kind -> fraction of (valid) chat requests that get it. Kinds are
+            ``FAULT_KINDS``; fractions in ``[0, 1]`` and at most 1 in total.
+        outages: ``(start, duration)`` windows, in seconds since the server started, during
+            which every endpoint answers 503, like a server that is restarting.
+        retry_after: value of the ``Retry-After`` header sent with 429.
+    """
+
+    model: str = "sim-model"
+    latency: float = 0.0
+    per_token: float = 0.0
+    seed: int = 0
+    mean_tokens: int = 64
+    faults: dict[str, float] = field(default_factory=dict)
+    outages: list[tuple[float, float]] = field(default_factory=list)
+    retry_after: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model name must not be empty")
+        for name in ("latency", "per_token", "retry_after"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.mean_tokens < 1:
+            raise ValueError(f"mean_tokens must be >= 1, got {self.mean_tokens!r}")
+        for kind, rate in self.faults.items():
+            if kind not in FAULT_KINDS:
+                raise ValueError(
+                    f"unknown fault kind {kind!r}; known kinds: {', '.join(FAULT_KINDS)}"
+                )
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"fault rate for {kind!r} must be within [0, 1], got {rate!r}")
+        total = sum(self.faults.values())
+        if total > 1.0 + 1e-9:
+            raise ValueError(f"fault rates add up to {total:g}, more than 1")
+        for start, duration in self.outages:
+            if start < 0 or duration <= 0:
+                raise ValueError(
+                    f"outage ({start!r}, {duration!r}) needs start >= 0 and duration > 0"
+                )
+
+
+def parse_fault(spec: str) -> tuple[str, float]:
+    """Parse a CLI fault spec such as ``500=0.05`` or ``reset=0.02``."""
+    kind, sep, rate_text = spec.partition("=")
+    kind = kind.strip().lower()
+    if not sep or not kind or not rate_text.strip():
+        raise ValueError(f"bad fault spec {spec!r}: expected KIND=RATE, e.g. 500=0.05")
+    if kind not in FAULT_KINDS:
+        raise ValueError(
+            f"bad fault spec {spec!r}: unknown kind {kind!r}; known kinds: {', '.join(FAULT_KINDS)}"
+        )
+    try:
+        rate = float(rate_text)
+    except ValueError:
+        raise ValueError(f"bad fault spec {spec!r}: rate {rate_text!r} is not a number") from None
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"bad fault spec {spec!r}: rate must be within [0, 1]")
+    return kind, rate
+
+
+def parse_outage(spec: str) -> tuple[float, float]:
+    """Parse a CLI outage spec ``START:DURATION`` (seconds since the server started)."""
+    start_text, sep, duration_text = spec.partition(":")
+    if not sep:
+        raise ValueError(f"bad outage spec {spec!r}: expected START:DURATION, e.g. 30:10")
+    try:
+        start, duration = float(start_text), float(duration_text)
+    except ValueError:
+        raise ValueError(
+            f"bad outage spec {spec!r}: START and DURATION must be numbers of seconds"
+        ) from None
+    if not (math.isfinite(start) and math.isfinite(duration)) or start < 0 or duration <= 0:
+        raise ValueError(f"bad outage spec {spec!r}: needs START >= 0 and DURATION > 0")
+    return start, duration
+
+
+def request_digest(messages: Any) -> str:
+    """Digest of a request's messages; key order does not matter, content does."""
+    return hashlib.sha256(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def answer_matches(messages: Any, content: Any) -> bool:
+    """Whether ``content`` is a simulated answer to ``messages`` (and not to another prompt)."""
+    if not isinstance(content, str):
+        return False
+    first = content.split(maxsplit=1)
+    return bool(first) and first[0] == f"[sim:{request_digest(messages)}]"
+
+
+def _completion_length(digest: str, mean_tokens: int) -> int:
+    low = max(1, mean_tokens // 2)
+    high = max(low, (3 * mean_tokens) // 2)
+    return low + int(digest[:8], 16) % (high - low + 1)
+
+
+def _answer_words(digest: str, seed: int, n: int) -> list[str]:
+    # A str seed is hashed with sha512 by random.seed, so this is stable across processes.
+    rng = random.Random(f"{seed}:{digest}")
+    return [f"[sim:{digest}]", *rng.choices(_FILLER, k=n - 1)]
+
+
+def _count_prompt_tokens(messages: list[Any]) -> int:
+    count = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            count += len(content.split())
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    count += len(part["text"].split())
+    return count
+
+
+class _Stats:
+    """Counters behind ``/metrics`` and ``/sim/stats``; one event loop, so no locking."""
+
+    def __init__(self) -> None:
+        self.chat_requests = 0
+        self.completed = 0
+        self.invalid = 0
+        self.aborted = 0
+        self.running = 0
+        self.running_tokens = 0
+        self.outage_rejected = 0
+        self.faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.latency_buckets = [0] * len(_LATENCY_BUCKETS)
+        self.latency_sum = 0.0
+        # (whole second, tokens generated in it), newest last; bounded by the window.
+        self.recent_tokens: deque[list[int]] = deque()
+
+    def record_completion(self, prompt: int, completion: int, seconds: float) -> None:
+        self.completed += 1
+        self.prompt_tokens += prompt
+        self.generation_tokens += completion
+        self.latency_sum += seconds
+        for i, bound in enumerate(_LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.latency_buckets[i] += 1
+        now = int(time.monotonic())
+        if self.recent_tokens and self.recent_tokens[-1][0] == now:
+            self.recent_tokens[-1][1] += completion
+        else:
+            self.recent_tokens.append([now, completion])
+        self._prune(now)
+
+    def _prune(self, now: int) -> None:
+        while self.recent_tokens and self.recent_tokens[0][0] <= now - _THROUGHPUT_WINDOW:
+            self.recent_tokens.popleft()
+
+    def throughput(self, uptime: float) -> float:
+        self._prune(int(time.monotonic()))
+        window = min(float(_THROUGHPUT_WINDOW), max(uptime, 1.0))
+        return sum(tokens for _, tokens in self.recent_tokens) / window
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "chat_requests": self.chat_requests,
+            "completed": self.completed,
+            "invalid": self.invalid,
+            "faults": dict(self.faults),
+            "aborted": self.aborted,
+            "running": self.running,
+            "outage_rejected": self.outage_rejected,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+        }
+
+
+class _State:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.stats = _Stats()
+        self.fault_rng = random.Random(config.seed)
+        self.started = time.monotonic()
+        self.closing = asyncio.Event()
+        self.next_id = 0
+        # Cumulative upper bounds of each fault kind's slice of [0, 1).
+        self.fault_table: list[tuple[float, str]] = []
+        edge = 0.0
+        for kind in FAULT_KINDS:
+            rate = config.faults.get(kind, 0.0)
+            if rate > 0:
+                edge += rate
+                self.fault_table.append((edge, kind))
+
+    def uptime(self) -> float:
+        return time.monotonic() - self.started
+
+    def in_outage(self) -> bool:
+        now = self.uptime()
+        return any(start <= now < start + duration for start, duration in self.config.outages)
+
+    def draw_fault(self) -> str | None:
+        if not self.fault_table:
+            return None
+        x = self.fault_rng.random()
+        for edge, kind in self.fault_table:
+            if x < edge:
+                return kind
+        return None
+
+
+_STATE = web.AppKey("sim_state", _State)
+
+
+def _error(
+    status: int, message: str, kind: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return web.Response(status=status, body=orjson.dumps(body), content_type=_JSON, headers=headers)
+
+
+def _bad_request(message: str) -> web.Response:
+    return _error(400, message, "BadRequestError")
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+
+
+@web.middleware
+async def _outage_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    state = request.app[_STATE]
+    if state.in_outage():
+        state.stats.outage_rejected += 1
+        return _error(503, "server unavailable (simulated outage)", "ServiceUnavailableError")
+    return await handler(request)
+
+
+def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return _bad_request(f"request body is not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        return _bad_request("request body must be a JSON object")
+    messages = body.get("messages")
+    if messages is None:
+        return _bad_request("'messages' is a required property")
+    if not isinstance(messages, list):
+        return _bad_request("'messages' must be a list of message objects")
+    if not messages:
+        return _bad_request("'messages' must contain at least one message")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return _bad_request(f"messages[{i}] must be an object with a string 'role'")
+    model = body.get("model")
+    if model is not None and model != state.config.model:
+        return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            return _bad_request(f"'{key}' must be a positive integer, got {value!r}")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        return _bad_request("'stream' must be a boolean")
+    return body
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[_STATE]
+    stats = state.stats
+    stats.chat_requests += 1
+    stats.running += 1
+    try:
+        return await _answer_chat(request, state)
+    except asyncio.CancelledError:
+        # The client went away (handler cancellation) or the server is stopping.
+        stats.aborted += 1
+        raise
+    except ConnectionError:
+        stats.aborted += 1
+        return web.Response(status=499)
+    finally:
+        stats.running -= 1
+
+
+async def _answer_chat(request: web.Request, state: _State) -> web.StreamResponse:
+    config, stats = state.config, state.stats
+    begun = time.monotonic()
+    raw = await request.read()
+    checked = _validate(state, raw)
+    if isinstance(checked, web.Response):
+        stats.invalid += 1
+        return checked
+    body = checked
+    stream = body.get("stream") is True
+
+    fault = state.draw_fault()
+    if fault is not None:
+        stats.faults[fault] += 1
+        if fault == "500":
+            return _error(500, "simulated internal server error", "InternalServerError")
+        if fault == "503":
+            return _error(503, "simulated overload: server unavailable", "ServiceUnavailableError")
+        if fault == "429":
+            return _error(
+                429,
+                "simulated rate limit: too many requests",
+                "RateLimitError",
+                headers={"Retry-After": f"{config.retry_after:g}"},
+            )
+        if fault == "400":
+            return _bad_request("simulated bad request")
+        if fault == "reset":
+            if request.transport is not None:
+                request.transport.abort()
+            return web.Response(status=499)
+        if fault == "hang":
+            return await _hang(request, state)
+
+    messages: list[Any] = body["messages"]
+    digest = request_digest(messages)
+    full = _completion_length(digest, config.mean_tokens)
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    n = min(full, limit) if limit else full
+    finish_reason = "length" if n < full else "stop"
+    words = _answer_words(digest, config.seed, n)
+    prompt_tokens = _count_prompt_tokens(messages)
+    state.next_id += 1
+    completion_id = f"chatcmpl-{digest}{state.next_id:08x}"
+
+    response: web.StreamResponse
+    stats.running_tokens += prompt_tokens + n
+    try:
+        if stream:
+            options = body.get("stream_options")
+            include_usage = isinstance(options, dict) and options.get("include_usage") is True
+            response = await _stream_answer(
+                request,
+                state,
+                completion_id=completion_id,
+                words=words,
+                finish_reason=finish_reason,
+                prompt_tokens=prompt_tokens,
+                include_usage=include_usage,
+                cut=fault == "malformed",
+            )
+        else:
+            await _sleep(config.latency + config.per_token * n)
+            if _client_gone(request):
+                stats.aborted += 1
+                return web.Response(status=499)
+            if fault == "malformed":
+                truncated = (
+                    f'{{"id": "{completion_id}", "object": "chat.completion", "choices": [{{'
+                )
+                return web.Response(status=200, body=truncated.encode(), content_type=_JSON)
+            answer = {
+                "id": completion_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": config.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": " ".join(words)},
+                        "finish_reason": finish_reason,
+                    }
+                ],
+                "usage": _usage(prompt_tokens, n),
+            }
+            response = web.Response(body=orjson.dumps(answer), content_type=_JSON)
+    finally:
+        stats.running_tokens -= prompt_tokens + n
+    if fault is None:
+        stats.record_completion(prompt_tokens, n, time.monotonic() - begun)
+    return response
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def _hang(request: web.Request, state: _State) -> web.StreamResponse:
+    """Never answer; return only once the client is gone or the server stops."""
+    while not _client_gone(request) and not state.closing.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.closing.wait(), timeout=0.1)
+    if _client_gone(request):
+        state.stats.aborted += 1
+    elif request.transport is not None:
+        # Stopping: drop the connection as a dying server would, never send an answer.
+        request.transport.abort()
+    return web.Response(status=499)
+
+
+async def _stream_answer(
+    request: web.Request,
+    state: _State,
+    *,
+    completion_id: str,
+    words: list[str],
+    finish_reason: str,
+    prompt_tokens: int,
+    include_usage: bool,
+    cut: bool,
+) -> web.StreamResponse:
+    config = state.config
+    created = int(time.time())
+
+    def chunk(delta: dict[str, str], finish: str | None) -> bytes:
+        payload = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": config.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    await _sleep(config.latency)
+    response = web.StreamResponse(
+        status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    await response.write(chunk({"role": "assistant", "content": ""}, None))
+    pieces = [words[i : i + _CHUNK_WORDS] for i in range(0, len(words), _CHUNK_WORDS)]
+    # A malformed stream stops after about half of its pieces, without finish_reason/[DONE].
+    sent_pieces = pieces[: max(1, len(pieces) // 2)] if cut else pieces
+    for i, piece in enumerate(sent_pieces):
+        await _sleep(config.per_token * len(piece))
+        text = " ".join(piece)
+        await response.write(chunk({"content": text if i == 0 else " " + text}, None))
+    if not cut:
+        await response.write(chunk({}, finish_reason))
+        if include_usage:
+            usage = {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": config.model,
+                "choices": [],
+                "usage": _usage(prompt_tokens, len(words)),
+            }
+            await response.write(b"data: " + orjson.dumps(usage) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[_STATE]
+    created = int(time.time() - state.uptime())
+    body = {
+        "object": "list",
+        "data": [
+            {"id": state.config.model, "object": "model", "created": created, "owned_by": "sim"}
+        ],
+    }
+    return web.Response(body=orjson.dumps(body), content_type=_JSON)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _metrics_text(state: _State) -> str:
+    stats = state.stats
+    labels = f'model_name="{_label(state.config.model)}"'
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: Iterable[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for sample_name, value in samples:
+            lines.append(f"{sample_name} {float(value)!r}")
+
+    def gauge(name: str, help_text: str, value: float) -> None:
+        metric(name, "gauge", help_text, [(f"{name}{{{labels}}}", value)])
+
+    def counter(name: str, help_text: str, value: float) -> None:
+        metric(name, "counter", help_text, [(f"{name}_total{{{labels}}}", value)])
+
+    gauge("sglang:num_running_reqs", "The number of running requests.", stats.running)
+    gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", 0)
+    gauge(
+        "sglang:token_usage",
+        "The token usage.",
+        min(1.0, stats.running_tokens / _KV_CAPACITY_TOKENS),
+    )
+    gauge(
+        "sglang:gen_throughput",
+        "The generation throughput (token/s).",
+        stats.throughput(state.uptime()),
+    )
+    gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", 0)
+    counter("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
+    counter(
+        "sglang:generation_tokens",
+        "Number of generation tokens processed.",
+        stats.generation_tokens,
+    )
+    counter("sglang:num_requests", "Number of requests processed.", stats.completed)
+    counter("sglang:num_aborted_requests", "Number of requests aborted.", stats.aborted)
+
+    name = "sglang:e2e_request_latency_seconds"
+    samples = [
+        (f'{name}_bucket{{{labels},le="{bound!r}"}}', count)
+        for bound, count in zip(_LATENCY_BUCKETS, stats.latency_buckets, strict=True)
+    ]
+    samples.append((f'{name}_bucket{{{labels},le="+Inf"}}', stats.completed))
+    samples.append((f"{name}_sum{{{labels}}}", stats.latency_sum))
+    samples.append((f"{name}_count{{{labels}}}", stats.completed))
+    metric(name, "histogram", "Histogram of End-to-end request latency in seconds", samples)
+    return "\n".join(lines) + "\n"
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    text = _metrics_text(request.app[_STATE])
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def _sim_stats(request: web.Request) -> web.Response:
+    state = request.app[_STATE]
+    body = {**state.stats.as_json(), "uptime": state.uptime(), "in_outage": state.in_outage()}
+    return web.Response(body=orjson.dumps(body), content_type=_JSON)
+
+
+def build_app(config: SimConfig) -> web.Application:
+    """The simulated server as an aiohttp application (outage clock starts at startup)."""
+    app = web.Application(middlewares=[_outage_middleware], client_max_size=64 * 1024**2)
+    state = _State(config)
+    app[_STATE] = state
+
+    async def on_startup(app: web.Application) -> None:
+        state.started = time.monotonic()
+
+    async def on_shutdown(app: web.Application) -> None:
+        # Release hanging requests so that shutdown does not wait for their clients.
+        state.closing.set()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/health_generate", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/sim/stats", _sim_stats)
+    return app
+
+
+async def serve(
+    config: SimConfig, host: str = "127.0.0.1", port: int = 0
+) -> tuple[web.AppRunner, int]:
+    """Start the server in the running loop; returns the runner (``await runner.cleanup()``
+    to stop) and the bound port, which matters when ``port`` is 0."""
+    runner = web.AppRunner(
+        build_app(config), access_log=None, handler_cancellation=True, shutdown_timeout=5.0
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, int(runner.addresses[0][1])
+
+
+def run_forever(config: SimConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+    """Serve until SIGINT/SIGTERM; announces the bound port on one stdout line."""
+
+    async def run() -> None:
+        runner, bound = await serve(config, host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            shown = f"[{host}]" if ":" in host else host
+            print(f"sim-server listening on http://{shown}:{bound}", flush=True)
+            await stop.wait()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line of ``python -m orchestrator.sim.server``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator.sim.server",
+        description="Simulated OpenAI-compatible inference server.",
+    )
+    defaults = SimConfig()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--latency", type=float, default=defaults.latency)
+    parser.add_argument("--per-token", type=float, default=defaults.per_token)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--mean-tokens", type=int, default=defaults.mean_tokens)
+    parser.add_argument("--retry-after", type=float, default=defaults.retry_after)
+    parser.add_argument(
+        "--fault", action="append", default=[], metavar="KIND=RATE", help="e.g. 500=0.05"
+    )
+    parser.add_argument(
+        "--outage", action="append", default=[], metavar="START:DURATION", help="e.g. 30:10"
+    )
+    args = parser.parse_args(argv)
+    try:
+        faults: dict[str, float] = {}
+        for spec in args.fault:
+            kind, rate = parse_fault(spec)
+            faults[kind] = rate
+        config = SimConfig(
+            model=args.model,
+            latency=args.latency,
+            per_token=args.per_token,
+            seed=args.seed,
+            mean_tokens=args.mean_tokens,
+            faults=faults,
+            outages=[parse_outage(spec) for spec in args.outage],
+            retry_after=args.retry_after,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    run_forever(config, args.host, args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Opening the database: URL resolution, SQLite pragmas, and the single-writer discipline.
+
+SQLite choices, and why:
+
+* ``journal_mode=WAL``: readers (``status``, ``export``) never block the writer.
+* ``synchronous=NORMAL`` by default: in WAL mode a commit survives a crash of the
+  process (kill -9) and of the OS kernel; only a power cut can lose the last few
+  commits, never corrupt the file. A lost commit means an item is generated again, not
+  a duplicate output. Set ``ORCHESTRATOR_SQLITE_SYNCHRONOUS=FULL`` to fsync every commit.
+* ``busy_timeout``: other processes' write transactions are waited for, not failed.
+* ``BEGIN IMMEDIATE`` for every write transaction: a deferred transaction that reads
+  then writes gets SQLITE_BUSY at once, which no timeout can save. The driver's own
+  BEGIN is switched off and the store emits its own.
+* One writer per process: an ``asyncio.Lock`` serialises write transactions, so the
+  process never competes with itself for the file lock; callers batch their rows.
+* ``journal_size_limit`` and periodic checkpoints keep the WAL file from growing over a
+  30-hour run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+import structlog
+from sqlalchemy import event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from orchestrator.errors import StorageError
+
+log = structlog.get_logger("orchestrator.store")
+
+DEFAULT_DB = "orchestrator.db"
+BUSY_TIMEOUT_MS = 30_000
+_LOCKED_RETRIES = 20
+
+
+def resolve_url(db: str | os.PathLike[str] | None) -> URL:
+    """Accept a plain path or an SQLAlchemy URL, and pick the async driver for it."""
+    text = os.fspath(db) if db is not None else os.environ.get("ORCHESTRATOR_DB") or DEFAULT_DB
+    if "://" not in text:
+        return URL.create("sqlite+aiosqlite", database=str(Path(text).expanduser()))
+    url = make_url(text)
+    if url.get_backend_name() == "sqlite":
+        return url.set(drivername="sqlite+aiosqlite")
+    if url.get_backend_name() == "postgresql":
+        return url.set(drivername="postgresql+asyncpg")
+    raise StorageError(f"unsupported database URL {url.render_as_string(hide_password=True)!r}")
+
+
+def describe(url: URL) -> str:
+    """A URL as it may be shown to users: no password."""
+    if url.get_backend_name() == "sqlite":
+        return str(url.database)
+    return url.render_as_string(hide_password=True)
+
+
+def storage_error(exc: BaseException, url: URL) -> StorageError:
+    """Turn a driver error into a message a user can act on."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip() or type(orig).__name__
+    where = describe(url)
+    hints = {
+        "file is not a database": "the file is not an orchestrator (SQLite) database",
+        "readonly database": "the database file is read-only (check its permissions)",
+        "database or disk is full": "the disk holding the database is full",
+        "unable to open database file": "cannot open the database file (missing directory"
+        " or no permission)",
+        "disk i/o error": "disk I/O error (is the disk full or failing?)",
+    }
+    for needle, hint in hints.items():
+        if needle in text.lower():
+            return StorageError(f"{where}: {hint} ({text})")
+    return StorageError(f"{where}: {text}")
+
+
+def _is_locked(exc: BaseException) -> bool:
+    orig = getattr(exc, "orig", exc)
+    return isinstance(orig, sqlite3.OperationalError) and "locked" in str(orig).lower()
+
+
+def _sqlite_synchronous() -> str:
+    value = os.environ.get("ORCHESTRATOR_SQLITE_SYNCHRONOUS", "NORMAL").upper()
+    if value not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
+        raise StorageError(f"ORCHESTRATOR_SQLITE_SYNCHRONOUS must be NORMAL or FULL, not {value!r}")
+    return value
+
+
+def _prepare_sqlite_file(path: str) -> None:
+    """Create the database file readable by its owner only, before SQLite creates it."""
+    if path in ("", ":memory:") or os.path.exists(path):
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise StorageError(f"{path}: directory {parent} does not exist")
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+
+
+class Database:
+    """An async engine plus the rules for using it: one writer, immediate transactions."""
+
+    def __init__(self, engine: AsyncEngine, url: URL):
+        self.engine = engine
+        self.url = url
+        self.is_sqlite = url.get_backend_name() == "sqlite"
+        self._write_lock = asyncio.Lock()
+
+    @property
+    def where(self) -> str:
+        return describe(self.url)
+
+    @contextlib.asynccontextmanager
+    async def write(self) -> AsyncIterator[AsyncConnection]:
+        """A write transaction: serialised in this process, BEGIN IMMEDIATE on SQLite.
+
+        A lock held by another process longer than ``busy_timeout`` is retried with
+        jittered backoff rather than surfacing "database is locked".
+        """
+        async with self._write_lock:
+            conn = await self._begin_write()
+            try:
+                yield conn
+                await conn.commit()
+            except DBAPIError as exc:
+                await _quiet_rollback(conn)
+                raise storage_error(exc, self.url) from exc
+            except BaseException:
+                await _quiet_rollback(conn)
+                raise
+            finally:
+                await conn.close()
+
+    async def _begin_write(self) -> AsyncConnection:
+        for attempt in range(_LOCKED_RETRIES):
+            conn = await self._connect()
+            try:
+                await conn.begin()
+                return conn
+            except OperationalError as exc:
+                await conn.close()
+                if not (self.is_sqlite and _is_locked(exc)) or attempt == _LOCKED_RETRIES - 1:
+                    raise storage_error(exc, self.url) from exc
+                log.warning("db_locked_retry", attempt=attempt + 1)
+                await asyncio.sleep(random.uniform(0.05, 0.5))
+            except DBAPIError as exc:
+                await conn.close()
+                raise storage_error(exc, self.url) from exc
+        raise AssertionError("unreachable")
+
+    async def _connect(self) -> AsyncConnection:
+        try:
+            return await self.engine.connect()
+        except DBAPIError as exc:
+            raise storage_error(exc, self.url) from exc
+
+    @contextlib.asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        """A read-only snapshot (deferred BEGIN on SQLite, so it never takes the write lock)."""
+        try:
+            async with self._reader.connect() as conn, conn.begin():
+                yield conn
+        except DBAPIError as exc:
+            raise storage_error(exc, self.url) from exc
+
+    @property
+    def _reader(self) -> AsyncEngine:
+        return self.engine.execution_options(sqlite_begin="DEFERRED")
+
+    async def checkpoint(self, mode: str = "PASSIVE") -> None:
+        """Fold the WAL back into the database file so that it stops growing."""
+        if not self.is_sqlite:
+            return
+        async with self._write_lock, self.engine.connect() as conn:
+            await conn.exec_driver_sql(f"PRAGMA wal_checkpoint({mode})")
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+
+async def _quiet_rollback(conn: AsyncConnection) -> None:
+    with contextlib.suppress(Exception):
+        await conn.rollback()
+
+
+def create_database(db: str | os.PathLike[str] | URL | None = None) -> Database:
+    url = db if isinstance(db, URL) else resolve_url(db)
+    kwargs: dict[str, Any] = {}
+    if url.get_backend_name() == "sqlite":
+        _prepare_sqlite_file(str(url.database or ""))
+        kwargs["connect_args"] = {"timeout": BUSY_TIMEOUT_MS / 1000}
+    engine = create_async_engine(url, **kwargs)
+    if url.get_backend_name() == "sqlite":
+        _install_sqlite_hooks(engine)
+    return Database(engine, url)
+
+
+def _install_sqlite_hooks(engine: AsyncEngine) -> None:
+    synchronous = _sqlite_synchronous()
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Take transaction control away from the driver; _on_begin emits our own BEGIN.
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        for pragma in (
+            f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}",
+            "PRAGMA journal_mode = WAL",
+            f"PRAGMA synchronous = {synchronous}",
+            "PRAGMA foreign_keys = ON",
+            "PRAGMA journal_size_limit = 67108864",
+            "PRAGMA temp_store = MEMORY",
+            "PRAGMA cache_size = -65536",
+        ):
+            cursor.execute(pragma)
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        mode = conn.get_execution_options().get("sqlite_begin", "IMMEDIATE")
+        conn.exec_driver_sql(f"BEGIN {mode}")

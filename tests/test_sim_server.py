@@ -1,0 +1,593 @@
+"""The simulated inference server, exercised over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from orchestrator.sim import (
+    SimConfig,
+    answer_matches,
+    parse_fault,
+    parse_outage,
+    request_digest,
+    serve,
+    write_sample,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Explain black holes in three sentences."},
+]
+
+StartSim = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def start_sim() -> AsyncIterator[StartSim]:
+    """Starts servers on free ports and stops them after the test."""
+    runners = []
+
+    async def start(**options: Any) -> str:
+        runner, port = await serve(SimConfig(**options), "127.0.0.1", 0)
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def no_error_logs(caplog: pytest.LogCaptureFixture) -> Any:
+    """Faults and vanished clients must not make the server log errors or tracebacks."""
+    caplog.set_level(logging.WARNING)
+    yield
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+async def chat(
+    session: aiohttp.ClientSession, base: str, messages: list[Any] = MESSAGES, **extra: Any
+) -> tuple[int, dict[str, Any]]:
+    async with session.post(
+        f"{base}/v1/chat/completions", json={"messages": messages, **extra}
+    ) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def stream_events(
+    session: aiohttp.ClientSession, base: str, **extra: Any
+) -> tuple[str, list[str]]:
+    body = {"messages": MESSAGES, "stream": True, **extra}
+    async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+        content_type = resp.headers["Content-Type"]
+    assert raw.endswith("\n\n")
+    events = [block for block in raw.split("\n\n") if block]
+    assert all(event.startswith("data: ") for event in events)
+    return content_type, [event.removeprefix("data: ") for event in events]
+
+
+async def stats(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    async with session.get(f"{base}/sim/stats") as resp:
+        assert resp.status == 200
+        return await resp.json()
+
+
+async def wait_for_stats(
+    session: aiohttp.ClientSession, base: str, check: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    for _ in range(100):
+        current = await stats(session, base)
+        if check(current):
+            return current
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"stats never matched: {current}")
+
+
+async def test_answer_shape_and_provenance(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(mean_tokens=20)
+    status, body = await chat(session, base, model="sim-model")
+    assert status == 200
+    assert body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    assert isinstance(body["created"], int)
+    assert body["model"] == "sim-model"
+    [choice] = body["choices"]
+    assert choice["index"] == 0
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["role"] == "assistant"
+    content = choice["message"]["content"]
+    words = content.split()
+    assert words[0] == f"[sim:{request_digest(MESSAGES)}]"
+    assert 10 <= len(words) <= 30
+    assert body["usage"] == {
+        "prompt_tokens": 9,
+        "completion_tokens": len(words),
+        "total_tokens": 9 + len(words),
+    }
+    assert answer_matches(MESSAGES, content)
+    reordered = [{"content": m["content"], "role": m["role"]} for m in MESSAGES]
+    assert answer_matches(reordered, content)
+    assert not answer_matches([{"role": "user", "content": "something else"}], content)
+    assert not answer_matches(MESSAGES, None)
+    assert not answer_matches(MESSAGES, "")
+
+
+def test_request_digest_format():
+    digest = request_digest(MESSAGES)
+    assert re.fullmatch(r"[0-9a-f]{16}", digest)
+    assert digest != request_digest(MESSAGES[1:])
+
+
+async def test_answers_are_deterministic(start_sim: StartSim, session: aiohttp.ClientSession):
+    first, again, other_seed = (
+        await start_sim(seed=7),
+        await start_sim(seed=7),
+        await start_sim(seed=8),
+    )
+    _, a = await chat(session, first)
+    _, b = await chat(session, first)
+    _, c = await chat(session, again)
+    _, d = await chat(session, other_seed)
+    content = a["choices"][0]["message"]["content"]
+    assert b["choices"][0]["message"]["content"] == content
+    assert c["choices"][0]["message"]["content"] == content
+    other = d["choices"][0]["message"]["content"]
+    assert other != content
+    assert answer_matches(MESSAGES, other)
+    assert len(other.split()) == len(content.split())
+
+    lengths = set()
+    for i in range(30):
+        _, body = await chat(session, first, [{"role": "user", "content": f"prompt {i}"}])
+        lengths.add(body["usage"]["completion_tokens"])
+    assert len(lengths) > 5
+    assert all(32 <= n <= 96 for n in lengths)
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+async def test_max_tokens_cuts_the_answer(
+    start_sim: StartSim, session: aiohttp.ClientSession, key: str
+):
+    base = await start_sim()
+    _, full = await chat(session, base)
+    full_words = full["choices"][0]["message"]["content"].split()
+
+    _, cut = await chat(session, base, **{key: 5})
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"].split() == full_words[:5]
+    assert cut["usage"]["completion_tokens"] == 5
+
+    _, roomy = await chat(session, base, **{key: len(full_words) + 10})
+    assert roomy["choices"][0]["finish_reason"] == "stop"
+    assert roomy["usage"]["completion_tokens"] == len(full_words)
+
+
+async def test_streaming_matches_non_streaming(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(mean_tokens=30)
+    _, plain = await chat(session, base)
+    content_type, events = await stream_events(
+        session, base, stream_options={"include_usage": True}
+    )
+    assert content_type.startswith("text/event-stream")
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == plain["usage"]
+    finish_chunk = chunks[-2]
+    assert finish_chunk["choices"][0]["finish_reason"] == "stop"
+    deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]]
+    assert len([d for d in deltas if d]) > 3
+    assert "".join(deltas) == plain["choices"][0]["message"]["content"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+
+    _, events = await stream_events(session, base, max_tokens=6)
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert events[-1] == "[DONE]"
+    assert all(c["choices"] for c in chunks), "usage chunk sent without include_usage"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert len(text.split()) == 6
+    assert answer_matches(MESSAGES, text)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"[1, 2]",
+        b"{}",
+        b'{"messages": []}',
+        b'{"messages": "hello"}',
+        b'{"messages": ["hello"]}',
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "7"}',
+    ],
+)
+async def test_bad_bodies_get_400(start_sim: StartSim, session: aiohttp.ClientSession, raw: bytes):
+    base = await start_sim()
+    async with session.post(
+        f"{base}/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}
+    ) as resp:
+        assert resp.status == 400
+        body = await resp.json()
+    assert body["object"] == "error"
+    assert body["type"] == "BadRequestError"
+    assert body["code"] == 400
+    assert body["message"]
+    current = await stats(session, base)
+    assert current["invalid"] == 1
+    assert current["completed"] == 0
+
+
+async def test_wrong_model_gets_404(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(model="served")
+    status, body = await chat(session, base, model="other")
+    assert status == 404
+    assert body["object"] == "error"
+    assert body["code"] == 404
+    assert body["message"] == "The model `other` does not exist."
+    status, body = await chat(session, base, model="served")
+    assert status == 200
+    assert body["model"] == "served"
+
+
+async def test_health_and_models(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(model="m-1")
+    for path in ("/health", "/health_generate"):
+        async with session.get(base + path) as resp:
+            assert resp.status == 200
+    async with session.get(f"{base}/v1/models") as resp:
+        assert resp.status == 200
+        body = await resp.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["m-1"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "error_type"),
+    [
+        ("500", 500, "InternalServerError"),
+        ("503", 503, "ServiceUnavailableError"),
+        ("429", 429, "RateLimitError"),
+        ("400", 400, "BadRequestError"),
+    ],
+)
+async def test_status_faults(
+    start_sim: StartSim, session: aiohttp.ClientSession, kind: str, status: int, error_type: str
+):
+    base = await start_sim(faults={kind: 1.0}, retry_after=2.5)
+    for stream in (False, True):
+        async with session.post(
+            f"{base}/v1/chat/completions", json={"messages": MESSAGES, "stream": stream}
+        ) as resp:
+            assert resp.status == status
+            body = await resp.json()
+            retry_after = resp.headers.get("Retry-After")
+        assert body["object"] == "error"
+        assert body["type"] == error_type
+        assert retry_after == ("2.5" if kind == "429" else None)
+    current = await stats(session, base)
+    assert current["faults"][kind] == 2
+    assert current["completed"] == 0
+
+
+async def test_reset_fault_drops_the_connection(
+    start_sim: StartSim, session: aiohttp.ClientSession
+):
+    base = await start_sim(faults={"reset": 1.0})
+    with pytest.raises((aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
+        await chat(session, base)
+    current = await stats(session, base)
+    assert current["faults"]["reset"] == 1
+    assert current["completed"] == 0
+
+
+async def test_hang_fault_never_answers(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(faults={"hang": 1.0})
+    timeout = aiohttp.ClientTimeout(total=0.3)
+    with pytest.raises(asyncio.TimeoutError):
+        async with session.post(
+            f"{base}/v1/chat/completions", json={"messages": MESSAGES}, timeout=timeout
+        ) as resp:
+            await resp.read()
+    current = await wait_for_stats(session, base, lambda s: s["aborted"] == 1)
+    assert current["running"] == 0
+    assert current["faults"]["hang"] == 1
+
+
+async def test_hanging_request_does_not_block_shutdown(session: aiohttp.ClientSession):
+    runner, port = await serve(SimConfig(faults={"hang": 1.0}), "127.0.0.1", 0)
+    pending = asyncio.create_task(
+        session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": MESSAGES})
+    )
+    await asyncio.sleep(0.1)
+    await asyncio.wait_for(runner.cleanup(), timeout=3)
+    with pytest.raises(aiohttp.ClientError):
+        resp = await pending
+        await resp.read()
+
+
+async def test_malformed_fault(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(faults={"malformed": 1.0})
+    async with session.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES}) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("application/json")
+        raw = await resp.read()
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(raw)
+
+    async with session.post(
+        f"{base}/v1/chat/completions", json={"messages": MESSAGES, "stream": True}
+    ) as resp:
+        assert resp.status == 200
+        text = (await resp.read()).decode()
+    assert "[DONE]" not in text
+    assert '"finish_reason":"stop"' not in text
+    assert '"content":"[sim:' in text
+    current = await stats(session, base)
+    assert current["faults"]["malformed"] == 2
+    assert current["completed"] == 0
+
+
+async def test_fault_rates_mix_and_retries_can_succeed(
+    start_sim: StartSim, session: aiohttp.ClientSession
+):
+    base = await start_sim(faults={"500": 0.3, "429": 0.2}, seed=3)
+    statuses = [(await chat(session, base))[0] for _ in range(300)]
+    assert set(statuses) == {200, 429, 500}
+    assert 50 <= statuses.count(500) <= 130
+    assert 30 <= statuses.count(429) <= 100
+    current = await stats(session, base)
+    assert current["faults"]["500"] == statuses.count(500)
+    assert current["faults"]["429"] == statuses.count(429)
+    assert current["completed"] == statuses.count(200)
+    assert current["chat_requests"] == 300
+
+    # The draws come from one seeded stream: a second server with the same seed repeats them.
+    twin = await start_sim(faults={"500": 0.3, "429": 0.2}, seed=3)
+    assert [(await chat(session, twin))[0] for _ in range(50)] == statuses[:50]
+
+
+async def test_outage_window(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(outages=[(0.0, 0.5)])
+    async with session.get(f"{base}/health") as resp:
+        assert resp.status == 503
+        body = await resp.json()
+    assert body["object"] == "error"
+    assert body["message"] == "server unavailable (simulated outage)"
+    status, _ = await chat(session, base)
+    assert status == 503
+    await asyncio.sleep(0.6)
+    async with session.get(f"{base}/health") as resp:
+        assert resp.status == 200
+    status, _ = await chat(session, base)
+    assert status == 200
+    current = await stats(session, base)
+    assert current["outage_rejected"] == 2
+    assert current["completed"] == 1
+
+
+def metric_value(text: str, sample: str) -> float:
+    match = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{sample} missing from /metrics"
+    return float(match.group(1))
+
+
+async def test_metrics(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(model="m")
+    generated = 0
+    for i in range(3):
+        _, body = await chat(session, base, [{"role": "user", "content": f"q {i}"}])
+        generated += body["usage"]["completion_tokens"]
+    async with session.get(f"{base}/metrics") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = await resp.text()
+    label = '{model_name="m"}'
+    for gauge in (
+        "num_running_reqs",
+        "num_queue_reqs",
+        "token_usage",
+        "gen_throughput",
+        "cache_hit_rate",
+    ):
+        assert f"# TYPE sglang:{gauge} gauge" in text
+        metric_value(text, f"sglang:{gauge}{label}")
+    for counter in ("prompt_tokens", "generation_tokens", "num_requests", "num_aborted_requests"):
+        assert f"# TYPE sglang:{counter} counter" in text
+    assert metric_value(text, f"sglang:num_requests_total{label}") == 3
+    assert metric_value(text, f"sglang:prompt_tokens_total{label}") == 6
+    assert metric_value(text, f"sglang:generation_tokens_total{label}") == generated
+    assert metric_value(text, f"sglang:num_aborted_requests_total{label}") == 0
+    assert metric_value(text, f"sglang:gen_throughput{label}") > 0
+    assert "# TYPE sglang:e2e_request_latency_seconds histogram" in text
+    hist = "sglang:e2e_request_latency_seconds"
+    assert metric_value(text, f'{hist}_bucket{{model_name="m",le="+Inf"}}') == 3
+    assert metric_value(text, f"{hist}_count{label}") == 3
+    assert metric_value(text, f"{hist}_sum{label}") >= 0
+
+
+async def test_client_leaving_mid_stream_counts_as_aborted(
+    start_sim: StartSim, session: aiohttp.ClientSession
+):
+    base = await start_sim(per_token=0.02, mean_tokens=100)
+    async with session.post(
+        f"{base}/v1/chat/completions", json={"messages": MESSAGES, "stream": True}
+    ) as resp:
+        assert resp.status == 200
+        await resp.content.readline()
+        running = await stats(session, base)
+        assert running["running"] == 1
+        resp.close()
+    current = await wait_for_stats(session, base, lambda s: s["aborted"] == 1)
+    assert current["running"] == 0
+    assert current["completed"] == 0
+    async with session.get(f"{base}/metrics") as resp:
+        text = await resp.text()
+    assert metric_value(text, 'sglang:num_aborted_requests_total{model_name="sim-model"}') == 1
+
+
+async def test_client_leaving_during_latency_counts_as_aborted(
+    start_sim: StartSim, session: aiohttp.ClientSession
+):
+    base = await start_sim(latency=5.0)
+    with pytest.raises(asyncio.TimeoutError):
+        await session.post(
+            f"{base}/v1/chat/completions",
+            json={"messages": MESSAGES},
+            timeout=aiohttp.ClientTimeout(total=0.2),
+        )
+    current = await wait_for_stats(session, base, lambda s: s["aborted"] == 1)
+    assert current["running"] == 0
+
+
+async def test_latency_is_applied(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(latency=0.1, per_token=0.005, mean_tokens=20)
+    loop = asyncio.get_running_loop()
+    begun = loop.time()
+    _, body = await chat(session, base)
+    elapsed = loop.time() - begun
+    assert elapsed >= 0.1 + 0.005 * body["usage"]["completion_tokens"] - 0.01
+
+
+def test_parse_specs():
+    assert parse_fault("500=0.05") == ("500", 0.05)
+    assert parse_fault("reset=1") == ("reset", 1.0)
+    assert parse_fault("malformed=0") == ("malformed", 0.0)
+    for bad in ("500", "boom=0.1", "500=x", "500=1.5", "=0.1", "429=-0.1"):
+        with pytest.raises(ValueError, match="fault spec"):
+            parse_fault(bad)
+    assert parse_outage("30:10") == (30.0, 10.0)
+    assert parse_outage("0.5:0.25") == (0.5, 0.25)
+    for bad in ("30", "a:b", "-1:5", "5:0", "5:-2"):
+        with pytest.raises(ValueError, match="outage spec"):
+            parse_outage(bad)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"faults": {"teapot": 0.1}},
+        {"faults": {"500": 1.2}},
+        {"faults": {"500": 0.6, "reset": 0.6}},
+        {"mean_tokens": 0},
+        {"latency": -1.0},
+        {"outages": [(1.0, 0.0)]},
+    ],
+)
+def test_config_validation(options: dict[str, Any]):
+    with pytest.raises(ValueError):
+        SimConfig(**options)
+
+
+async def test_run_forever_announces_port_and_stops_on_sigterm():
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "orchestrator.sim.server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--model",
+        "cli-model",
+        "--fault",
+        "500=0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=10)).decode()
+        match = re.fullmatch(r"sim-server listening on http://127\.0\.0\.1:(\d+)\n", line)
+        assert match, line
+        base = f"http://127.0.0.1:{match.group(1)}"
+        async with aiohttp.ClientSession() as client:
+            async with client.get(f"{base}/health") as resp:
+                assert resp.status == 200
+            status, body = await chat(client, base, model="cli-model")
+            assert status == 200
+            assert answer_matches(MESSAGES, body["choices"][0]["message"]["content"])
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout=10)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0
+    assert stdout == b""
+    assert stderr == b""
+
+
+async def test_cli_rejects_bad_fault_spec():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "orchestrator.sim.server",
+        "--fault",
+        "boom=1",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout=10)
+    assert proc.returncode == 2
+    assert b"unknown kind 'boom'" in stderr
+    assert stdout == b""
+
+
+def test_write_sample(tmp_path: Path):
+    path = tmp_path / "sample.jsonl"
+    assert write_sample(path, n=500, seed=1) == 500
+    lines = path.read_bytes().splitlines()
+    assert len(lines) == 500
+    records = [json.loads(line) for line in lines]
+    ids = [r["id"] for r in records]
+    assert len(set(ids)) == 500
+    assert ids[0] == "sample-000001"
+    shapes = {tuple(m["role"] for m in r["messages"]) for r in records}
+    assert shapes == {("user",), ("system", "user"), ("user", "assistant", "user")}
+    for record in records:
+        assert all(isinstance(m["content"], str) and m["content"] for m in record["messages"])
+    assert len({r["messages"][-1]["content"] for r in records}) > 200
+
+    again = tmp_path / "again.jsonl"
+    write_sample(again, n=500, seed=1)
+    assert again.read_bytes() == path.read_bytes()
+    other = tmp_path / "other.jsonl"
+    write_sample(other, n=500, seed=2)
+    assert other.read_bytes() != path.read_bytes()
+    assert write_sample(tmp_path / "empty.jsonl", n=0) == 0
+    assert (tmp_path / "empty.jsonl").read_bytes() == b""
