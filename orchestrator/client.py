@@ -191,6 +191,7 @@ class InferenceClient:
                 sock_read=self.config.stream_idle_timeout,
             )
         else:
+            body.pop("stream_options", None)
             timeout = aiohttp.ClientTimeout(
                 total=self.config.request_timeout, connect=self.config.connect_timeout
             )

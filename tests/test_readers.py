@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from orchestrator.errors import InputError
-from orchestrator.formats import FORMATS, Record, iter_records
+from orchestrator.formats import FORMATS, Record, iter_records, readers
 
 USER = {"role": "user", "content": "hi"}
 
@@ -64,6 +64,10 @@ def canonical_digest(request: dict[str, Any]) -> str:
 
 def test_formats_constant() -> None:
     assert FORMATS == ("messages", "sharegpt", "prompt", "openai-batch")
+
+
+def test_request_fields_all_checked() -> None:
+    assert set(readers.REQUEST_FIELDS) == set(readers._FIELD_CHECKS)
 
 
 def test_messages_format_keeps_request_fields_only(tmp_path: Path) -> None:
@@ -557,6 +561,20 @@ def test_unreadable_file(tmp_path: Path) -> None:
             list(iter_records(path))
     finally:
         path.chmod(0o600)
+
+
+def test_open_failure_is_a_file_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root ignores file modes, so simulate the refusal where the reader opens the file.
+    path = write_lines(tmp_path / "in.jsonl", {"prompt": "a"})
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(readers, "open", refuse, raising=False)
+    with pytest.raises(InputError) as info:
+        list(iter_records(path, on_invalid=lambda e: None))
+    assert str(info.value) == f"{path}: permission denied"
+    assert info.value.line is None
 
 
 def test_str_path_accepted(tmp_path: Path) -> None:

@@ -1,0 +1,231 @@
+"""The state machine, transition by transition, on a real SQLite file."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from orchestrator.formats import iter_records
+from orchestrator.store import Database, DatasetSpec, Failure, Lease, Output, Queue, enqueue
+from orchestrator.store.schema import attempt_errors, items, outputs
+from tests.conftest import prompts, write_jsonl
+
+
+def answer(text: str = "hello") -> Output:
+    return Output(
+        message={"role": "assistant", "content": text},
+        content=text,
+        reasoning=None,
+        finish_reason="stop",
+        usage={"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        latency=0.1,
+        server="http://sim",
+        model="sim-model",
+        response_id="r1",
+    )
+
+
+async def load(
+    database: Database, tmp_path: Path, n: int, name: str = "ds", **spec: object
+) -> None:
+    path = write_jsonl(tmp_path / f"{name}.jsonl", prompts(n, prefix=name))
+    await enqueue(database, DatasetSpec(name, **spec), iter_records(path), path=str(path))  # type: ignore[arg-type]
+
+
+async def rows(database: Database) -> dict[str, dict]:
+    async with database.read() as conn:
+        result = await conn.execute(sa.select(items))
+        return {r.key: r._asdict() for r in result}
+
+
+async def output_count(database: Database) -> int:
+    async with database.read() as conn:
+        return (await conn.execute(sa.select(sa.func.count()).select_from(outputs))).scalar_one()
+
+
+async def test_claim_counts_attempt_and_leases(database: Database, tmp_path: Path) -> None:
+    await load(database, tmp_path, 5)
+    queue = Queue(database)
+    leases = await queue.claim("w1", 3, lease_seconds=60)
+    assert [lease.key for lease in leases] == ["ds000000", "ds000001", "ds000002"]
+    state = await rows(database)
+    for lease in leases:
+        row = state[lease.key]
+        assert row["state"] == "running"
+        assert row["attempts"] == 1 == lease.attempt
+        assert row["lease_token"] == lease.token
+        assert row["lease_owner"] == "w1"
+    assert state["ds000003"]["state"] == "pending"
+    # The rest, then nothing.
+    assert len(await queue.claim("w2", 10, lease_seconds=60)) == 2
+    assert await queue.claim("w2", 10, lease_seconds=60) == []
+
+
+async def test_complete_writes_output_in_same_transition(
+    database: Database, tmp_path: Path
+) -> None:
+    await load(database, tmp_path, 2)
+    queue = Queue(database)
+    lease, other = await queue.claim("w1", 2, lease_seconds=60)
+    accepted = await queue.complete([(lease, answer("first"))])
+    assert accepted == {lease.item_id}
+    state = await rows(database)
+    assert state[lease.key]["state"] == "done"
+    assert state[lease.key]["lease_token"] is None
+    assert state[other.key]["state"] == "running"
+    assert await output_count(database) == 1
+    # A second completion under the same (now spent) lease is rejected, and writes nothing.
+    assert await queue.complete([(lease, answer("again"))]) == set()
+    assert await output_count(database) == 1
+
+
+async def test_late_completion_after_takeover_is_fenced(database: Database, tmp_path: Path) -> None:
+    await load(database, tmp_path, 1)
+    queue = Queue(database)
+    [slow] = await queue.claim("slow-worker", 1, lease_seconds=5, now=time.time() - 10)
+    # The lease expired; the reaper gives the item back and another worker takes it.
+    assert await queue.reap(max_attempts=5) == 1
+    [fast] = await queue.claim("fast-worker", 1, lease_seconds=60)
+    assert fast.item_id == slow.item_id and fast.token != slow.token and fast.attempt == 2
+    # The slow worker wakes up: its renew, retry, fail and complete all change nothing.
+    assert await queue.renew([(slow.item_id, slow.token)], lease_seconds=60) == set()
+    assert await queue.retry([(slow, Failure("timeout", "late"), 0.0)]) == set()
+    assert await queue.fail([(slow, Failure("timeout", "late"))]) == set()
+    assert await queue.complete([(slow, answer("stale"))]) == set()
+    assert await output_count(database) == 0
+    state = (await rows(database))["ds000000"]
+    assert state["state"] == "running" and state["lease_owner"] == "fast-worker"
+    # The current holder completes normally; exactly one output, from the holder.
+    assert await queue.complete([(fast, answer("fresh"))]) == {fast.item_id}
+    async with database.read() as conn:
+        contents = (await conn.execute(sa.select(outputs.c.content))).scalars().all()
+    assert contents == ["fresh"]
+
+
+async def test_renew_extends_only_held_leases(database: Database, tmp_path: Path) -> None:
+    await load(database, tmp_path, 2)
+    queue = Queue(database)
+    a, b = await queue.claim("w1", 2, lease_seconds=10)
+    forged = Lease(b.item_id, "not-the-token", b.dataset_id, b.key, b.request, 1, 0)
+    kept = await queue.renew(
+        [(a.item_id, a.token), (forged.item_id, forged.token)], lease_seconds=600
+    )
+    assert kept == {a.item_id}
+    state = await rows(database)
+    assert state[a.key]["lease_expires_at"] > time.time() + 500
+    assert state[b.key]["lease_expires_at"] < time.time() + 20
+
+
+async def test_retry_sets_backoff_and_keeps_attempt(database: Database, tmp_path: Path) -> None:
+    await load(database, tmp_path, 1)
+    queue = Queue(database)
+    [lease] = await queue.claim("w1", 1, lease_seconds=60)
+    later = time.time() + 30
+    assert await queue.retry([(lease, Failure("http_500", "HTTP 500: boom"), later)]) == {
+        lease.item_id
+    }
+    row = (await rows(database))["ds000000"]
+    assert (row["state"], row["attempts"], row["error_class"]) == ("pending", 1, "http_500")
+    assert row["not_before"] == later and row["lease_token"] is None
+    # Not claimable before not_before, claimable after.
+    assert await queue.claim("w1", 1, lease_seconds=60) == []
+    [again] = await queue.claim("w1", 1, lease_seconds=60, now=later + 1)
+    assert again.attempt == 2
+
+
+async def test_release_gives_the_attempt_back(database: Database, tmp_path: Path) -> None:
+    await load(database, tmp_path, 1)
+    queue = Queue(database)
+    [lease] = await queue.claim("w1", 1, lease_seconds=60)
+    await queue.release([(lease, Failure("connect", "refused"), 0.0)])
+    row = (await rows(database))["ds000000"]
+    assert (row["state"], row["attempts"]) == ("pending", 0)
+    async with database.read() as conn:
+        logged = (await conn.execute(sa.select(attempt_errors.c.outcome))).scalars().all()
+    assert logged == ["released"]
+
+
+async def test_fail_keeps_reason(database: Database, tmp_path: Path) -> None:
+    await load(database, tmp_path, 1)
+    queue = Queue(database)
+    [lease] = await queue.claim("w1", 1, lease_seconds=60)
+    await queue.fail([(lease, Failure("http_400", "HTTP 400: context too long"))])
+    row = (await rows(database))["ds000000"]
+    assert row["state"] == "failed"
+    assert row["error_class"] == "http_400"
+    assert row["last_error"] == "HTTP 400: context too long"
+    assert row["finished_at"] is not None
+
+
+async def test_reap_fails_items_whose_attempts_are_spent(
+    database: Database, tmp_path: Path
+) -> None:
+    await load(database, tmp_path, 2)
+    queue = Queue(database)
+    past = time.time() - 100
+    for _ in range(3):
+        await queue.claim("crashy", 2, lease_seconds=1, now=past)
+        await queue.reap(max_attempts=3)
+    state = await rows(database)
+    assert {r["state"] for r in state.values()} == {"failed"}
+    assert all(r["error_class"] == "lease_lost" and r["attempts"] == 3 for r in state.values())
+
+
+async def test_reap_dead_owner_without_waiting_for_expiry(
+    database: Database, tmp_path: Path
+) -> None:
+    await load(database, tmp_path, 3)
+    queue = Queue(database)
+    await queue.claim("dead", 2, lease_seconds=3600)
+    await queue.claim("alive", 1, lease_seconds=3600)
+    assert await queue.reap(max_attempts=5, dead_owners=["dead"]) == 2
+    state = await rows(database)
+    assert sorted(r["state"] for r in state.values()) == ["pending", "pending", "running"]
+
+
+async def test_dataset_concurrency_priority_and_pause(database: Database, tmp_path: Path) -> None:
+    from orchestrator.store import set_paused
+
+    await load(database, tmp_path, 10, name="low", priority=0)
+    await load(database, tmp_path, 10, name="high", priority=5, concurrency=3)
+    queue = Queue(database)
+    first = await queue.claim("w1", 5, lease_seconds=60)
+    # Higher priority first, but never more than its concurrency running at once...
+    assert [lease.key[:4] for lease in first] == ["high"] * 3 + ["low0"] * 2
+    # ...across workers too.
+    second = await queue.claim("w2", 5, lease_seconds=60)
+    assert all(lease.key.startswith("low") for lease in second)
+    assert await set_paused(database, "low", True)
+    assert await queue.claim("w3", 5, lease_seconds=60) == []
+    assert await queue.remaining() == 10  # only "high" counts while "low" is paused
+    await set_paused(database, "low", False)
+    assert len(await queue.claim("w3", 5, lease_seconds=60, dataset_names=["low"])) == 3
+
+
+async def test_requeue_failed_and_done(database: Database, tmp_path: Path) -> None:
+    await load(database, tmp_path, 3)
+    queue = Queue(database)
+    a, b, c = await queue.claim("w1", 3, lease_seconds=60)
+    await queue.fail([(a, Failure("http_400", "bad")), (b, Failure("timeout", "slow"))])
+    await queue.complete([(c, answer())])
+    assert await queue.requeue(error_class="timeout") == 1
+    state = await rows(database)
+    assert state[b.key]["state"] == "pending" and state[b.key]["attempts"] == 0
+    assert state[a.key]["state"] == "failed"
+    assert await queue.requeue(state="done") == 1
+    assert await output_count(database) == 0
+    assert (await rows(database))[c.key]["state"] == "pending"
+
+
+async def test_running_row_always_has_a_lease(database: Database, tmp_path: Path) -> None:
+    """The schema itself refuses a running row without a fence token."""
+    import pytest
+
+    from orchestrator.errors import StorageError
+
+    await load(database, tmp_path, 1)
+    with pytest.raises(StorageError, match="CHECK constraint"):
+        async with database.write() as conn:
+            await conn.execute(items.update().values(state="running", lease_token=None))
