@@ -578,11 +578,20 @@ def sim_server(
 )
 @click.option("--items", type=click.IntRange(min=1), default=10_000, show_default=True)
 @click.option("--concurrency", type=click.IntRange(min=1), default=64, show_default=True)
-def demo(workdir: Path, items: int, concurrency: int) -> None:
+@click.pass_context
+def demo(ctx: click.Context, workdir: Path, items: int, concurrency: int) -> None:
     """Simulate a whole run: server, enqueue, run with live progress, export.
 
     Interrupt it with Ctrl-C and start it again: it resumes where it stopped.
     """
     from orchestrator.demo import run_demo
+
+    parent = ctx.parent
+    if parent is not None and parent.get_parameter_source("log_level") in (
+        click.core.ParameterSource.DEFAULT,
+        None,
+    ):
+        # The progress line is the show here; only warnings interrupt it.
+        logs.configure("warning", json=parent.params.get("log_json"))
 
     run_async(run_demo(workdir, items=items, concurrency=concurrency))

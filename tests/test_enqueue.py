@@ -150,7 +150,7 @@ def test_bom_and_crlf_are_accepted(tmp_path: Path) -> None:
     path.write_bytes(
         b'\xef\xbb\xbf{"messages": [{"role": "user", "content": "a"}]}\r\n{"prompt": "b"}\r\n'
     )
-    code, out, err = invoke("enqueue", str(path), "-d", "d", "--db", str(db))
+    code, _, err = invoke("enqueue", str(path), "-d", "d", "--db", str(db))
     assert code == 0, err
     assert count_items(db) == 2
 
