@@ -273,6 +273,13 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 )
 @click.option("--max-attempts", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option(
+    "--retry-backoff",
+    type=click.FloatRange(min=0.01),
+    default=2.0,
+    show_default=True,
+    help="First retry delay in seconds; doubles per attempt (±25 %), capped at 300.",
+)
+@click.option(
     "--grace",
     type=click.FloatRange(min=0),
     default=30.0,
@@ -302,6 +309,7 @@ def run(
     request_timeout: float,
     lease_seconds: float,
     max_attempts: int,
+    retry_backoff: float,
     grace: float,
     stream: bool,
     stream_idle_timeout: float,

@@ -44,6 +44,9 @@ from orchestrator.store import workers as worker_rows
 
 log = structlog.get_logger("orchestrator.worker")
 
+# Failures that may mean the server itself died mid-request; /health tells.
+_MAYBE_DOWN = frozenset({"disconnect", "timeout", "stream_idle"})
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -66,7 +69,7 @@ class WorkerConfig:
     backoff_cap: float = 300.0
     poll_interval: float = 0.5
     probe_min: float = 0.5
-    probe_max: float = 10.0
+    probe_max: float = 5.0
     checkpoint_every: float = 60.0
     progress_every: float = 30.0
 
@@ -237,9 +240,21 @@ class Committer:
             try:
                 await self._write(batch)
                 delay = 0.5
-            except StorageError as exc:
-                log.error("commit_failed", error=str(exc), batch=len(batch), retry_in_s=delay)
+            except Exception as exc:
+                # Keep every outcome and try again: the fault (a full disk, a lock held
+                # too long) may be fixed, and fencing keeps a late write harmless.
+                log.error(
+                    "commit_failed",
+                    error=str(exc),
+                    error_type=type(exc).__name__,
+                    batch=len(batch),
+                    retry_in_s=delay,
+                    exc_info=not isinstance(exc, StorageError),
+                )
                 self._items.extendleft(reversed(batch))
+                with contextlib.suppress(Exception):
+                    # A full disk may be the WAL's doing: fold it back and truncate it.
+                    await self.queue.db.checkpoint("TRUNCATE")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
 
@@ -293,6 +308,7 @@ class Worker:
         self.pool = ServerPool(config.servers, client, config)
         self.committer = Committer(self.queue)
         self._inflight: dict[int, _InFlight] = {}
+        self._suspects = 0
         self._params: dict[int, dict[str, Any]] = {}
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
@@ -360,6 +376,7 @@ class Worker:
                         free,
                         lease_seconds=self.config.lease_seconds,
                         dataset_names=self.config.datasets or None,
+                        suspect_slots=0 if self._suspects else 1,
                     )
                     storage_delay = 0.5
                 except StorageError as exc:
@@ -391,12 +408,15 @@ class Worker:
 
     def _start(self, lease: Lease) -> None:
         self.stats.claimed += 1
+        self._suspects += lease.suspect
         task = asyncio.create_task(self._process(lease), name=f"item {lease.item_id}")
         self._inflight[lease.item_id] = _InFlight(lease, task)
         task.add_done_callback(lambda _t, item_id=lease.item_id: self._finished(item_id))
 
     def _finished(self, item_id: int) -> None:
-        self._inflight.pop(item_id, None)
+        flight = self._inflight.pop(item_id, None)
+        if flight is not None:
+            self._suspects -= flight.lease.suspect
         self._slot_freed.set()
 
     # -------------------------------------------------------------------- one item
@@ -418,7 +438,15 @@ class Worker:
             failure = Failure(exc.error_class, str(exc))
             await self._outcome("release", lease, (failure, time.time()))
         except TransientError as exc:
-            await self._retry_or_fail(lease, exc, exc.retry_after)
+            if exc.error_class in _MAYBE_DOWN and not await self.client.health(server):
+                # The connection broke because the server went away: an outage, not
+                # the item's fault.
+                self.pool.mark_down(server, str(exc))
+                await self._outcome(
+                    "release", lease, (Failure("unavailable", str(exc)), time.time())
+                )
+            else:
+                await self._retry_or_fail(lease, exc, exc.retry_after)
         except PermanentError as exc:
             await self._outcome("fail", lease, Failure(exc.error_class, str(exc)))
         except InferenceError as exc:
@@ -520,6 +548,8 @@ class Worker:
                     last_progress = now
             except StorageError as exc:
                 log.error("keeper_failed", error=str(exc))
+            except Exception:  # the keeper must outlive any one bad round
+                log.exception("keeper_crashed")
 
     async def _renew(self) -> None:
         held = [(f.lease.item_id, f.lease.token) for f in self._inflight.values()]

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from orchestrator.cli import main
-from tests.conftest import prompts, write_jsonl
+from tests.helpers import prompts, write_jsonl
 
 
 def invoke(*args: str) -> tuple[int, str, str]:

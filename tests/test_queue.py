@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from orchestrator.formats import iter_records
 from orchestrator.store import Database, DatasetSpec, Failure, Lease, Output, Queue, enqueue
 from orchestrator.store.schema import attempt_errors, items, outputs
-from tests.conftest import prompts, write_jsonl
+from tests.helpers import prompts, write_jsonl
 
 
 def answer(text: str = "hello") -> Output:
@@ -229,3 +229,22 @@ async def test_running_row_always_has_a_lease(database: Database, tmp_path: Path
     with pytest.raises(StorageError, match="CHECK constraint"):
         async with database.write() as conn:
             await conn.execute(items.update().values(state="running", lease_token=None))
+
+
+async def test_suspects_are_claimed_one_at_a_time(database: Database, tmp_path: Path) -> None:
+    """Items taken back from a dead worker run alone, so a poison item cannot keep
+    taking the same innocent items down with it."""
+    await load(database, tmp_path, 6)
+    queue = Queue(database)
+    await queue.claim("dead", 3, lease_seconds=3600)
+    await queue.reap(max_attempts=5, dead_owners=["dead"])
+    leases = await queue.claim("w1", 6, lease_seconds=60, suspect_slots=1)
+    assert [(lease.key, lease.suspect) for lease in leases] == [
+        ("ds000000", True),
+        ("ds000003", False),
+        ("ds000004", False),
+        ("ds000005", False),
+    ]
+    assert await queue.claim("w1", 6, lease_seconds=60, suspect_slots=0) == []
+    [next_suspect] = await queue.claim("w2", 6, lease_seconds=60, suspect_slots=1)
+    assert (next_suspect.key, next_suspect.suspect, next_suspect.attempt) == ("ds000001", True, 2)

@@ -15,7 +15,8 @@ from orchestrator.sim import answer_matches
 from orchestrator.store import Database, DatasetSpec, enqueue, iter_done
 from orchestrator.store.schema import attempt_errors, items
 from orchestrator.worker import Worker, WorkerConfig, WorkerStats, backoff_delay
-from tests.conftest import StartSim, prompts, write_jsonl
+from tests.conftest import StartSim
+from tests.helpers import prompts, write_jsonl
 
 
 async def load(database: Database, tmp_path: Path, n: int, **params: Any) -> None:

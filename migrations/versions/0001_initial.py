@@ -75,6 +75,13 @@ def upgrade() -> None:
         postgresql_where=sa.text("state = 'pending'"),
     )
     op.create_index(
+        "ix_items_suspect",
+        "items",
+        ["dataset_id", "position"],
+        sqlite_where=sa.text("state = 'pending' AND error_class = 'lease_lost'"),
+        postgresql_where=sa.text("state = 'pending' AND error_class = 'lease_lost'"),
+    )
+    op.create_index(
         "ix_items_running",
         "items",
         ["lease_expires_at"],
@@ -139,6 +146,7 @@ def downgrade() -> None:
     op.drop_table("outputs")
     op.drop_index("ix_items_dataset_state", table_name="items")
     op.drop_index("ix_items_running", table_name="items")
+    op.drop_index("ix_items_suspect", table_name="items")
     op.drop_index("ix_items_claimable", table_name="items")
     op.drop_table("items")
     op.drop_table("datasets")

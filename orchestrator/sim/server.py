@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import math
+import os
 import random
 import signal
 import sys
@@ -42,7 +43,19 @@ __all__ = [
 ]
 
 #: Fault kinds in the order their probability ranges are laid out on ``[0, 1)``.
-FAULT_KINDS: tuple[str, ...] = ("500", "503", "429", "400", "reset", "hang", "malformed")
+FAULT_KINDS: tuple[str, ...] = (
+    "500",
+    "503",
+    "429",
+    "400",
+    "reset",
+    "hang",
+    "malformed",
+    "stall",
+    "empty",
+    "nochoices",
+    "html",
+)
 
 #: Words of the filler text; short and plain so that one word is one "token".
 _FILLER = (
@@ -86,6 +99,8 @@ class SimConfig:
         outages: ``(start, duration)`` windows, in seconds since the server started, during
             which every endpoint answers 503, like a server that is restarting.
         retry_after: value of the ``Retry-After`` header sent with 429.
+        api_key: when set, ``/v1/*`` requests without ``Authorization: Bearer <key>`` get
+            401, as from a server started with ``--api-key``.
     """
 
     model: str = "sim-model"
@@ -96,6 +111,7 @@ class SimConfig:
     faults: dict[str, float] = field(default_factory=dict)
     outages: list[tuple[float, float]] = field(default_factory=list)
     retry_after: float = 1.0
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -322,6 +338,17 @@ async def _outage_middleware(
     return await handler(request)
 
 
+@web.middleware
+async def _auth_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    key = request.app[_STATE].config.api_key
+    authorized = request.headers.get("Authorization") == f"Bearer {key}"
+    if key and request.path.startswith("/v1/") and not authorized:
+        return _error(401, "invalid or missing API key", "AuthenticationError")
+    return await handler(request)
+
+
 def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
     try:
         body = orjson.loads(raw)
@@ -400,8 +427,14 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
             if request.transport is not None:
                 request.transport.abort()
             return web.Response(status=499)
-        if fault == "hang":
+        if fault == "hang" or (fault == "stall" and not stream):
             return await _hang(request, state)
+        if fault == "nochoices":
+            doc = {"id": "chatcmpl-x", "object": "chat.completion", "model": config.model}
+            return web.Response(body=orjson.dumps({**doc, "choices": []}), content_type=_JSON)
+        if fault == "html":
+            page = "<html><body><h1>502 Bad Gateway</h1></body></html>"
+            return web.Response(status=200, text=page, content_type="text/html")
 
     messages: list[Any] = body["messages"]
     digest = request_digest(messages)
@@ -409,7 +442,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     n = min(full, limit) if limit else full
     finish_reason = "length" if n < full else "stop"
-    words = _answer_words(digest, config.seed, n)
+    words = _answer_words(digest, config.seed, n) if fault != "empty" else []
     prompt_tokens = _count_prompt_tokens(messages)
     state.next_id += 1
     completion_id = f"chatcmpl-{digest}{state.next_id:08x}"
@@ -429,6 +462,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 prompt_tokens=prompt_tokens,
                 include_usage=include_usage,
                 cut=fault == "malformed",
+                stall=fault == "stall",
             )
         else:
             await _sleep(config.latency + config.per_token * n)
@@ -493,6 +527,7 @@ async def _stream_answer(
     prompt_tokens: int,
     include_usage: bool,
     cut: bool,
+    stall: bool = False,
 ) -> web.StreamResponse:
     config = state.config
     created = int(time.time())
@@ -514,12 +549,16 @@ async def _stream_answer(
     await response.prepare(request)
     await response.write(chunk({"role": "assistant", "content": ""}, None))
     pieces = [words[i : i + _CHUNK_WORDS] for i in range(0, len(words), _CHUNK_WORDS)]
-    # A malformed stream stops after about half of its pieces, without finish_reason/[DONE].
-    sent_pieces = pieces[: max(1, len(pieces) // 2)] if cut else pieces
+    # A malformed stream stops after about half of its pieces, without finish_reason/[DONE];
+    # a stalled one sends the same half, then nothing, keeping the connection open.
+    sent_pieces = pieces[: max(1, len(pieces) // 2)] if cut or stall else pieces
     for i, piece in enumerate(sent_pieces):
         await _sleep(config.per_token * len(piece))
         text = " ".join(piece)
         await response.write(chunk({"content": text if i == 0 else " " + text}, None))
+    if stall:
+        await _hang(request, state)
+        return response
     if not cut:
         await response.write(chunk({}, finish_reason))
         if include_usage:
@@ -621,7 +660,9 @@ async def _sim_stats(request: web.Request) -> web.Response:
 
 def build_app(config: SimConfig) -> web.Application:
     """The simulated server as an aiohttp application (outage clock starts at startup)."""
-    app = web.Application(middlewares=[_outage_middleware], client_max_size=64 * 1024**2)
+    app = web.Application(
+        middlewares=[_outage_middleware, _auth_middleware], client_max_size=64 * 1024**2
+    )
     state = _State(config)
     app[_STATE] = state
 
@@ -718,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
             faults=faults,
             outages=[parse_outage(spec) for spec in args.outage],
             retry_after=args.retry_after,
+            # From the environment, never the command line, where ps would show it.
+            api_key=os.environ.get("SIM_API_KEY") or None,
         )
     except ValueError as exc:
         parser.error(str(exc))

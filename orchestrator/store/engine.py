@@ -73,14 +73,27 @@ def storage_error(exc: BaseException, url: URL) -> StorageError:
         "file is not a database": "the file is not an orchestrator (SQLite) database",
         "readonly database": "the database file is read-only (check its permissions)",
         "database or disk is full": "the disk holding the database is full",
-        "unable to open database file": "cannot open the database file (missing directory"
-        " or no permission)",
+        "unable to open database file": "cannot open the database file",
         "disk i/o error": "disk I/O error (is the disk full or failing?)",
     }
+    if url.get_backend_name() == "sqlite" and "unable to open" in text.lower():
+        hints["unable to open database file"] = _open_failure(str(url.database or ""))
     for needle, hint in hints.items():
         if needle in text.lower():
             return StorageError(f"{where}: {hint} ({text})")
     return StorageError(f"{where}: {text}")
+
+
+def _open_failure(path: str) -> str:
+    """Say why SQLite could not open a file (it only says that it could not)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"directory {folder} does not exist"
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return "the database is on a read-only file system (WAL mode needs to write beside it)"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "the database file or its directory is read-only (check permissions)"
+    return "cannot open the database file"
 
 
 def _is_locked(exc: BaseException) -> bool:
@@ -180,8 +193,12 @@ class Database:
         """Fold the WAL back into the database file so that it stops growing."""
         if not self.is_sqlite:
             return
-        async with self._write_lock, self.engine.connect() as conn:
-            await conn.exec_driver_sql(f"PRAGMA wal_checkpoint({mode})")
+        try:
+            async with self._write_lock, self.engine.connect() as conn:
+                await conn.exec_driver_sql(f"PRAGMA wal_checkpoint({mode})")
+        except DBAPIError as exc:
+            # Best effort: a busy database checkpoints next time.
+            log.debug("checkpoint_skipped", mode=mode, error=str(exc.orig))
 
     async def close(self) -> None:
         await self.engine.dispose()

@@ -48,6 +48,9 @@ class Lease:
     request: dict[str, Any]
     attempt: int
     expires_at: float
+    # Taken back from a worker that died or went silent while holding it: it may be
+    # what killed that worker, so workers run such items one at a time.
+    suspect: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,9 @@ async def _fenced_update(
     return changed
 
 
+# The error class of items taken back from a worker that died or stopped renewing.
+LEASE_LOST = "lease_lost"
+
 _CLEAR_LEASE = {"lease_token": None, "lease_owner": None, "lease_expires_at": None}
 
 
@@ -117,13 +123,17 @@ class Queue:
         *,
         lease_seconds: float,
         dataset_names: Sequence[str] | None = None,
-        local_running: dict[int, int] | None = None,
+        suspect_slots: int | None = None,
         now: float | None = None,
     ) -> list[Lease]:
         """Lease up to ``want`` items: higher priority first, then dataset, then position.
 
         A dataset's ``concurrency`` caps its running items across every worker sharing
-        the database; paused datasets are skipped.
+        the database; paused datasets are skipped. At most ``suspect_slots`` (None: no
+        limit) of the items
+        are suspects (taken back from a dead worker): if one of them is a poison item
+        that kills its worker, it takes only itself and fresh items down with it, so no
+        innocent item is caught in crash after crash until its attempts run out.
         """
         if want <= 0:
             return []
@@ -158,54 +168,91 @@ class Queue:
                     n = min(n, concurrency - running.get(dataset_id, 0))
                 if n <= 0:
                     continue
-                picked = (
-                    sa.select(items.c.id)
-                    .where(
-                        items.c.dataset_id == dataset_id,
-                        items.c.state == "pending",
-                        items.c.not_before <= now,
+                got: list[Lease] = []
+                if suspect_slots is None:
+                    got = await self._claim_from(
+                        conn, dataset_id, n, None, token, owner, expires, now
                     )
-                    .order_by(items.c.position)
-                    .limit(n)
-                )
-                if conn.dialect.name == "postgresql":
-                    picked = picked.with_for_update(skip_locked=True)
-                result = await conn.execute(
-                    items.update()
-                    .where(items.c.id.in_(picked.scalar_subquery()))
-                    .values(
-                        state="running",
-                        attempts=items.c.attempts + 1,
-                        lease_token=token,
-                        lease_owner=owner,
-                        lease_expires_at=expires,
-                        updated_at=now,
+                else:
+                    if suspect_slots > 0:
+                        got = await self._claim_from(
+                            conn, dataset_id, min(n, suspect_slots), True, token, owner,
+                            expires, now,
+                        )  # fmt: skip
+                        suspect_slots -= len(got)
+                    got += await self._claim_from(
+                        conn, dataset_id, n - len(got), False, token, owner, expires, now
                     )
-                    .returning(
-                        items.c.id,
-                        items.c.key,
-                        items.c.position,
-                        items.c.request,
-                        items.c.attempts,
-                    )
-                )
-                rows = sorted(result.all(), key=lambda r: r.position)
-                leases.extend(
-                    Lease(
-                        item_id=r.id,
-                        token=token,
-                        dataset_id=dataset_id,
-                        key=r.key,
-                        request=orjson.loads(r.request),
-                        attempt=r.attempts,
-                        expires_at=expires,
-                    )
-                    for r in rows
-                )
-                left -= len(rows)
+                leases.extend(got)
+                left -= len(got)
                 if left <= 0:
                     break
         return leases
+
+    async def _claim_from(
+        self,
+        conn: AsyncConnection,
+        dataset_id: int,
+        n: int,
+        suspects: bool | None,
+        token: str,
+        owner: str,
+        expires: float,
+        now: float,
+    ) -> list[Lease]:
+        if n <= 0:
+            return []
+        """Claim ``n`` of a dataset's items: suspects only, none, or (None) any."""
+        suspect = items.c.error_class == LEASE_LOST
+        picked = (
+            sa.select(items.c.id)
+            .where(
+                items.c.dataset_id == dataset_id,
+                items.c.state == "pending",
+                items.c.not_before <= now,
+            )
+            .order_by(items.c.position)
+            .limit(n)
+        )
+        if suspects is not None:
+            picked = picked.where(
+                suspect if suspects else sa.or_(items.c.error_class.is_(None), ~suspect)
+            )
+        if conn.dialect.name == "postgresql":
+            picked = picked.with_for_update(skip_locked=True)
+        result = await conn.execute(
+            items.update()
+            .where(items.c.id.in_(picked.scalar_subquery()))
+            .values(
+                state="running",
+                attempts=items.c.attempts + 1,
+                lease_token=token,
+                lease_owner=owner,
+                lease_expires_at=expires,
+                updated_at=now,
+            )
+            .returning(
+                items.c.id,
+                items.c.key,
+                items.c.position,
+                items.c.request,
+                items.c.attempts,
+                items.c.error_class,
+            )
+        )
+        return [
+            Lease(
+                item_id=r.id,
+                token=token,
+                dataset_id=dataset_id,
+                key=r.key,
+                request=orjson.loads(r.request),
+                attempt=r.attempts,
+                expires_at=expires,
+                suspect=bool(suspects) or (suspects is None and r.error_class == LEASE_LOST),
+            )
+            for r in sorted(result.all(), key=lambda r: r.position)
+        ]
 
     async def renew(
         self, leases: Sequence[tuple[int, str]], *, lease_seconds: float, now: float | None = None
@@ -358,7 +405,7 @@ class Queue:
                     values: dict[str, Any] = {
                         "state": state,
                         **_CLEAR_LEASE,
-                        "error_class": "lease_lost",
+                        "error_class": LEASE_LOST,
                         "last_error": message,
                         "updated_at": now,
                     }
@@ -377,7 +424,7 @@ class Queue:
                         "item_id": r.id,
                         "dataset_id": r.dataset_id,
                         "attempt": r.attempts,
-                        "error_class": "lease_lost",
+                        "error_class": LEASE_LOST,
                         "message": message,
                         "outcome": "failed" if r.attempts >= max_attempts else "retry",
                         "created_at": now,

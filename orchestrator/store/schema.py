@@ -77,6 +77,15 @@ sa.Index(
     sqlite_where=items.c.state == "pending",
     postgresql_where=items.c.state == "pending",
 )
+# Suspects (items taken back from a dead worker) are claimed one at a time: find them
+# without scanning every pending row.
+sa.Index(
+    "ix_items_suspect",
+    items.c.dataset_id,
+    items.c.position,
+    sqlite_where=sa.and_(items.c.state == "pending", items.c.error_class == "lease_lost"),
+    postgresql_where=sa.and_(items.c.state == "pending", items.c.error_class == "lease_lost"),
+)
 # The reaper and the per-dataset running counts only look at running rows.
 sa.Index(
     "ix_items_running",

@@ -1,0 +1,189 @@
+"""Run throughput: the worker (claim → call → durable commit) against a bare aiohttp loop.
+
+Both send the same N short prompts with the same concurrency to the same simulated server
+(zero latency, 8-token answers), so the server costs the same in both and the ratio is
+what the queue costs: claims, commits, leases. Target: worker ≥ 0.8 × bare loop.
+
+    python benchmarks/bench_run.py [--items 20000] [--concurrency 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+import orjson
+from common import (
+    BENCH_DIR,
+    PYTHON,
+    Measured,
+    SimServer,
+    add_common_args,
+    enqueue_argv,
+    fmt_mb,
+    placement,
+    print_machine,
+    print_table,
+    python_startup_seconds,
+    run_argv,
+    run_measured,
+    verdict,
+    workdir,
+    write_prompts,
+)
+
+TARGET_RATIO = 0.8
+
+
+@dataclass(slots=True)
+class RunFigures:
+    """One client's pass over the prompts."""
+
+    label: str
+    requests: int
+    measured: Measured
+    active_s: float
+    server_cpu_s: float
+
+    @property
+    def wall_rps(self) -> float:
+        return self.requests / self.measured.seconds
+
+    @property
+    def active_rps(self) -> float:
+        return self.requests / self.active_s if self.active_s else 0.0
+
+    def row(self) -> list[str]:
+        m = self.measured
+        return [
+            self.label,
+            f"{self.requests:,}",
+            f"{m.seconds:.2f}",
+            f"{self.wall_rps:,.0f}",
+            f"{self.active_rps:,.0f}",
+            f"{m.cpu_s / m.seconds:.0%}",
+            f"{self.server_cpu_s / m.seconds:.0%}",
+            fmt_mb(m.peak_rss_mb),
+        ]
+
+
+def worker_active_seconds(db: Path) -> tuple[int, float]:
+    """Done outputs and the span from the first request sent to the last answer committed."""
+    conn = sqlite3.connect(db)
+    try:
+        n, first, last = conn.execute(
+            "SELECT count(*), min(created_at - latency), max(created_at) FROM outputs"
+        ).fetchone()
+    finally:
+        conn.close()
+    return n, (last - first) if n else 0.0
+
+
+def run_bare(server: SimServer, prompts: Path, concurrency: int, cpu: int | None) -> RunFigures:
+    before = server.cpu_seconds()
+    m = run_measured(
+        [
+            PYTHON,
+            str(BENCH_DIR / "bare_loop.py"),
+            "--server",
+            server.url,
+            "--prompts",
+            str(prompts),
+            "--concurrency",
+            str(concurrency),
+        ],
+        cpu=cpu,
+    ).check()
+    result = orjson.loads(m.stdout.strip().splitlines()[-1])
+    return RunFigures(
+        "bare aiohttp loop",
+        result["requests"],
+        m,
+        result["seconds"],
+        server.cpu_seconds() - before,
+    )
+
+
+def run_worker(
+    server: SimServer, db: Path, concurrency: int, cpu: int | None, profile: Path | None
+) -> RunFigures:
+    before = server.cpu_seconds()
+    m = run_measured(run_argv(server.url, db, concurrency), cpu=cpu, profile=profile)
+    m.warn_if_failed("orchestrator run")
+    done, active = worker_active_seconds(db)
+    return RunFigures("orchestrator run", done, m, active, server.cpu_seconds() - before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=20_000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--mean-tokens", type=int, default=8)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="alternate bare/worker passes; medians are used"
+    )
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    place = placement(args.pin)
+    print_machine()
+    print(f"cores: {place.describe()}")
+
+    with workdir(args.workdir) as work:
+        prompts = write_prompts(work / "prompts.jsonl", args.items)
+        dbs = [work / f"run-{i}.db" for i in range(args.repeat)]
+        for stale in work.glob("run-*.db*"):
+            stale.unlink()
+        for db in dbs:
+            run_measured(enqueue_argv(prompts, db)).check()
+        startup = python_startup_seconds(place.client)
+        bares: list[RunFigures] = []
+        workers: list[RunFigures] = []
+        with SimServer(mean_tokens=args.mean_tokens, cpu=place.server) as server:
+            print(
+                f"sim server {server.url}; {args.items:,} prompts; concurrency {args.concurrency}"
+            )
+            for db in dbs:
+                bares.append(run_bare(server, prompts, args.concurrency, place.client))
+                workers.append(run_worker(server, db, args.concurrency, place.client, args.profile))
+
+    print()
+    print_table(
+        [
+            "client",
+            "answers",
+            "wall s",
+            "req/s (wall)",
+            "req/s (active)",
+            "client CPU",
+            "server CPU",
+            "peak RSS",
+        ],
+        [f.row() for pair in zip(bares, workers, strict=True) for f in pair],
+    )
+    bare = min(bares, key=lambda f: abs(f.wall_rps - median(b.wall_rps for b in bares)))
+    worker = min(workers, key=lambda f: abs(f.wall_rps - median(w.wall_rps for w in workers)))
+    ratio_wall = worker.wall_rps / bare.wall_rps
+    ratio_active = worker.active_rps / bare.active_rps
+    print()
+    print(
+        f"wall: whole subprocess, including ~{startup:.2f} s to start Python and import the "
+        "CLI and store; active: first request sent to last answer (bare) / committed "
+        "(worker). CPU figures are shares of one core over wall."
+    )
+    print(
+        f"ratio worker/bare (median passes): {ratio_wall:.2f} (wall), {ratio_active:.2f} (active); "
+        f"target ≥ {TARGET_RATIO}: {verdict(ratio_wall, TARGET_RATIO, higher_is_better=True)}"
+    )
+    print(f"worker peak RSS: {fmt_mb(worker.measured.peak_rss_mb)}")
+    if worker.requests != args.items:
+        print(f"WARNING: {worker.requests:,} of {args.items:,} items have an output")
+    if args.profile:
+        print(f"profile (collapsed stacks): {args.profile}; timings above include py-spy")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

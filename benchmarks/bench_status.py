@@ -1,0 +1,137 @@
+"""``orchestrator status`` on a million items in mixed states, with the plans of its queries.
+
+Status is what an operator runs every few minutes during a 30-hour run, often in a loop
+(``watch``), so it must stay cheap however many rows are done. Target: ≤ 0.5 s for
+1,000,000 items. The SQL is captured from the real ``snapshot()`` (SQLAlchemy's
+``before_cursor_execute`` event), so the plans shown are those of the code as it is.
+
+    python benchmarks/bench_status.py [--items 1000000] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sqlite3
+import statistics
+from pathlib import Path
+from typing import Any
+
+from common import (
+    ORCH,
+    add_common_args,
+    connect,
+    prepared_db,
+    print_machine,
+    print_table,
+    python_startup_seconds,
+    run_measured,
+    timed,
+    verdict,
+    workdir,
+)
+from sqlalchemy import event
+
+TARGET_SECONDS = 0.5
+
+
+async def capture_snapshot(db: Path) -> tuple[float, list[tuple[str, Any]]]:
+    """Seconds of one in-process ``snapshot()`` and the SELECTs it ran."""
+    from orchestrator.store import open_database, snapshot
+
+    database = await open_database(str(db))
+    statements: list[tuple[str, Any]] = []
+
+    def grab(_c: Any, _cur: Any, statement: str, params: Any, _ctx: Any, _many: bool) -> None:
+        if statement.lstrip().upper().startswith("SELECT"):
+            statements.append((statement, params))
+
+    event.listen(database.engine.sync_engine, "before_cursor_execute", grab)
+    try:
+        with timed() as watch:
+            await snapshot(database)
+    finally:
+        await database.close()
+    return watch.seconds, statements
+
+
+def explain(db: Path, statements: list[tuple[str, Any]]) -> list[tuple[str, float, list[str]]]:
+    """Each statement's plan and its own run time through plain sqlite3."""
+    conn = connect(db)
+    out = []
+    try:
+        for sql, params in statements:
+            plan = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params)]
+            with timed() as watch:
+                conn.execute(sql, params).fetchall()
+            out.append((sql, watch.seconds, plan))
+    finally:
+        conn.close()
+    return out
+
+
+def one_line(sql: str, width: int = 150) -> str:
+    text = " ".join(sql.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each command")
+    add_common_args(parser, pinning=False)
+    args = parser.parse_args(argv)
+    print_machine()
+
+    with workdir(args.workdir) as work:
+        db = prepared_db(work, args.items, "mixed")
+        conn = sqlite3.connect(db)
+        states = dict(conn.execute("SELECT state, count(*) FROM items GROUP BY state"))
+        conn.close()
+        print("items by state: " + ", ".join(f"{k} {v:,}" for k, v in sorted(states.items())))
+        startup = python_startup_seconds()
+        rows = []
+        figures: dict[str, float] = {}
+        for label, extra in (("status", []), ("status --json", ["--json"])):
+            argv_ = [*ORCH, "status", *extra, "--db", str(db)]
+            runs = [run_measured(argv_).check() for _ in range(args.repeat)]
+            times = [m.seconds for m in runs]
+            figures[label] = statistics.median(times)
+            rows.append(
+                [
+                    f"orchestrator {label}",
+                    f"{min(times):.2f}",
+                    f"{statistics.median(times):.2f}",
+                    f"{max(r.peak_rss_mb for r in runs):,.0f} MB",
+                ]
+            )
+        if args.profile:
+            run_measured([*ORCH, "status", "--db", str(db)], profile=args.profile).check()
+        snap_s, statements = asyncio.run(capture_snapshot(db))
+        plans = explain(db, statements)
+
+    print("\nquery plans of snapshot() (orchestrator/store/stats.py), each timed alone:")
+    for sql, seconds, plan in plans:
+        print(f"\n  [{seconds * 1000:7.1f} ms] {one_line(sql)}")
+        for step in plan:
+            print(f"      {step}")
+    print()
+    print_table(["command", "min s", "median s", "peak RSS"], rows)
+    print()
+    print(
+        f"in-process snapshot(): {snap_s:.3f} s (queries alone: "
+        f"{sum(p[1] for p in plans):.3f} s); interpreter start-up and imports: "
+        f"~{startup:.2f} s of each command"
+    )
+    for label, seconds in figures.items():
+        print(
+            f"{label}: median {seconds:.2f} s, target ≤ {TARGET_SECONDS} s: "
+            f"{verdict(seconds, TARGET_SECONDS)}"
+        )
+    if args.profile:
+        print(f"profile (collapsed stacks): {args.profile}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,571 @@
+"""Shared pieces of the benchmarks: subprocesses, peak RSS, timing, data, tables.
+
+Every measured command runs as its own process, started here and reaped with ``wait4``,
+so that its peak RSS and CPU time are its own and not this script's. The machine the
+figures are meant for has two cores: by default the simulated server is pinned to one
+core and the measured client (worker or bare loop) to the other, so that the figure is
+the client's and not the scheduler's. ``--no-pin`` leaves placement to the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import re
+import select
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = Path(__file__).resolve().parent
+PYTHON = sys.executable
+ORCH: tuple[str, ...] = (PYTHON, "-m", "orchestrator")
+DATASET = "bench"
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_WORDS = (
+    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
+    "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi",
+    "chi", "psi", "omega", "river", "stone", "cloud", "field", "light", "shadow", "signal",
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------ machine
+
+
+def machine_summary() -> dict[str, str]:
+    """What the figures were measured on: they mean little without it."""
+    cpu = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu,
+        "ram": f"{mem_gib:.1f} GiB",
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+    }
+
+
+def print_machine() -> None:
+    """Print the machine, and its load: another busy process on two cores skews everything."""
+    m = machine_summary()
+    print(
+        f"machine: {m['nproc']} cores ({m['cpu']}), {m['ram']} RAM, "
+        f"Python {m['python']}, SQLite {m['sqlite']}"
+    )
+    load = os.getloadavg()[0]
+    note = "  WARNING: the machine is busy; figures will be low" if load > 0.5 else ""
+    print(f"load average (1 min) at start: {load:.2f}{note}")
+
+
+# ------------------------------------------------------------------------ cores
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Which core the simulated server and the measured client run on (None: any)."""
+
+    server: int | None
+    client: int | None
+
+    def describe(self) -> str:
+        if self.server is None:
+            return "no pinning: server, client and this script share all cores"
+        return (
+            f"sim server pinned to core {self.server}; measured client (worker / bare loop / "
+            f"CLI) pinned to core {self.client}; this script idles on core {self.client}"
+        )
+
+
+def placement(pin: bool) -> Placement:
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return Placement(None, None)
+    return Placement(server=cpus[-1], client=cpus[0])
+
+
+def _pinned(cpu: int | None) -> Callable[[], None] | None:
+    if cpu is None:
+        return None
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+# ------------------------------------------------------------------------ processes
+
+
+@dataclass(slots=True)
+class Measured:
+    """One finished subprocess: wall time, peak RSS and CPU time from its rusage."""
+
+    argv: list[str]
+    seconds: float
+    peak_rss_mb: float
+    user_s: float
+    sys_s: float
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def cpu_s(self) -> float:
+        return self.user_s + self.sys_s
+
+    def warn_if_failed(self, what: str) -> Measured:
+        """Report a failed exit without stopping: the work it did can still be measured."""
+        if self.returncode != 0:
+            last = (self.stderr.strip().splitlines() or ["(no output)"])[-1]
+            print(f"WARNING: {what} exited {self.returncode}: {last[:300]}", flush=True)
+        return self
+
+    def check(self) -> Measured:
+        if self.returncode != 0:
+            tail = "\n".join(self.stderr.strip().splitlines()[-20:])
+            raise SystemExit(f"command failed ({self.returncode}): {' '.join(self.argv)}\n{tail}")
+        return self
+
+
+def py_spy_wrap(argv: Sequence[str], out: Path, rate: int = 250) -> list[str]:
+    """Run ``argv`` under ``py-spy record`` (collapsed stacks, active threads only).
+
+    The RSS then measured includes py-spy itself, and timings carry its overhead: use a
+    profiled run for where the time goes, not for the figure.
+    """
+    spy = shutil.which("py-spy") or str(Path(PYTHON).with_name("py-spy"))
+    return [
+        spy,
+        "record",
+        "--rate",
+        str(rate),
+        "--threads",
+        "--format",
+        "raw",
+        "-o",
+        str(out),
+        "--",
+        *argv,
+    ]
+
+
+def run_measured(
+    argv: Sequence[str],
+    *,
+    cpu: int | None = None,
+    env: dict[str, str] | None = None,
+    profile: Path | None = None,
+    cwd: Path | None = None,
+    stop_after: float | None = None,
+) -> Measured:
+    """Run a command to completion; peak RSS is ``ru_maxrss`` from ``wait4`` (exact, no polling).
+
+    ``stop_after`` seconds: send SIGTERM then (a worker stops claiming, finishes what it
+    holds and exits 0), for steps too long to run to the end.
+    """
+    argv = py_spy_wrap(argv, profile) if profile else list(argv)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=cwd or REPO,
+            preexec_fn=_pinned(cpu),
+        )
+        timer = threading.Timer(stop_after, proc.terminate) if stop_after else None
+        if timer is not None:
+            timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        seconds = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return Measured(
+            argv=argv,
+            seconds=seconds,
+            peak_rss_mb=usage.ru_maxrss / 1024,
+            user_s=usage.ru_utime,
+            sys_s=usage.ru_stime,
+            returncode=proc.returncode,
+            stdout=out.read().decode(errors="replace"),
+            stderr=err.read().decode(errors="replace"),
+        )
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) a live process has used so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def python_startup_seconds(cpu: int | None = None) -> float:
+    """What starting a command costs before any work: interpreter plus the store's imports
+    (SQLAlchemy, alembic, aiohttp). Part of every subprocess figure."""
+    imports = (
+        "import orchestrator.cli, orchestrator.store, orchestrator.worker, "
+        "orchestrator.formats.export"
+    )
+    return min(run_measured([PYTHON, "-c", imports], cpu=cpu).seconds for _ in range(3))
+
+
+@dataclass
+class SimServer:
+    """The simulated server as a subprocess; a context manager that always kills it."""
+
+    mean_tokens: int = 8
+    latency: float = 0.0
+    cpu: int | None = None
+    extra: tuple[str, ...] = ()
+    url: str = ""
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    log: Any = field(default=None, repr=False)
+
+    def __enter__(self) -> SimServer:
+        argv = [
+            PYTHON,
+            "-m",
+            "orchestrator.sim.server",
+            "--port",
+            "0",
+            "--latency",
+            str(self.latency),
+            "--mean-tokens",
+            str(self.mean_tokens),
+            *self.extra,
+        ]
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            preexec_fn=_pinned(self.cpu),
+        )
+        try:
+            self.url = self._read_url()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _read_url(self) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+        line = self.proc.stdout.readline().decode() if ready else ""
+        match = re.search(r"listening on (http://\S+)", line)
+        if not match:
+            raise SystemExit(f"sim server did not start (said {line!r})")
+        return match.group(1)
+
+    def cpu_seconds(self) -> float:
+        assert self.proc is not None
+        return proc_cpu_seconds(self.proc.pid)
+
+    def check_alive(self) -> None:
+        """A dead server turns every later figure into a wait: stop with its last words."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise SystemExit(
+                f"sim server exited ({self.proc.returncode}): {self.stderr_tail() or '(silent)'}"
+            )
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        if self.log is None:
+            return ""
+        self.log.seek(0)
+        return "\n".join(self.log.read().decode(errors="replace").splitlines()[-lines:])
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.proc is None or self.proc.poll() is not None:
+                return
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        finally:
+            if self.log is not None:
+                self.log.close()
+                self.log = None
+
+
+# ------------------------------------------------------------------------ timing
+
+
+@dataclass(slots=True)
+class Stopwatch:
+    seconds: float = 0.0
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[Stopwatch]:
+    watch = Stopwatch()
+    start = time.perf_counter()
+    try:
+        yield watch
+    finally:
+        watch.seconds = time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------ data
+
+
+def prompt_line(i: int) -> dict[str, Any]:
+    """A short chat prompt: the shape of most real input lines, at its smallest."""
+    a, b = _WORDS[i % len(_WORDS)], _WORDS[(i * 7 + 3) % len(_WORDS)]
+    return {
+        "id": f"p{i:07d}",
+        "messages": [
+            {"role": "user", "content": f"Prompt {i}: write one sentence about {a} and {b}."}
+        ],
+    }
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    """Write ``n`` prompt lines (about 110 bytes each) to a JSONL file."""
+    with open(path, "wb") as fh:
+        for i in range(n):
+            fh.write(orjson.dumps(prompt_line(i)))
+            fh.write(b"\n")
+    return path
+
+
+def enqueue_argv(prompts: Path, db: Path, dataset: str = DATASET) -> list[str]:
+    return [*ORCH, "enqueue", str(prompts), "--dataset", dataset, "--db", str(db)]
+
+
+def run_argv(url: str, db: Path, concurrency: int) -> list[str]:
+    return [
+        *ORCH,
+        "run",
+        "--server",
+        url,
+        "--db",
+        str(db),
+        "--exit-when-done",
+        "--concurrency",
+        str(concurrency),
+    ]
+
+
+def export_argv(out: Path, db: Path) -> list[str]:
+    return [*ORCH, "export", str(out), "--db", str(db)]
+
+
+def connect(db: Path) -> sqlite3.Connection:
+    """A plain sqlite3 connection with the same pragmas the store sets."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    for pragma in (
+        "PRAGMA journal_mode = WAL",
+        "PRAGMA synchronous = NORMAL",
+        "PRAGMA foreign_keys = ON",
+        "PRAGMA temp_store = MEMORY",
+        "PRAGMA cache_size = -65536",
+    ):
+        conn.execute(pragma)
+    return conn
+
+
+_ANSWER = " ".join(_WORDS[i % len(_WORDS)] for i in range(63))
+
+
+def mark_done(db: Path, where: str = "1", *, now: float | None = None) -> int:
+    """Mark items done and give each an output row, in one transaction of plain SQL.
+
+    The answers are 64 words (about 400 bytes), the shape the simulated server returns;
+    their commit times are spread one millisecond apart, so rate figures are plausible.
+    """
+    now = time.time() if now is None else now
+    conn = connect(db)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        (top,) = conn.execute("SELECT coalesce(max(id), 0) FROM items").fetchone()
+        conn.execute(
+            f"UPDATE items SET state = 'done', attempts = 1, finished_at = :now - (:top - id)"
+            f" * 0.001, updated_at = :now WHERE state = 'pending' AND ({where})",
+            {"now": now, "top": top},
+        )
+        cur = conn.execute(
+            """
+            INSERT INTO outputs (item_id, dataset_id, content, reasoning, finish_reason,
+                prompt_tokens, completion_tokens, message, usage, latency, server, model,
+                response_id, attempt, created_at)
+            SELECT id, dataset_id, printf('[sim:%016x] %s', id, :answer), NULL, 'stop',
+                12, 64,
+                json_object('role', 'assistant', 'content',
+                    printf('[sim:%016x] %s', id, :answer)),
+                json_object('prompt_tokens', 12, 'completion_tokens', 64,
+                    'total_tokens', 76),
+                0.5, 'http://127.0.0.1:1', 'sim-model', printf('chatcmpl-%d', id), 1,
+                finished_at
+            FROM items WHERE state = 'done'
+                AND id NOT IN (SELECT item_id FROM outputs)
+            """,
+            {"answer": _ANSWER},
+        )
+        conn.execute("COMMIT")
+        return cur.rowcount
+    finally:
+        conn.close()
+
+
+def mix_states(db: Path, *, now: float | None = None) -> dict[str, int]:
+    """Spread items over every state, as in the middle of a long run with some trouble.
+
+    Of every 100 items by id: 60 done (with outputs), 4 failed, 1 running (with a lease),
+    35 pending; one retried attempt is logged for every tenth item.
+    """
+    now = time.time() if now is None else now
+    mark_done(db, "id % 100 < 60", now=now)
+    conn = connect(db)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(
+            "UPDATE items SET state = 'failed', attempts = 8, error_class = 'http_400',"
+            " last_error = 'HTTP 400: context too long', finished_at = :now, updated_at = :now"
+            " WHERE state = 'pending' AND id % 100 BETWEEN 60 AND 63",
+            {"now": now},
+        )
+        conn.execute(
+            "UPDATE items SET state = 'running', attempts = 1, lease_token = printf('%032x', id),"
+            " lease_owner = 'bench-host:1:1', lease_expires_at = :now + 120, updated_at = :now"
+            " WHERE state = 'pending' AND id % 100 = 64",
+            {"now": now},
+        )
+        conn.execute(
+            "INSERT INTO attempt_errors (item_id, dataset_id, attempt, error_class, message,"
+            " outcome, created_at) SELECT id, dataset_id, 1,"
+            " CASE WHEN id % 3 = 0 THEN 'http_500' ELSE 'timeout' END, 'simulated', 'retry',"
+            " :now - (id % 600) FROM items WHERE id % 10 = 0",
+            {"now": now},
+        )
+        conn.execute(
+            "INSERT INTO attempt_errors (item_id, dataset_id, attempt, error_class, message,"
+            " outcome, created_at) SELECT id, dataset_id, 8, 'http_400', 'context too long',"
+            " 'failed', :now FROM items WHERE state = 'failed'",
+            {"now": now},
+        )
+        conn.execute("COMMIT")
+        return dict(conn.execute("SELECT state, count(*) FROM items GROUP BY state").fetchall())
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------------------------------ output
+
+
+def fmt_mb(mb: float) -> str:
+    return f"{mb:,.0f} MB"
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A plain aligned table, the same in a terminal and pasted into Markdown."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+
+    print(line(cells[0]))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells[1:]:
+        print(line(row))
+
+
+def verdict(value: float, target: float, *, higher_is_better: bool = False) -> str:
+    ok = value >= target if higher_is_better else value <= target
+    return "met" if ok else "MISSED"
+
+
+def add_common_args(parser: argparse.ArgumentParser, *, pinning: bool = True) -> None:
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep files here instead of a temporary directory (deleted at the end)",
+    )
+    if pinning:
+        parser.add_argument(
+            "--pin",
+            action="store_true",
+            help="pin the sim server and the measured client to separate cores",
+        )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="also run the measured command under py-spy; collapsed stacks go to this "
+        "file (see benchmarks/profile_summary.py)",
+    )
+
+
+@contextlib.contextmanager
+def workdir(path: Path | None) -> Iterator[Path]:
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="orch-bench-") as tmp:
+        yield Path(tmp)
+
+
+def count(db: Path, sql: str) -> int:
+    conn = sqlite3.connect(db)
+    try:
+        return int(conn.execute(sql).fetchone()[0])
+    except sqlite3.Error:
+        return -1
+    finally:
+        conn.close()
+
+
+def prepared_db(work: Path, n: int, kind: str) -> Path:
+    """A database of ``n`` enqueued items, all done (``kind="done"``) or mixed (``"mixed"``).
+
+    Built with the real ``enqueue`` command, then finished with plain SQL. Kept in
+    ``work`` and reused when it is already there, so ``--workdir`` saves the build.
+    """
+    db = work / f"{kind}-{n}.db"
+    if db.exists() and count(db, "SELECT count(*) FROM items") == n:
+        print(f"reusing {db}")
+        return db
+    for stale in work.glob(f"{kind}-{n}.db*"):
+        stale.unlink()
+    with timed() as watch:
+        prompts = write_prompts(work / f"prompts-{n}.jsonl", n)
+        run_measured(enqueue_argv(prompts, db)).check()
+        prompts.unlink()
+        if kind == "done":
+            mark_done(db)
+        else:
+            mix_states(db)
+    print(f"built {db.name} ({n:,} items, {kind}) in {watch.seconds:.1f} s")
+    return db
