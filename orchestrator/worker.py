@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import random
 import time
@@ -624,15 +625,7 @@ def _output(c: Completion) -> Output:
 
 
 def _stats_fields(stats: WorkerStats) -> dict[str, int]:
-    return {
-        "claimed": stats.claimed,
-        "completed": stats.completed,
-        "retried": stats.retried,
-        "failed": stats.failed,
-        "released": stats.released,
-        "lost": stats.lost,
-        "completion_tokens": stats.completion_tokens,
-    }
+    return dataclasses.asdict(stats)
 
 
 async def _first(*aws: Any) -> None:

@@ -248,3 +248,12 @@ async def test_suspects_are_claimed_one_at_a_time(database: Database, tmp_path: 
     assert await queue.claim("w1", 6, lease_seconds=60, suspect_slots=0) == []
     [next_suspect] = await queue.claim("w2", 6, lease_seconds=60, suspect_slots=1)
     assert (next_suspect.key, next_suspect.suspect, next_suspect.attempt) == ("ds000001", True, 2)
+
+
+async def test_checkpoint_folds_the_wal_back(database: Database, tmp_path: Path) -> None:
+    """A long run's WAL must not grow for ever: the worker's checkpoints really happen."""
+    await load(database, tmp_path, 3000)
+    wal = Path(str(database.url.database) + "-wal")
+    assert wal.stat().st_size > 0
+    await database.checkpoint("TRUNCATE")
+    assert wal.stat().st_size == 0

@@ -37,18 +37,9 @@ StartSim = Callable[..., Awaitable[str]]
 
 
 @pytest.fixture
-async def start_sim() -> AsyncIterator[StartSim]:
-    """Starts servers on free ports and stops them after the test."""
-    runners = []
-
-    async def start(**options: Any) -> str:
-        runner, port = await serve(SimConfig(**options), "127.0.0.1", 0)
-        runners.append(runner)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
+def start_sim(sim: StartSim) -> StartSim:
+    """Servers on free ports (the shared ``sim`` fixture), stopped after the test."""
+    return sim
 
 
 @pytest.fixture

@@ -193,12 +193,24 @@ class Database:
         """Fold the WAL back into the database file so that it stops growing."""
         if not self.is_sqlite:
             return
+
+        def run(sync_conn: sa.Connection) -> tuple[int, int, int]:
+            # On the driver's connection, outside any transaction: a checkpoint inside
+            # BEGIN IMMEDIATE fails with "database table is locked".
+            cursor = sync_conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+            try:
+                cursor.execute(f"PRAGMA wal_checkpoint({mode})")
+                return tuple(cursor.fetchone())  # type: ignore[return-value]
+            finally:
+                cursor.close()
+
         try:
             async with self._write_lock, self.engine.connect() as conn:
-                await conn.exec_driver_sql(f"PRAGMA wal_checkpoint({mode})")
-        except DBAPIError as exc:
+                busy, wal_pages, moved = await conn.run_sync(run)
+            log.debug("checkpoint", mode=mode, busy=busy, wal_pages=wal_pages, moved=moved)
+        except (DBAPIError, sqlite3.Error) as exc:
             # Best effort: a busy database checkpoints next time.
-            log.debug("checkpoint_skipped", mode=mode, error=str(exc.orig))
+            log.warning("checkpoint_skipped", mode=mode, error=str(getattr(exc, "orig", exc)))
 
     async def close(self) -> None:
         await self.engine.dispose()
@@ -235,7 +247,6 @@ def _install_sqlite_hooks(engine: AsyncEngine) -> None:
             f"PRAGMA synchronous = {synchronous}",
             "PRAGMA foreign_keys = ON",
             "PRAGMA journal_size_limit = 67108864",
-            "PRAGMA temp_store = MEMORY",
             "PRAGMA cache_size = -65536",
         ):
             cursor.execute(pragma)

@@ -81,11 +81,14 @@ def _chunks(seq: Sequence[Any], size: int = _CHUNK) -> Iterable[Sequence[Any]]:
         yield seq[start : start + size]
 
 
-def _fence(pairs: Sequence[tuple[int, str]]) -> sa.ColumnElement[bool]:
-    """The fence: this row, this lease, still running."""
+def _fence(token: str, ids: Sequence[int]) -> sa.ColumnElement[bool]:
+    """The fence: these rows, still running, under this lease token.
+
+    A token is minted per claim, so the leases of one claim share it; the row ids then
+    make primary-key lookups.
+    """
     return sa.and_(
-        items.c.state == "running",
-        sa.tuple_(items.c.id, items.c.lease_token).in_(list(pairs)),
+        items.c.id.in_(list(ids)), items.c.lease_token == token, items.c.state == "running"
     )
 
 
@@ -93,12 +96,16 @@ async def _fenced_update(
     conn: AsyncConnection, pairs: Sequence[tuple[int, str]], values: dict[str, Any]
 ) -> set[int]:
     """Apply ``values`` to the rows still held under these leases; return their ids."""
+    by_token: dict[str, list[int]] = {}
+    for item_id, token in pairs:
+        by_token.setdefault(token, []).append(item_id)
     changed: set[int] = set()
-    for chunk in _chunks(pairs):
-        result = await conn.execute(
-            items.update().where(_fence(chunk)).values(**values).returning(items.c.id)
-        )
-        changed.update(result.scalars())
+    for token, ids in by_token.items():
+        for chunk in _chunks(ids):
+            result = await conn.execute(
+                items.update().where(_fence(token, chunk)).values(**values).returning(items.c.id)
+            )
+            changed.update(result.scalars())
     return changed
 
 
@@ -152,15 +159,18 @@ class Queue:
             candidates = (await conn.execute(query)).all()
             if not candidates:
                 return []
-            running = dict(
-                (
+            # Count running items only for capped datasets, one index range each.
+            running = {
+                dataset_id: (
                     await conn.execute(
-                        sa.select(items.c.dataset_id, sa.func.count())
-                        .where(items.c.state == "running")
-                        .group_by(items.c.dataset_id)
+                        sa.select(sa.func.count()).where(
+                            items.c.dataset_id == dataset_id, items.c.state == "running"
+                        )
                     )
-                ).all()
-            )
+                ).scalar_one()
+                for dataset_id, concurrency in candidates
+                if concurrency is not None
+            }
             left = want
             for dataset_id, concurrency in candidates:
                 n = left
