@@ -566,6 +566,8 @@ def sim_server(
             faults=dict(parse_fault(f) for f in faults),
             outages=[parse_outage(o) for o in outages],
             retry_after=retry_after,
+            # From the environment, never the command line, where ps would show it.
+            api_key=os.environ.get("SIM_API_KEY") or None,
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def snapshot_file(path: Path) -> str:
 
 
 def count_items(db: Path) -> int:
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         return conn.execute("SELECT count(*) FROM items").fetchone()[0]
 
 
@@ -48,7 +49,7 @@ def test_all_formats_and_keys(tmp_path: Path) -> None:
     code, out, err = invoke("enqueue", str(path), "--dataset", "mix", "--db", str(db))
     assert code == 0, err
     assert "enqueued 4 items" in out
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         keys = [r[0] for r in conn.execute("SELECT key FROM items ORDER BY position")]
         fmt, params = conn.execute("SELECT input_format, params FROM datasets").fetchone()
     assert keys == ["chat-1", "2", "3", "batch-7"]
@@ -160,3 +161,18 @@ def test_database_file_is_private(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", prompts(1))
     invoke("enqueue", str(path), "-d", "d", "--db", str(db))
     assert db.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_50_mb_line_is_taken_whole(tmp_path: Path) -> None:
+    db = tmp_path / "q.db"
+    big = "word " * (10 * 1024 * 1024)  # 50 MiB of content on one line
+    path = write_jsonl(
+        tmp_path / "big.jsonl",
+        [*prompts(2), {"id": "huge", "messages": [{"role": "user", "content": big}]}],
+    )
+    code, out, err = invoke("enqueue", str(path), "-d", "d", "--db", str(db))
+    assert code == 0, err
+    assert "enqueued 3 items" in out
+    with closing(sqlite3.connect(db)) as conn:
+        (length,) = conn.execute("SELECT length(request) FROM items WHERE key = 'huge'").fetchone()
+    assert length > 50 * 1024 * 1024
