@@ -26,7 +26,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -85,6 +85,25 @@ class WorkerConfig:
             raise ConfigError("--max-attempts must be at least 1")
         if self.grace_seconds < 0:
             raise ConfigError("--grace must not be negative")
+
+
+class Notifier(Protocol):
+    """Who hears about the worker's life (a service manager, for one)."""
+
+    def ready(self) -> None: ...
+    def stopping(self) -> None: ...
+    def status(self, text: str) -> None: ...
+
+
+class _Silent:
+    def ready(self) -> None:
+        pass
+
+    def stopping(self) -> None:
+        pass
+
+    def status(self, text: str) -> None:
+        pass
 
 
 @dataclass(slots=True)
@@ -299,8 +318,10 @@ class Worker:
         config: WorkerConfig,
         *,
         owner: str | None = None,
+        notifier: Notifier | None = None,
     ):
         self.database = database
+        self.notifier: Notifier = notifier or _Silent()
         self.client = client
         self.config = config
         self.owner = owner or procinfo.owner_id()
@@ -319,6 +340,7 @@ class Worker:
         """Stop claiming; in-flight requests get the grace period (none when forced)."""
         if force or self._stopping.is_set():
             self._grace = 0.0
+        self.notifier.stopping()
         self._stopping.set()
         self._slot_freed.set()
         log.info("stopping", in_flight=len(self._inflight), grace_s=self._grace)
@@ -363,11 +385,17 @@ class Worker:
 
     async def _claim_loop(self) -> None:
         storage_delay = 0.5
+        ready = False
         while not self._stopping.is_set():
             if not self.pool.available.is_set():
                 log.info("waiting_for_server", servers=list(self.config.servers))
+                self.notifier.status("waiting for an inference server")
                 await _first(self.pool.available.wait(), self._stopping.wait())
                 continue
+            if not ready:
+                # The database is open and a server answers: ready for work.
+                self.notifier.ready()
+                ready = True
             free = self.config.concurrency - len(self._inflight)
             leases: list[Lease] = []
             if free > 0:
@@ -544,6 +572,10 @@ class Worker:
                 if now - last_checkpoint >= self.config.checkpoint_every:
                     await self.database.checkpoint()
                     last_checkpoint = now
+                self.notifier.status(
+                    f"{self.stats.completed} done, {self.stats.failed} failed, "
+                    f"{len(self._inflight)} in flight"
+                )
                 if now - last_progress >= self.config.progress_every:
                     log.info("progress", in_flight=len(self._inflight), **_stats_fields(self.stats))
                     last_progress = now
