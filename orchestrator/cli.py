@@ -323,6 +323,7 @@ def run(
     """
     from orchestrator.client import ClientConfig, InferenceClient
     from orchestrator.store import check_datasets, open_database
+    from orchestrator.systemd import SystemdNotifier
     from orchestrator.worker import Worker, WorkerConfig
 
     server_list = tuple(s for entry in servers for s in entry.split())
@@ -352,8 +353,9 @@ def run(
         database = await open_database(db)
         try:
             await check_datasets(database, datasets)
-            async with InferenceClient(client_config) as client:
-                worker = Worker(database, client, config)
+            # Under systemd (Type=notify): READY=1, STOPPING=1, status and watchdog pings.
+            async with InferenceClient(client_config) as client, SystemdNotifier() as notifier:
+                worker = Worker(database, client, config, notifier=notifier)
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, worker.request_stop)
@@ -605,3 +607,108 @@ def demo(ctx: click.Context, workdir: Path, items: int, concurrency: int) -> Non
         logs.configure("warning", json=parent.params.get("log_json"))
 
     run_async(run_demo(workdir, items=items, concurrency=concurrency))
+
+
+# ---------------------------------------------------------------------------- deploy
+
+
+@main.group()
+def deploy() -> None:
+    """Files for running workers as services."""
+
+
+@deploy.command("systemd")
+@click.option("--user", default="orchestrator", show_default=True, help="User and group to run as.")
+@click.option(
+    "--db",
+    default="/var/lib/orchestrator/orchestrator.db",
+    show_default=True,
+    metavar="PATH|URL",
+    help="Absolute SQLite path; its directory is the only place the service may write.",
+)
+@click.option(
+    "--server", "servers", multiple=True, metavar="URL", help="Server base URL; repeat for several."
+)
+@click.option(
+    "--template", is_flag=True, help="orchestrator-worker@.service: one instance per env file."
+)
+@click.option(
+    "--executable",
+    metavar="PATH",
+    help="The orchestrator script to start (default: this installation's).",
+)
+def deploy_systemd(
+    user: str, db: str, servers: tuple[str, ...], template: bool, executable: str | None
+) -> None:
+    """Print a hardened systemd unit for this installation.
+
+    orchestrator deploy systemd > /etc/systemd/system/orchestrator-worker.service
+    """
+    from orchestrator.deploy import UnitSpec, installed_executable, render_unit
+
+    spec = UnitSpec(
+        executable=executable or installed_executable(),
+        user=user,
+        db=db,
+        servers=tuple(s for entry in servers for s in entry.split()),
+        template=template,
+    )
+    try:
+        click.echo(render_unit(spec), nl=False)
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+
+
+# ---------------------------------------------------------------------------- doctor
+
+
+@main.command()
+@click.option(
+    "--server",
+    "servers",
+    multiple=True,
+    envvar="ORCHESTRATOR_SERVERS",
+    metavar="URL",
+    help="Server base URL to check; repeat for several (env ORCHESTRATOR_SERVERS).",
+)
+@click.option("--model", help="Model the servers must serve (default: the datasets' models).")
+@click.option(
+    "--bytes-per-item",
+    type=click.IntRange(min=0),
+    help="Bytes each remaining answer adds to the database (default: measured).",
+)
+@click.option("--clock-tolerance", type=click.FloatRange(min=0), default=60.0, show_default=True)
+@click.option(
+    "--api-key-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the server's API key (else env ORCHESTRATOR_API_KEY).",
+)
+@db_option
+def doctor(
+    servers: tuple[str, ...],
+    model: str | None,
+    bytes_per_item: int | None,
+    clock_tolerance: float,
+    api_key_file: Path | None,
+    db: str | None,
+) -> None:
+    """Check a run can go the distance: database, servers, model, disk, clock.
+
+    One PASS/FAIL line per check; exit code 1 when any fails. Reads only.
+    """
+    from orchestrator.doctor import DoctorConfig, passed, run_checks
+
+    config = DoctorConfig(
+        db=db,
+        servers=tuple(s for entry in servers for s in entry.split()),
+        model=model,
+        api_key=_read_api_key(api_key_file),
+        clock_tolerance=clock_tolerance,
+        bytes_per_item=bytes_per_item,
+    )
+    checks = run_async(run_checks(config))
+    for check in checks:
+        click.echo(check.line)
+    if not passed(checks):
+        sys.exit(1)

@@ -1,0 +1,290 @@
+"""Pre-flight checks for a long run: each one a PASS or FAIL line a person can act on.
+
+A 30-hour run should not find out at hour 20 that the disk fills up, that the server
+serves another model, or that the schema needs an upgrade its workers cannot do. The
+checks only read: nothing is created, upgraded or sent for generation.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import sqlalchemy as sa
+import structlog
+from alembic.script import ScriptDirectory
+
+from orchestrator.client import base_url
+from orchestrator.errors import OrchestratorError
+from orchestrator.store import Database, create_database, list_datasets, resolve_url, snapshot
+from orchestrator.store.migrate import alembic_config, current_revision, head_revision
+from orchestrator.store.schema import outputs
+
+log = structlog.get_logger("orchestrator.doctor")
+
+# Bytes an answer adds to the database when no item is done yet to measure: a few
+# thousand tokens of text, stored as content and as the message JSON, plus indexes.
+DEFAULT_BYTES_PER_ITEM = 32 * 1024
+# The WAL may grow to journal_size_limit between checkpoints, beside the database.
+WAL_ALLOWANCE = 64 * 1024 * 1024
+# Pages, indexes and free space around the measured answer sizes.
+STORAGE_OVERHEAD = 1.5
+SAMPLE_OUTPUTS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One result. ``ok`` is None when the check could not apply (shown as SKIP)."""
+
+    name: str
+    ok: bool | None
+    detail: str
+
+    @property
+    def line(self) -> str:
+        label = {True: "PASS", False: "FAIL", None: "SKIP"}[self.ok]
+        return f"{label}  {self.name}: {self.detail}"
+
+
+@dataclass(frozen=True, slots=True)
+class DoctorConfig:
+    db: str | None = None
+    servers: tuple[str, ...] = ()
+    model: str | None = None
+    api_key: str | None = None
+    clock_tolerance: float = 60.0
+    bytes_per_item: int | None = None  # None: measured from done items, else the default
+    timeout: float = 10.0
+
+
+@dataclass(slots=True)
+class _DbFacts:
+    """What the database check learnt, for the checks after it."""
+
+    readable: bool = False
+    models: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    output_bytes: float | None = None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _sqlite_file(db: str | None) -> Path | None:
+    url = resolve_url(db)
+    if url.get_backend_name() != "sqlite" or not url.database:
+        return None
+    return Path(url.database).absolute()
+
+
+async def check_database(config: DoctorConfig, facts: _DbFacts) -> Check:
+    """Reachable and at the schema head this orchestrator knows; never upgraded here."""
+    path = _sqlite_file(config.db)
+    if path is not None and not path.exists():
+        return Check("database", False, f"{path} does not exist (enqueue creates it)")
+    try:
+        database = create_database(config.db)
+    except OrchestratorError as exc:
+        return Check("database", False, str(exc))
+    try:
+        current = await current_revision(database)
+        head = head_revision()
+        if current is None:
+            return Check(
+                "database",
+                False,
+                f"{database.where}: no schema yet (this orchestrator's is {head}); "
+                "run `orchestrator db upgrade`",
+            )
+        script = ScriptDirectory.from_config(alembic_config())
+        try:
+            script.get_revision(current)
+        except Exception:
+            return Check(
+                "database",
+                False,
+                f"{database.where}: schema {current} is newer than this orchestrator knows "
+                f"({head}); upgrade orchestrator",
+            )
+        if current != head:
+            return Check(
+                "database",
+                False,
+                f"{database.where}: schema {current} is behind {head}; stop the workers and "
+                "run `orchestrator db upgrade`",
+            )
+        await _learn(database, facts)
+    except OrchestratorError as exc:
+        return Check("database", False, str(exc))
+    finally:
+        await database.close()
+    total = facts.counts.get("total", 0)
+    return Check(
+        "database",
+        True,
+        f"{database.where}: schema {current}, {total:,} items "
+        f"({facts.counts.get('done', 0):,} done)",
+    )
+
+
+async def _learn(database: Database, facts: _DbFacts) -> None:
+    datasets = await list_datasets(database)
+    facts.models = sorted({m for d in datasets if isinstance(m := d.params.get("model"), str)})
+    facts.counts = dict((await snapshot(database))["totals"]["counts"])
+    if facts.counts.get("done"):
+        recent = (
+            sa.select(
+                (
+                    sa.func.coalesce(sa.func.length(outputs.c.content), 0)
+                    + sa.func.coalesce(sa.func.length(outputs.c.reasoning), 0)
+                    + sa.func.length(outputs.c.message)
+                    + sa.func.coalesce(sa.func.length(outputs.c.usage), 0)
+                ).label("n")
+            )
+            .order_by(outputs.c.item_id.desc())
+            .limit(SAMPLE_OUTPUTS)
+            .subquery()
+        )
+        async with database.read() as conn:
+            mean = (await conn.execute(sa.select(sa.func.avg(recent.c.n)))).scalar()
+        facts.output_bytes = float(mean or 0)
+    facts.readable = True
+
+
+async def check_server(
+    session: aiohttp.ClientSession, server: str, wanted: list[str], config: DoctorConfig
+) -> list[Check]:
+    """``/health`` answers, ``/v1/models`` serves the wanted models, the clocks agree."""
+    url = base_url(server)
+    timeout = aiohttp.ClientTimeout(total=config.timeout)
+    name = f"server {url}"
+    started = time.monotonic()
+    try:
+        async with session.get(url + "/health", timeout=timeout) as resp:
+            await resp.read()
+            status, date = resp.status, resp.headers.get("Date")
+        received = time.time()
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        reason = str(exc) or type(exc).__name__
+        return [
+            Check(name, False, f"/health: {reason}"),
+            Check(f"models {url}", None, "server unreachable"),
+            Check(f"clock {url}", None, "server unreachable"),
+        ]
+    took = (time.monotonic() - started) * 1000
+    checks = [
+        Check(name, status == 200, f"/health answered {status} in {took:.0f} ms"),
+        await _check_models(session, url, wanted, timeout),
+        _check_clock(url, date, received, config.clock_tolerance),
+    ]
+    return checks
+
+
+async def _check_models(
+    session: aiohttp.ClientSession, url: str, wanted: list[str], limit: aiohttp.ClientTimeout
+) -> Check:
+    name = f"models {url}"
+    try:
+        async with session.get(url + "/v1/models", timeout=limit) as resp:
+            body: Any = await resp.json(content_type=None) if resp.status == 200 else None
+            status = resp.status
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        return Check(name, False, f"/v1/models: {str(exc) or type(exc).__name__}")
+    if body is None:
+        hint = " (check the API key)" if status in (401, 403) else ""
+        return Check(name, False, f"/v1/models answered {status}{hint}")
+    try:
+        served = sorted(str(m["id"]) for m in body["data"])
+    except (KeyError, TypeError):
+        return Check(name, False, "/v1/models: not an OpenAI model list")
+    if not wanted:
+        return Check(name, True, f"serves {', '.join(served) or 'nothing'} (no model asked for)")
+    missing = [m for m in wanted if m not in served]
+    if missing:
+        return Check(
+            name, False, f"does not serve {', '.join(missing)} (it serves {', '.join(served)})"
+        )
+    return Check(name, True, f"serves {', '.join(wanted)}")
+
+
+def _check_clock(url: str, date: str | None, received: float, tolerance: float) -> Check:
+    name = f"clock {url}"
+    if not date:
+        return Check(name, None, "the server sent no Date header")
+    try:
+        server_time = email.utils.parsedate_to_datetime(date).timestamp()
+    except (TypeError, ValueError):
+        return Check(name, None, f"unreadable Date header {date!r}")
+    # Date is truncated to the second: the server's clock read half a second later.
+    skew = received - (server_time + 0.5)
+    ok = abs(skew) <= tolerance
+    where = "ahead of" if skew > 0 else "behind"
+    detail = f"this host is {abs(skew):.0f} s {where} the server (limit {tolerance:.0f} s)"
+    if not ok:
+        detail += "; leases and rates depend on the clock: fix NTP"
+    return Check(name, ok, detail)
+
+
+def check_disk(config: DoctorConfig, facts: _DbFacts) -> Check:
+    """Free space at the database against what the rest of the run will add to it.
+
+    The projection is the remaining items times the bytes an answer takes (measured on
+    the latest done items, or an estimate before any is done), plus room for the WAL.
+    """
+    path = _sqlite_file(config.db)
+    if path is None:
+        return Check("disk", None, "not a SQLite file")
+    if not facts.readable:
+        return Check("disk", None, "database not readable")
+    size = sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
+    remaining = facts.counts.get("pending", 0) + facts.counts.get("running", 0)
+    if config.bytes_per_item is not None:
+        per_item, how = float(config.bytes_per_item), "as given"
+    elif facts.output_bytes:
+        per_item, how = facts.output_bytes * STORAGE_OVERHEAD, "measured"
+    else:
+        per_item, how = float(DEFAULT_BYTES_PER_ITEM), "estimated"
+    needed = remaining * per_item + WAL_ALLOWANCE
+    free = shutil.disk_usage(path.parent).free
+    detail = (
+        f"{_size(free)} free at {path.parent}; the database is {_size(size)} and "
+        f"{remaining:,} items to go at ~{_size(per_item)} each ({how}) need about "
+        f"{_size(needed)} more (ends near {_size(size + needed - WAL_ALLOWANCE)})"
+    )
+    return Check("disk", free >= needed, detail)
+
+
+async def run_checks(config: DoctorConfig) -> list[Check]:
+    """Every check, in the order a person would fix things."""
+    facts = _DbFacts()
+    checks = [await check_database(config, facts)]
+    wanted = [config.model] if config.model else facts.models
+    headers = {"User-Agent": "orchestrator-doctor"}
+    if config.api_key:
+        headers["Authorization"] = f"Bearer {config.api_key}"
+    if not config.servers:
+        checks.append(Check("servers", None, "none given (--server or ORCHESTRATOR_SERVERS)"))
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for server in config.servers:
+            checks.extend(await check_server(session, server, wanted, config))
+    checks.append(check_disk(config, facts))
+    for check in checks:
+        log.debug("doctor_check", check=check.name, ok=check.ok, detail=check.detail)
+    return checks
+
+
+def passed(checks: list[Check]) -> bool:
+    return all(c.ok is not False for c in checks)
+
+
+__all__ = ["Check", "DoctorConfig", "passed", "run_checks"]
