@@ -173,7 +173,12 @@ def run_measured(
     cwd: Path | None = None,
     stop_after: float | None = None,
 ) -> Measured:
-    """Run a command to completion; peak RSS is ``ru_maxrss`` from ``wait4`` (exact, no polling).
+    """Run a command to completion and measure its time, CPU and peak RSS.
+
+    Peak RSS is the child's own ``VmHWM`` from ``/proc``, polled every 20 ms, not
+    ``ru_maxrss`` from ``wait4``: Linux carries the parent's resident size at fork
+    into the child's ``ru_maxrss``, so a benchmark script that just built a large
+    database in memory would be charged to the command it measures.
 
     ``stop_after`` seconds: send SIGTERM then (a worker stops claiming, finishes what it
     holds and exits 0), for steps too long to run to the end.
@@ -193,6 +198,10 @@ def run_measured(
         timer = threading.Timer(stop_after, proc.terminate) if stop_after else None
         if timer is not None:
             timer.start()
+        peak_kb = [0]
+        done = threading.Event()
+        poller = threading.Thread(target=_poll_hwm, args=(proc.pid, peak_kb, done), daemon=True)
+        poller.start()
         try:
             _, status, usage = os.wait4(proc.pid, 0)
         except BaseException:
@@ -200,8 +209,10 @@ def run_measured(
             proc.wait()
             raise
         finally:
+            done.set()
             if timer is not None:
                 timer.cancel()
+        poller.join()
         seconds = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
@@ -209,13 +220,28 @@ def run_measured(
         return Measured(
             argv=argv,
             seconds=seconds,
-            peak_rss_mb=usage.ru_maxrss / 1024,
+            peak_rss_mb=(peak_kb[0] or usage.ru_maxrss) / 1024,
             user_s=usage.ru_utime,
             sys_s=usage.ru_stime,
             returncode=proc.returncode,
             stdout=out.read().decode(errors="replace"),
             stderr=err.read().decode(errors="replace"),
         )
+
+
+def _poll_hwm(pid: int, peak_kb: list[int], done: threading.Event) -> None:
+    """Keep the highest ``VmHWM`` (peak resident set, kB) the process reports."""
+    path = f"/proc/{pid}/status"
+    while not done.is_set():
+        try:
+            with open(path) as fh:
+                for line in fh:
+                    if line.startswith("VmHWM:"):
+                        peak_kb[0] = max(peak_kb[0], int(line.split()[1]))
+                        break
+        except (OSError, ValueError):
+            pass
+        done.wait(0.02)
 
 
 def proc_cpu_seconds(pid: int) -> float:
