@@ -282,6 +282,8 @@ class Committer:
         groups: dict[str, list[_Pending]] = {}
         for entry in batch:
             groups.setdefault(entry.kind, []).append(entry)
+        # Keyed by entry: one item may have two outcomes in a batch (a result that
+        # arrived, then its release at shutdown), and each gets its own answer.
         results: dict[int, bool] = {}
         for kind, entries in groups.items():
             if kind == "complete":
@@ -292,10 +294,10 @@ class Committer:
                 accepted = await self.queue.retry([(e.lease, *e.payload) for e in entries])
             else:
                 accepted = await self.queue.release([(e.lease, *e.payload) for e in entries])
-            results.update({e.lease.item_id: e.lease.item_id in accepted for e in entries})
+            results.update({id(e): e.lease.item_id in accepted for e in entries})
         for entry in batch:
             if not entry.future.done():
-                entry.future.set_result(results[entry.lease.item_id])
+                entry.future.set_result(results[id(entry)])
 
 
 # ------------------------------------------------------------------------ worker
