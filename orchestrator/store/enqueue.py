@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import InputError
 from orchestrator.store.datasets import DatasetInfo, DatasetSpec, declare
-from orchestrator.store.engine import Database
+from orchestrator.store.engine import Database, insert_many
 from orchestrator.store.schema import items
 
 BATCH = 2000
@@ -193,30 +193,17 @@ async def _insert_batch(
             )
         )
     if rows:
-        # Straight to the driver's executemany: at a million rows, building and
-        # binding a dict per row through the SQL layer cost more than SQLite itself.
-        await conn.exec_driver_sql(_insert_sql(conn.dialect.paramstyle), rows)
+        await insert_many(conn, "items", _INSERT_COLUMNS, rows)
         report.added += len(rows)
 
 
+# New pending rows; state, attempts and not_before take their column defaults.
 _INSERT_COLUMNS = (
     "dataset_id",
-    '"key"',
+    "key",
     "position",
     "request",
     "digest",
     "created_at",
     "updated_at",
 )
-
-
-def _insert_sql(paramstyle: str) -> str:
-    """New pending rows; state, attempts and not_before take their column defaults."""
-    if paramstyle == "qmark":
-        marks = ", ".join("?" for _ in _INSERT_COLUMNS)
-    elif paramstyle in ("numeric", "numeric_dollar"):
-        prefix = "$" if paramstyle == "numeric_dollar" else ":"
-        marks = ", ".join(f"{prefix}{i}" for i in range(1, len(_INSERT_COLUMNS) + 1))
-    else:
-        marks = ", ".join("%s" for _ in _INSERT_COLUMNS)
-    return f"INSERT INTO items ({', '.join(_INSERT_COLUMNS)}) VALUES ({marks})"

@@ -30,7 +30,7 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from orchestrator.store.engine import Database
+from orchestrator.store.engine import Database, insert_many
 from orchestrator.store.schema import attempt_errors, datasets, items, outputs
 
 # Bound parameter lists so one statement stays well under SQLite's variable limit.
@@ -306,7 +306,7 @@ class Queue:
                 _output_row(lease, out, now) for lease, out in results if lease.item_id in accepted
             ]
             if rows:
-                await conn.execute(outputs.insert(), rows)
+                await insert_many(conn, "outputs", _OUTPUT_COLUMNS, rows)
         return accepted
 
     async def retry(
@@ -513,22 +513,42 @@ class Queue:
             return result.rowcount
 
 
-def _output_row(lease: Lease, out: Output, now: float) -> dict[str, Any]:
+_OUTPUT_COLUMNS = (
+    "item_id",
+    "dataset_id",
+    "content",
+    "reasoning",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "message",
+    "usage",
+    "latency",
+    "server",
+    "model",
+    "response_id",
+    "attempt",
+    "created_at",
+)
+
+
+def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
+    """One ``outputs`` row, in ``_OUTPUT_COLUMNS`` order."""
     usage = out.usage or {}
-    return {
-        "item_id": lease.item_id,
-        "dataset_id": lease.dataset_id,
-        "content": out.content,
-        "reasoning": out.reasoning,
-        "finish_reason": out.finish_reason,
-        "prompt_tokens": usage.get("prompt_tokens"),
-        "completion_tokens": usage.get("completion_tokens"),
-        "message": orjson.dumps(out.message).decode(),
-        "usage": orjson.dumps(out.usage).decode() if out.usage is not None else None,
-        "latency": out.latency,
-        "server": out.server,
-        "model": out.model,
-        "response_id": out.response_id,
-        "attempt": lease.attempt,
-        "created_at": now,
-    }
+    return (
+        lease.item_id,
+        lease.dataset_id,
+        out.content,
+        out.reasoning,
+        out.finish_reason,
+        usage.get("prompt_tokens"),
+        usage.get("completion_tokens"),
+        orjson.dumps(out.message).decode(),
+        orjson.dumps(out.usage).decode() if out.usage is not None else None,
+        out.latency,
+        out.server,
+        out.model,
+        out.response_id,
+        lease.attempt,
+        now,
+    )
