@@ -32,6 +32,31 @@ db_option = click.option(
 )
 
 
+def _split_servers(
+    _ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
+) -> tuple[str, ...]:
+    """``--server`` may repeat, and ORCHESTRATOR_SERVERS holds several, space-separated."""
+    return tuple(s for entry in values for s in entry.split())
+
+
+servers_option = click.option(
+    "--server",
+    "servers",
+    multiple=True,
+    envvar="ORCHESTRATOR_SERVERS",
+    metavar="URL",
+    callback=_split_servers,
+    help="OpenAI-compatible server base URL; repeat for several "
+    "(env ORCHESTRATOR_SERVERS, space-separated).",
+)
+
+api_key_file_option = click.option(
+    "--api-key-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the server's API key (else env ORCHESTRATOR_API_KEY).",
+)
+
+
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; turn our errors into a message and an exit code."""
     try:
@@ -239,15 +264,7 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 
 
 @main.command()
-@click.option(
-    "--server",
-    "servers",
-    multiple=True,
-    envvar="ORCHESTRATOR_SERVERS",
-    metavar="URL",
-    help="OpenAI-compatible server base URL; repeat for several "
-    "(env ORCHESTRATOR_SERVERS, space-separated).",
-)
+@servers_option
 @click.option(
     "--concurrency",
     type=click.IntRange(min=1),
@@ -295,11 +312,7 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 @click.option(
     "--stream-idle-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True
 )
-@click.option(
-    "--api-key-file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="File holding the server's API key (else env ORCHESTRATOR_API_KEY).",
-)
+@api_key_file_option
 @db_option
 def run(
     servers: tuple[str, ...],
@@ -326,7 +339,7 @@ def run(
     from orchestrator.systemd import SystemdNotifier
     from orchestrator.worker import Worker, WorkerConfig
 
-    server_list = tuple(s for entry in servers for s in entry.split())
+    server_list = servers
     config = (
         WorkerConfig(
             servers=server_list,
@@ -627,7 +640,12 @@ def deploy() -> None:
     help="Absolute SQLite path; its directory is the only place the service may write.",
 )
 @click.option(
-    "--server", "servers", multiple=True, metavar="URL", help="Server base URL; repeat for several."
+    "--server",
+    "servers",
+    multiple=True,
+    metavar="URL",
+    callback=_split_servers,
+    help="Server base URL; repeat for several.",
 )
 @click.option(
     "--template", is_flag=True, help="orchestrator-worker@.service: one instance per env file."
@@ -650,7 +668,7 @@ def deploy_systemd(
         executable=executable or installed_executable(),
         user=user,
         db=db,
-        servers=tuple(s for entry in servers for s in entry.split()),
+        servers=servers,
         template=template,
     )
     try:
@@ -664,14 +682,7 @@ def deploy_systemd(
 
 
 @main.command()
-@click.option(
-    "--server",
-    "servers",
-    multiple=True,
-    envvar="ORCHESTRATOR_SERVERS",
-    metavar="URL",
-    help="Server base URL to check; repeat for several (env ORCHESTRATOR_SERVERS).",
-)
+@servers_option
 @click.option("--model", help="Model the servers must serve (default: the datasets' models).")
 @click.option(
     "--bytes-per-item",
@@ -679,11 +690,7 @@ def deploy_systemd(
     help="Bytes each remaining answer adds to the database (default: measured).",
 )
 @click.option("--clock-tolerance", type=click.FloatRange(min=0), default=60.0, show_default=True)
-@click.option(
-    "--api-key-file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="File holding the server's API key (else env ORCHESTRATOR_API_KEY).",
-)
+@api_key_file_option
 @db_option
 def doctor(
     servers: tuple[str, ...],
@@ -701,7 +708,7 @@ def doctor(
 
     config = DoctorConfig(
         db=db,
-        servers=tuple(s for entry in servers for s in entry.split()),
+        servers=servers,
         model=model,
         api_key=_read_api_key(api_key_file),
         clock_tolerance=clock_tolerance,

@@ -20,7 +20,6 @@ It knows nothing of the queue. Every failure leaves as one of the errors in
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -367,13 +366,3 @@ def _assistant_message(
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message
-
-
-async def wait_healthy(client: InferenceClient, server: str, *, within: float) -> bool:
-    """Poll ``/health`` until it answers 200 or ``within`` seconds pass."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if await client.health(server):
-            return True
-        await asyncio.sleep(0.2)
-    return False

@@ -36,12 +36,13 @@ SimFactory = Callable[..., SimProcess]
 
 def sizes(ci: Any, full: Any) -> list[Any]:
     """The CI variant, and the full one (selected with ``-m slow``)."""
-    unpack = isinstance(ci, tuple)
+
+    def args(value: Any) -> tuple[Any, ...]:
+        return value if isinstance(value, tuple) else (value,)
+
     return [
-        pytest.param(*ci, id="ci") if unpack else pytest.param(ci, id="ci"),
-        pytest.param(*full, id="full", marks=pytest.mark.slow)
-        if unpack
-        else pytest.param(full, id="full", marks=pytest.mark.slow),
+        pytest.param(*args(ci), id="ci"),
+        pytest.param(*args(full), id="full", marks=pytest.mark.slow),
     ]
 
 
