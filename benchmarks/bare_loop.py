@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", required=True)
     parser.add_argument("--prompts", type=Path, required=True)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop to run on"
+    )
     args = parser.parse_args(argv)
     # The same body the worker sends: the line's messages, plus "stream": false.
     bodies = []
@@ -52,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
             obj = orjson.loads(line)
             bodies.append(orjson.dumps({"messages": obj["messages"], "stream": False}))
     start = time.perf_counter()
-    done, errors = asyncio.run(bare_loop(args.server, bodies, args.concurrency))
+    factory = None
+    if args.loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        done, errors = runner.run(bare_loop(args.server, bodies, args.concurrency))
     seconds = time.perf_counter() - start
     sys.stdout.write(
         orjson.dumps({"requests": done, "errors": errors, "seconds": seconds}).decode() + "\n"

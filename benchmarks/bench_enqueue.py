@@ -2,17 +2,26 @@
 
 The floor is ``executemany`` of the same rows into a table of the same shape (the real
 schema, created by ``orchestrator db upgrade``: same columns, constraints and indexes) in
-one transaction. Targets: ≤ 20 s and ≤ 200 MB for 1,000,000 lines.
+one transaction. Targets: ≤ 20 s and ≤ 200 MB for 1,000,000 lines. Also shown: the same
+rows as multi-row INSERTs of 2,000 rows, which is how enqueue writes them, i.e. the
+SQLite side of enqueue on its own.
 
-    python benchmarks/bench_enqueue.py [--lines 1000000]
+    python benchmarks/bench_enqueue.py [--lines 1000000] [--repeat 5] [--regenerate all]
+
+``--regenerate all`` enqueues the same lines for a dataset that regenerates every
+assistant turn (whole conversations and their turn counts stored); the floors stay those
+of plain prompt rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sqlite3
+import statistics
 import time
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +29,7 @@ import orjson
 from common import (
     DATASET,
     ORCH,
+    Measured,
     add_common_args,
     connect,
     enqueue_argv,
@@ -68,8 +78,13 @@ def build_rows(prompts: Path) -> list[tuple[Any, ...]]:
     return rows
 
 
-def sqlite_floor(db: Path, rows: list[tuple[Any, ...]]) -> float:
-    """Seconds for one executemany of ``rows`` in one transaction, same pragmas as the store."""
+def sqlite_floor(db: Path, rows: list[tuple[Any, ...]], per_statement: int = 1) -> float:
+    """Seconds to insert ``rows`` in one transaction, same pragmas as the store.
+
+    ``per_statement`` 1: one ``executemany``; more: multi-row INSERTs of that many rows.
+    """
+    for stale in db.parent.glob(f"{db.name}*"):
+        stale.unlink()
     run_measured([*ORCH, "db", "upgrade", "--db", str(db)]).check()
     conn = connect(db)
     try:
@@ -79,11 +94,18 @@ def sqlite_floor(db: Path, rows: list[tuple[Any, ...]]) -> float:
             " VALUES (1, ?, '{}', ?, ?)",
             (DATASET, now, now),
         )
+        one = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         with timed() as watch:
             conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(
-                f"INSERT INTO items ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows
-            )
+            if per_statement == 1:
+                conn.executemany(f"INSERT INTO items ({_COLUMNS}) VALUES {one}", rows)
+            else:
+                for i in range(0, len(rows), per_statement):
+                    chunk = rows[i : i + per_statement]
+                    conn.execute(
+                        f"INSERT INTO items ({_COLUMNS}) VALUES {', '.join([one] * len(chunk))}",
+                        list(chain.from_iterable(chunk)),
+                    )
             conn.execute("COMMIT")
         return watch.seconds
     finally:
@@ -101,39 +123,72 @@ def count_items(db: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=1_000_000)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="alternate enqueue and floor runs this many times; medians are used",
+    )
+    parser.add_argument(
+        "--regenerate",
+        choices=("last", "all"),
+        default="last",
+        help="the dataset's regenerate mode (enqueue --regenerate)",
+    )
     add_common_args(parser, pinning=False)
     args = parser.parse_args(argv)
     print_machine()
 
+    runs: list[Measured] = []
+    floors: list[float] = []
+    multi: list[float] = []
+    loads: list[float] = []
     with workdir(args.workdir) as work:
         with timed() as gen:
             prompts = write_prompts(work / "prompts.jsonl", args.lines)
         size_mb = prompts.stat().st_size / 2**20
         print(f"{args.lines:,} lines, {size_mb:,.0f} MB, written in {gen.seconds:.1f} s")
         db = work / "enqueue.db"
-        floor_db = work / "floor.db"
-        for stale in [*work.glob("enqueue.db*"), *work.glob("floor.db*")]:
-            stale.unlink()
-
         startup = python_startup_seconds()
-        m = run_measured(enqueue_argv(prompts, db), profile=args.profile).check()
-        added = count_items(db)
-
         with timed() as prep:
             rows = build_rows(prompts)
-        insert_s = sqlite_floor(floor_db, rows)
+        for i in range(args.repeat):
+            for stale in work.glob("enqueue.db*"):
+                stale.unlink()
+            loads.append(os.getloadavg()[0])
+            profile = args.profile if i == 0 else None
+            argv = [*enqueue_argv(prompts, db), "--regenerate", args.regenerate]
+            m = run_measured(argv, profile=profile).check()
+            added = count_items(db)
+            if added != args.lines:
+                print(f"WARNING: {added:,} of {args.lines:,} lines are in the queue")
+            runs.append(m)
+            floors.append(sqlite_floor(work / "floor.db", rows))
+            multi.append(sqlite_floor(work / "floor-multi.db", rows, per_statement=2000))
+            if args.repeat > 1:
+                print(
+                    f"pass {i + 1}: enqueue {m.seconds:.1f} s, {fmt_mb(m.peak_rss_mb)}; "
+                    f"executemany {floors[-1]:.1f} s; multi-row {multi[-1]:.1f} s; "
+                    f"load {loads[-1]:.2f}",
+                    flush=True,
+                )
         del rows
 
+    seconds = statistics.median(m.seconds for m in runs)
+    rss = max(m.peak_rss_mb for m in runs)
+    insert_s = statistics.median(floors)
+    multi_s = statistics.median(multi)
+    spread = "" if args.repeat == 1 else f" (median of {args.repeat})"
     print()
     print_table(
-        ["path", "rows", "seconds", "rows/s", "peak RSS"],
+        ["path", "rows", "seconds" + spread, "rows/s", "peak RSS"],
         [
             [
                 "orchestrator enqueue (subprocess)",
-                f"{added:,}",
-                f"{m.seconds:.1f}",
-                f"{added / m.seconds:,.0f}",
-                fmt_mb(m.peak_rss_mb),
+                f"{args.lines:,}",
+                f"{seconds:.1f}",
+                f"{args.lines / seconds:,.0f}",
+                fmt_mb(rss),
             ],
             [
                 "sqlite3 executemany, rows prebuilt",
@@ -149,23 +204,37 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.lines / (prep.seconds + insert_s):,.0f}",
                 "-",
             ],
+            [
+                "sqlite3 multi-row INSERT, rows prebuilt",
+                f"{args.lines:,}",
+                f"{multi_s:.1f}",
+                f"{args.lines / multi_s:,.0f}",
+                "-",
+            ],
         ],
     )
     print()
+    if args.repeat > 1:
+        print(
+            "enqueue runs: " + ", ".join(f"{m.seconds:.1f}" for m in runs) + " s; "
+            "executemany: " + ", ".join(f"{f:.1f}" for f in floors) + " s; "
+            "load at each pass: " + ", ".join(f"{x:.2f}" for x in loads)
+        )
     print(f"interpreter start-up and imports: ~{startup:.2f} s of the enqueue figure")
     print(
-        f"ratio enqueue / executemany: {m.seconds / insert_s:.1f}x; "
-        f"/ (read+parse+digest+executemany): {m.seconds / (prep.seconds + insert_s):.1f}x"
+        f"ratio enqueue / executemany: {seconds / insert_s:.2f}x; "
+        f"/ (read+parse+digest+executemany): {seconds / (prep.seconds + insert_s):.2f}x; "
+        f"/ multi-row INSERT: {seconds / multi_s:.2f}x"
     )
     print(
-        f"time {m.seconds:.1f} s, target ≤ {TARGET_SECONDS:.0f} s: "
-        f"{verdict(m.seconds, TARGET_SECONDS)}; peak RSS {fmt_mb(m.peak_rss_mb)}, "
-        f"target ≤ {TARGET_MB:.0f} MB: {verdict(m.peak_rss_mb, TARGET_MB)}"
+        f"time {seconds:.1f} s, target ≤ {TARGET_SECONDS:.0f} s: "
+        f"{verdict(seconds, TARGET_SECONDS)}; peak RSS {fmt_mb(rss)}, "
+        f"target ≤ {TARGET_MB:.0f} MB: {verdict(rss, TARGET_MB)}"
     )
-    if added != args.lines:
-        print(f"WARNING: {added:,} of {args.lines:,} lines are in the queue")
     if args.profile:
-        print(f"profile (collapsed stacks): {args.profile}; timings above include py-spy")
+        print(
+            f"profile (collapsed stacks, first pass): {args.profile}; timings above include py-spy"
+        )
     return 0
 
 

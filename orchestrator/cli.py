@@ -6,9 +6,9 @@ on stderr and the error's exit code (2 bad input or options, 3 storage).
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import functools
 import os
-import signal
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -17,10 +17,20 @@ from typing import Any, TypeVar
 import click
 import orjson
 
-from orchestrator import __version__, logs
+from orchestrator import __version__
 from orchestrator.errors import ConfigError, OrchestratorError
 
 T = TypeVar("T")
+
+# orchestrator.logs.LEVELS, spelled out: importing orchestrator.logs loads structlog (and
+# asyncio with it), which the read-only fast paths never need. A test keeps them equal.
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# orchestrator.formats.export.FORMATS and REASONING_MODES, spelled out for the same reason.
+EXPORT_FORMATS = ("messages", "sharegpt", "openai-batch")
+REASONING_MODES = ("separate", "inline", "drop")
+# Commands that set up logging only when they leave their sqlite3 fast path.
+_LAZY_LOGGING = frozenset({"status", "export"})
+_pending_logs: tuple[str, bool | None] | None = None
 
 db_option = click.option(
     "--db",
@@ -59,8 +69,15 @@ api_key_file_option = click.option(
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; turn our errors into a message and an exit code."""
+    from orchestrator import aio  # here, not at the top: the read-only fast paths never need it
+
+    return run_sync(functools.partial(aio.run, coro))
+
+
+def run_sync(fn: Callable[[], T]) -> T:
+    """Call a function; turn our errors into a message and an exit code."""
     try:
-        return asyncio.run(coro)
+        return fn()
     except OrchestratorError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
@@ -85,7 +102,7 @@ def _end_progress(progress: Callable[[int], None] | None) -> None:
 @click.version_option(__version__, prog_name="orchestrator")
 @click.option(
     "--log-level",
-    type=click.Choice(logs.LEVELS),
+    type=click.Choice(LOG_LEVELS),
     envvar="ORCHESTRATOR_LOG_LEVEL",
     default="info",
     show_default=True,
@@ -95,9 +112,24 @@ def _end_progress(progress: Callable[[int], None] | None) -> None:
     default=None,
     help="JSON log lines (default: when stderr is not a terminal).",
 )
-def main(log_level: str, log_json: bool | None) -> None:
+@click.pass_context
+def main(ctx: click.Context, log_level: str, log_json: bool | None) -> None:
     """Durable, resumable batch generation against OpenAI-compatible servers."""
-    logs.configure(log_level, json=log_json)
+    global _pending_logs
+    _pending_logs = (log_level, log_json)
+    if ctx.invoked_subcommand not in _LAZY_LOGGING:
+        _configure_logs()
+
+
+def _configure_logs() -> None:
+    """Set up logging as the group's options asked, once, before anything may log."""
+    global _pending_logs
+    if _pending_logs is not None:
+        from orchestrator import logs
+
+        level, json = _pending_logs
+        _pending_logs = None
+        logs.configure(level, json=json)
 
 
 # ---------------------------------------------------------------------------- db
@@ -131,6 +163,16 @@ def db_upgrade(db: str | None) -> None:
 
 # ---------------------------------------------------------------------------- enqueue
 
+# orchestrator.formats.readers.INPUT_FORMATS and the dataset choices of
+# orchestrator.store.datasets, spelled out: importing those modules loads orjson and
+# SQLAlchemy before any command runs. A test keeps them equal.
+INPUT_FORMATS = ("auto", "messages", "sharegpt", "prompt", "openai-batch", "tokens")
+REGENERATE = ("last", "all")
+ON_TRUNCATED = ("keep", "retry", "fail")
+DEFAULT_TOKENS_PER_SECOND = 850.0
+"""``plan``'s default rate: the total tokens per second of a typical single-GPU reasoning
+run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md."""
+
 
 def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
     params: dict[str, Any] = {}
@@ -146,8 +188,14 @@ def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
 
 
 @main.command()
-@click.argument("file", type=click.Path(path_type=Path))
-@click.option("--dataset", "-d", required=True, help="Dataset name (created on first use).")
+@click.argument("file", required=False, type=click.Path(path_type=Path))
+@click.option(
+    "--config",
+    type=click.Path(path_type=Path),
+    help="Enqueue every dataset of a run file (docs/CONFIG.md) instead of one FILE; the "
+    "file is checked as a whole first.",
+)
+@click.option("--dataset", "-d", help="Dataset name (created on first use).")
 @click.option("--model", help="Model name sent with every request of the dataset.")
 @click.option("--max-tokens", type=click.IntRange(min=1), help="max_tokens of each request.")
 @click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature.")
@@ -166,12 +214,48 @@ def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
 )
 @click.option("--priority", type=int, help="Higher priority datasets are worked on first.")
 @click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(INPUT_FORMATS),
+    default="auto",
+    show_default=True,
+    help="Every line must be in this format (auto: any mix). tokens: pre-tokenised "
+    "input_ids/loss_mask rows, with --passthrough only.",
+)
+@click.option(
+    "--regenerate",
+    type=click.Choice(REGENERATE),
+    help="last: generate each conversation's final answer; all: every assistant turn, in "
+    "order. Fixed when the dataset is created (default: the dataset's, else last).",
+)
+@click.option(
+    "--on-truncated",
+    type=click.Choice(ON_TRUNCATED),
+    help="What an answer cut at max_tokens does: keep it, retry it, or fail the item "
+    "(default: the dataset's, else keep).",
+)
+@click.option(
+    "--passthrough",
+    is_flag=True,
+    help="The rows already hold the answer (conversations ending with it, or tokens rows): "
+    "stored as done, no request sent. Fixed when the dataset is created.",
+)
+@click.option(
+    "--update",
+    is_flag=True,
+    help="Accept new request parameters for an existing dataset: its items not done yet "
+    "are sent with them (each output records the parameters it was made with).",
+)
+@click.option(
     "--skip-invalid", is_flag=True, help="Skip bad lines (listed and counted) instead of failing."
 )
 @db_option
+@click.pass_context
 def enqueue(
-    file: Path,
-    dataset: str,
+    ctx: click.Context,
+    file: Path | None,
+    config: Path | None,
+    dataset: str | None,
     model: str | None,
     max_tokens: int | None,
     temperature: float | None,
@@ -179,6 +263,11 @@ def enqueue(
     params: tuple[str, ...],
     concurrency: int | None,
     priority: int | None,
+    fmt: str,
+    regenerate: str | None,
+    on_truncated: str | None,
+    passthrough: bool,
+    update: bool,
     skip_invalid: bool,
     db: str | None,
 ) -> None:
@@ -188,11 +277,47 @@ def enqueue(
     {"prompt": "..."} or OpenAI batch request lines ({"custom_id", "body": {...}}). The
     item key is the line's "id" or "custom_id", else its line number. Enqueuing the same
     file again adds nothing.
+
+    With --config RUN.toml, every dataset of the run file instead, each file in its own
+    transaction, in the file's order.
     """
+    if config is not None:
+        given = [
+            name
+            for name, value in (
+                ("FILE", file),
+                ("--dataset", dataset),
+                ("--model", model),
+                ("--max-tokens", max_tokens),
+                ("--temperature", temperature),
+                ("--top-p", top_p),
+                ("--param", params or None),
+                ("--concurrency", concurrency),
+                ("--priority", priority),
+                ("--format", None if fmt == "auto" else fmt),
+                ("--regenerate", regenerate),
+                ("--on-truncated", on_truncated),
+                ("--passthrough", passthrough or None),
+            )
+            if value is not None
+        ]
+        if given:
+            raise click.UsageError(
+                f"--config takes every dataset setting from the run file: drop {', '.join(given)}",
+                ctx,
+            )
+        _enqueue_config(config, update=update, skip_invalid=skip_invalid, db=db)
+        return
+    if file is None:
+        raise click.UsageError("Missing argument 'FILE' (or --config RUN.toml).", ctx)
+    if dataset is None:
+        raise click.UsageError("Missing option '--dataset' / '-d'.", ctx)
+
     from orchestrator.errors import InputError
-    from orchestrator.formats import iter_records
+    from orchestrator.formats import iter_prepared
     from orchestrator.store import DatasetSpec, open_database
     from orchestrator.store import enqueue as do_enqueue
+    from orchestrator.store.datasets import get_dataset
 
     body = _parse_params(params)
     for name, value in (
@@ -203,7 +328,25 @@ def enqueue(
     ):
         if value is not None:
             body[name] = value
-    spec = DatasetSpec(name=dataset, params=body, concurrency=concurrency, priority=priority)
+    sampling = [
+        name
+        for name, value in (
+            ("--max-tokens", max_tokens),
+            ("--temperature", temperature),
+            ("--top-p", top_p),
+            ("--param", params or None),
+            ("--concurrency", concurrency),
+            ("--regenerate", regenerate),
+            ("--on-truncated", on_truncated),
+        )
+        if value is not None
+    ]
+    if passthrough and sampling:
+        raise click.UsageError(
+            f"--passthrough stores the rows as done and sends no request: "
+            f"{', '.join(sampling)} do not apply",
+            ctx,
+        )
     invalid: list[InputError] = []
     on_invalid = invalid.append if skip_invalid else None
     progress = _tty_progress(f"reading {file}:")
@@ -211,13 +354,35 @@ def enqueue(
     async def go() -> Any:
         database = await open_database(db)
         try:
+            # A file added to an existing dataset is read the way the dataset was made.
+            info = await get_dataset(database, dataset)
+            passing = passthrough or bool(info and info.passthrough)
+            if passing and sampling:
+                raise ConfigError(
+                    f"dataset {dataset!r} is pass-through: its rows are stored as done and "
+                    f"no request is sent, so {', '.join(sampling)} do not apply"
+                )
+            mode = regenerate or (info.regenerate if info else "last")
+            spec = DatasetSpec(
+                name=dataset,
+                params=body,
+                concurrency=concurrency,
+                priority=priority,
+                regenerate=mode,
+                on_truncated=on_truncated,
+                passthrough=passing,
+            )
+            records = iter_prepared(
+                file, on_invalid=on_invalid, fmt=fmt, regenerate=mode, passthrough=passing
+            )
             return await do_enqueue(
                 database,
                 spec,
-                iter_records(file, on_invalid=on_invalid),
+                records,
                 path=str(file),
                 on_invalid=on_invalid,
                 progress=progress,
+                update=update,
             )
         finally:
             await database.close()
@@ -226,27 +391,198 @@ def enqueue(
         report = run_async(go())
     finally:
         _end_progress(progress)
-    # Lines the reader rejected and lines the store rejected (duplicates) both land here.
+    _show_skipped(invalid, report)
+    click.echo(_enqueued(report, str(file)))
+
+
+def _show_skipped(invalid: list[Any], report: Any) -> None:
+    """Lines the reader rejected and lines the store rejected (duplicates), once each."""
     errors = {(e.line, str(e)): e for e in [*invalid, *report.invalid]}
+    report.invalid = list(errors.values())
     if errors:
         shown = sorted(errors.values(), key=lambda e: e.line or 0)
         for err in shown[:20]:
             click.echo(f"skipped {err}", err=True)
         if len(shown) > 20:
             click.echo(f"... and {len(shown) - 20} more", err=True)
-    verb = "created" if report.created else "into existing"
+
+
+def _enqueued(report: Any, file: str) -> str:
+    """The line ``enqueue`` prints for one file."""
+    name = report.dataset
     if report.added == 0 and report.already_present:
-        click.echo(
+        return (
             f"nothing new: all {report.already_present:,} items of {file} are already in "
-            f"dataset {dataset!r}"
+            f"dataset {name!r}"
         )
-    else:
+    verb = "created" if report.created else "into existing"
+    details = f"{report.already_present:,} already present"
+    if report.invalid:
+        details += f", {len(report.invalid):,} invalid lines skipped"
+    if report.mode == "passthrough":
+        return (
+            f"stored {report.added:,} rows as done {verb} pass-through dataset {name!r} ({details})"
+        )
+    if report.mode == "all":
+        details += f"; {report.turns:,} turns to generate"
+    return f"enqueued {report.added:,} items {verb} dataset {name!r} ({details})"
+
+
+def _enqueue_config(config: Path, *, update: bool, skip_invalid: bool, db: str | None) -> None:
+    """Every dataset of a run file: checked as a whole, then one transaction per file."""
+    from orchestrator.errors import InputError
+    from orchestrator.formats import iter_prepared
+    from orchestrator.runconfig import load_run
+    from orchestrator.store import DatasetSpec, open_database
+    from orchestrator.store import enqueue as do_enqueue
+    from orchestrator.store.datasets import refusals
+
+    plans = run_sync(lambda: load_run(config))
+    specs = [
+        DatasetSpec(
+            name=plan.name,
+            params=plan.params,
+            concurrency=plan.concurrency,
+            priority=plan.priority,
+            regenerate=plan.regenerate,
+            on_truncated=plan.on_truncated,
+            passthrough=plan.passthrough,
+        )
+        for plan in plans
+    ]
+    reports: list[Any] = []
+
+    async def go() -> OrchestratorError | None:
+        database = await open_database(db)
+        try:
+            refused = await refusals(database, specs, update=update)
+            if refused:
+                lines = "".join(f"\n  {r}" for r in refused)
+                raise ConfigError(
+                    f"{config}: nothing enqueued: {refused[0]}"
+                    if len(refused) == 1
+                    else f"{config}: nothing enqueued, {len(refused)} datasets refused:{lines}"
+                )
+            for plan, spec in zip(plans, specs, strict=True):
+                invalid: list[InputError] = []
+                on_invalid = invalid.append if skip_invalid else None
+                progress = _tty_progress(f"reading {plan.file}:")
+                try:
+                    report = await do_enqueue(
+                        database,
+                        spec,
+                        iter_prepared(
+                            plan.file,
+                            on_invalid=on_invalid,
+                            fmt=plan.format,
+                            regenerate=plan.regenerate,
+                            passthrough=plan.passthrough,
+                        ),
+                        path=str(plan.file),
+                        on_invalid=on_invalid,
+                        progress=progress,
+                        update=update,
+                    )
+                except OrchestratorError as exc:
+                    return exc
+                finally:
+                    _end_progress(progress)
+                _show_skipped(invalid, report)
+                click.echo(_enqueued(report, str(plan.file)))
+                reports.append(report)
+            return None
+        finally:
+            await database.close()
+
+    failure = run_async(go())
+    if failure is not None:
+        click.echo(f"error: {failure}", err=True)
+        name = plans[len(reports)].name
+        kept = ", ".join(repr(r.dataset) for r in reports) or "none"
         click.echo(
-            f"enqueued {report.added:,} items {verb} dataset {dataset!r}"
-            f" ({report.already_present:,} already present"
-            + (f", {len(errors):,} invalid lines skipped" if errors else "")
-            + ")"
+            f"stopped at dataset {name!r} ({len(reports) + 1} of {len(plans)}): nothing of it "
+            f"was enqueued; the datasets before it stay enqueued ({kept})",
+            err=True,
         )
+        sys.exit(failure.exit_code)
+    added = sum(r.added for r in reports)
+    passed = sum(r.added for r in reports if r.mode == "passthrough")
+    turns = sum(r.turns for r in reports if r.mode != "passthrough")
+    already = sum(r.already_present for r in reports)
+    click.echo(
+        f"total: {added:,} items added to {len(reports)} datasets ({turns:,} requests to "
+        f"generate, {passed:,} rows stored as done, {already:,} already present)"
+    )
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+@main.command()
+@click.option(
+    "--config",
+    type=click.Path(path_type=Path),
+    help="Plan the datasets of a run file (docs/CONFIG.md), counting the answers the "
+    "database already holds; without it, plan what the database holds.",
+)
+@click.option(
+    "--tokens-per-second",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_TOKENS_PER_SECOND,
+    show_default=True,
+    help="The servers' total generation rate. The default is a typical single-GPU "
+    "reasoning run; `status` shows a running run's.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable.")
+@db_option
+def plan(config: Path | None, tokens_per_second: float, as_json: bool, db: str | None) -> None:
+    """Requests, tokens to generate, time left and database size, per dataset and in total."""
+    from orchestrator.runconfig import (
+        done_stats,
+        load_run,
+        plan_json,
+        plan_run,
+        plan_stored,
+        render_plan,
+    )
+    from orchestrator.store.reader import sqlite_path
+
+    plans = run_sync(lambda: load_run(config)) if config is not None else None
+    path = sqlite_path(db)
+    exists = path is None or os.path.exists(path)
+    if plans is None and not exists:
+        click.echo(
+            f"error: no database at {path}: nothing to plan (plan a run file with --config)",
+            err=True,
+        )
+        sys.exit(ConfigError.exit_code)
+
+    async def stored() -> list[Any]:
+        from orchestrator.store import open_database
+        from orchestrator.store.planning import stored_datasets
+
+        database = await open_database(db)
+        try:
+            return await stored_datasets(database)
+        finally:
+            await database.close()
+
+    held = run_async(stored()) if exists else []
+    if plans is not None:
+        result = run_sync(
+            lambda: plan_run(
+                plans, tokens_per_second=tokens_per_second, done_stats=done_stats(held)
+            )
+        )
+    elif not held:
+        click.echo(f"no datasets in {path or db}: nothing to plan (plan a run file with --config)")
+        return
+    else:
+        result = plan_stored(held, tokens_per_second=tokens_per_second)
+    if as_json:
+        click.echo(orjson.dumps(plan_json(result), option=orjson.OPT_INDENT_2).decode())
+    else:
+        click.echo(render_plan(result), nl=False)
 
 
 # ---------------------------------------------------------------------------- run
@@ -334,6 +670,9 @@ def run(
     SIGTERM or SIGINT stops claiming and lets in-flight requests finish within --grace;
     a second signal stops at once. Unfinished items go back to pending.
     """
+    import asyncio
+    import signal
+
     from orchestrator.client import ClientConfig, InferenceClient
     from orchestrator.store import check_datasets, open_database
     from orchestrator.systemd import SystemdNotifier
@@ -399,17 +738,32 @@ def run(
 @db_option
 def status(as_json: bool, window: float, db: str | None) -> None:
     """Progress, rates, errors and ETA per dataset and in total."""
+    import sqlite3
+
     from orchestrator.monitor.text import render_status
-    from orchestrator.store import open_database, snapshot
+    from orchestrator.store.reader import open_reader, sqlite_path
+    from orchestrator.store.stats import snapshot_sqlite
 
-    async def go() -> dict[str, Any]:
-        database = await open_database(db)
-        try:
-            return await snapshot(database, window=window)
-        finally:
-            await database.close()
+    snap: dict[str, Any] | None = None
+    # An SQLite file at the current schema is read through plain sqlite3, without
+    # loading SQLAlchemy; anything else (or any error) goes the full way below.
+    path = sqlite_path(db)
+    reader = open_reader(path) if path else None
+    if reader is not None:
+        with reader, contextlib.suppress(sqlite3.Error):
+            snap = snapshot_sqlite(reader, window=window)
+    if snap is None:
+        _configure_logs()
+        from orchestrator.store import open_database, snapshot
 
-    snap = run_async(go())
+        async def go() -> dict[str, Any]:
+            database = await open_database(db)
+            try:
+                return await snapshot(database, window=window)
+            finally:
+                await database.close()
+
+        snap = run_async(go())
     if as_json:
         click.echo(orjson.dumps(snap, option=orjson.OPT_INDENT_2).decode())
     else:
@@ -429,17 +783,48 @@ def status(as_json: bool, window: float, db: str | None) -> None:
     help="Which items go back (done items lose their outputs).",
 )
 @click.option("--error-class", help="Only items that failed with this error class.")
+@click.option(
+    "--flag",
+    "flag_names",
+    multiple=True,
+    metavar="FLAG",
+    help="Only done items whose output has this quality flag (truncated, empty, "
+    "unclosed_think, reasoning_only); implies --state done. Repeatable.",
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    help="Give the requeued items this max_tokens (e.g. more room for truncated answers).",
+)
 @db_option
-def requeue(datasets: tuple[str, ...], state: str, error_class: str | None, db: str | None) -> None:
+def requeue(
+    datasets: tuple[str, ...],
+    state: str,
+    error_class: str | None,
+    flag_names: tuple[str, ...],
+    max_tokens: int | None,
+    db: str | None,
+) -> None:
     """Send items back to pending with their attempts reset."""
+    from orchestrator.quality import parse_flags
     from orchestrator.store import Queue, check_datasets, open_database
+
+    flags = 0
+    for names in flag_names:
+        flags |= run_sync(lambda names=names: parse_flags(names))
+    if flags:
+        state = "done"
 
     async def go() -> int:
         database = await open_database(db)
         try:
             await check_datasets(database, datasets)
             return await Queue(database).requeue(
-                dataset_names=datasets, state=state, error_class=error_class
+                dataset_names=datasets,
+                state=state,
+                error_class=error_class,
+                flags=flags,
+                max_tokens=max_tokens,
             )
         finally:
             await database.close()
@@ -486,30 +871,134 @@ def resume(dataset: str, db: str | None) -> None:
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--dataset", "datasets", multiple=True, help="Only these datasets.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(EXPORT_FORMATS),
+    default="messages",
+    show_default=True,
+    help="Line format: OpenAI messages, ShareGPT (SpecForge / EAGLE-3 trainers) or the "
+    "OpenAI Batch API output (failed items in OUT.errors.jsonl).",
+)
+@click.option(
+    "--reasoning",
+    type=click.Choice(REASONING_MODES),
+    default="separate",
+    show_default=True,
+    help="Generated reasoning: in reasoning_content, inline in the content as "
+    "<think>...</think>, or dropped.",
+)
+@click.option(
+    "--split", is_flag=True, help="OUT is a directory: one OUT/<dataset>.jsonl per dataset."
+)
+@click.option(
+    "--exclude-flag",
+    "exclude_flags",
+    multiple=True,
+    metavar="FLAG[,FLAG]",
+    help="Leave out answers with this quality flag: truncated, empty, unclosed_think, "
+    "reasoning_only. Repeat or comma-separate.",
+)
+@click.option(
+    "--include-failed",
+    type=click.Path(path_type=Path, dir_okay=False),
+    metavar="FILE",
+    help="Also write the failed items (key, dataset, error, attempts) to FILE as JSONL.",
+)
+@click.option(
+    "--provenance",
+    is_flag=True,
+    help="Add model, params, params_hash, server, created_at, started_at and flags.",
+)
 @db_option
-def export(out: Path, datasets: tuple[str, ...], db: str | None) -> None:
+def export(
+    out: Path,
+    datasets: tuple[str, ...],
+    fmt: str,
+    reasoning: str,
+    split: bool,
+    exclude_flags: tuple[str, ...],
+    include_failed: Path | None,
+    provenance: bool,
+    db: str | None,
+) -> None:
     """Write done items to OUT as JSONL, by dataset then input order.
 
-    Each line: {"id", "dataset", "messages": [...input, assistant answer], "finish_reason",
-    "usage"}. Written to a temporary file and renamed: never half a file.
+    The default line: {"id", "dataset", "messages": [...input, assistant answer],
+    "finish_reason", "usage"}; the README shows every format. Each file is written under
+    a temporary name and renamed once all are complete: never half a file.
     """
-    from orchestrator.formats.export import export_jsonl
-    from orchestrator.store import open_database
+    import sqlite3
 
+    from orchestrator.formats.export import (
+        ExportOptions,
+        ExportReport,
+        export_database,
+        export_sqlite,
+    )
+    from orchestrator.quality import flag_names, parse_flags
+    from orchestrator.store.reader import open_reader, sqlite_path
+
+    def options() -> ExportOptions:
+        mask = 0
+        for spec in exclude_flags:
+            mask |= parse_flags(spec)
+        return ExportOptions(
+            format=fmt,
+            reasoning=reasoning,
+            exclude_flags=mask,
+            provenance=provenance,
+            split=split,
+            include_failed=include_failed,
+        )
+
+    chosen = run_sync(options)
     progress = _tty_progress(f"writing {out}:")
 
-    async def go() -> int:
+    async def go() -> ExportReport:
+        from orchestrator.store import open_database
+
         database = await open_database(db)
         try:
-            return await export_jsonl(database, out, dataset_names=datasets, progress=progress)
+            return await export_database(
+                database, out, dataset_names=datasets, progress=progress, options=chosen
+            )
         finally:
             await database.close()
 
+    # An SQLite file at the current schema is read through plain sqlite3 in this thread;
+    # anything else is opened (created, upgraded) by the store first, and so is a file
+    # the quick read fails on, so that the error is reported the store's way.
+    report: ExportReport | None = None
+    path = sqlite_path(db)
+    reader = open_reader(path) if path else None
     try:
-        n = run_async(go())
+        if reader is not None:
+            with reader, contextlib.suppress(sqlite3.Error):
+                report = run_sync(
+                    functools.partial(
+                        export_sqlite,
+                        reader,
+                        out,
+                        dataset_names=datasets,
+                        progress=progress,
+                        options=chosen,
+                    )
+                )
+        if report is None:
+            _configure_logs()
+            report = run_async(go())
     finally:
         _end_progress(progress)
-    click.echo(f"exported {n:,} items to {out}")
+    where = f"{len(report.files):,} files in {out}" if split else str(out)
+    click.echo(f"exported {report.lines:,} items to {where}")
+    if chosen.exclude_flags:
+        names = ", ".join(flag_names(chosen.exclude_flags))
+        click.echo(f"left out {report.excluded:,} answers flagged {names}")
+    if report.failed_files:
+        files = report.failed_files
+        into = str(files[0]) if len(files) == 1 else f"{len(files):,} files in {out}"
+        click.echo(f"wrote {report.failed:,} failed items to {into}")
 
 
 # ---------------------------------------------------------------------------- sim-server
@@ -556,6 +1045,28 @@ def export(out: Path, datasets: tuple[str, ...], db: str | None) -> None:
     help="Answer 503 everywhere from START for DURATION seconds.",
 )
 @click.option("--retry-after", type=click.FloatRange(min=0), default=1.0, show_default=True)
+@click.option(
+    "--reasoning",
+    type=click.Choice(["none", "field", "think", "think-end"]),
+    default="none",
+    show_default=True,
+    help="Answer with thinking: in a separate field (a server with a reasoning parser), "
+    "in the content between <think> tags (one without), or ending with </think> alone.",
+)
+@click.option(
+    "--reasoning-field",
+    type=click.Choice(["reasoning_content", "reasoning"]),
+    default="reasoning_content",
+    show_default=True,
+    help="Field of --reasoning field: SGLang and older vLLM, or newer vLLM.",
+)
+@click.option(
+    "--tool-call-rate",
+    type=click.FloatRange(0, 1),
+    default=0.5,
+    show_default=True,
+    help="Fraction of requests offering tools (tool_choice auto) answered with a tool call.",
+)
 def sim_server(
     host: str,
     port: int,
@@ -567,6 +1078,9 @@ def sim_server(
     faults: tuple[str, ...],
     outages: tuple[str, ...],
     retry_after: float,
+    reasoning: str,
+    reasoning_field: str,
+    tool_call_rate: float,
 ) -> None:
     """A simulated OpenAI-compatible inference server for tests, rehearsals, benchmarks."""
     from orchestrator.sim import SimConfig, parse_fault, parse_outage, run_forever
@@ -581,6 +1095,9 @@ def sim_server(
             faults=dict(parse_fault(f) for f in faults),
             outages=[parse_outage(o) for o in outages],
             retry_after=retry_after,
+            reasoning=reasoning,
+            reasoning_field=reasoning_field,
+            tool_call_rate=tool_call_rate,
             # From the environment, never the command line, where ps would show it.
             api_key=os.environ.get("SIM_API_KEY") or None,
         )
@@ -617,6 +1134,8 @@ def demo(ctx: click.Context, workdir: Path, items: int, concurrency: int) -> Non
         None,
     ):
         # The progress line is the show here; only warnings interrupt it.
+        from orchestrator import logs
+
         logs.configure("warning", json=parent.params.get("log_json"))
 
     run_async(run_demo(workdir, items=items, concurrency=concurrency))

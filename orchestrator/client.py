@@ -12,10 +12,15 @@ It knows nothing of the queue. Every failure leaves as one of the errors in
                        http_5xx      other server errors
                        bad_response  unparsable body, wrong content type, no choices
                        stream_cut    a stream that ended without a finish_reason
-                       empty_content a 200 with nothing in it
+                       empty_content a 200 with nothing in it: no content, reasoning or
+                                     tool calls
                        aborted       finish_reason "abort" (the server dropped it)
     PermanentError     http_4xx      400/401/403/404/422 and other client errors: the
                                      server's reason is kept
+
+An answer that is usable but poor (cut by ``max_tokens``, reasoning without an answer) is
+not an error: it is returned with its quality flags (``orchestrator.quality``), and what to
+do with it is the caller's choice.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import aiohttp
 import orjson
 
 from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
+from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
 
 _UNAVAILABLE = {502, 503, 504}
 _RETRYABLE_4XX = {408, 409, 425}
@@ -54,6 +60,9 @@ class ClientConfig:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
+    """One answer. Reasoning left in the content as ``<think>…</think>`` has been split
+    out into ``reasoning``; ``flags`` is its ``orchestrator.quality`` mask."""
+
     message: dict[str, Any]
     content: str | None
     reasoning: str | None
@@ -63,6 +72,16 @@ class Completion:
     server: str
     model: str | None
     response_id: str | None
+    flags: int = 0
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        return self.message.get("tool_calls")
+
+    @property
+    def unclosed_think(self) -> bool:
+        """The answer opened a ``<think>`` block and was cut before closing it."""
+        return bool(self.flags & UNCLOSED_THINK)
 
 
 def base_url(server: str) -> str:
@@ -259,16 +278,12 @@ class InferenceClient:
         message = choice.get("message")
         if not isinstance(message, dict):
             raise TransientError("the answer's choice has no message", error_class="bad_response")
-        content = message.get("content")
-        reasoning = _reasoning_of(message)
-        finish_reason = choice.get("finish_reason")
-        _check_finished(content, reasoning, message.get("tool_calls"), finish_reason)
         usage = doc.get("usage") if isinstance(doc.get("usage"), dict) else None
-        return Completion(
-            message=_assistant_message(content, reasoning, message.get("tool_calls")),
-            content=content,
-            reasoning=reasoning,
-            finish_reason=finish_reason,
+        return _completion(
+            message.get("content"),
+            _reasoning_of(message),
+            message.get("tool_calls") or None,
+            choice.get("finish_reason"),
             usage=usage,
             latency=latency,
             server=server,
@@ -328,15 +343,11 @@ class InferenceClient:
             raise TransientError(
                 "the stream ended before the answer was complete", error_class="stream_cut"
             )
-        text = "".join(content)
-        thought = "".join(reasoning) or None
-        calls = [tool_calls[i] for i in sorted(tool_calls)] or None
-        _check_finished(text, thought, calls, finish_reason)
-        return Completion(
-            message=_assistant_message(text, thought, calls),
-            content=text,
-            reasoning=thought,
-            finish_reason=finish_reason,
+        return _completion(
+            "".join(content),
+            "".join(reasoning) or None,
+            [tool_calls[i] for i in sorted(tool_calls)] or None,
+            finish_reason,
             usage=usage,
             latency=time.monotonic() - started,
             server=server,
@@ -345,12 +356,65 @@ class InferenceClient:
         )
 
 
+def _completion(
+    content: Any,
+    reasoning: str | None,
+    tool_calls: list[Any] | None,
+    finish_reason: str | None,
+    *,
+    usage: dict[str, Any] | None,
+    latency: float,
+    server: str,
+    model: str | None,
+    response_id: str | None,
+) -> Completion:
+    """Check a received answer and build its Completion, the same for both transports.
+
+    Reasoning is split out of the content only when the server sent none apart: a server
+    without a reasoning parser leaves the model's think tags in the content. A tool-call
+    answer with empty content says ``None``, as a non-streaming server does.
+    """
+    unclosed = False
+    if reasoning is None and isinstance(content, str):
+        reasoning, content, unclosed = split_think(content)
+    if tool_calls and content == "":
+        content = None
+    _check_finished(content, reasoning, tool_calls, finish_reason)
+    return Completion(
+        message=_assistant_message(content, reasoning, tool_calls),
+        content=content,
+        reasoning=reasoning,
+        finish_reason=finish_reason,
+        usage=usage,
+        latency=latency,
+        server=server,
+        model=model,
+        response_id=response_id,
+        flags=flags_of(
+            content=content,
+            reasoning=reasoning,
+            tool_calls=tool_calls,
+            finish_reason=finish_reason,
+            unclosed_think=unclosed,
+        ),
+    )
+
+
 def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    """Add one streamed tool-call delta: the first of an index names the call (id, name),
+    the rest carry pieces of its arguments. Keys keep the order of a non-streamed call."""
     index = int(delta.get("index", len(calls)))
-    call = calls.setdefault(index, {"type": "function", "function": {"arguments": ""}})
-    if delta.get("id"):
-        call["id"] = delta["id"]
     fn = delta.get("function") or {}
+    call = calls.get(index)
+    if call is None:
+        call = calls[index] = {}
+        if delta.get("id"):
+            call["id"] = delta["id"]
+        call["type"] = delta.get("type") or "function"
+        call["function"] = {"name": fn["name"]} if fn.get("name") else {}
+        call["function"]["arguments"] = ""
+    elif delta.get("id"):
+        call["id"] = delta["id"]
     if fn.get("name"):
         call["function"]["name"] = fn["name"]
     if fn.get("arguments"):

@@ -1,11 +1,13 @@
 """The worker loop: claim → call → commit, within concurrency limits, until told to stop.
 
 It composes the queue (``orchestrator.store``) and the inference client
-(``orchestrator.client``) and owns neither's details. Three background tasks run beside
-the claim loop:
+(``orchestrator.client``) and owns neither's details. One task per item calls a server;
+beside them run:
 
-* the committer: every outcome goes through one task that writes them in batches (one
-  transaction for many completions), so the database has one writer per process;
+* the committer, the worker's one writer: each of its rounds writes every outcome queued
+  since the last one and claims work for the free slots, in a single transaction, so a
+  busy worker writes many items per transaction and the database has one writer per
+  process;
 * the keeper: renews the leases of in-flight items well before they expire (cancelling
   any request whose lease was taken over), writes the worker's heartbeat, reaps expired
   leases and those of dead workers on this host, and checkpoints the WAL;
@@ -25,6 +27,7 @@ import os
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +35,7 @@ import structlog
 
 from orchestrator import procinfo
 from orchestrator.client import Completion, InferenceClient
+from orchestrator.conversation import turn_messages
 from orchestrator.errors import (
     ConfigError,
     InferenceError,
@@ -42,8 +46,13 @@ from orchestrator.errors import (
 )
 from orchestrator.store import Database, Failure, Lease, Output, Queue, list_datasets
 from orchestrator.store import workers as worker_rows
+from orchestrator.store.datasets import DatasetInfo
+from orchestrator.store.queue import Claim, Round
 
 log = structlog.get_logger("orchestrator.worker")
+
+# How often a worker rereads dataset parameters and policies (seconds).
+_DATASETS_EVERY = 5.0
 
 # Failures that may mean the server itself died mid-request; /health tells.
 _MAYBE_DOWN = frozenset({"disconnect", "timeout", "stream_idle"})
@@ -115,6 +124,7 @@ class WorkerStats:
     released: int = 0
     lost: int = 0
     completion_tokens: int = 0
+    turns: int = 0  # turns of multi-turn items generated before their last one
 
 
 def backoff_delay(attempt: int, *, base: float, cap: float, retry_after: float | None) -> float:
@@ -154,10 +164,12 @@ class ServerPool:
         return [s for s, st in self.states.items() if st.healthy]
 
     def pick(self) -> str | None:
-        candidates = self.healthy()
-        if not candidates:
-            return None
-        return min(candidates, key=lambda s: self.states[s].in_flight)
+        best: str | None = None
+        load = 0
+        for server, state in self.states.items():
+            if state.healthy and (best is None or state.in_flight < load):
+                best, load = server, state.in_flight
+        return best
 
     def mark_down(self, server: str, reason: str, *, quiet: bool = False) -> None:
         state = self.states[server]
@@ -210,23 +222,41 @@ class ServerPool:
 
 
 @dataclass(slots=True)
-class _Pending:
-    kind: str  # complete | retry | release | fail
+class Outcome:
+    """What became of one attempt, waiting for the committer to write it."""
+
+    kind: str  # complete | advance | retry | release | fail
     lease: Lease
     payload: Any
-    future: asyncio.Future[bool]
+    # Set when the outcome is written (an advance waits for it: the next turn needs it).
+    written: asyncio.Future[bool] | None = None
 
 
 class Committer:
-    """The one writer of outcomes: drains everything queued into a few transactions.
+    """The one writer of a worker: each round settles every queued outcome and claims
+    work for the free slots, in one transaction.
 
-    A storage fault (disk full, file locked for too long) does not lose outcomes: the
-    batch is retried with backoff until it lands or its leases are gone.
+    Rounds run back to back while there is work, so they grow with the load: a busy
+    worker writes many outcomes per transaction instead of one transaction per item. A
+    storage fault (disk full, file locked for too long) does not lose outcomes: the round
+    is retried with backoff until it lands or its leases are gone.
     """
 
-    def __init__(self, queue: Queue):
+    def __init__(
+        self,
+        queue: Queue,
+        *,
+        plan: Callable[[], Claim | None],
+        deliver: Callable[[list[Lease], Claim], None],
+        settled: Callable[[Outcome, bool], None],
+        idle_poll: float,
+    ):
         self.queue = queue
-        self._items: deque[_Pending] = deque()
+        self._plan = plan
+        self._deliver = deliver
+        self._settled = settled
+        self._idle_poll = idle_poll
+        self._items: list[Outcome] = []
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
@@ -234,13 +264,22 @@ class Committer:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="committer")
 
-    def submit(self, kind: str, lease: Lease, payload: Any) -> asyncio.Future[bool]:
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._items.append(_Pending(kind, lease, payload, future))
+    def submit(
+        self, kind: str, lease: Lease, payload: Any, written: asyncio.Future[bool] | None = None
+    ) -> None:
+        self._items.append(Outcome(kind, lease, payload, written))
         self._wake.set()
-        return future
+
+    def poke(self) -> None:
+        """Something changed that may allow a claim (a free slot, a server back)."""
+        self._wake.set()
+
+    @property
+    def backlog(self) -> int:
+        return len(self._items)
 
     async def close(self) -> None:
+        """Write what is queued, claim nothing more, and stop."""
         self._closing = True
         self._wake.set()
         if self._task is not None:
@@ -249,16 +288,17 @@ class Committer:
     async def _run(self) -> None:
         delay = 0.5
         while True:
-            if not self._items:
+            claim = None if self._closing else self._plan()
+            if not self._items and claim is None:
                 if self._closing:
                     return
                 self._wake.clear()
-                await self._wake.wait()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._idle_poll)
                 continue
-            batch = list(self._items)
-            self._items.clear()
+            batch, self._items = self._items, []
             try:
-                await self._write(batch)
+                result = await self.queue.write_round(_round(batch, claim))
                 delay = 0.5
             except Exception as exc:
                 # Keep every outcome and try again: the fault (a full disk, a lock held
@@ -271,47 +311,79 @@ class Committer:
                     retry_in_s=delay,
                     exc_info=not isinstance(exc, StorageError),
                 )
-                self._items.extendleft(reversed(batch))
+                self._items[:0] = batch
                 with contextlib.suppress(Exception):
                     # A full disk may be the WAL's doing: fold it back and truncate it.
                     await self.queue.db.checkpoint("TRUNCATE")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
+                continue
+            for entry in batch:
+                self._settled(entry, entry.lease.item_id in result.accepted.get(entry.kind, ()))
+            if claim is not None:
+                self._deliver(result.leases, claim)
 
-    async def _write(self, batch: list[_Pending]) -> None:
-        groups: dict[str, list[_Pending]] = {}
-        for entry in batch:
-            groups.setdefault(entry.kind, []).append(entry)
-        # Keyed by entry: one item may have two outcomes in a batch (a result that
-        # arrived, then its release at shutdown), and each gets its own answer.
-        results: dict[int, bool] = {}
-        for kind, entries in groups.items():
-            if kind == "complete":
-                accepted = await self.queue.complete([(e.lease, e.payload) for e in entries])
-            elif kind == "fail":
-                accepted = await self.queue.fail([(e.lease, e.payload) for e in entries])
-            elif kind == "retry":
-                accepted = await self.queue.retry([(e.lease, *e.payload) for e in entries])
-            else:
-                accepted = await self.queue.release([(e.lease, *e.payload) for e in entries])
-            results.update({id(e): e.lease.item_id in accepted for e in entries})
-        for entry in batch:
-            if not entry.future.done():
-                entry.future.set_result(results[id(entry)])
+
+def _round(batch: list[Outcome], claim: Claim | None) -> Round:
+    work = Round(claim=claim)
+    for entry in batch:
+        if entry.kind == "complete":
+            work.complete.append((entry.lease, entry.payload))
+        elif entry.kind == "advance":
+            work.advance.append((entry.lease, entry.payload))
+        elif entry.kind == "fail":
+            work.fail.append((entry.lease, entry.payload))
+        elif entry.kind == "retry":
+            work.retry.append((entry.lease, *entry.payload))
+        else:
+            work.release.append((entry.lease, *entry.payload))
+    return work
+
+
+class _Rate:
+    """Answers per second over the last two whole seconds: sizes the prefetch."""
+
+    def __init__(self) -> None:
+        self._second = 0
+        self._counts = [0, 0, 0]
+
+    def add(self, n: int = 1) -> None:
+        self._roll()
+        self._counts[self._second % 3] += n
+
+    def per_second(self) -> float:
+        self._roll()
+        return (self._counts[(self._second - 1) % 3] + self._counts[(self._second - 2) % 3]) / 2
+
+    def _roll(self) -> None:
+        second = int(time.monotonic())
+        if second != self._second:
+            for s in range(max(self._second + 1, second - 2), second + 1):
+                self._counts[s % 3] = 0
+            self._second = second
 
 
 # ------------------------------------------------------------------------ worker
 
 
 @dataclass(slots=True)
-class _InFlight:
+class _Held:
+    """A lease this worker holds, from its claim until its outcome is written."""
+
     lease: Lease
-    task: asyncio.Task[None]
+    task: asyncio.Task[None] | None = None
     cancel_reason: str | None = None
 
 
 class Worker:
-    """One process's share of the run."""
+    """One process's share of the run.
+
+    Every lease is held from its claim until its outcome is written. A slot (one of
+    ``concurrency`` requests) frees as soon as the answer arrives, not when it is
+    committed, and the next item starts at once from a small prefetch of claimed items,
+    sized to about 20 ms of the recent answer rate (none for slow servers, where it would
+    only hold items back from other workers).
+    """
 
     def __init__(
         self,
@@ -330,12 +402,24 @@ class Worker:
         self.stats = WorkerStats()
         self.queue = Queue(database)
         self.pool = ServerPool(config.servers, client, config)
-        self.committer = Committer(self.queue)
-        self._inflight: dict[int, _InFlight] = {}
+        self.committer = Committer(
+            self.queue,
+            plan=self._plan_claim,
+            deliver=self._deliver,
+            settled=self._settled,
+            idle_poll=config.poll_interval,
+        )
+        self._held: dict[int, _Held] = {}
+        self._buffer: deque[Lease] = deque()
+        self._active = 0
         self._suspects = 0
-        self._params: dict[int, dict[str, Any]] = {}
+        self._next_claim = 0.0
+        self._next_suspect_probe = 0.0
+        self._rate = _Rate()
+        self._datasets: dict[int, DatasetInfo] = {}
+        self._datasets_loaded = 0.0
         self._stopping = asyncio.Event()
-        self._slot_freed = asyncio.Event()
+        self._idle = asyncio.Event()
         self._grace = config.grace_seconds
 
     def request_stop(self, *, force: bool = False) -> None:
@@ -344,17 +428,18 @@ class Worker:
             self._grace = 0.0
         self.notifier.stopping()
         self._stopping.set()
-        self._slot_freed.set()
-        log.info("stopping", in_flight=len(self._inflight), grace_s=self._grace)
+        self._idle.set()
+        log.info("stopping", in_flight=self.in_flight, grace_s=self._grace)
 
     @property
     def in_flight(self) -> int:
-        return len(self._inflight)
+        """Items claimed and not yet answered: requests running, and the prefetch."""
+        return self._active + len(self._buffer)
 
     async def run(self) -> WorkerStats:
         await worker_rows.register(self.database, self.owner, procinfo.hostname(), os.getpid())
         await self._reap()
-        await self._load_params()
+        await self._load_datasets()
         self.pool.start()
         self.committer.start()
         keeper = asyncio.create_task(self._keeper(), name="keeper")
@@ -366,7 +451,7 @@ class Worker:
             datasets=list(self.config.datasets) or None,
         )
         try:
-            await self._claim_loop()
+            await self._supervise()
         finally:
             await self._drain()
             keeper.cancel()
@@ -385,127 +470,224 @@ class Worker:
 
     # -------------------------------------------------------------------- claiming
 
-    async def _claim_loop(self) -> None:
-        storage_delay = 0.5
+    async def _supervise(self) -> None:
+        """Wait for a server, then for the end: all done, or told to stop."""
         ready = False
         while not self._stopping.is_set():
             if not self.pool.available.is_set():
                 log.info("waiting_for_server", servers=list(self.config.servers))
                 self.notifier.status("waiting for an inference server")
                 await _first(self.pool.available.wait(), self._stopping.wait())
+                self.committer.poke()
                 continue
             if not ready:
                 # The database is open and a server answers: ready for work.
                 self.notifier.ready()
                 ready = True
-            free = self.config.concurrency - len(self._inflight)
-            leases: list[Lease] = []
-            if free > 0:
-                try:
-                    leases = await self.queue.claim(
-                        self.owner,
-                        free,
-                        lease_seconds=self.config.lease_seconds,
-                        dataset_names=self.config.datasets or None,
-                        suspect_slots=0 if self._suspects else 1,
-                    )
-                    storage_delay = 0.5
-                except StorageError as exc:
-                    log.error("claim_failed", error=str(exc), retry_in_s=storage_delay)
-                    await _first(asyncio.sleep(storage_delay), self._stopping.wait())
-                    storage_delay = min(storage_delay * 2, 30.0)
-                    continue
-                for lease in leases:
-                    self._start(lease)
-            if free > 0 and len(leases) == free:
-                await self._wait_slot(None)
-                continue
+                self.committer.poke()
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), self.config.poll_interval)
+            if time.monotonic() - self._datasets_loaded >= _DATASETS_EVERY:
+                with contextlib.suppress(StorageError):
+                    await self._load_datasets()
             if (
-                not leases
-                and not self._inflight
-                and self.config.exit_when_done
+                self.config.exit_when_done
+                and not self._held
+                and not self.committer.backlog
+                and not self._stopping.is_set()
                 and await self.queue.remaining(self.config.datasets or None) == 0
             ):
                 log.info("all_done")
                 return
-            await self._wait_slot(self.config.poll_interval)
 
-    async def _wait_slot(self, limit: float | None) -> None:
-        self._slot_freed.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._slot_freed.wait(), limit)
-        # Let a few more slots free up so that one claim serves several of them.
-        await asyncio.sleep(0.002)
+    def _plan_claim(self) -> Claim | None:
+        """How much to ask for in the committer's next round (None: nothing)."""
+        if self._stopping.is_set() or not self.pool.available.is_set():
+            return None
+        now = time.monotonic()
+        if now < self._next_claim:
+            return None
+        concurrency = self.config.concurrency
+        prefetch = min(concurrency // 2, int(self._rate.per_second() * 0.02))
+        want = concurrency + prefetch - self._active - len(self._buffer)
+        if want <= 0:
+            return None
+        suspect_slots = 0
+        if not self._suspects and now >= self._next_suspect_probe:
+            # Suspects are rare: once none is found, look again a second later rather
+            # than in every round.
+            suspect_slots = 1
+            self._next_suspect_probe = now + 1.0
+        return Claim(
+            self.owner,
+            want,
+            self.config.lease_seconds,
+            self.config.datasets or None,
+            suspect_slots,
+        )
 
-    def _start(self, lease: Lease) -> None:
-        self.stats.claimed += 1
-        self._suspects += lease.suspect
-        task = asyncio.create_task(self._process(lease), name=f"item {lease.item_id}")
-        self._inflight[lease.item_id] = _InFlight(lease, task)
-        task.add_done_callback(lambda _t, item_id=lease.item_id: self._finished(item_id))
+    def _deliver(self, leases: list[Lease], claim: Claim) -> None:
+        for lease in leases:
+            self._held[lease.item_id] = _Held(lease)
+            self._suspects += lease.suspect
+            self._buffer.append(lease)
+        self.stats.claimed += len(leases)
+        if claim.suspect_slots and any(lease.suspect for lease in leases):
+            # Where there was one suspect there may be more (a dead worker's whole
+            # share): look again as soon as this one is settled.
+            self._next_suspect_probe = 0.0
+        self._fill()
+        if len(leases) < claim.want:
+            # The queue has nothing more for us now: ask again after a pause, or as soon
+            # as one of our outcomes frees room under a dataset's cap.
+            self._next_claim = time.monotonic() + self.config.poll_interval
+            if not self._held:
+                self._idle.set()
 
-    def _finished(self, item_id: int) -> None:
-        flight = self._inflight.pop(item_id, None)
-        if flight is not None:
-            self._suspects -= flight.lease.suspect
-        self._slot_freed.set()
+    def _fill(self) -> None:
+        """Start buffered items while slots are free."""
+        while self._buffer and self._active < self.config.concurrency:
+            lease = self._buffer.popleft()
+            held = self._held.get(lease.item_id)
+            if held is None:  # its lease was lost while it waited
+                continue
+            self._active += 1
+            held.task = asyncio.create_task(self._process(held), name=f"item {lease.item_id}")
+
+    def _settled(self, entry: Outcome, accepted: bool) -> None:
+        lease = entry.lease
+        if entry.written is not None and not entry.written.done():
+            entry.written.set_result(accepted)
+        if entry.kind == "advance" and accepted:
+            self.stats.turns += 1
+            return  # the item goes on with its next turn, under the same lease
+        held = self._held.pop(lease.item_id, None)
+        if held is not None:
+            self._suspects -= held.lease.suspect
+        self._next_claim = 0.0
+        if not self._held:
+            self._idle.set()
+        if not accepted:
+            if entry.kind == "release" and entry.payload[0].error_class == "shutdown":
+                return  # its answer was written first, or its lease had already gone
+            self.stats.lost += 1
+            log.warning(
+                "result_dropped_lease_lost", item=lease.item_id, key=lease.key, kind=entry.kind
+            )
+            return
+        if entry.kind == "complete":
+            self.stats.completed += 1
+            self.stats.completion_tokens += (entry.payload.usage or {}).get(
+                "completion_tokens", 0
+            ) or 0
+            self._rate.add()
+        elif entry.kind == "retry":
+            self.stats.retried += 1
+        elif entry.kind == "fail":
+            self.stats.failed += 1
+            log.warning(
+                "item_failed",
+                item=lease.item_id,
+                key=lease.key,
+                error_class=entry.payload.error_class,
+                error=entry.payload.message[:500],
+            )
+        else:
+            self.stats.released += 1
 
     # -------------------------------------------------------------------- one item
 
-    async def _process(self, lease: Lease) -> None:
-        body = {**await self._dataset_params(lease.dataset_id), **lease.request}
+    async def _process(self, held: _Held) -> None:
+        outcome: tuple[str, Any] | None = None
+        try:
+            outcome = await self._call(held)
+        finally:
+            # The slot is free once the answer is in; the write happens in a later round.
+            self._active -= 1
+            self._fill()
+            if outcome is not None:
+                self.committer.submit(outcome[0], held.lease, outcome[1])
+            else:
+                self.committer.poke()
+
+    async def _call(self, held: _Held) -> tuple[str, Any] | None:
+        """Call a server for one item (each of its turns, for a multi-turn item); say
+        what should become of it. None: the lease went while a turn was being written."""
+        lease = held.lease
+        info = await self._dataset(lease.dataset_id)
+        while True:
+            result = await self._call_turn(lease, info)
+            if not isinstance(result, Output):
+                return result
+            if lease.turn + 1 >= lease.turns:
+                return "complete", result
+            written = asyncio.get_running_loop().create_future()
+            self.committer.submit("advance", lease, result, written)
+            if not await written:
+                return None
+            lease = dataclasses.replace(
+                lease,
+                turn=lease.turn + 1,
+                attempt=1,
+                generated=(*lease.generated, result.message),
+                generated_tokens=lease.generated_tokens
+                + ((result.usage or {}).get("completion_tokens") or 0),
+                generated_flags=lease.generated_flags | result.flags,
+            )
+            held.lease = lease
+
+    async def _call_turn(self, lease: Lease, info: DatasetInfo) -> tuple[str, Any] | Output:
+        """One request: its answer, or what should become of the item."""
+        body = {**info.params, **lease.request}
+        if lease.turns > 1:
+            body["messages"] = turn_messages(lease.request["messages"], lease.turn, lease.generated)
         server = self.pool.pick()
         if server is None:
-            await self._outcome(
-                "release", lease, (Failure("unavailable", "no server reachable"), time.time())
-            )
-            return
+            return "release", (Failure("unavailable", "no server reachable"), time.time())
         state = self.pool.states[server]
         state.in_flight += 1
         try:
             completion = await self.client.chat(server, body)
         except ServerUnavailable as exc:
             self.pool.mark_down(server, str(exc))
-            failure = Failure(exc.error_class, str(exc))
-            await self._outcome("release", lease, (failure, time.time()))
+            return "release", (Failure(exc.error_class, str(exc)), time.time())
         except TransientError as exc:
             if exc.error_class in _MAYBE_DOWN and not await self.client.health(server):
                 # The connection broke because the server went away: an outage, not
                 # the item's fault.
                 self.pool.mark_down(server, str(exc))
-                await self._outcome(
-                    "release", lease, (Failure("unavailable", str(exc)), time.time())
-                )
-            else:
-                await self._retry_or_fail(lease, exc, exc.retry_after)
+                return "release", (Failure("unavailable", str(exc)), time.time())
+            return self._retry_or_fail(lease, exc, exc.retry_after)
         except PermanentError as exc:
-            await self._outcome("fail", lease, Failure(exc.error_class, str(exc)))
+            return "fail", Failure(exc.error_class, _where(lease) + str(exc))
         except InferenceError as exc:
-            await self._retry_or_fail(lease, exc, None)
+            return self._retry_or_fail(lease, exc, None)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must not take the other requests down
             log.exception("item_crashed", item=lease.item_id, key=lease.key)
             error = InferenceError(f"{type(exc).__name__}: {exc}", error_class="internal")
-            await self._retry_or_fail(lease, error, None)
-        else:
-            self.pool.succeeded(server)
-            accepted = await self._outcome("complete", lease, _output(completion))
-            if accepted:
-                self.stats.completed += 1
-                self.stats.completion_tokens += (completion.usage or {}).get(
-                    "completion_tokens", 0
-                ) or 0
+            return self._retry_or_fail(lease, error, None)
         finally:
             state.in_flight -= 1
+        self.pool.succeeded(server)
+        if completion.finish_reason == "length" and info.on_truncated != "keep":
+            limit = body.get("max_tokens") or body.get("max_completion_tokens")
+            truncated = TransientError(
+                f"the answer was cut at max_tokens={limit}", error_class="truncated"
+            )
+            if info.on_truncated == "fail":
+                return "fail", Failure("truncated", _where(lease) + str(truncated))
+            return self._retry_or_fail(lease, truncated, None)
+        return _output(completion, info.params_hash)
 
-    async def _retry_or_fail(
+    def _retry_or_fail(
         self, lease: Lease, exc: InferenceError, retry_after: float | None
-    ) -> None:
+    ) -> tuple[str, Any]:
         if lease.attempt >= self.config.max_attempts:
-            message = f"gave up after {lease.attempt} attempts: {exc}"
-            await self._outcome("fail", lease, Failure(exc.error_class, message))
-            return
+            message = f"{_where(lease)}gave up after {lease.attempt} attempts: {exc}"
+            return "fail", Failure(exc.error_class, message)
         delay = backoff_delay(
             lease.attempt,
             base=self.config.backoff_base,
@@ -520,39 +702,18 @@ class Worker:
             error_class=exc.error_class,
             delay_s=round(delay, 2),
         )
-        await self._outcome(
-            "retry", lease, (Failure(exc.error_class, str(exc)), time.time() + delay)
-        )
+        return "retry", (Failure(exc.error_class, _where(lease) + str(exc)), time.time() + delay)
 
-    async def _outcome(self, kind: str, lease: Lease, payload: Any) -> bool:
-        """Hand the outcome to the committer; the write itself survives our cancellation."""
-        accepted = await asyncio.shield(self.committer.submit(kind, lease, payload))
-        if not accepted:
-            self.stats.lost += 1
-            log.warning("result_dropped_lease_lost", item=lease.item_id, key=lease.key, kind=kind)
-            return False
-        if kind == "retry":
-            self.stats.retried += 1
-        elif kind == "fail":
-            self.stats.failed += 1
-            log.warning(
-                "item_failed",
-                item=lease.item_id,
-                key=lease.key,
-                error_class=payload.error_class,
-                error=payload.message[:500],
-            )
-        elif kind == "release":
-            self.stats.released += 1
-        return True
+    async def _dataset(self, dataset_id: int) -> DatasetInfo:
+        if dataset_id not in self._datasets:
+            await self._load_datasets()
+        return self._datasets[dataset_id]
 
-    async def _dataset_params(self, dataset_id: int) -> dict[str, Any]:
-        if dataset_id not in self._params:
-            await self._load_params()
-        return self._params.get(dataset_id, {})
-
-    async def _load_params(self) -> None:
-        self._params = {d.id: d.params for d in await list_datasets(self.database)}
+    async def _load_datasets(self) -> None:
+        """Parameters and policies of the datasets; reloaded every few seconds, so an
+        ``enqueue --update`` reaches running workers for the items they claim next."""
+        self._datasets = {d.id: d for d in await list_datasets(self.database)}
+        self._datasets_loaded = time.monotonic()
 
     # -------------------------------------------------------------------- leases
 
@@ -566,7 +727,7 @@ class Worker:
                 await worker_rows.heartbeat(
                     self.database,
                     self.owner,
-                    in_flight=len(self._inflight),
+                    in_flight=self.in_flight,
                     completed=self.stats.completed,
                 )
                 await self._reap()
@@ -576,10 +737,10 @@ class Worker:
                     last_checkpoint = now
                 self.notifier.status(
                     f"{self.stats.completed} done, {self.stats.failed} failed, "
-                    f"{len(self._inflight)} in flight"
+                    f"{self.in_flight} in flight"
                 )
                 if now - last_progress >= self.config.progress_every:
-                    log.info("progress", in_flight=len(self._inflight), **_stats_fields(self.stats))
+                    log.info("progress", in_flight=self.in_flight, **_stats_fields(self.stats))
                     last_progress = now
             except StorageError as exc:
                 log.error("keeper_failed", error=str(exc))
@@ -587,17 +748,24 @@ class Worker:
                 log.exception("keeper_crashed")
 
     async def _renew(self) -> None:
-        held = [(f.lease.item_id, f.lease.token) for f in self._inflight.values()]
+        held = [(h.lease.item_id, h.lease.token) for h in self._held.values()]
         if not held:
             return
         kept = await self.queue.renew(held, lease_seconds=self.config.lease_seconds)
         for item_id, _ in held:
-            flight = self._inflight.get(item_id)
-            if item_id not in kept and flight is not None and not flight.task.done():
-                flight.cancel_reason = "lease_lost"
-                flight.task.cancel()
-                self.stats.lost += 1
-                log.warning("lease_lost", item=item_id, key=flight.lease.key)
+            entry = self._held.get(item_id)
+            if item_id in kept or entry is None:
+                continue
+            if entry.task is not None and entry.task.done():
+                continue  # its outcome is queued; the fenced write will drop it
+            # Taken over by another worker: stop working on it (or never start).
+            self._held.pop(item_id)
+            self._suspects -= entry.lease.suspect
+            if entry.task is not None:
+                entry.cancel_reason = "lease_lost"
+                entry.task.cancel()
+            self.stats.lost += 1
+            log.warning("lease_lost", item=item_id, key=entry.lease.key)
 
     async def _reap(self) -> None:
         owners = await self.queue.running_owners()
@@ -611,8 +779,11 @@ class Worker:
     # -------------------------------------------------------------------- shutdown
 
     async def _drain(self) -> None:
-        """Let in-flight requests finish within the grace period, release the rest."""
-        tasks = [f.task for f in self._inflight.values()]
+        """Let running requests finish within the grace period, release the rest."""
+        unstarted = list(self._buffer)
+        self._buffer.clear()
+        running = [h for h in self._held.values() if h.task is not None and not h.task.done()]
+        tasks = [h.task for h in running if h.task is not None]
         if tasks and self._grace > 0:
             log.info("draining", in_flight=len(tasks), grace_s=self._grace)
             done_waiting = asyncio.create_task(asyncio.wait(tasks, timeout=self._grace))
@@ -622,29 +793,26 @@ class Worker:
                 if self._grace == 0:
                     break
             done_waiting.cancel()
-        leftovers = list(self._inflight.values())
-        for flight in leftovers:
-            flight.cancel_reason = flight.cancel_reason or "shutdown"
-            flight.task.cancel()
-        for flight in leftovers:
+        leftovers = [h for h in running if h.task is not None and not h.task.done()]
+        for held in leftovers:
+            held.cancel_reason = held.cancel_reason or "shutdown"
+            held.task.cancel()  # type: ignore[union-attr]
+        for held in leftovers:
             with contextlib.suppress(asyncio.CancelledError):
-                await flight.task
+                await held.task  # type: ignore[misc]
         # Through the committer, after any outcome already queued for the same item, so
         # a result that made it in time is kept and its release is fenced out.
-        releases = [
-            self.committer.submit(
-                "release", f.lease, (Failure("shutdown", "released at worker shutdown"), 0.0)
-            )
-            for f in leftovers
-            if f.cancel_reason == "shutdown"
-        ]
-        if releases:
-            accepted = await asyncio.gather(*releases)
-            self.stats.released += sum(accepted)
-            log.info("released_at_shutdown", items=sum(accepted))
+        released_before = self.stats.released
+        failure = Failure("shutdown", "released at worker shutdown")
+        for lease in [h.lease for h in leftovers if h.cancel_reason == "shutdown"] + unstarted:
+            if lease.item_id in self._held:
+                self.committer.submit("release", lease, (failure, 0.0))
+        if leftovers or unstarted:
+            await self.committer.close()
+            log.info("released_at_shutdown", items=self.stats.released - released_before)
 
 
-def _output(c: Completion) -> Output:
+def _output(c: Completion, params_hash: str) -> Output:
     return Output(
         message=c.message,
         content=c.content,
@@ -655,7 +823,14 @@ def _output(c: Completion) -> Output:
         server=c.server,
         model=c.model,
         response_id=c.response_id,
+        flags=c.flags,
+        params_hash=params_hash,
     )
+
+
+def _where(lease: Lease) -> str:
+    """Names the turn in a multi-turn item's error (requeue resumes it there)."""
+    return f"turn {lease.turn + 1} of {lease.turns}: " if lease.turns > 1 else ""
 
 
 def _stats_fields(stats: WorkerStats) -> dict[str, int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.doctor import DoctorConfig, _check_clock, passed, run_checks
+from orchestrator.store.migrate import SCHEMA_REVISION
 from tests.helpers import SimProcess, cli, prompts, write_jsonl
 
 SimFactory = Callable[..., SimProcess]
@@ -64,7 +65,7 @@ def test_all_pass(tmp_path: Path, sim_process: SimFactory) -> None:
         "disk",
     ]
     assert all(line.startswith("PASS") for line in lines.values()), lines
-    assert "schema 0001, 5 items (0 done)" in lines["database"]
+    assert f"schema {SCHEMA_REVISION}, 5 items (0 done)" in lines["database"]
     assert "serves sim-model" in lines[f"models {sim.url}"]
     # Answers measured once some are done.
     result = cli("run", "--server", sim.url, "--db", str(db), "--exit-when-done")
@@ -101,7 +102,10 @@ async def test_schema_newer_or_missing_is_reported_not_changed(tmp_path: Path) -
     code, lines = doctor(db)
     assert code == 1
     assert lines["database"].startswith("FAIL  database: ")
-    assert "schema 9999 is newer than this orchestrator knows (0001)" in lines["database"]
+    assert (
+        f"schema 9999 is newer than this orchestrator knows ({SCHEMA_REVISION})"
+        in lines["database"]
+    )
     assert lines["disk"].startswith("SKIP")
     assert db.read_bytes() == before
 
@@ -109,7 +113,7 @@ async def test_schema_newer_or_missing_is_reported_not_changed(tmp_path: Path) -
     empty.touch()
     code, lines = await doctor_in_process(empty)
     assert code == 1
-    assert "no schema yet (this orchestrator's is 0001)" in lines["database"]
+    assert f"no schema yet (this orchestrator's is {SCHEMA_REVISION})" in lines["database"]
     with closing(sqlite3.connect(empty)) as conn:
         tables = conn.execute("SELECT name FROM sqlite_master").fetchall()
     assert tables == [], "doctor must not create the schema"

@@ -1,16 +1,31 @@
-"""The state machine, transition by transition, on a real SQLite file."""
+"""The state machine, transition by transition, on a real SQLite file.
+
+Every test runs twice: with the worker's hot statements as plain SQL on the sqlite3
+driver (what a worker uses), and as SQLAlchemy constructs (what other backends use).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 
 from orchestrator.formats import iter_records
 from orchestrator.store import Database, DatasetSpec, Failure, Lease, Output, Queue, enqueue
+from orchestrator.store import queue as queue_module
+from orchestrator.store.queue import Claim, Round
 from orchestrator.store.schema import attempt_errors, items, outputs
 from tests.helpers import prompts, write_jsonl
+
+
+@pytest.fixture(autouse=True, params=["driver-sql", "sqlalchemy"])
+def statements(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    if request.param == "sqlalchemy":
+        monkeypatch.setattr(queue_module, "_sqlite_driver", lambda _conn: None)
+    yield request.param
 
 
 def answer(text: str = "hello") -> Output:
@@ -257,3 +272,43 @@ async def test_checkpoint_folds_the_wal_back(database: Database, tmp_path: Path)
     assert wal.stat().st_size > 0
     await database.checkpoint("TRUNCATE")
     assert wal.stat().st_size == 0
+
+
+async def test_round_settles_first_then_claims(database: Database, tmp_path: Path) -> None:
+    await load(database, tmp_path, 5, concurrency=2)
+    queue = Queue(database)
+    a, b = await queue.claim("w1", 5, lease_seconds=60)
+    assert await queue.claim("w1", 5, lease_seconds=60) == []  # the cap is reached
+    # One transaction: a is done and b retried, which frees both places under the cap.
+    result = await queue.write_round(
+        Round(
+            complete=[(a, answer())],
+            retry=[(b, Failure("http_500", "HTTP 500: boom"), time.time() + 60)],
+            claim=Claim("w1", 5, 60.0),
+        )
+    )
+    assert result.accepted == {"complete": {a.item_id}, "retry": {b.item_id}}
+    assert [lease.key for lease in result.leases] == ["ds000002", "ds000003"]
+    state = await rows(database)
+    assert [state[k]["state"] for k in sorted(state)] == [
+        "done", "pending", "running", "running", "pending"
+    ]  # fmt: skip
+
+
+async def test_fence_sorts_a_mixed_batch(database: Database, tmp_path: Path) -> None:
+    """Leases of several claims in one write: each row is judged by its own token."""
+    await load(database, tmp_path, 3)
+    queue = Queue(database)
+    [lost] = await queue.claim("w1", 1, lease_seconds=5, now=time.time() - 10)
+    b, c = await queue.claim("w1", 2, lease_seconds=60)
+    assert await queue.reap(max_attempts=5) == 1
+    [taken] = await queue.claim("w2", 1, lease_seconds=60)
+    assert taken.item_id == lost.item_id
+    # w1 still holds b and c (one claim) but not the first item any more.
+    forged = Lease(c.item_id, taken.token, c.dataset_id, c.key, c.request, 1, 0)
+    accepted = await queue.complete([(lost, answer()), (b, answer()), (forged, answer())])
+    assert accepted == {b.item_id}
+    state = await rows(database)
+    assert state[lost.key]["lease_owner"] == "w2" and state[lost.key]["state"] == "running"
+    assert state[c.key]["state"] == "running"
+    assert await output_count(database) == 1

@@ -12,8 +12,8 @@ from typing import Any
 import orjson
 import pytest
 
-from orchestrator.errors import InputError
-from orchestrator.formats import FORMATS, Record, iter_records, readers
+from orchestrator.errors import ConfigError, InputError
+from orchestrator.formats import FORMATS, Record, iter_prepared, iter_records, readers
 
 USER = {"role": "user", "content": "hi"}
 
@@ -630,3 +630,317 @@ def test_memory_stays_flat(tmp_path: Path) -> None:
         tracemalloc.stop()
     assert count == 200_000
     assert peak < 2 * 1024 * 1024, peak
+
+
+# --- prepared lines ----------------------------------------------------------------------------
+
+
+def test_prepared_lines_match_records(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "in.jsonl",
+        {"id": "a", "messages": [{"role": "system", "content": "s"}, USER], "seed": 3},
+        {"messages": [USER, {"role": "assistant", "content": "dropped"}]},
+        b"{broken",
+        {"conversations": [{"from": "human", "value": "q"}], "tools": ""},
+        b"",
+        {"id": 9, "prompt": "p", "system": "be brief", "tag": "meta"},
+        {"custom_id": "c", "body": {"model": "m", "messages": [USER]}},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "t"}]}]},
+        {"messages": [{"role": "robot", "content": "x"}]},
+    )
+    errors: list[InputError] = []
+    prepared = list(iter_prepared(path, on_invalid=errors.append))
+    record_errors: list[InputError] = []
+    records = list(iter_records(path, on_invalid=record_errors.append))
+    assert [str(e) for e in errors] == [str(e) for e in record_errors]
+    assert [e.line for e in errors] == [3, 9]
+    assert prepared == [
+        (r.line, r.key, r.fmt, r.digest, orjson.dumps(r.request).decode()) for r in records
+    ]
+    assert [p.line for p in prepared] == [1, 2, 4, 6, 7, 8]
+    assert all(p.digest == canonical_digest(orjson.loads(p.body)) for p in prepared)
+
+
+def test_prepared_lines_stop_at_the_first_bad_line(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "in.jsonl", {"prompt": "a"}, {"messages": "x"}, {"prompt": "c"})
+    it = iter_prepared(path)
+    assert next(it).key == "1"
+    with pytest.raises(InputError, match=r":2: messages must be a list"):
+        next(it)
+    with pytest.raises(InputError, match="no such file"):
+        iter_prepared(tmp_path / "missing.jsonl")
+
+
+def test_prepared_memory_stays_flat(tmp_path: Path) -> None:
+    path = tmp_path / "many.jsonl"
+    block = b"".join(
+        orjson.dumps(obj) + b"\n"
+        for obj in (
+            {"id": "a", "messages": [USER]},
+            {"prompt": "p", "tag": "t"},
+            {"conversations": [{"from": "human", "value": "q"}]},
+            {"custom_id": "b", "body": {"messages": [USER]}},
+        )
+    )
+    path.write_bytes(block * 25_000)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        count = sum(1 for _ in iter_prepared(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert count == 100_000
+    assert peak < 2 * 1024 * 1024, peak
+
+
+# --- regenerate="all", pass-through and token rows ---------------------------------------------
+
+ANSWER = {"role": "assistant", "content": "a"}
+CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
+RESULT = {"role": "tool", "tool_call_id": "c1", "content": "r"}
+
+
+def read_as(path: Path, **options: Any) -> list[Record]:
+    return list(iter_records(path, **options))
+
+
+def bad_as(tmp_path: Path, line: Any, **options: Any) -> InputError:
+    """``bad`` for a file read with ``options``: the error names line 2."""
+    good = tokens_row() if options.get("fmt") == "tokens" else {"messages": [USER, ANSWER]}
+    path = write_lines(tmp_path / "in.jsonl", good, line)
+    with pytest.raises(InputError) as info:
+        read_as(path, **options)
+    assert info.value.path == str(path) and info.value.line == 2
+    assert str(info.value).startswith(f"{path}:2: ")
+    return info.value
+
+
+def test_input_format_constants() -> None:
+    assert ("auto", *FORMATS, "tokens") == readers.INPUT_FORMATS
+    assert readers.MODES == ("last", "all", "passthrough")
+    assert set(readers.PASSTHROUGH_FORMATS) < set(readers.INPUT_FORMATS)
+
+
+@pytest.mark.parametrize(
+    ("line", "messages", "turns"),
+    [
+        pytest.param({"messages": [USER, ANSWER, USER, ANSWER]}, None, 2, id="two-turns"),
+        pytest.param({"messages": [USER, CALL, RESULT, CALL, RESULT, ANSWER]}, None, 3, id="agent"),
+        pytest.param({"messages": [USER, ANSWER, USER]}, None, 2, id="ends-on-user"),
+        pytest.param({"messages": [USER, CALL, RESULT]}, None, 2, id="ends-on-tool"),
+        pytest.param({"messages": [ANSWER, USER, ANSWER]}, None, 1, id="leading-assistant"),
+        pytest.param({"prompt": "q"}, [{"role": "user", "content": "q"}], 1, id="prompt"),
+        pytest.param(
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "a"}]},
+            [USER, ANSWER],
+            1,
+            id="sharegpt",
+        ),
+        pytest.param(
+            {"custom_id": "b", "body": {"messages": [USER, ANSWER, USER, ANSWER]}},
+            None,
+            2,
+            id="batch",
+        ),
+    ],
+)
+def test_regenerate_all_keeps_the_whole_conversation(
+    tmp_path: Path, line: dict[str, Any], messages: list[Any] | None, turns: int
+) -> None:
+    path = write_lines(tmp_path / "in.jsonl", line)
+    [record] = read_as(path, regenerate="all")
+    expected = messages or (line.get("messages") or line["body"]["messages"])
+    assert record.request["messages"] == expected
+    assert (record.mode, record.turns) == ("all", turns)
+    assert record.digest == canonical_digest(record.request)
+    [prepared] = list(iter_prepared(path, regenerate="all"))
+    assert isinstance(prepared, readers.PreparedItem)
+    assert prepared[:5] == (
+        record.line,
+        record.key,
+        record.fmt,
+        record.digest,
+        orjson.dumps(record.request).decode(),
+    )
+    assert (prepared.mode, prepared.turns) == ("all", turns)
+    # The same line read for its last answer: trailing answers dropped, one turn.
+    [last] = read_as(path)
+    assert (last.mode, last.turns) == ("last", 1)
+
+
+def test_regenerate_all_keeps_request_fields(tmp_path: Path) -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    [record] = read_as(
+        write_lines(tmp_path / "in.jsonl", {"id": 7, "messages": [USER, CALL], "tools": tools}),
+        regenerate="all",
+    )
+    assert record.key == "7"
+    assert record.request == {"messages": [USER, CALL], "tools": tools}
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ({"messages": [ANSWER]}, "no user message"),
+        ({"messages": [{"role": "system", "content": "s"}, ANSWER]}, "no user message"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "unknown role 'bot'"),
+        ({"input_ids": [1, 2]}, "only a pass-through dataset takes these"),
+    ],
+)
+def test_regenerate_all_bad_lines(tmp_path: Path, line: Any, reason: str) -> None:
+    assert reason in str(bad_as(tmp_path, line, regenerate="all"))
+
+
+def test_token_row_read_as_a_prompt_says_what_it_is(tmp_path: Path) -> None:
+    err = bad(tmp_path, {"input_ids": [1, 2], "loss_mask": [0, 1]})
+    assert "pre-tokenised row (input_ids)" in str(err)
+
+
+def test_passthrough_conversation_is_the_row_as_read(tmp_path: Path) -> None:
+    row = {
+        "id": "f1",
+        "messages": [USER, ANSWER],
+        "dataset": "old",
+        "finish_reason": "stop",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+    }
+    path = write_lines(tmp_path / "in.jsonl", row, {"messages": [USER, CALL, RESULT, ANSWER]})
+    first, second = read_as(path, passthrough=True)
+    assert first.request == row
+    assert (first.key, first.fmt, first.mode, first.turns) == ("f1", "messages", "passthrough", 1)
+    assert (first.prompt_tokens, first.completion_tokens) == (3, 5)
+    assert first.digest == canonical_digest(row)
+    assert (second.key, second.prompt_tokens, second.completion_tokens) == ("2", None, None)
+    prepared = list(iter_prepared(path, passthrough=True))
+    assert [p.body for p in prepared] == [orjson.dumps(r.request).decode() for r in (first, second)]
+    assert [(p.mode, p.prompt_tokens, p.completion_tokens) for p in prepared] == [
+        ("passthrough", 3, 5),
+        ("passthrough", None, None),
+    ]
+
+
+def test_passthrough_sharegpt_is_stored_as_messages(tmp_path: Path) -> None:
+    row = {
+        "id": "s1",
+        "system": "be brief",
+        "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "a"}],
+        "tools": "",
+        "source": "x",
+    }
+    [record] = read_as(write_lines(tmp_path / "in.jsonl", row), passthrough=True)
+    assert record.fmt == "sharegpt"
+    assert record.request == {
+        "id": "s1",
+        "source": "x",
+        "messages": [{"role": "system", "content": "be brief"}, USER, ANSWER],
+    }
+
+
+def tokens_row(**fields: Any) -> dict[str, Any]:
+    return {"input_ids": [5, 0, 7], "loss_mask": [0, 1, 1], **fields}
+
+
+def test_token_rows(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "in.jsonl",
+        tokens_row(id="t1", source="x"),
+        {"input_ids": [1]},  # no loss_mask: allowed
+        tokens_row(usage={"completion_tokens": 2}),
+    )
+    for options in ({"passthrough": True}, {"passthrough": True, "fmt": "tokens"}):
+        records = read_as(path, **options)
+        assert [(r.key, r.fmt, r.mode) for r in records] == [
+            ("t1", "tokens", "passthrough"),
+            ("2", "tokens", "passthrough"),
+            ("3", "tokens", "passthrough"),
+        ]
+        assert records[0].request == tokens_row(id="t1", source="x")
+        assert (records[2].prompt_tokens, records[2].completion_tokens) == (None, 2)
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ({"input_ids": []}, "input_ids must be a non-empty list of token ids"),
+        ({"input_ids": "1 2"}, "input_ids must be a non-empty list of token ids"),
+        ({"input_ids": [1, -2]}, "input_ids must hold non-negative integers only"),
+        ({"input_ids": [1, 2.0]}, "input_ids must hold non-negative integers only"),
+        ({"input_ids": [1, True]}, "input_ids must hold non-negative integers only"),
+        (tokens_row(loss_mask=[0, 1]), "loss_mask must be a list as long as input_ids (3)"),
+        (tokens_row(loss_mask="011"), "loss_mask must be a list as long as input_ids (3)"),
+        (tokens_row(loss_mask=[0, 1, 2]), "loss_mask must hold 0 and 1 only"),
+        (tokens_row(loss_mask=[0, True, 1]), "loss_mask must hold 0 and 1 only"),
+        (tokens_row(loss_mask=[0, 0, 0]), "loss_mask is all 0: the row teaches nothing"),
+        (tokens_row(id=""), "id is empty"),
+        (tokens_row(usage=[1]), "usage must be an object"),
+        (tokens_row(usage={"prompt_tokens": -1}), "usage.prompt_tokens must be a non-negative"),
+        (b'{"input_ids": [1,', "invalid JSON"),
+    ],
+)
+def test_bad_token_rows(tmp_path: Path, line: Any, reason: str) -> None:
+    path = write_lines(tmp_path / "in.jsonl", tokens_row(), line)
+    for options in ({"passthrough": True}, {"passthrough": True, "fmt": "tokens"}):
+        with pytest.raises(InputError) as info:
+            read_as(path, **options)
+        assert info.value.line == 2
+        assert str(info.value).startswith(f"{path}:2: ") and reason in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "options", "reason"),
+    [
+        ({"messages": [USER]}, {}, "a passthrough row must end with the assistant's answer"),
+        ({"messages": [ANSWER]}, {}, "no user message"),
+        ({"prompt": "q"}, {}, "a prompt line holds no answer to pass through"),
+        ({"custom_id": "b", "body": {"messages": [USER]}}, {}, "an openai-batch line holds no"),
+        ({"text": "x"}, {}, "expected messages, conversations or input_ids"),
+        ({"messages": [USER, ANSWER]}, {"fmt": "tokens"}, "a messages line in a dataset declared"),
+        (tokens_row(), {"fmt": "messages"}, 'a tokens line in a dataset declared format = "mes'),
+        (
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+            {"fmt": "messages"},
+            'a sharegpt line in a dataset declared format = "messages"',
+        ),
+    ],
+)
+def test_bad_passthrough_rows(
+    tmp_path: Path, line: Any, options: dict[str, Any], reason: str
+) -> None:
+    assert reason in str(bad_as(tmp_path, line, passthrough=True, **options))
+
+
+def test_declared_format_refuses_other_lines(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "in.jsonl", {"prompt": "a"}, {"messages": [USER]})
+    assert len(read_as(path)) == 2
+    for options in ({"fmt": "prompt"}, {"fmt": "prompt", "regenerate": "all"}):
+        with pytest.raises(
+            InputError, match=r':2: a messages line in a dataset declared format = "prompt"'
+        ):
+            read_as(path, **options)
+        with pytest.raises(InputError, match=":2: a messages line"):
+            list(iter_prepared(path, **options))
+    errors: list[InputError] = []
+    assert [r.key for r in iter_records(path, fmt="prompt", on_invalid=errors.append)] == ["1"]
+    assert [e.line for e in errors] == [2]
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"fmt": "tokens"}, "can only be passed through"),
+        ({"fmt": "prompt", "passthrough": True}, "prompt lines hold no answer to pass through"),
+        ({"fmt": "openai-batch", "passthrough": True}, "openai-batch lines hold no answer"),
+        ({"fmt": "csv"}, "format must be one of"),
+        ({"regenerate": "every"}, "regenerate must be last or all"),
+    ],
+)
+def test_impossible_options(tmp_path: Path, options: dict[str, Any], reason: str) -> None:
+    path = write_lines(tmp_path / "in.jsonl", {"prompt": "a"})
+    for read in (iter_records, iter_prepared):
+        with pytest.raises(ConfigError, match=reason):
+            read(path, **options)

@@ -582,3 +582,444 @@ def test_write_sample(tmp_path: Path):
     assert other.read_bytes() != path.read_bytes()
     assert write_sample(tmp_path / "empty.jsonl", n=0) == 0
     assert (tmp_path / "empty.jsonl").read_bytes() == b""
+
+
+# ------------------------------------------------------------ reasoning, tool calls, truncation
+
+TOOLS = [
+    {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "fetch", "parameters": {"type": "object"}}},
+]
+DIGEST = request_digest(MESSAGES)
+
+
+def message_of(body: dict[str, Any]) -> dict[str, Any]:
+    [choice] = body["choices"]
+    return choice["message"]
+
+
+def assembled(events: list[str]) -> dict[str, Any]:
+    """A stream put back together as a client would: text per delta field, tool calls,
+    finish_reason and usage; also checks the shape every stream must have."""
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    texts: dict[str, str] = {}
+    calls: dict[int, dict[str, Any]] = {}
+    order: list[str] = []
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert all(f is None for f in finish[:-1]) and finish[-1] is not None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            for key, value in choice["delta"].items():
+                if key == "role":
+                    assert value == "assistant"
+                    continue
+                if key == "tool_calls":
+                    for part in value:
+                        if part["index"] not in calls:
+                            assert part["id"].startswith("call_") and part["type"] == "function"
+                            assert part["function"]["name"] and part["function"]["arguments"] == ""
+                            calls[part["index"]] = {**part, "function": dict(part["function"])}
+                        else:
+                            assert set(part) == {"index", "function"}
+                            assert set(part["function"]) == {"arguments"}
+                            calls[part["index"]]["function"]["arguments"] += part["function"][
+                                "arguments"
+                            ]
+                elif value:
+                    texts[key] = texts.get(key, "") + value
+                if value and (not order or order[-1] != key):
+                    order.append(key)
+    usage = chunks[-1].get("usage")
+    return {
+        "texts": texts,
+        "order": order,
+        "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls.values()],
+        "finish_reason": finish[-1],
+        "usage": usage,
+    }
+
+
+async def both(
+    session: aiohttp.ClientSession, base: str, **extra: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The plain answer and the streamed one (with usage) to the same request."""
+    status, plain = await chat(session, base, **extra)
+    assert status == 200, plain
+    _, events = await stream_events(session, base, stream_options={"include_usage": True}, **extra)
+    return plain, assembled(events)
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+async def test_reasoning_in_a_field(
+    start_sim: StartSim, session: aiohttp.ClientSession, field: str
+):
+    plain_base = await start_sim(mean_tokens=20)
+    base = await start_sim(mean_tokens=20, reasoning="field", reasoning_field=field)
+    _, without = await chat(session, plain_base)
+    plain, streamed = await both(session, base)
+    message = message_of(plain)
+    other = ({"reasoning_content", "reasoning"} - {field}).pop()
+    assert other not in message
+    reasoning = message[field]
+    assert reasoning.split()[0] == f"[sim-reasoning:{DIGEST}]"
+    assert 10 <= len(reasoning.split()) <= 30
+    # Thinking comes before the answer and does not change it.
+    assert message["content"] == message_of(without)["content"]
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    tokens = len(reasoning.split()) + len(message["content"].split())
+    assert plain["usage"]["completion_tokens"] == tokens
+    assert answer_matches(MESSAGES, message)
+    assert not answer_matches(MESSAGES[1:], message)
+
+    assert streamed["texts"] == {field: reasoning, "content": message["content"]}
+    assert streamed["order"] == [field, "content"]
+    assert streamed["usage"] == plain["usage"]
+    assert streamed["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("mode", ["think", "think-end"])
+async def test_reasoning_left_in_the_content(
+    start_sim: StartSim, session: aiohttp.ClientSession, mode: str
+):
+    field_base = await start_sim(mean_tokens=20, reasoning="field")
+    base = await start_sim(mean_tokens=20, reasoning=mode)
+    _, separate = await chat(session, field_base)
+    plain, streamed = await both(session, base)
+    reasoning = message_of(separate)["reasoning_content"]
+    answer = message_of(separate)["content"]
+    message = message_of(plain)
+    assert set(message) == {"role", "content"}
+    opening = "<think>\n" if mode == "think" else ""
+    assert message["content"] == f"{opening}{reasoning}\n</think>\n\n{answer}"
+    assert plain["usage"] == separate["usage"]
+    assert answer_matches(MESSAGES, message["content"])
+    assert answer_matches(MESSAGES, message)
+    assert streamed["texts"] == {"content": message["content"]}
+    assert streamed["usage"] == plain["usage"]
+
+
+@pytest.mark.parametrize("mode", ["field", "think", "think-end"])
+@pytest.mark.parametrize(
+    ("kwargs", "thinks"),
+    [
+        ({"enable_thinking": False}, False),
+        ({"thinking": False}, False),
+        ({"enable_thinking": True}, True),
+        ({}, True),
+    ],
+)
+async def test_thinking_can_be_turned_off_per_request(
+    start_sim: StartSim,
+    session: aiohttp.ClientSession,
+    mode: str,
+    kwargs: dict[str, Any],
+    thinks: bool,
+):
+    plain_base = await start_sim(mean_tokens=20)
+    base = await start_sim(mean_tokens=20, reasoning=mode)
+    _, without = await chat(session, plain_base)
+    plain, streamed = await both(session, base, chat_template_kwargs=kwargs)
+    message = message_of(plain)
+    if thinks:
+        assert plain["usage"]["completion_tokens"] > without["usage"]["completion_tokens"]
+        return
+    assert message["content"] == message_of(without)["content"]
+    assert message.get("reasoning_content") is None
+    assert plain["usage"] == without["usage"]
+    assert streamed["texts"] == {"content": message["content"]}
+
+
+@pytest.mark.parametrize("mode", ["field", "think", "think-end"])
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+async def test_truncation_inside_the_reasoning(
+    start_sim: StartSim, session: aiohttp.ClientSession, mode: str, key: str
+):
+    base = await start_sim(reasoning=mode)
+    _, full = await chat(session, await start_sim(reasoning="field"))
+    reasoning_words = message_of(full)["reasoning_content"].split()
+    plain, streamed = await both(session, base, **{key: 3})
+    assert plain["choices"][0]["finish_reason"] == streamed["finish_reason"] == "length"
+    assert plain["usage"]["completion_tokens"] == 3
+    assert streamed["usage"] == plain["usage"]
+    message = message_of(plain)
+    cut = " ".join(reasoning_words[:3])
+    if mode == "field":
+        assert message == {"role": "assistant", "content": None, "reasoning_content": cut}
+        assert streamed["texts"] == {"reasoning_content": cut}
+        assert answer_matches(MESSAGES, message)
+    else:
+        # No </think>, and no answer: the model ran out of tokens while thinking.
+        expected = "<think>\n" + cut if mode == "think" else cut
+        assert message == {"role": "assistant", "content": expected}
+        assert streamed["texts"] == {"content": expected}
+
+
+@pytest.mark.parametrize("mode", ["field", "think"])
+async def test_truncation_inside_the_answer(
+    start_sim: StartSim, session: aiohttp.ClientSession, mode: str
+):
+    _, full = await chat(session, await start_sim(reasoning="field"))
+    reasoning = message_of(full)["reasoning_content"]
+    answer_words = message_of(full)["content"].split()
+    limit = len(reasoning.split()) + 2
+    plain, streamed = await both(session, await start_sim(reasoning=mode), max_tokens=limit)
+    assert plain["choices"][0]["finish_reason"] == streamed["finish_reason"] == "length"
+    assert plain["usage"]["completion_tokens"] == limit
+    cut = " ".join(answer_words[:2])
+    message = message_of(plain)
+    if mode == "field":
+        assert message["reasoning_content"] == reasoning
+        assert message["content"] == cut
+    else:
+        assert message["content"] == f"<think>\n{reasoning}\n</think>\n\n{cut}"
+    assert answer_matches(MESSAGES, message)
+
+    # A limit at exactly the end of the thinking leaves it closed, with no answer.
+    plain, streamed = await both(session, await start_sim(reasoning="think"), max_tokens=limit - 2)
+    assert message_of(plain)["content"] == f"<think>\n{reasoning}\n</think>\n\n"
+    assert plain["choices"][0]["finish_reason"] == "length"
+    assert streamed["texts"] == {"content": message_of(plain)["content"]}
+
+
+def arguments_of(message: dict[str, Any]) -> dict[str, Any]:
+    [call] = message["tool_calls"]
+    return json.loads(call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("mode", ["none", "field", "think"])
+async def test_tool_call_when_required(
+    start_sim: StartSim, session: aiohttp.ClientSession, mode: str
+):
+    base = await start_sim(mean_tokens=20, reasoning=mode, tool_call_rate=0.0)
+    plain, streamed = await both(session, base, tools=TOOLS, tool_choice="required")
+    assert plain["choices"][0]["finish_reason"] == streamed["finish_reason"] == "tool_calls"
+    message = message_of(plain)
+    [call] = message["tool_calls"]
+    assert call["id"] == f"call_{DIGEST}"
+    assert call["type"] == "function"
+    assert call["function"]["name"] == "search"
+    arguments = arguments_of(message)
+    assert arguments["sim"] == DIGEST
+    if mode == "think":
+        assert message["content"].startswith("<think>\n[sim-reasoning:")
+        assert message["content"].endswith("</think>\n\n")
+    else:
+        assert message["content"] is None
+    assert (message.get("reasoning_content") is not None) is (mode == "field")
+    answer_tokens = 1 + len(arguments["text"].split())
+    reasoning_tokens = plain["usage"]["completion_tokens"] - answer_tokens
+    assert (reasoning_tokens > 0) is (mode != "none")
+    assert answer_matches(MESSAGES, message)
+    assert not answer_matches(MESSAGES[1:], message)
+    assert not answer_matches(MESSAGES, message["content"])
+
+    assert streamed["tool_calls"] == message["tool_calls"]
+    assert streamed["usage"] == plain["usage"]
+    assert streamed["order"][-1] == "tool_calls"
+    assert streamed["texts"].get("content") == (message["content"] if mode == "think" else None)
+
+
+async def test_tool_arguments_are_streamed_in_pieces(
+    start_sim: StartSim, session: aiohttp.ClientSession
+):
+    base = await start_sim(mean_tokens=40)
+    _, events = await stream_events(session, base, tools=TOOLS, tool_choice="required")
+    parts = [
+        json.loads(e)["choices"][0]["delta"].get("tool_calls") for e in events[:-1] if "{" in e
+    ]
+    parts = [p[0] for p in parts if p]
+    assert "id" in parts[0] and parts[0]["function"]["name"] == "search"
+    pieces = [p["function"]["arguments"] for p in parts[1:]]
+    assert len(pieces) > 3 and all(pieces)
+    assert json.loads("".join(pieces))["sim"] == DIGEST
+
+
+async def test_tool_choice_forms(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(tool_call_rate=1.0)
+    _, body = await chat(session, base, tools=TOOLS)
+    assert message_of(body)["tool_calls"][0]["function"]["name"] == "search"
+    named = {"type": "function", "function": {"name": "fetch"}}
+    _, body = await chat(session, base, tools=TOOLS, tool_choice=named)
+    assert message_of(body)["tool_calls"][0]["function"]["name"] == "fetch"
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    for extra in ({"tools": TOOLS, "tool_choice": "none"}, {"tools": []}, {}):
+        _, body = await chat(session, base, **extra)
+        assert "tool_calls" not in message_of(body)
+        assert answer_matches(MESSAGES, message_of(body)["content"])
+        assert body["choices"][0]["finish_reason"] == "stop"
+
+    never = await start_sim(tool_call_rate=0.0)
+    _, body = await chat(session, never, tools=TOOLS, tool_choice="auto")
+    assert "tool_calls" not in message_of(body)
+
+
+async def test_tool_call_rate_is_a_deterministic_share(
+    start_sim: StartSim, session: aiohttp.ClientSession
+):
+    base, twin = await start_sim(mean_tokens=8), await start_sim(mean_tokens=8)
+    prompts = [[{"role": "user", "content": f"task {i}"}] for i in range(60)]
+
+    async def calls(url: str) -> list[bool]:
+        answers = []
+        for prompt in prompts:
+            _, body = await chat(session, url, prompt, tools=TOOLS)
+            message = message_of(body)
+            answers.append("tool_calls" in message)
+            assert answer_matches(prompt, message)
+            reason = body["choices"][0]["finish_reason"]
+            assert reason == ("tool_calls" if answers[-1] else "stop")
+        return answers
+
+    first = await calls(base)
+    assert 15 <= sum(first) <= 45
+    assert await calls(twin) == first
+    assert await calls(base) == first
+
+
+async def test_tool_call_cut_by_max_tokens(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(mean_tokens=20)
+    _, full = await chat(session, base, tools=TOOLS, tool_choice="required")
+    full_words = arguments_of(message_of(full))["text"].split()
+    plain, streamed = await both(session, base, tools=TOOLS, tool_choice="required", max_tokens=4)
+    assert plain["choices"][0]["finish_reason"] == "length"
+    message = message_of(plain)
+    arguments = message["tool_calls"][0]["function"]["arguments"]
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)
+    assert arguments.startswith(f'{{"sim": "{DIGEST}"')
+    # Four tokens: the digest and three words of the text.
+    assert arguments.split('"text": "')[1].split() == full_words[:3]
+    assert answer_matches(MESSAGES, message)
+    assert not answer_matches(MESSAGES[1:], message)
+    assert streamed["tool_calls"] == message["tool_calls"]
+    assert plain["usage"]["completion_tokens"] == 4
+
+
+def test_answer_matches_forms():
+    other = request_digest(MESSAGES[1:])
+    content = f"[sim:{DIGEST}] alpha beta"
+    reasoning = f"[sim-reasoning:{DIGEST}] gamma"
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}
+
+    def with_args(arguments: str) -> dict[str, Any]:
+        return {**call, "function": {"name": "f", "arguments": arguments}}
+
+    assert answer_matches(MESSAGES, f"<think>\n{reasoning}\n</think>\n\n{content}")
+    assert not answer_matches(MESSAGES, f"<think>\n[sim-reasoning:{other}]\n</think>\n{content}")
+    assert not answer_matches(MESSAGES, f"<think>\n{reasoning}")
+    assert answer_matches(MESSAGES, {"content": content, "reasoning": reasoning})
+    assert answer_matches(MESSAGES, {"content": None, "reasoning_content": reasoning})
+    assert answer_matches(MESSAGES, {"content": "", "reasoning_content": reasoning})
+    assert not answer_matches(MESSAGES, {"content": content, "reasoning_content": "nope"})
+    assert not answer_matches(MESSAGES, {"content": None})
+    assert not answer_matches(MESSAGES, {"content": "  "})
+    assert not answer_matches(MESSAGES, ["not", "a", "message"])
+    good = with_args(orjson.dumps({"sim": DIGEST, "text": "x"}).decode())
+    assert answer_matches(MESSAGES, {"content": None, "tool_calls": [good]})
+    bad = with_args(orjson.dumps({"sim": other}).decode())
+    assert not answer_matches(MESSAGES, {"content": None, "tool_calls": [good, bad]})
+    assert not answer_matches(MESSAGES, {"content": None, "tool_calls": [with_args("[1]")]})
+    assert not answer_matches(MESSAGES, {"content": None, "tool_calls": [with_args('{"si')]})
+    assert not answer_matches(MESSAGES, {"content": None, "tool_calls": [{"id": "c"}]})
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"tools": {"name": "f"}}, "'tools' must be a list"),
+        ({"tools": [{"type": "function"}]}, "tools[0] must be an object"),
+        ({"tools": [{"function": {"name": 3}}]}, "tools[0] must be an object"),
+        ({"tool_choice": "required"}, "'tools' must be set"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "'tool_choice' must be one of"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "not in 'tools'",
+        ),
+        ({"chat_template_kwargs": [1]}, "'chat_template_kwargs' must be an object"),
+    ],
+)
+async def test_bad_tools_get_400(
+    start_sim: StartSim, session: aiohttp.ClientSession, extra: dict[str, Any], message: str
+):
+    base = await start_sim()
+    status, body = await chat(session, base, **extra)
+    assert status == 400
+    assert message in body["message"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"reasoning": "yes"}, {"reasoning_field": "thoughts"}, {"tool_call_rate": 1.5}],
+)
+def test_reasoning_and_tool_config_validation(options: dict[str, Any]):
+    with pytest.raises(ValueError):
+        SimConfig(**options)
+
+
+async def test_empty_fault_has_no_reasoning_either(
+    start_sim: StartSim, session: aiohttp.ClientSession
+):
+    base = await start_sim(reasoning="field", faults={"empty": 1.0})
+    plain, streamed = await both(session, base, tools=TOOLS, tool_choice="required")
+    message = message_of(plain)
+    assert not message["content"] and not message.get("reasoning_content")
+    assert "tool_calls" not in message
+    assert streamed["texts"] == {} and streamed["tool_calls"] == []
+
+
+async def read_listening_line(proc: asyncio.subprocess.Process) -> str:
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), timeout=30)).decode()
+    match = re.fullmatch(r"sim-server listening on (http://127\.0\.0\.1:\d+)\n", line)
+    assert match, line
+    return match.group(1)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["-m", "orchestrator.sim.server"], ["-m", "orchestrator", "sim-server"]],
+    ids=["module", "cli"],
+)
+async def test_command_lines_take_reasoning_and_tool_flags(command: list[str]):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ORCHESTRATOR_LOG_LEVEL": "warning"}
+    flags = ["--reasoning", "field", "--reasoning-field", "reasoning", "--tool-call-rate", "1"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *command,
+        "--port",
+        "0",
+        *flags,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        base = await read_listening_line(proc)
+        async with aiohttp.ClientSession() as client:
+            _, body = await chat(client, base, tools=TOOLS)
+        message = message_of(body)
+        assert message["reasoning"].startswith(f"[sim-reasoning:{DIGEST}]")
+        assert "reasoning_content" not in message
+        assert arguments_of(message)["sim"] == DIGEST
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.communicate(), timeout=10)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0
+
+
+def test_cli_choices_match_the_server():
+    from orchestrator.cli import sim_server
+    from orchestrator.sim import REASONING_FIELDS, REASONING_MODES
+
+    params = {p.name: p for p in sim_server.params}
+    assert tuple(params["reasoning"].type.choices) == REASONING_MODES
+    assert tuple(params["reasoning_field"].type.choices) == REASONING_FIELDS
+    assert params["reasoning"].default == SimConfig().reasoning
+    assert params["reasoning_field"].default == SimConfig().reasoning_field
+    assert params["tool_call_rate"].default == SimConfig().tool_call_rate

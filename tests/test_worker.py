@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +189,46 @@ def test_backoff_grows_is_capped_and_honours_retry_after() -> None:
     assert 3 <= delays[2] <= 5
     assert max(delays) <= 60 * 1.25
     assert backoff_delay(1, base=1, cap=60, retry_after=30) >= 30
+
+
+async def test_concurrency_and_dataset_cap_hold_with_prefetch(
+    database: Database, tmp_path: Path, sim: StartSim
+) -> None:
+    """Claimed-ahead items wait for a free slot: neither limit is ever exceeded."""
+    await load(database, tmp_path, 150)
+    capped = write_jsonl(tmp_path / "capped.jsonl", prompts(60, prefix="capped"))
+    spec = DatasetSpec("capped", {}, concurrency=3)
+    await enqueue(database, spec, iter_records(capped), path=str(capped))
+    url = await sim(latency=0.01)
+    stats = await run_worker(database, config(url, concurrency=5, datasets=("ds",)))
+    assert stats.completed == 150
+    assert (await sim_stats(url))["peak_running"] == 5
+    url = await sim(latency=0.01)
+    stats = await run_worker(database, config(url, concurrency=16))
+    assert stats.completed == 60
+    assert (await sim_stats(url))["peak_running"] == 3
+    await check_outputs_match(database, 210)
+
+
+async def test_write_lock_held_by_another_process_delays_but_loses_nothing(
+    database: Database, db_path: Path, tmp_path: Path, sim: StartSim
+) -> None:
+    await load(database, tmp_path, 300)
+    url = await sim(latency=0.005)
+    async with InferenceClient(ClientConfig(request_timeout=10)) as client:
+        worker = Worker(database, client, config(url, concurrency=8))
+        task = asyncio.create_task(worker.run())
+        while worker.stats.completed < 20:  # noqa: ASYNC110 (polling a counter, not an event)
+            await asyncio.sleep(0.01)
+        # Another process takes the write lock for a while (sqlite3 in a thread here:
+        # its own connection, as a second process would have).
+        with contextlib.closing(sqlite3.connect(db_path, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            held_at = worker.stats.completed
+            await asyncio.sleep(1.0)
+            assert worker.stats.completed <= held_at + 8 + 4  # answers wait to be written
+            other.execute("COMMIT")
+        stats = await asyncio.wait_for(task, 60)
+    assert stats.completed == 300 and stats.lost == 0
+    assert await states(database) == {"done": 300}
+    await check_outputs_match(database, 300)

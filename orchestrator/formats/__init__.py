@@ -1,5 +1,25 @@
 """Input and output file formats: readers turn JSONL lines into ready-to-send requests."""
 
-from orchestrator.formats.readers import FORMATS, Record, iter_records
+from orchestrator.formats.readers import (
+    FORMATS,
+    INPUT_FORMATS,
+    MODES,
+    PASSTHROUGH_FORMATS,
+    Prepared,
+    PreparedItem,
+    Record,
+    iter_prepared,
+    iter_records,
+)
 
-__all__ = ["FORMATS", "Record", "iter_records"]
+__all__ = [
+    "FORMATS",
+    "INPUT_FORMATS",
+    "MODES",
+    "PASSTHROUGH_FORMATS",
+    "Prepared",
+    "PreparedItem",
+    "Record",
+    "iter_prepared",
+    "iter_records",
+]

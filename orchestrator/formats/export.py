@@ -1,26 +1,126 @@
 """Writing training-ready JSONL from committed outputs.
 
-The file is written beside its destination under a temporary name, flushed to disk and
-renamed over the destination at the end: a crash mid-export leaves the previous file
-intact, and a reader never sees half a file. Order and bytes depend only on the
-committed rows, so exporting twice gives identical files.
+Every file is written beside its destination under a temporary name, flushed to disk and
+renamed over the destination once all of an export's files are complete: a crash
+mid-export leaves the previous files intact, and a reader never sees half a file. Order
+and bytes depend only on the committed rows, so exporting twice gives identical files.
+
+The stored message and usage are orjson's own encoding of what was received (the store
+writes every JSON column with ``orjson.dumps``), so they go into the line as they are
+(``orjson.Fragment``): the bytes are those a parse and a re-encode would give, at a
+fraction of the cost. The default shape (:func:`write_lines`) parses only the request,
+to splice its messages in; the other shapes (:class:`ExportOptions`) parse what they
+change.
+
+Three line formats (README, "Export formats"): ``messages`` (the default), ``sharegpt``
+(``from``/``value`` turns, as SpecForge and other EAGLE-3 trainers read them) and
+``openai-batch`` (the OpenAI Batch API / ``vllm run-batch`` output line, failed items in
+an error file beside it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import os
-from collections.abc import Callable, Sequence
+import re
+import sqlite3
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
-from orchestrator.errors import ConfigError
-from orchestrator.store import Database, DoneItem, check_datasets, iter_done
+from orchestrator.conversation import assemble, targets
+from orchestrator.errors import ConfigError, StorageError
+from orchestrator.quality import flag_names
+from orchestrator.store.outputs import (
+    DatasetRef,
+    DoneItem,
+    DoneRow,
+    FailedRow,
+    FullBatch,
+    FullRow,
+    dataset_refs,
+    dataset_refs_sqlite,
+    done_rows,
+    done_rows_sqlite,
+    failed_rows,
+    failed_rows_sqlite,
+    full_batches,
+    full_batches_sqlite,
+)
+from orchestrator.store.reader import Reader, open_reader
+
+if TYPE_CHECKING:
+    from orchestrator.store.engine import Database
+
+FORMATS = ("messages", "sharegpt", "openai-batch")
+REASONING_MODES = ("separate", "inline", "drop")
 
 # Request fields worth carrying into a training example next to the conversation.
 _CARRIED = ("tools",)
+# Where a generated message keeps its reasoning: the store writes reasoning_content; a
+# message from newer vLLM may say reasoning.
+_REASONING_KEYS = ("reasoning_content", "reasoning")
+# ShareGPT speakers, as SpecForge's parser and this project's reader map them back. A
+# developer message is a system prompt under its newer name; any other role is kept.
+_SHAREGPT_FROM = {
+    "system": "system",
+    "developer": "system",
+    "user": "human",
+    "assistant": "gpt",
+    "tool": "tool",
+}
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+Progress = Callable[[int], None]
+_BUFFER = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ExportOptions:
+    """How lines are shaped and which go where; the defaults give the historic format."""
+
+    format: str = "messages"
+    reasoning: str = "separate"
+    # Done items whose quality flags (orchestrator.quality) share a bit with this are left out.
+    exclude_flags: int = 0
+    provenance: bool = False
+    # OUT is a directory with one file per dataset.
+    split: bool = False
+    # Where failed items go (for openai-batch, instead of OUT.errors.jsonl).
+    include_failed: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError(f"unknown export format {self.format!r}: {', '.join(FORMATS)}")
+        if self.reasoning not in REASONING_MODES:
+            raise ConfigError(
+                f"unknown reasoning mode {self.reasoning!r}: {', '.join(REASONING_MODES)}"
+            )
+
+    @property
+    def plain(self) -> bool:
+        """The default line shape, which the fast path writes from the narrow rows."""
+        return (
+            self.format == "messages"
+            and self.reasoning == "separate"
+            and not self.exclude_flags
+            and not self.provenance
+        )
+
+
+@dataclass(slots=True)
+class ExportReport:
+    lines: int = 0  # done items written
+    excluded: int = 0  # done items left out for their quality flags
+    failed: int = 0  # failed items written to failed_files
+    files: list[Path] = field(default_factory=list)
+    failed_files: list[Path] = field(default_factory=list)
 
 
 def messages_line(item: DoneItem) -> dict[str, Any]:
@@ -38,37 +138,542 @@ def messages_line(item: DoneItem) -> dict[str, Any]:
     return line
 
 
+def write_lines(write: Callable[[bytes], object], dataset: str, rows: Iterable[DoneRow]) -> None:
+    """Write rows as JSONL, each line exactly ``orjson.dumps(messages_line(item))``.
+
+    Line by line into a buffered file on purpose: joining a batch into one large bytes
+    object made the C heap grow and shrink by a megabyte per batch, and the page faults
+    of that cost more system time than the whole export spends reading.
+    """
+    loads, dumps, fragment = orjson.loads, orjson.dumps, orjson.Fragment
+    for key, request_json, message_json, finish_reason, usage_json in rows:
+        request = loads(request_json)
+        line: dict[str, Any] = {
+            "id": key,
+            "dataset": dataset,
+            "messages": [*request.get("messages", []), fragment(message_json)],
+            "finish_reason": finish_reason,
+            "usage": fragment(usage_json) if usage_json else None,
+        }
+        for name in _CARRIED:
+            if name in request:
+                line[name] = request[name]
+        write(dumps(line))
+        write(b"\n")
+
+
+# ---------------------------------------------------------------------- line shapes
+
+
+def apply_reasoning(message: dict[str, Any], mode: str) -> dict[str, Any]:
+    """A generated assistant message with its reasoning kept apart, inlined or dropped.
+
+    ``inline`` writes it the way reasoning models' chat templates render it, so a trainer
+    that tokenises ``content`` alone still learns the thinking.
+    """
+    if mode == "separate":
+        return message
+    out = {k: v for k, v in message.items() if k not in _REASONING_KEYS}
+    reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k)), None)
+    if mode == "inline" and reasoning:
+        block = f"<think>\n{reasoning}\n</think>\n\n"
+        content = message.get("content")
+        if isinstance(content, list):
+            out["content"] = [{"type": "text", "text": block}, *content]
+        else:
+            out["content"] = block + (content or "")
+    return out
+
+
+def sharegpt_turn(message: dict[str, Any]) -> dict[str, Any]:
+    """``{"from", "value", ...}``: the role renamed, content as value, other keys kept.
+
+    ``tool_calls`` stay on the ``gpt`` turn and tool results are ``tool`` turns with
+    their ``tool_call_id``: the OpenAI shapes that SpecForge's parser and chat templates
+    take, rather than LLaMA-Factory's ``function_call``/``observation`` strings, which
+    lose the call ids.
+    """
+    role = message.get("role")
+    content = message.get("content")
+    turn: dict[str, Any] = {
+        "from": _SHAREGPT_FROM.get(role, role) if isinstance(role, str) else role,
+        "value": "" if content is None else content,
+    }
+    for key, value in message.items():
+        if key not in ("role", "content"):
+            turn[key] = value
+    return turn
+
+
+def batch_ids(dataset: str, key: str) -> str:
+    """A stable hex id for a line of the batch format: same item, same id, every export."""
+    return hashlib.sha256(f"{dataset}\x00{key}".encode()).hexdigest()[:32]
+
+
+def failed_line(dataset: str, row: FailedRow) -> dict[str, Any]:
+    key, error_class, last_error, attempts, turn, turns = row
+    line: dict[str, Any] = {
+        "id": key,
+        "dataset": dataset,
+        "error_class": error_class,
+        "last_error": last_error,
+        "attempts": attempts,
+    }
+    if turns > 1:
+        line["turn"] = turn
+        line["turns"] = turns
+    return line
+
+
+def batch_error_line(dataset: str, row: FailedRow) -> dict[str, Any]:
+    key, error_class, last_error = row[0], row[1], row[2]
+    return {
+        "id": f"batch_req_{batch_ids(dataset, key)}",
+        "custom_id": key,
+        "response": None,
+        "error": {"code": error_class, "message": last_error},
+    }
+
+
+class _Lines:
+    """Shapes one dataset's full rows into lines of the chosen format."""
+
+    def __init__(self, dataset: DatasetRef, options: ExportOptions):
+        self.dataset = dataset
+        self.options = options
+        self.excluded = 0
+        # The generated turns are read only where they are written: the batch format
+        # answers with the final completion alone.
+        self.turns = (
+            dataset.regenerate == "all"
+            and not dataset.passthrough
+            and options.format != "openai-batch"
+        )
+
+    def write(self, write: Callable[[bytes], object], batch: FullBatch) -> int:
+        rows, turns = batch
+        written = 0
+        for row in rows:
+            line = self.line(row, turns)
+            if line is not None:
+                write(line)
+                write(b"\n")
+                written += 1
+        return written
+
+    def line(self, row: FullRow, turns: dict[int, list[str]]) -> bytes | None:
+        item_id, key, request_json, message_json, finish_reason, usage_json, flags = row[:7]
+        if flags & self.options.exclude_flags:
+            self.excluded += 1
+            return None
+        request = orjson.loads(request_json)
+        passthrough = self.dataset.passthrough
+        if passthrough and "messages" not in request:
+            # A pre-tokenised row: every format writes it as it was read.
+            return orjson.dumps(request)
+        usage = orjson.Fragment(usage_json) if usage_json else None
+        line: dict[str, Any]
+        if self.options.format == "openai-batch":
+            if passthrough:
+                last = request["messages"][-1] if request["messages"] else None
+                message = (
+                    last if isinstance(last, dict) and last.get("role") == "assistant" else None
+                )
+            else:
+                message = self._generated(message_json)
+            line = self._batch_line(row, message, usage)
+        else:
+            if passthrough:
+                messages = request["messages"]
+            elif self.turns:
+                messages = self._assembled(item_id, key, request, message_json, turns)
+            else:
+                messages = [*request.get("messages", []), self._generated(message_json)]
+            if self.options.format == "sharegpt":
+                line = {"id": key, "conversations": [sharegpt_turn(m) for m in messages]}
+            else:
+                line = {
+                    "id": key,
+                    "dataset": self.dataset.name,
+                    "messages": messages,
+                    "finish_reason": finish_reason,
+                    "usage": usage,
+                }
+            for name in _CARRIED:
+                if name in request:
+                    line[name] = request[name]
+            if self.options.provenance:
+                line.update(self._provenance(row))
+        return orjson.dumps(line)
+
+    def _generated(self, message_json: str) -> Any:
+        """The stored answer as the line needs it: the stored bytes when unchanged."""
+        if self.options.reasoning == "separate" and self.options.format != "sharegpt":
+            return orjson.Fragment(message_json)
+        return apply_reasoning(orjson.loads(message_json), self.options.reasoning)
+
+    def _assembled(
+        self,
+        item_id: int,
+        key: str,
+        request: dict[str, Any],
+        message_json: str,
+        turns: dict[int, list[str]],
+    ) -> list[dict[str, Any]]:
+        """The whole conversation, each original answer replaced by its generated turn."""
+        original = request.get("messages", [])
+        stored = turns.get(item_id, [])
+        wanted = len(targets(original))
+        if len(stored) == wanted - 1:
+            stored = [*stored, message_json]  # the final turn lives in outputs anyway
+        if len(stored) != wanted:
+            raise StorageError(
+                f"dataset {self.dataset.name!r}, item {key!r}: {wanted} generated turns "
+                f"expected, {len(stored)} stored"
+            )
+        mode = self.options.reasoning
+        return assemble(original, [apply_reasoning(orjson.loads(m), mode) for m in stored])
+
+    def _batch_line(self, row: FullRow, message: Any, usage: Any) -> dict[str, Any]:
+        key, finish_reason, model, response_id, created_at = row[1], row[4], row[7], row[8], row[9]
+        ids = batch_ids(self.dataset.name, key)
+        line: dict[str, Any] = {
+            "id": f"batch_req_{ids}",
+            "custom_id": key,
+            "response": {
+                "status_code": 200,
+                "request_id": response_id or f"req_{ids}",
+                "body": {
+                    "id": response_id or f"chatcmpl-{ids}",
+                    "object": "chat.completion",
+                    "created": int(created_at),
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": message,
+                            "logprobs": None,
+                            "finish_reason": finish_reason,
+                        }
+                    ],
+                    "usage": usage,
+                },
+            },
+            "error": None,
+        }
+        if self.options.provenance:
+            provenance = self._provenance(row)
+            del provenance["model"]  # in the body already
+            line["provenance"] = provenance
+        return line
+
+    @staticmethod
+    def _provenance(row: FullRow) -> dict[str, Any]:
+        flags, model = row[6], row[7]
+        created_at, latency, server, params_hash, params_json = row[9:14]
+        return {
+            "model": model,
+            "params": orjson.Fragment(params_json) if params_json else None,
+            "params_hash": params_hash,
+            "server": server,
+            "created_at": created_at,
+            "started_at": created_at - latency,
+            "flags": flag_names(flags),
+        }
+
+
+# ---------------------------------------------------------------------- files
+
+
+def errors_path(out: str | os.PathLike[str]) -> Path:
+    """``train.jsonl`` → ``train.errors.jsonl``: where the batch format's failures go."""
+    path = Path(out)
+    if path.suffix == ".jsonl":
+        return path.with_suffix(".errors.jsonl")
+    return path.with_name(f"{path.name}.errors.jsonl")
+
+
+def file_stems(names: Sequence[str]) -> dict[str, str]:
+    """A file name (without ``.jsonl``) per dataset, safe on any filesystem, never shared.
+
+    Names made of letters, digits, ``.``, ``_`` and ``-`` stay as they are; any other
+    name is cleaned and gets a short hash of itself, so two names never meet in one file
+    (also not on a case-insensitive filesystem).
+    """
+
+    def tagged(name: str, stem: str) -> str:
+        return f"{stem or 'dataset'}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+    stems = {}
+    for name in names:
+        stem = _UNSAFE.sub("_", name).lstrip(".")
+        stems[name] = stem if stem == name and stem else tagged(name, stem)
+    folded: dict[str, list[str]] = {}
+    for name, stem in stems.items():
+        folded.setdefault(stem.casefold(), []).append(name)
+    for clash in folded.values():
+        if len(clash) > 1:
+            for name in clash:
+                stems[name] = tagged(name, stems[name])
+    return stems
+
+
+def _check_target(target: Path) -> None:
+    if target.is_dir():
+        raise ConfigError(f"{target}: is a directory; give a file name")
+    if not target.parent.exists():
+        raise ConfigError(f"{target}: directory {target.parent} does not exist")
+
+
+class _Staged:
+    """Files written under temporary names, renamed over their targets together at the end."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Path, Path]] = []
+
+    @contextlib.contextmanager
+    def open(self, target: Path) -> Iterator[IO[bytes]]:
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        self._pending.append((tmp, target))
+        with open(tmp, "wb", buffering=_BUFFER) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def commit(self) -> None:
+        for tmp, target in self._pending:
+            os.replace(tmp, target)
+        self._pending.clear()
+
+    def discard(self) -> None:
+        for tmp, _ in self._pending:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        self._pending.clear()
+
+
+class _Counter:
+    """Lines written so far, reported every 10,000 to a progress callback."""
+
+    def __init__(self, progress: Progress | None):
+        self.progress = progress
+        self.count = 0
+
+    def add(self, n: int) -> None:
+        before, self.count = self.count, self.count + n
+        if self.progress and before // 10_000 != self.count // 10_000:
+            self.progress(self.count)
+
+    def done(self) -> int:
+        if self.progress:
+            self.progress(self.count)
+        return self.count
+
+
+class _Job:
+    """One export: which files get which datasets, the line shapes, the tally.
+
+    Both read paths drive it the same way, so they write the same bytes. Used as a
+    context manager: every file is renamed into place on success, none on failure.
+    """
+
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        options: ExportOptions,
+        datasets: list[DatasetRef],
+        progress: Progress | None,
+    ):
+        self.options = options
+        self.counter = _Counter(progress)
+        self.staged = _Staged()
+        self._lines: list[_Lines] = []
+        self._failed = 0
+        target = Path(out)
+        # Where each dataset's done items go, and where its failed items go (if anywhere).
+        self.outputs: list[tuple[Path, list[DatasetRef]]] = []
+        self.failures: list[tuple[Path, list[DatasetRef]]] = []
+        batch = options.format == "openai-batch"
+        if options.split:
+            if target.exists() and not target.is_dir():
+                raise ConfigError(
+                    f"{target}: not a directory (--split writes one file per dataset)"
+                )
+            if not target.parent.exists():
+                raise ConfigError(f"{target}: directory {target.parent} does not exist")
+            stems = file_stems([d.name for d in datasets])
+            self.outputs = [(target / f"{stems[d.name]}.jsonl", [d]) for d in datasets]
+            if batch and options.include_failed is None:
+                self.failures = [(target / f"{stems[d.name]}.errors.jsonl", [d]) for d in datasets]
+        else:
+            self.outputs = [(target, datasets)]
+            if batch and options.include_failed is None:
+                self.failures = [(errors_path(target), datasets)]
+        if options.include_failed is not None:
+            self.failures = [(Path(options.include_failed), datasets)]
+        paths = [p for p, _ in [*self.outputs, *self.failures]]
+        seen = {os.path.abspath(p) for p in paths}
+        if len(seen) != len(paths):
+            raise ConfigError("two export files would share a name; choose other paths")
+        if options.split:
+            target.mkdir(exist_ok=True)
+        for path in paths:
+            _check_target(path)
+
+    def fast(self, dataset: DatasetRef) -> bool:
+        return self.options.plain and dataset.regenerate == "last" and not dataset.passthrough
+
+    def lines(self, dataset: DatasetRef) -> _Lines:
+        lines = _Lines(dataset, self.options)
+        self._lines.append(lines)
+        return lines
+
+    def write_failed(
+        self, write: Callable[[bytes], object], dataset: DatasetRef, rows: Sequence[FailedRow]
+    ) -> None:
+        shape = batch_error_line if self.options.format == "openai-batch" else failed_line
+        for row in rows:
+            write(orjson.dumps(shape(dataset.name, row)))
+            write(b"\n")
+        self._failed += len(rows)
+
+    def __enter__(self) -> _Job:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.staged.commit()
+        else:
+            self.staged.discard()
+
+    def report(self) -> ExportReport:
+        return ExportReport(
+            lines=self.counter.done(),
+            excluded=sum(lines.excluded for lines in self._lines),
+            failed=self._failed,
+            files=[p for p, _ in self.outputs],
+            failed_files=[p for p, _ in self.failures],
+        )
+
+
+# ---------------------------------------------------------------------- the two paths
+
+
+def export_sqlite(
+    reader: Reader,
+    out: str | os.PathLike[str],
+    *,
+    dataset_names: Sequence[str] = (),
+    progress: Progress | None = None,
+    options: ExportOptions | None = None,
+) -> ExportReport:
+    """Write the export from an SQLite read transaction.
+
+    Synchronous: the driver's ``fetchmany`` hands over 2,000 rows at a time, with no
+    event loop or second thread to pass each row across.
+    """
+    job = _Job(
+        out, options or ExportOptions(), dataset_refs_sqlite(reader, dataset_names), progress
+    )
+    with job:
+        for target, group in job.outputs:
+            with job.staged.open(target) as fh:
+                for dataset in group:
+                    if job.fast(dataset):
+                        for rows in done_rows_sqlite(reader, dataset.id):
+                            write_lines(fh.write, dataset.name, rows)
+                            job.counter.add(len(rows))
+                        continue
+                    lines = job.lines(dataset)
+                    for batch in full_batches_sqlite(reader, dataset, turns=lines.turns):
+                        job.counter.add(lines.write(fh.write, batch))
+        for target, group in job.failures:
+            with job.staged.open(target) as fh:
+                for dataset in group:
+                    job.write_failed(fh.write, dataset, failed_rows_sqlite(reader, dataset.id))
+    return job.report()
+
+
+def _export_sqlite_file(
+    path: str,
+    out: str | os.PathLike[str],
+    dataset_names: Sequence[str],
+    progress: Progress | None,
+    options: ExportOptions | None,
+) -> ExportReport | None:
+    reader = open_reader(path)
+    if reader is None:
+        return None
+    with reader:
+        return export_sqlite(
+            reader, out, dataset_names=dataset_names, progress=progress, options=options
+        )
+
+
+async def export_database(
+    database: Database,
+    out: str | os.PathLike[str],
+    *,
+    dataset_names: Sequence[str] = (),
+    progress: Progress | None = None,
+    options: ExportOptions | None = None,
+) -> ExportReport:
+    """Write the export from any database.
+
+    On an SQLite file the rows are read through plain sqlite3 in a worker thread (the
+    event loop stays free); on other databases they stream through the async engine, in
+    one read transaction: a consistent snapshot even while workers commit.
+    """
+    path = database.url.database if database.is_sqlite else None
+    if path and path != ":memory:":
+        try:
+            report = await asyncio.to_thread(
+                _export_sqlite_file, path, out, dataset_names, progress, options
+            )
+        except sqlite3.Error as exc:
+            from orchestrator.store.engine import storage_error
+
+            raise storage_error(exc, database.url) from exc
+        if report is not None:
+            return report
+    async with database.read() as conn:
+        job = _Job(
+            out, options or ExportOptions(), await dataset_refs(conn, dataset_names), progress
+        )
+        with job:
+            for target, group in job.outputs:
+                with job.staged.open(target) as fh:
+                    for dataset in group:
+                        if job.fast(dataset):
+                            async for rows in done_rows(conn, dataset.id):
+                                write_lines(fh.write, dataset.name, rows)
+                                job.counter.add(len(rows))
+                            continue
+                        lines = job.lines(dataset)
+                        async for batch in full_batches(conn, dataset, turns=lines.turns):
+                            job.counter.add(lines.write(fh.write, batch))
+            for target, group in job.failures:
+                with job.staged.open(target) as fh:
+                    for dataset in group:
+                        job.write_failed(fh.write, dataset, await failed_rows(conn, dataset.id))
+    return job.report()
+
+
 async def export_jsonl(
     database: Database,
     out: str | os.PathLike[str],
     *,
     dataset_names: Sequence[str] = (),
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
+    options: ExportOptions | None = None,
 ) -> int:
-    """Write one line per done item; returns how many."""
-    await check_datasets(database, dataset_names)
-    target = Path(out)
-    if target.is_dir():
-        raise ConfigError(f"{target}: is a directory; give a file name")
-    if not target.parent.exists():
-        raise ConfigError(f"{target}: directory {target.parent} does not exist")
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    count = 0
-    try:
-        with open(tmp, "wb") as fh:
-            async for item in iter_done(database, dataset_names or None):
-                fh.write(orjson.dumps(messages_line(item)))
-                fh.write(b"\n")
-                count += 1
-                if progress and count % 10_000 == 0:
-                    progress(count)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    if progress:
-        progress(count)
-    return count
+    """:func:`export_database`, returning how many done items were written."""
+    report = await export_database(
+        database, out, dataset_names=dataset_names, progress=progress, options=options
+    )
+    return report.lines

@@ -18,7 +18,16 @@ Accepted line formats (detected per line, so files may mix them):
 
 Conversations that end in assistant turns have those turns dropped: the model is asked to
 regenerate the final answer, which is what re-running a chat dataset through a new model
-means.
+means. Two other ways of reading a file serve the other kinds of dataset:
+
+``regenerate="all"``
+    The whole conversation is kept, trailing assistant turns included, and each line
+    counts the assistant turns the model will write (``orchestrator.conversation``).
+``passthrough=True``
+    Rows that already hold the answer and are stored as done: conversations ending with
+    the assistant's turn (``messages`` or ``conversations``; the stored row is the line's
+    object with ShareGPT turns in OpenAI ``messages`` form), or pre-tokenised ``tokens``
+    rows (``{"input_ids": [...], "loss_mask": [...]}``).
 """
 
 from __future__ import annotations
@@ -28,15 +37,36 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 import orjson
 
-from orchestrator.errors import InputError
+from orchestrator.conversation import targets
+from orchestrator.errors import ConfigError, InputError
 
-__all__ = ["FORMATS", "REQUEST_FIELDS", "Record", "iter_records"]
+__all__ = [
+    "FORMATS",
+    "INPUT_FORMATS",
+    "MODES",
+    "PASSTHROUGH_FORMATS",
+    "REQUEST_FIELDS",
+    "Prepared",
+    "PreparedItem",
+    "Record",
+    "iter_prepared",
+    "iter_records",
+]
 
 FORMATS: tuple[str, ...] = ("messages", "sharegpt", "prompt", "openai-batch")
+"""The prompt line formats, detected per line."""
+INPUT_FORMATS: tuple[str, ...] = ("auto", *FORMATS, "tokens")
+"""What a file may be declared as: ``auto`` takes any mix of ``FORMATS`` (and of messages,
+sharegpt and tokens rows when passing through); ``tokens`` is for pass-through only."""
+PASSTHROUGH_FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokens")
+"""The formats whose rows can hold an answer to pass through."""
+MODES: tuple[str, ...] = ("last", "all", "passthrough")
+"""How a line was read: its final answer to generate, every assistant turn, or stored as is."""
 
 ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
 _ROLE_SET = frozenset(ROLES)
@@ -79,6 +109,9 @@ _BOM = b"\xef\xbb\xbf"
 _UNRECOGNISED = (
     "expected one of messages, conversations, prompt, or an OpenAI batch line (custom_id/body)"
 )
+_TOKENS_NOT_PROMPTS = (
+    "a pre-tokenised row (input_ids) is no prompt: only a pass-through dataset takes these"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,17 +127,66 @@ class Record:
     digest: str
     """sha256 of the canonical request JSON: tells a changed line from an unchanged one."""
     fmt: str
-    """Which of ``FORMATS`` the line was written in."""
+    """Which of ``FORMATS`` (or ``tokens``) the line was written in."""
+    mode: str = "last"
+    """Which of ``MODES`` the line was read for. For ``passthrough`` the request is the row
+    itself, to be stored as done."""
+    turns: int = 1
+    """Assistant turns to generate: ``len(conversation.targets(messages))`` for ``all``."""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    """A pass-through row's own ``usage`` counts, if it has them."""
+
+
+class Prepared(NamedTuple):
+    """One input line as the store writes it: the request already encoded and digested.
+
+    What ``iter_prepared`` yields for bulk loading, so that a million-line file is encoded
+    once per line and carries no per-line object heavier than a tuple.
+    """
+
+    line: int
+    key: str
+    fmt: str
+    digest: str
+    """The same digest as ``Record.digest``."""
+    body: str
+    """The request as JSON text (``orjson.dumps(Record.request)``): what is stored and sent."""
+
+
+class PreparedItem(NamedTuple):
+    """A ``Prepared`` line read for ``regenerate="all"`` or pass-through, which store more.
+
+    The first five fields are ``Prepared``'s; a separate type keeps the plain prompt lines,
+    nearly all of any large run, at five fields bound straight into the INSERT.
+    """
+
+    line: int
+    key: str
+    fmt: str
+    digest: str
+    body: str
+    mode: str
+    turns: int
+    prompt_tokens: int | None
+    completion_tokens: int | None
 
 
 class _LineError(Exception):
     """A bad line; turned into an ``InputError`` once the path and line number are known."""
 
 
+_T = TypeVar("_T")
+_L = TypeVar("_L", Record, Prepared, PreparedItem)
+
+
 def iter_records(
     path: str | os.PathLike[str],
     *,
     on_invalid: Callable[[InputError], None] | None = None,
+    fmt: str = "auto",
+    regenerate: str = "last",
+    passthrough: bool = False,
 ) -> Iterator[Record]:
     """Yield one ``Record`` per non-blank line of the JSONL file at ``path``.
 
@@ -113,7 +195,74 @@ def iter_records(
     ingest. Problems with the file itself (missing, a directory, unreadable, no records)
     always raise. Missing files and directories are reported here, before iteration starts,
     so callers fail fast; read errors surface on the first ``next()``.
+
+    ``fmt`` (one of ``INPUT_FORMATS``) makes a line of any other format a bad line.
+    ``regenerate="all"`` keeps whole conversations and counts their turns;
+    ``passthrough`` reads rows that hold their answer (see the module docstring). An
+    impossible combination raises ``ConfigError`` here.
     """
+    mode = _mode(fmt, regenerate, passthrough)
+    parse: Callable[[bytes, int], Record]
+    if mode == "last":
+        parse = _parse_line
+    else:
+        parse = partial(_record_item, mode, _ITEM_PARSERS[mode, fmt == "tokens"])
+    return _iter_file(_checked_path(path), on_invalid, _only(fmt, parse))
+
+
+def iter_prepared(
+    path: str | os.PathLike[str],
+    *,
+    on_invalid: Callable[[InputError], None] | None = None,
+    fmt: str = "auto",
+    regenerate: str = "last",
+    passthrough: bool = False,
+) -> Iterator[Prepared] | Iterator[PreparedItem]:
+    """``iter_records`` for bulk loading: the same lines, checks and errors, as ``Prepared``
+    (``PreparedItem`` when read for ``regenerate="all"`` or pass-through)."""
+    mode = _mode(fmt, regenerate, passthrough)
+    if mode == "last":
+        return _iter_file(_checked_path(path), on_invalid, _only(fmt, _prepare_line))
+    parse = partial(_prepare_item, mode, _ITEM_PARSERS[mode, fmt == "tokens"])
+    return _iter_file(_checked_path(path), on_invalid, _only(fmt, parse))
+
+
+def _mode(fmt: str, regenerate: str, passthrough: bool) -> str:
+    """Which of ``MODES`` the options ask for, or ``ConfigError``."""
+    if fmt not in INPUT_FORMATS:
+        raise ConfigError(f"format must be one of {', '.join(INPUT_FORMATS)}, got {fmt!r}")
+    if regenerate not in ("last", "all"):
+        raise ConfigError(f"regenerate must be last or all, got {regenerate!r}")
+    if passthrough:
+        if fmt not in PASSTHROUGH_FORMATS:
+            raise ConfigError(
+                f"{fmt} lines hold no answer to pass through; a pass-through dataset takes "
+                + ", ".join(PASSTHROUGH_FORMATS)
+            )
+        return "passthrough"
+    if fmt == "tokens":
+        raise ConfigError(
+            "tokens rows are pre-tokenised training rows, not prompts: they can only be "
+            "passed through (passthrough)"
+        )
+    return regenerate
+
+
+def _only(fmt: str, parse: Callable[[bytes, int], _L]) -> Callable[[bytes, int], _L]:
+    """``parse``, refusing lines of another format than ``fmt`` (unless ``auto``)."""
+    if fmt == "auto":
+        return parse
+
+    def parse_only(raw: bytes, lineno: int) -> _L:
+        item = parse(raw, lineno)
+        if item.fmt != fmt:
+            raise _LineError(f'a {item.fmt} line in a dataset declared format = "{fmt}"')
+        return item
+
+    return parse_only
+
+
+def _checked_path(path: str | os.PathLike[str]) -> str:
     name = os.fsdecode(path)
     try:
         st = os.stat(name)
@@ -121,10 +270,14 @@ def iter_records(
         raise _file_error(name, exc) from None
     if stat.S_ISDIR(st.st_mode):
         raise InputError("is a directory, not a file", path=name)
-    return _iter_file(name, on_invalid)
+    return name
 
 
-def _iter_file(name: str, on_invalid: Callable[[InputError], None] | None) -> Iterator[Record]:
+def _iter_file(
+    name: str,
+    on_invalid: Callable[[InputError], None] | None,
+    parse: Callable[[bytes, int], _T],
+) -> Iterator[_T]:
     try:
         fh = open(name, "rb")  # noqa: SIM115 - closed by the with below
     except OSError as exc:
@@ -133,11 +286,12 @@ def _iter_file(name: str, on_invalid: Callable[[InputError], None] | None) -> It
     invalid = 0
     lineno = 0
     with fh:
+        readline = fh.readline
         while True:
             # Only the read itself is guarded: an OSError from on_invalid or from the
             # consumer is theirs, not a problem with this file.
             try:
-                raw = fh.readline()
+                raw = readline()
             except OSError as exc:
                 raise _file_error(name, exc) from None
             if not raw:
@@ -148,7 +302,7 @@ def _iter_file(name: str, on_invalid: Callable[[InputError], None] | None) -> It
             if raw.isspace() or not raw:
                 continue
             try:
-                record = _parse_line(raw, lineno)
+                item = parse(raw, lineno)
             except _LineError as exc:
                 error = InputError(str(exc), path=name, line=lineno)
                 if on_invalid is None:
@@ -157,7 +311,7 @@ def _iter_file(name: str, on_invalid: Callable[[InputError], None] | None) -> It
                 on_invalid(error)
                 continue
             yielded += 1
-            yield record
+            yield item
     if yielded == 0 and invalid == 0:
         raise InputError("no records in file", path=name)
 
@@ -177,16 +331,53 @@ def _file_error(name: str, exc: OSError) -> InputError:
 
 
 def _parse_line(raw: bytes, lineno: int) -> Record:
+    key, request, fmt = _parse(raw, lineno)
+    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+    return Record(lineno, key, request, digest, fmt)
+
+
+def _prepare_line(raw: bytes, lineno: int) -> Prepared:
+    key, request, fmt = _parse(raw, lineno)
+    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+    # tuple.__new__: the NamedTuple's own __new__ is Python code, called a million times.
+    return _new_tuple(Prepared, (lineno, key, fmt, digest, _dumps(request).decode()))
+
+
+def _prepare_item(mode: str, parse: _ItemParser, raw: bytes, lineno: int) -> PreparedItem:
+    key, request, fmt, turns, (prompt, completion) = parse(_object(raw), lineno)
+    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+    body = _dumps(request).decode()
+    return PreparedItem(lineno, key, fmt, digest, body, mode, turns, prompt, completion)
+
+
+def _record_item(mode: str, parse: _ItemParser, raw: bytes, lineno: int) -> Record:
+    key, request, fmt, turns, (prompt, completion) = parse(_object(raw), lineno)
+    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+    return Record(lineno, key, request, digest, fmt, mode, turns, prompt, completion)
+
+
+_loads = orjson.loads
+_dumps = orjson.dumps
+_SORT_KEYS = orjson.OPT_SORT_KEYS
+_sha256 = hashlib.sha256
+_new_tuple = tuple.__new__
+
+
+def _parse(raw: bytes, lineno: int) -> tuple[str, dict[str, Any], str]:
+    """The line's key, request and format, or ``_LineError``."""
     try:
-        obj = orjson.loads(raw)
+        obj = _loads(raw)
     except orjson.JSONDecodeError as exc:
         raise _LineError(_json_reason(raw, exc)) from None
-    if not isinstance(obj, dict):
+    if type(obj) is not dict:  # orjson makes plain dicts only
         raise _LineError(f"expected a JSON object, got {_kind(obj)}")
 
     if "messages" in obj:
         fmt = "messages"
-        request = _chat_request(obj)
+        # _chat_request, inline: this is the line format of nearly every large file.
+        request = {"messages": _chat_messages(obj["messages"])}
+        if not _FIELD_NAMES.isdisjoint(obj):
+            _add_request_fields(request, obj)
     elif "conversations" in obj:
         fmt = "sharegpt"
         request = _sharegpt_request(obj)
@@ -197,19 +388,42 @@ def _parse_line(raw: bytes, lineno: int) -> Record:
         fmt = "openai-batch"
         request = _batch_request(obj)
     else:
+        if "input_ids" in obj:
+            raise _LineError(_TOKENS_NOT_PROMPTS)
         raise _LineError(_UNRECOGNISED)
 
     if fmt == "openai-batch":
         key = _key(obj["custom_id"], "custom_id")
     elif "id" in obj:
-        key = _key(obj["id"], "id")
+        key = obj["id"]
+        if type(key) is not str or not key:
+            key = _key(key, "id")
     elif "custom_id" in obj:
         key = _key(obj["custom_id"], "custom_id")
     else:
         key = str(lineno)
+    return key, request, fmt
 
-    digest = hashlib.sha256(orjson.dumps(request, option=orjson.OPT_SORT_KEYS)).hexdigest()
-    return Record(lineno, key, request, digest, fmt)
+
+def _object(raw: bytes) -> dict[str, Any]:
+    try:
+        obj = _loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _LineError(_json_reason(raw, exc)) from None
+    if type(obj) is not dict:
+        raise _LineError(f"expected a JSON object, got {_kind(obj)}")
+    return obj
+
+
+def _line_key(obj: dict[str, Any], fmt: str, lineno: int) -> str:
+    """The key rule of ``_parse``: ``custom_id`` for batch lines, else ``id``, else the line."""
+    if fmt == "openai-batch":
+        return _key(obj["custom_id"], "custom_id")
+    if "id" in obj:
+        return _key(obj["id"], "id")
+    if "custom_id" in obj:
+        return _key(obj["custom_id"], "custom_id")
+    return str(lineno)
 
 
 def _json_reason(raw: bytes, exc: orjson.JSONDecodeError) -> str:
@@ -242,12 +456,26 @@ def _key(value: object, field: str) -> str:
 
 
 def _chat_request(obj: dict[str, Any]) -> dict[str, Any]:
-    request: dict[str, Any] = {"messages": _finish_messages(_messages(obj["messages"]))}
+    request: dict[str, Any] = {"messages": _chat_messages(obj["messages"])}
     _add_request_fields(request, obj)
     return request
 
 
-def _sharegpt_request(obj: dict[str, Any]) -> dict[str, Any]:
+def _sharegpt_request(
+    obj: dict[str, Any],
+    finish: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """The request of a ShareGPT line; ``finish`` None drops trailing assistant turns."""
+    messages = _sharegpt_messages(obj)
+    request: dict[str, Any] = {
+        "messages": _finish_messages(messages) if finish is None else finish(messages)
+    }
+    _add_request_fields(request, _sharegpt_tools(obj))
+    return request
+
+
+def _sharegpt_messages(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """The turns in OpenAI form, the top-level ``system`` first."""
     conversations = obj["conversations"]
     if not isinstance(conversations, list):
         raise _LineError(f"conversations must be a list, got {_kind(conversations)}")
@@ -257,13 +485,15 @@ def _sharegpt_request(obj: dict[str, Any]) -> dict[str, Any]:
     system = _system(obj)
     if system is not None:
         messages.insert(0, system)
-    request: dict[str, Any] = {"messages": _finish_messages(messages)}
+    return messages
+
+
+def _sharegpt_tools(obj: dict[str, Any]) -> dict[str, Any]:
     tools = obj.get("tools")
     if isinstance(tools, str):
         # LLaMA-Factory style ShareGPT stores tools as a JSON string ("" for none).
-        obj = {**obj, "tools": _decode_tools(tools)}
-    _add_request_fields(request, obj)
-    return request
+        return {**obj, "tools": _decode_tools(tools)}
+    return obj
 
 
 def _prompt_request(obj: dict[str, Any]) -> dict[str, Any]:
@@ -279,7 +509,11 @@ def _prompt_request(obj: dict[str, Any]) -> dict[str, Any]:
     return request
 
 
-def _batch_request(obj: dict[str, Any]) -> dict[str, Any]:
+def _batch_request(
+    obj: dict[str, Any],
+    messages: Callable[[object], list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """The body of a batch line; ``messages`` None drops trailing assistant turns."""
     if "custom_id" not in obj:
         raise _LineError("missing custom_id")
     method = obj.get("method")
@@ -300,11 +534,171 @@ def _batch_request(obj: dict[str, Any]) -> dict[str, Any]:
     if "messages" not in body:
         raise _LineError("body: missing messages")
     request = dict(body)
-    request["messages"] = _finish_messages(_messages(body["messages"]))
+    raw = body["messages"]
+    request["messages"] = _chat_messages(raw) if messages is None else messages(raw)
     return request
 
 
+# --- whole conversations and pass-through rows ------------------------------------------------
+
+_Usage = tuple[int | None, int | None]
+_ItemParser = Callable[[dict[str, Any], int], tuple[str, dict[str, Any], str, int, _Usage]]
+"""A line's object to (key, what is stored, format, turns, (prompt, completion) tokens)."""
+
+
+def _keep(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return messages
+
+
+def _parse_all(obj: dict[str, Any], lineno: int) -> tuple[str, dict[str, Any], str, int, _Usage]:
+    """A prompt line for ``regenerate="all"``: the whole conversation and its turn count."""
+    if "messages" in obj:
+        fmt = "messages"
+        request = {"messages": _messages(obj["messages"])}
+        _add_request_fields(request, obj)
+    elif "conversations" in obj:
+        fmt = "sharegpt"
+        request = _sharegpt_request(obj, _keep)
+    elif "prompt" in obj:
+        fmt = "prompt"
+        request = _prompt_request(obj)
+    elif "body" in obj or ("custom_id" in obj and ("url" in obj or "method" in obj)):
+        fmt = "openai-batch"
+        request = _batch_request(obj, _messages)
+    else:
+        raise _LineError(_TOKENS_NOT_PROMPTS if "input_ids" in obj else _UNRECOGNISED)
+    turns = len(targets(request["messages"]))
+    if not turns:
+        raise _LineError("no user message")
+    return _line_key(obj, fmt, lineno), request, fmt, turns, (None, None)
+
+
+def _parse_passthrough(
+    obj: dict[str, Any], lineno: int
+) -> tuple[str, dict[str, Any], str, int, _Usage]:
+    """A row that already holds its answer, as it is stored: the object as read, with
+    ShareGPT turns in OpenAI ``messages`` form."""
+    if "input_ids" in obj:
+        return _parse_tokens(obj, lineno)
+    if "messages" in obj:
+        fmt = "messages"
+        messages = _messages(obj["messages"])
+        stored = obj
+    elif "conversations" in obj:
+        fmt = "sharegpt"
+        messages = _sharegpt_messages(obj)
+        stored = {k: v for k, v in _sharegpt_tools(obj).items() if k not in _SHAREGPT_ONLY}
+        if stored.get("tools", "") is None:
+            del stored["tools"]
+        stored["messages"] = messages
+    elif "prompt" in obj:
+        raise _LineError("a prompt line holds no answer to pass through")
+    elif "body" in obj or "custom_id" in obj:
+        raise _LineError("an openai-batch line holds no answer to pass through")
+    else:
+        raise _LineError(
+            "expected messages, conversations or input_ids (a pre-tokenised row) in a "
+            "pass-through dataset"
+        )
+    if messages[-1]["role"] != "assistant":
+        raise _LineError("a passthrough row must end with the assistant's answer")
+    if not any(m["role"] == "user" for m in messages):
+        raise _LineError("no user message")
+    return _line_key(obj, fmt, lineno), stored, fmt, 1, _usage(obj)
+
+
+# Keys of a ShareGPT row that its OpenAI form holds as messages.
+_SHAREGPT_ONLY = frozenset({"conversations", "system"})
+
+
+def _parse_tokens(obj: dict[str, Any], lineno: int) -> tuple[str, dict[str, Any], str, int, _Usage]:
+    """A pre-tokenised row: ``input_ids`` and an optional 0/1 ``loss_mask`` as long."""
+    ids = obj.get("input_ids")
+    if type(ids) is not list or not ids:
+        raise _LineError("input_ids must be a non-empty list of token ids")
+    if not all(type(t) is int and t >= 0 for t in ids):
+        raise _LineError("input_ids must hold non-negative integers only")
+    mask = obj.get("loss_mask")
+    if mask is not None:
+        if type(mask) is not list or len(mask) != len(ids):
+            raise _LineError(f"loss_mask must be a list as long as input_ids ({len(ids)})")
+        if not all(type(m) is int and (m == 0 or m == 1) for m in mask):
+            raise _LineError("loss_mask must hold 0 and 1 only")
+        if 1 not in mask:
+            raise _LineError("loss_mask is all 0: the row teaches nothing")
+    return _line_key(obj, "tokens", lineno), obj, "tokens", 1, _usage(obj)
+
+
+def _parse_token_rows(
+    obj: dict[str, Any], lineno: int
+) -> tuple[str, dict[str, Any], str, int, _Usage]:
+    """``_parse_tokens`` for a file declared ``tokens``: a line of another format says so."""
+    if "input_ids" not in obj:
+        for field, fmt in (("messages", "messages"), ("conversations", "sharegpt")):
+            if field in obj:
+                raise _LineError(f'a {fmt} line in a dataset declared format = "tokens"')
+    return _parse_tokens(obj, lineno)
+
+
+def _usage(obj: dict[str, Any]) -> _Usage:
+    """A pass-through row's ``usage`` token counts (an earlier export carries them)."""
+    usage = obj.get("usage")
+    if usage is None:
+        return None, None
+    if type(usage) is not dict:
+        raise _LineError(f"usage must be an object, got {_kind(usage)}")
+    counts = []
+    for name in ("prompt_tokens", "completion_tokens"):
+        value = usage.get(name)
+        if value is not None and not (_is_int(value) and value >= 0):
+            raise _LineError(f"usage.{name} must be a non-negative integer, got {value!r}")
+        counts.append(value)
+    return counts[0], counts[1]
+
+
+_ITEM_PARSERS: dict[tuple[str, bool], _ItemParser] = {
+    ("all", False): _parse_all,
+    ("passthrough", False): _parse_passthrough,
+    ("passthrough", True): _parse_token_rows,
+}
+"""By (mode, format is tokens)."""
+
+
 # --- messages ------------------------------------------------------------------------------
+
+
+def _chat_messages(value: object) -> list[dict[str, Any]]:
+    """``_finish_messages(_messages(value))``, in one pass for plain text turns.
+
+    Nearly every line is a few ``{"role": ..., "content": "text"}`` turns ending in a user
+    turn; anything else (or any doubt) takes the full checks, which name the problem.
+    """
+    if type(value) is list:
+        if len(value) == 1:
+            message = value[0]
+            if (
+                type(message) is dict
+                and len(message) == 2
+                and message.get("role") == "user"
+                and type(message.get("content")) is str
+            ):
+                return value
+        elif value:
+            has_user = False
+            for message in value:
+                if type(message) is not dict or len(message) != 2:
+                    break
+                role = message.get("role")
+                if type(message.get("content")) is not str or type(role) is not str:
+                    break
+                if role not in _ROLE_SET:
+                    break
+                if role == "user":
+                    has_user = True
+            else:
+                if has_user and value[-1]["role"] != "assistant":
+                    return value
+    return _finish_messages(_messages(value))
 
 
 def _messages(value: object) -> list[dict[str, Any]]:
@@ -434,6 +828,8 @@ def _decode_tools(text: str) -> object:
 
 def _add_request_fields(request: dict[str, Any], obj: dict[str, Any]) -> None:
     """Copy and type-check the request fields; null counts as absent (table exports)."""
+    if _FIELD_NAMES.isdisjoint(obj):
+        return
     for name, value in obj.items():
         check = _FIELD_CHECKS.get(name)
         if check is None or value is None:
@@ -497,3 +893,4 @@ _FIELD_CHECKS: dict[str, Callable[[object], str]] = {
     "stop": _check_stop,
     "seed": _check_seed,
 }
+_FIELD_NAMES = frozenset(_FIELD_CHECKS)

@@ -40,6 +40,25 @@ def _row(name: str, e: dict[str, Any]) -> list[str]:
     ]
 
 
+def _flag_counts(flags: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n:,}" for name, n in flags.items() if n)
+
+
+def _flag_lines(snap: dict[str, Any]) -> list[str]:
+    """Answers kept but marked unfit (cut off, empty...): in total, then per dataset."""
+    total = snap["totals"].get("flags") or {}
+    if not any(total.values()):
+        return []
+    lines = ["", "flagged answers (kept, marked unfit): " + _flag_counts(total)]
+    flagged = [e for e in snap["datasets"] if any(e.get("flags", {}).values())]
+    if len(snap["datasets"]) > 1:
+        width = max(len(e["name"]) for e in flagged)
+        lines += [f"  {e['name']:<{width}}  {_flag_counts(e['flags'])}" for e in flagged]
+    first = next(name for name, n in total.items() if n)
+    lines.append(f"  (`orchestrator export --exclude-flag {first}` leaves them out)")
+    return lines
+
+
 def render_status(snap: dict[str, Any]) -> str:
     window = int(snap["window_seconds"])
     header = [
@@ -83,6 +102,7 @@ def render_status(snap: dict[str, Any]) -> str:
     if failed:
         lines.append("failed items by class: " + ", ".join(f"{k} {v:,}" for k, v in failed.items()))
         lines.append("  (see them again with `orchestrator requeue --error-class CLASS`)")
+    lines.extend(_flag_lines(snap))
     live = [w for w in snap["workers"] if not w["stopped"]]
     if live:
         lines.append("")

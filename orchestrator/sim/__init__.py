@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from orchestrator.sim.sample import write_sample
     from orchestrator.sim.server import (
+        REASONING_FIELDS,
+        REASONING_MODES,
         SimConfig,
         answer_matches,
         build_app,
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "REASONING_FIELDS",
+    "REASONING_MODES",
     "SimConfig",
     "answer_matches",
     "build_app",

@@ -6,6 +6,11 @@ the digest of the request they answer, so a caller can prove that every stored a
 belongs to its prompt. Failures real servers show under load (5xx, 429, resets, hangs,
 garbage bodies, restarts) can be injected at chosen rates to rehearse recovery.
 
+It can also answer as a reasoning model does, with the thinking in a separate field (a
+server with a reasoning parser) or left in the content between ``<think>`` tags (one
+without), and with tool calls when the request offers tools, so that everything a client
+must take apart can be exercised without a GPU.
+
 Run it with ``python -m orchestrator.sim.server --port 30000 --fault 500=0.05``.
 """
 
@@ -29,8 +34,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from orchestrator.quality import split_think
+
 __all__ = [
     "FAULT_KINDS",
+    "REASONING_FIELDS",
+    "REASONING_MODES",
     "SimConfig",
     "answer_matches",
     "build_app",
@@ -56,6 +65,20 @@ FAULT_KINDS: tuple[str, ...] = (
     "nochoices",
     "html",
 )
+
+#: How reasoning is answered: not at all; in a separate message field; in the content
+#: between ``<think>`` tags; in the content ending with ``</think>`` alone, as from chat
+#: templates that open the block in the prompt.
+REASONING_MODES: tuple[str, ...] = ("none", "field", "think", "think-end")
+
+#: Names of the separate reasoning field: SGLang and older vLLM, newer vLLM.
+REASONING_FIELDS: tuple[str, ...] = ("reasoning_content", "reasoning")
+
+#: How thinking is wrapped in the content, as chat templates do; tags count as no tokens.
+_THINK_OPEN = "<think>\n"
+_THINK_CLOSE = "\n</think>\n\n"
+
+_TOOL_CHOICES = ("none", "auto", "required")
 
 #: Words of the filler text; short and plain so that one word is one "token".
 _FILLER = (
@@ -101,6 +124,17 @@ class SimConfig:
         retry_after: value of the ``Retry-After`` header sent with 429.
         api_key: when set, ``/v1/*`` requests without ``Authorization: Bearer <key>`` get
             401, as from a server started with ``--api-key``.
+        reasoning: one of ``REASONING_MODES``. With reasoning, each answer starts with a
+            deterministic thinking text about as long as the answer, counted in
+            ``completion_tokens`` and against ``max_tokens``; a request sending
+            ``chat_template_kwargs`` ``{"enable_thinking": false}`` or ``{"thinking": false}``
+            gets none.
+        reasoning_field: the message field of ``reasoning="field"``, one of
+            ``REASONING_FIELDS``.
+        tool_call_rate: fraction of requests offering ``tools`` (with ``tool_choice`` auto
+            or absent) that are answered with a call of the first tool; which ones is fixed
+            by the request's digest. ``tool_choice`` "required" or naming a function always
+            calls, "none" never.
     """
 
     model: str = "sim-model"
@@ -112,10 +146,24 @@ class SimConfig:
     outages: list[tuple[float, float]] = field(default_factory=list)
     retry_after: float = 1.0
     api_key: str | None = field(default=None, repr=False)
+    reasoning: str = "none"
+    reasoning_field: str = "reasoning_content"
+    tool_call_rate: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model name must not be empty")
+        if self.reasoning not in REASONING_MODES:
+            raise ValueError(
+                f"unknown reasoning mode {self.reasoning!r}; known: {', '.join(REASONING_MODES)}"
+            )
+        if self.reasoning_field not in REASONING_FIELDS:
+            raise ValueError(
+                f"unknown reasoning field {self.reasoning_field!r}; "
+                f"known: {', '.join(REASONING_FIELDS)}"
+            )
+        if not 0.0 <= self.tool_call_rate <= 1.0:
+            raise ValueError(f"tool_call_rate must be within [0, 1], got {self.tool_call_rate!r}")
         for name in ("latency", "per_token", "retry_after"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -179,12 +227,67 @@ def request_digest(messages: Any) -> str:
     return hashlib.sha256(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
-def answer_matches(messages: Any, content: Any) -> bool:
-    """Whether ``content`` is a simulated answer to ``messages`` (and not to another prompt)."""
-    if not isinstance(content, str):
+def answer_matches(messages: Any, answer: Any) -> bool:
+    """Whether ``answer`` is a simulated answer to ``messages`` (and not to another prompt).
+
+    ``answer`` is the content string, or the whole assistant message: then every part it
+    has (content, reasoning, each tool call's arguments) must carry the digest, and it must
+    have one, so a truncated answer that is all reasoning is still proven. A ``<think>``
+    block left in a content string is checked as reasoning.
+    """
+    digest = request_digest(messages)
+    if isinstance(answer, str):
+        reasoning, content, _ = split_think(answer)
+        return _starts_with(content, f"[sim:{digest}]") and (
+            reasoning is None or _starts_with(reasoning, _reasoning_tag(digest))
+        )
+    if not isinstance(answer, dict):
         return False
-    first = content.split(maxsplit=1)
-    return bool(first) and first[0] == f"[sim:{request_digest(messages)}]"
+    content = answer.get("content")
+    reasoning = answer.get("reasoning_content")
+    if reasoning is None:
+        reasoning = answer.get("reasoning")
+    if reasoning is None and isinstance(content, str):
+        reasoning, content, _ = split_think(content)
+    calls = answer.get("tool_calls") or []
+    parts = 0
+    if content is not None and (not isinstance(content, str) or content.strip()):
+        if not _starts_with(content, f"[sim:{digest}]"):
+            return False
+        parts += 1
+    if reasoning is not None:
+        if not _starts_with(reasoning, _reasoning_tag(digest)):
+            return False
+        parts += 1
+    for call in calls:
+        if not _call_matches(call, digest):
+            return False
+        parts += 1
+    return parts > 0
+
+
+def _starts_with(text: Any, tag: str) -> bool:
+    if not isinstance(text, str):
+        return False
+    first = text.split(maxsplit=1)
+    return bool(first) and first[0] == tag
+
+
+def _call_matches(call: Any, digest: str) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return False
+    try:
+        doc = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        # Cut by max_tokens: the digest is the first thing written, so the prefix holds it.
+        return arguments.startswith(_tool_arguments(digest, [], complete=False))
+    return isinstance(doc, dict) and doc.get("sim") == digest
+
+
+def _reasoning_tag(digest: str) -> str:
+    return f"[sim-reasoning:{digest}]"
 
 
 def _completion_length(digest: str, mean_tokens: int) -> int:
@@ -197,6 +300,22 @@ def _answer_words(digest: str, seed: int, n: int) -> list[str]:
     # A str seed is hashed with sha512 by random.seed, so this is stable across processes.
     rng = random.Random(f"{seed}:{digest}")
     return [f"[sim:{digest}]", *rng.choices(_FILLER, k=n - 1)]
+
+
+def _reasoning_words(digest: str, seed: int, n: int) -> list[str]:
+    rng = random.Random(f"{seed}:{digest}:reasoning")
+    return [_reasoning_tag(digest), *rng.choices(_FILLER, k=n - 1)]
+
+
+def _tool_arguments(digest: str, words: list[str], *, complete: bool) -> str:
+    """The JSON arguments of a simulated tool call made of ``words`` (the first one stands
+    for the digest); a call cut by max_tokens is a prefix of the complete one, as streamed."""
+    text = f'{{"sim": "{digest}"'
+    if len(words) > 1:
+        text += ', "text": "' + " ".join(words[1:])
+    if complete:
+        text += '"}' if len(words) > 1 else "}"
+    return text
 
 
 def _count_prompt_tokens(messages: list[Any]) -> int:
@@ -221,6 +340,7 @@ class _Stats:
         self.invalid = 0
         self.aborted = 0
         self.running = 0
+        self.peak_running = 0
         self.running_tokens = 0
         self.outage_rejected = 0
         self.faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
@@ -263,6 +383,7 @@ class _Stats:
             "faults": dict(self.faults),
             "aborted": self.aborted,
             "running": self.running,
+            "peak_running": self.peak_running,
             "outage_rejected": self.outage_rejected,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
@@ -375,7 +496,171 @@ def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
             return _bad_request(f"'{key}' must be a positive integer, got {value!r}")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         return _bad_request("'stream' must be a boolean")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        return _bad_request("'chat_template_kwargs' must be an object")
+    problem = _check_tools(body.get("tools"), body.get("tool_choice"))
+    if problem:
+        return _bad_request(problem)
     return body
+
+
+def _check_tools(tools: Any, choice: Any) -> str | None:
+    """What is wrong with a request's ``tools`` and ``tool_choice``, as a server says it."""
+    names: list[str] = []
+    if tools is not None:
+        if not isinstance(tools, list):
+            return "'tools' must be a list of tool objects"
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                return f"tools[{i}] must be an object with a 'function' that has a string 'name'"
+            names.append(function["name"])
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if choice == "required" or isinstance(choice, dict):
+        if not names:
+            return "when using 'tool_choice', 'tools' must be set"
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if name not in names:
+                return f"'tool_choice' names a function that is not in 'tools': {name!r}"
+        return None
+    return f"'tool_choice' must be one of {', '.join(_TOOL_CHOICES)} or name a function"
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """What the simulated model generated for one request, before it is put into JSON or
+    SSE; both renderings come from it, so a streamed answer equals the plain one."""
+
+    digest: str
+    thinking: bool  # the answer starts with reasoning (mode on, not turned off per request)
+    reasoning: list[str]  # reasoning words generated, possibly cut by max_tokens
+    reasoning_closed: bool  # the thinking ended before the token budget did
+    words: list[str]  # answer words: the content, or the tool call's argument tokens
+    tool: str | None  # name of the called function, when the answer is a tool call
+    finish_reason: str
+
+    @property
+    def tokens(self) -> int:
+        return len(self.reasoning) + len(self.words)
+
+    @property
+    def calls_tool(self) -> bool:
+        return self.tool is not None and bool(self.words)
+
+
+def _thinking_off(body: dict[str, Any]) -> bool:
+    kwargs = body.get("chat_template_kwargs") or {}
+    return kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
+
+
+def _tool_to_call(body: dict[str, Any], digest: str, config: SimConfig) -> str | None:
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools or choice == "none":
+        return None
+    if isinstance(choice, dict):
+        return str(choice["function"]["name"])
+    first = str(tools[0]["function"]["name"])
+    if choice == "required":
+        return first
+    draw = random.Random(f"{config.seed}:{digest}:tools").random()
+    return first if draw < config.tool_call_rate else None
+
+
+def _generate(body: dict[str, Any], digest: str, config: SimConfig, *, empty: bool) -> _Answer:
+    """The answer to ``body``: reasoning first, then content or a tool call, cut by the
+    request's token limit wherever it falls."""
+    thinking = config.reasoning != "none" and not _thinking_off(body) and not empty
+    tool = None if empty else _tool_to_call(body, digest, config)
+    answer_length = _completion_length(digest, config.mean_tokens)
+    # Another slice of the digest, so reasoning and answer lengths vary independently.
+    reasoning_length = _completion_length(digest[8:], config.mean_tokens) if thinking else 0
+    full = reasoning_length + answer_length
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    budget = min(full, limit) if limit else full
+    finish_reason = "length" if budget < full else "tool_calls" if tool else "stop"
+    if empty:
+        return _Answer(digest, False, [], True, [], None, finish_reason)
+    in_reasoning = min(reasoning_length, budget)
+    reasoning = _reasoning_words(digest, config.seed, reasoning_length)[:in_reasoning]
+    words = _answer_words(digest, config.seed, answer_length)[: budget - in_reasoning]
+    closed = in_reasoning == reasoning_length
+    return _Answer(digest, thinking, reasoning, closed, words, tool, finish_reason)
+
+
+def _tool_call(answer: _Answer) -> dict[str, Any]:
+    complete = answer.finish_reason != "length"
+    return {
+        "id": f"call_{answer.digest}",
+        "type": "function",
+        "function": {
+            "name": answer.tool,
+            "arguments": _tool_arguments(answer.digest, answer.words, complete=complete),
+        },
+    }
+
+
+def _message(answer: _Answer, config: SimConfig) -> dict[str, Any]:
+    """The assistant message of a non-streaming answer."""
+    # A tool call's answer is in the call; its content is null, or only the thinking.
+    text = " ".join(answer.words) if answer.tool is None else ""
+    thought = " ".join(answer.reasoning)
+    close = _THINK_CLOSE if answer.reasoning_closed else ""
+    message: dict[str, Any] = {"role": "assistant"}
+    mode = config.reasoning if answer.thinking else "none"
+    if mode == "none":
+        message["content"] = text if answer.tool is None else None
+    elif mode == "field":
+        message["content"] = text or None
+        message[config.reasoning_field] = thought or None
+    elif mode == "think":
+        message["content"] = _THINK_OPEN + thought + close + text
+    else:  # think-end
+        message["content"] = thought + close + text
+    if answer.calls_tool:
+        message["tool_calls"] = [_tool_call(answer)]
+    return message
+
+
+def _deltas(answer: _Answer, config: SimConfig) -> list[tuple[dict[str, Any], int]]:
+    """The streamed deltas of an answer, after the role chunk, with the tokens each holds."""
+    deltas: list[tuple[dict[str, Any], int]] = []
+    mode = config.reasoning if answer.thinking else "none"
+    for i, piece in enumerate(_pieces(answer.reasoning)):
+        text = " ".join(piece) if i == 0 else " " + " ".join(piece)
+        if mode == "field":
+            deltas.append(({config.reasoning_field: text}, len(piece)))
+        else:
+            opening = _THINK_OPEN if mode == "think" and i == 0 else ""
+            deltas.append(({"content": opening + text}, len(piece)))
+    if mode in ("think", "think-end") and answer.reasoning_closed:
+        deltas.append(({"content": _THINK_CLOSE}, 0))
+    if answer.calls_tool:
+        call = _tool_call(answer)
+        head = {**call, "function": {"name": call["function"]["name"], "arguments": ""}}
+        deltas.append(({"tool_calls": [{"index": 0, **head}]}, 0))
+        sent, count = "", 0
+        for piece in _pieces(answer.words):
+            count += len(piece)
+            upto = _tool_arguments(answer.digest, answer.words[:count], complete=False)
+            if count == len(answer.words):
+                upto = call["function"]["arguments"]
+            part = {"index": 0, "function": {"arguments": upto[len(sent) :]}}
+            deltas.append(({"tool_calls": [part]}, len(piece)))
+            sent = upto
+    elif answer.tool is None:
+        for i, piece in enumerate(_pieces(answer.words)):
+            text = " ".join(piece)
+            deltas.append(({"content": text if i == 0 else " " + text}, len(piece)))
+    return deltas
+
+
+def _pieces(words: list[str]) -> list[list[str]]:
+    return [words[i : i + _CHUNK_WORDS] for i in range(0, len(words), _CHUNK_WORDS)]
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
@@ -383,6 +668,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     stats = state.stats
     stats.chat_requests += 1
     stats.running += 1
+    stats.peak_running = max(stats.peak_running, stats.running)
     try:
         return await _answer_chat(request, state)
     except asyncio.CancelledError:
@@ -438,11 +724,8 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
 
     messages: list[Any] = body["messages"]
     digest = request_digest(messages)
-    full = _completion_length(digest, config.mean_tokens)
-    limit = body.get("max_completion_tokens") or body.get("max_tokens")
-    n = min(full, limit) if limit else full
-    finish_reason = "length" if n < full else "stop"
-    words = _answer_words(digest, config.seed, n) if fault != "empty" else []
+    answer = _generate(body, digest, config, empty=fault == "empty")
+    n = answer.tokens
     prompt_tokens = _count_prompt_tokens(messages)
     state.next_id += 1
     completion_id = f"chatcmpl-{digest}{state.next_id:08x}"
@@ -457,8 +740,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 request,
                 state,
                 completion_id=completion_id,
-                words=words,
-                finish_reason=finish_reason,
+                answer=answer,
                 prompt_tokens=prompt_tokens,
                 include_usage=include_usage,
                 cut=fault == "malformed",
@@ -474,7 +756,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                     f'{{"id": "{completion_id}", "object": "chat.completion", "choices": [{{'
                 )
                 return web.Response(status=200, body=truncated.encode(), content_type=_JSON)
-            answer = {
+            doc = {
                 "id": completion_id,
                 "object": "chat.completion",
                 "created": int(time.time()),
@@ -482,13 +764,13 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": " ".join(words)},
-                        "finish_reason": finish_reason,
+                        "message": _message(answer, config),
+                        "finish_reason": answer.finish_reason,
                     }
                 ],
                 "usage": _usage(prompt_tokens, n),
             }
-            response = web.Response(body=orjson.dumps(answer), content_type=_JSON)
+            response = web.Response(body=orjson.dumps(doc), content_type=_JSON)
     finally:
         stats.running_tokens -= prompt_tokens + n
     if fault is None:
@@ -522,8 +804,7 @@ async def _stream_answer(
     state: _State,
     *,
     completion_id: str,
-    words: list[str],
-    finish_reason: str,
+    answer: _Answer,
     prompt_tokens: int,
     include_usage: bool,
     cut: bool,
@@ -532,7 +813,7 @@ async def _stream_answer(
     config = state.config
     created = int(time.time())
 
-    def chunk(delta: dict[str, str], finish: str | None) -> bytes:
+    def chunk(delta: dict[str, Any], finish: str | None) -> bytes:
         payload = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -548,19 +829,18 @@ async def _stream_answer(
     )
     await response.prepare(request)
     await response.write(chunk({"role": "assistant", "content": ""}, None))
-    pieces = [words[i : i + _CHUNK_WORDS] for i in range(0, len(words), _CHUNK_WORDS)]
-    # A malformed stream stops after about half of its pieces, without finish_reason/[DONE];
+    deltas = _deltas(answer, config)
+    # A malformed stream stops after about half of its deltas, without finish_reason/[DONE];
     # a stalled one sends the same half, then nothing, keeping the connection open.
-    sent_pieces = pieces[: max(1, len(pieces) // 2)] if cut or stall else pieces
-    for i, piece in enumerate(sent_pieces):
-        await _sleep(config.per_token * len(piece))
-        text = " ".join(piece)
-        await response.write(chunk({"content": text if i == 0 else " " + text}, None))
+    sent = deltas[: max(1, len(deltas) // 2)] if cut or stall else deltas
+    for delta, tokens in sent:
+        await _sleep(config.per_token * tokens)
+        await response.write(chunk(delta, None))
     if stall:
         await _hang(request, state)
         return response
     if not cut:
-        await response.write(chunk({}, finish_reason))
+        await response.write(chunk({}, answer.finish_reason))
         if include_usage:
             usage = {
                 "id": completion_id,
@@ -568,7 +848,7 @@ async def _stream_answer(
                 "created": created,
                 "model": config.model,
                 "choices": [],
-                "usage": _usage(prompt_tokens, len(words)),
+                "usage": _usage(prompt_tokens, answer.tokens),
             }
             await response.write(b"data: " + orjson.dumps(usage) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
@@ -744,6 +1024,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--outage", action="append", default=[], metavar="START:DURATION", help="e.g. 30:10"
     )
+    parser.add_argument(
+        "--reasoning",
+        choices=REASONING_MODES,
+        default=defaults.reasoning,
+        help="answer with thinking: in a separate field, in the content between <think> "
+        "tags, or in the content ending with </think> alone",
+    )
+    parser.add_argument(
+        "--reasoning-field", choices=REASONING_FIELDS, default=defaults.reasoning_field
+    )
+    parser.add_argument(
+        "--tool-call-rate",
+        type=float,
+        default=defaults.tool_call_rate,
+        help="fraction of requests offering tools (tool_choice auto) answered with a call",
+    )
     args = parser.parse_args(argv)
     try:
         faults: dict[str, float] = {}
@@ -759,6 +1055,9 @@ def main(argv: list[str] | None = None) -> int:
             faults=faults,
             outages=[parse_outage(spec) for spec in args.outage],
             retry_after=args.retry_after,
+            reasoning=args.reasoning,
+            reasoning_field=args.reasoning_field,
+            tool_call_rate=args.tool_call_rate,
             # From the environment, never the command line, where ps would show it.
             api_key=os.environ.get("SIM_API_KEY") or None,
         )

@@ -1,19 +1,86 @@
 """The durable queue: schema, migrations, and every transition of an item's state.
 
 Nothing here knows about HTTP; the worker composes this with the inference client.
+
+Names are loaded on first use: the engine pulls in SQLAlchemy's asyncio layer, and a
+read-only command on an SQLite file (``status``, ``export``) gets by with
+``store.reader`` and never needs it.
 """
 
-from orchestrator.store.datasets import DatasetInfo, DatasetSpec, list_datasets, set_paused
-from orchestrator.store.engine import Database, create_database, resolve_url
-from orchestrator.store.enqueue import EnqueueReport, enqueue
-from orchestrator.store.migrate import ensure_schema, upgrade
-from orchestrator.store.outputs import DoneItem, check_datasets, iter_done
-from orchestrator.store.queue import Failure, Lease, Output, Queue
-from orchestrator.store.stats import snapshot
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchestrator.store.datasets import DatasetInfo, DatasetSpec, list_datasets, set_paused
+    from orchestrator.store.engine import Database, create_database, resolve_url
+    from orchestrator.store.enqueue import EnqueueReport, enqueue
+    from orchestrator.store.migrate import ensure_schema, upgrade
+    from orchestrator.store.outputs import DoneItem, check_datasets, iter_done
+    from orchestrator.store.queue import Failure, Lease, Output, Queue
+    from orchestrator.store.stats import snapshot
+
+_SOURCES = {
+    "DatasetInfo": "datasets",
+    "DatasetSpec": "datasets",
+    "list_datasets": "datasets",
+    "set_paused": "datasets",
+    "Database": "engine",
+    "create_database": "engine",
+    "resolve_url": "engine",
+    "EnqueueReport": "enqueue",
+    "enqueue": "enqueue",
+    "ensure_schema": "migrate",
+    "upgrade": "migrate",
+    "DoneItem": "outputs",
+    "check_datasets": "outputs",
+    "iter_done": "outputs",
+    "Failure": "queue",
+    "Lease": "queue",
+    "Output": "queue",
+    "Queue": "queue",
+    "snapshot": "stats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{source}"), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """Keeps an exported name bound to the export when its submodule is imported.
+
+    Importing ``orchestrator.store.enqueue`` sets the package's ``enqueue`` to the
+    module; with eager imports the function was bound after that, and callers of
+    ``from orchestrator.store import enqueue`` rely on getting the function.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (
+            isinstance(value, types.ModuleType)
+            and value.__name__ == f"{__name__}.{name}"
+            and _SOURCES.get(name) == name
+        ):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 async def open_database(db: str | None = None) -> Database:
     """Open (and create or upgrade) the database named by a path or URL."""
+    from orchestrator.store.engine import create_database
+    from orchestrator.store.migrate import ensure_schema
+
     database = create_database(db)
     try:
         await ensure_schema(database)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +14,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError
 from orchestrator.store.engine import Database
-from orchestrator.store.schema import datasets
+from orchestrator.store.schema import datasets, param_sets
+
+REGENERATE = ("last", "all")
+ON_TRUNCATED = ("keep", "retry", "fail")
+
+
+def params_hash(params: dict[str, Any]) -> str:
+    """The name of a parameter set: outputs record it, ``param_sets`` holds the values."""
+    return hashlib.sha256(_dumps(params).encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,12 +39,24 @@ class DatasetSpec:
     params: dict[str, Any] = field(default_factory=dict)
     concurrency: int | None = None
     priority: int | None = None
+    # None: keep the stored value (or the default for a new dataset).
+    regenerate: str | None = None
+    on_truncated: str | None = None
+    passthrough: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 200:
             raise ConfigError("dataset name must be 1 to 200 characters")
         if self.concurrency is not None and self.concurrency < 1:
             raise ConfigError(f"dataset {self.name}: concurrency must be at least 1")
+        if self.regenerate not in (None, *REGENERATE):
+            raise ConfigError(
+                f"dataset {self.name}: regenerate must be one of {', '.join(REGENERATE)}"
+            )
+        if self.on_truncated not in (None, *ON_TRUNCATED):
+            raise ConfigError(
+                f"dataset {self.name}: on_truncated must be one of {', '.join(ON_TRUNCATED)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,13 +71,24 @@ class DatasetInfo:
     source_sha256: str | None
     input_format: str | None
     created_at: float
+    regenerate: str = "last"
+    on_truncated: str = "keep"
+    passthrough: bool = False
+    updated_at: float = 0.0
+    params_hash: str = ""
 
 
 def _info(row: sa.Row[Any]) -> DatasetInfo:
+    params = orjson.loads(row.params)
     return DatasetInfo(
+        params_hash=params_hash(params),
+        regenerate=row.regenerate,
+        on_truncated=row.on_truncated,
+        passthrough=bool(row.passthrough),
+        updated_at=row.updated_at,
         id=row.id,
         name=row.name,
-        params=orjson.loads(row.params),
+        params=params,
         concurrency=row.concurrency,
         priority=row.priority,
         paused=bool(row.paused),
@@ -86,12 +119,16 @@ async def declare(
     source_sha256: str | None,
     input_format: str | None,
     now: float,
+    update: bool = False,
 ) -> tuple[DatasetInfo, bool]:
     """Create the dataset, or check that an existing one asks for the same requests.
 
     Changing request parameters under enqueued items would mix outputs made with
-    different settings in one dataset, so it is refused. Concurrency and priority are
-    operational knobs and may change.
+    different settings in one dataset, so it is refused unless ``update`` is given: then
+    the items not done yet are sent with the new parameters, and every output records
+    the set it was made with. Whether a dataset regenerates its last turn or all of
+    them, and whether it is pass-through, decide what its items are: they never change.
+    Concurrency, priority and the truncation policy are operational knobs and may.
     """
     row = (await conn.execute(sa.select(datasets).where(datasets.c.name == spec.name))).first()
     if row is None:
@@ -101,6 +138,9 @@ async def declare(
             "concurrency": spec.concurrency,
             "priority": spec.priority or 0,
             "paused": False,
+            "regenerate": spec.regenerate or "last",
+            "on_truncated": spec.on_truncated or "keep",
+            "passthrough": spec.passthrough,
             "source_path": source_path,
             "source_sha256": source_sha256,
             "input_format": input_format,
@@ -110,14 +150,22 @@ async def declare(
         new_id = (
             await conn.execute(datasets.insert().values(**values).returning(datasets.c.id))
         ).scalar_one()
+        await _record_params(conn, spec.params, now)
         row = (await conn.execute(sa.select(datasets).where(datasets.c.id == new_id))).one()
         return _info(row), True
     info = _info(row)
-    differences = _param_differences(info.params, spec.params)
-    if differences:
+    fixed = [
+        f"{key}: {old!r} -> {new!r}"
+        for key, old, new in (
+            ("regenerate", info.regenerate, spec.regenerate),
+            ("passthrough", info.passthrough, spec.passthrough),
+        )
+        if new is not None and new != old
+    ]
+    if fixed:
         raise ConfigError(
-            f"dataset {spec.name!r} already exists with other request parameters ("
-            + "; ".join(differences)
+            f"dataset {spec.name!r} already exists as another kind of dataset ("
+            + "; ".join(fixed)
             + "); use another dataset name"
         )
     changes: dict[str, Any] = {
@@ -125,22 +173,90 @@ async def declare(
         "source_sha256": source_sha256,
         "updated_at": now,
     }
+    differences = _param_differences(info.params, spec.params)
+    if differences and not update:
+        raise ConfigError(
+            f"dataset {spec.name!r} already exists with other request parameters ("
+            + "; ".join(differences)
+            + "); pass --update to use the new ones for the items not done yet, "
+            "or use another dataset name"
+        )
+    if differences:
+        changes["params"] = _dumps(spec.params)
+        await _record_params(conn, spec.params, now)
     if spec.concurrency is not None:
         changes["concurrency"] = spec.concurrency
     if spec.priority is not None:
         changes["priority"] = spec.priority
+    if spec.on_truncated is not None:
+        changes["on_truncated"] = spec.on_truncated
     if input_format and info.input_format and input_format != info.input_format:
         changes["input_format"] = "mixed"
     elif input_format:
         changes["input_format"] = input_format
     await conn.execute(datasets.update().where(datasets.c.id == info.id).values(**changes))
+    if differences:
+        row = (await conn.execute(sa.select(datasets).where(datasets.c.id == info.id))).one()
+        info = _info(row)
     return info, False
+
+
+async def _record_params(conn: AsyncConnection, params: dict[str, Any], now: float) -> None:
+    digest = params_hash(params)
+    known = await conn.execute(sa.select(param_sets.c.hash).where(param_sets.c.hash == digest))
+    if known.first() is None:
+        await conn.execute(
+            param_sets.insert().values(hash=digest, params=_dumps(params), created_at=now)
+        )
 
 
 async def list_datasets(database: Database) -> list[DatasetInfo]:
     async with database.read() as conn:
         rows = (await conn.execute(sa.select(datasets).order_by(datasets.c.name))).all()
     return [_info(r) for r in rows]
+
+
+class _DryRun(Exception):
+    """Raised to roll back ``refusals``' transaction."""
+
+
+async def refusals(
+    database: Database, specs: Sequence[DatasetSpec], *, update: bool = False
+) -> list[str]:
+    """What ``declare`` would refuse of each spec, with nothing written.
+
+    A run file declares many datasets: one whose parameters changed (without ``update``)
+    or whose kind changed must stop the run file before its first dataset is enqueued,
+    not after. Runs ``declare`` itself in a transaction that is rolled back, so the
+    answer is exactly what enqueuing would meet.
+    """
+    found: list[str] = []
+    try:
+        async with database.write() as conn:
+            for spec in specs:
+                try:
+                    await declare(
+                        conn,
+                        spec,
+                        source_path=None,
+                        source_sha256=None,
+                        input_format=None,
+                        now=time.time(),
+                        update=update,
+                    )
+                except ConfigError as exc:
+                    found.append(str(exc))
+            raise _DryRun
+    except _DryRun:
+        pass
+    return found
+
+
+async def get_dataset(database: Database, name: str) -> DatasetInfo | None:
+    """One dataset by name: what a file added to it must be read as (regenerate, passthrough)."""
+    async with database.read() as conn:
+        row = (await conn.execute(sa.select(datasets).where(datasets.c.name == name))).first()
+    return _info(row) if row is not None else None
 
 
 async def set_paused(database: Database, name: str, paused: bool) -> bool:

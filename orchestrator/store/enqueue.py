@@ -1,24 +1,50 @@
-"""Loading records into the queue: one transaction per file, batched, idempotent."""
+"""Loading records into the queue: one transaction per file, batched, idempotent.
+
+A million lines must load in seconds. On SQLite, reading and checking lines (Python, in
+this thread) and inserting them (SQLite, in the driver's thread, without the GIL) run at
+the same time, one batch apart. Each batch is one multi-row INSERT of the lines as the
+reader prepared them, which SQLite runs in half the time of an ``executemany``. Keys are
+not looked up beforehand: a new dataset has none to collide with, so only a batch whose
+INSERT hits the unique key (a repeated line, a file enqueued again) is sorted out line by
+line, and while a file keeps overlapping stored items, batches are checked first.
+
+Datasets that regenerate every assistant turn store the turn count too, bound the same
+way. Pass-through datasets store a done state and an output row per line and take the
+portable path: they are rarely the million-line sets.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
+import sqlite3
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import chain, islice
+from operator import itemgetter
 from pathlib import Path
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
+import aiosqlite
 import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from orchestrator.errors import InputError
+from orchestrator.errors import ConfigError, InputError
 from orchestrator.store.datasets import DatasetInfo, DatasetSpec, declare
-from orchestrator.store.engine import Database, insert_many
+from orchestrator.store.engine import Database, insert_many, storage_error
 from orchestrator.store.schema import items
 
+T = TypeVar("T")
+
 BATCH = 2000
+"""Lines per statement: big enough that a statement's fixed costs and the hand-over to the
+driver's thread vanish per line, small enough to keep memory flat."""
 
 
 class RecordLike(Protocol):
@@ -34,6 +60,49 @@ class RecordLike(Protocol):
     def digest(self) -> str: ...
     @property
     def fmt(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def turns(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int | None: ...
+    @property
+    def completion_tokens(self) -> int | None: ...
+
+
+Prepared = tuple[int, str, str, str, str]
+"""A record with its request already encoded: ``(line, key, fmt, digest, body)``
+(``orchestrator.formats.Prepared``). The order is part of the contract: batches are
+bound to the INSERT as they come, without building another tuple per line."""
+
+PreparedItem = tuple[int, str, str, str, str, str, int, int | None, int | None]
+"""``Prepared`` plus ``(mode, turns, prompt_tokens, completion_tokens)``
+(``orchestrator.formats.PreparedItem``): lines read for ``regenerate="all"`` or
+pass-through."""
+
+
+class _Row(NamedTuple):
+    """``Prepared`` made from a ``RecordLike``."""
+
+    line: int
+    key: str
+    fmt: str
+    digest: str
+    body: str
+
+
+class _ItemRow(NamedTuple):
+    """``PreparedItem`` made from a ``RecordLike``."""
+
+    line: int
+    key: str
+    fmt: str
+    digest: str
+    body: str
+    mode: str
+    turns: int
+    prompt_tokens: int | None
+    completion_tokens: int | None
 
 
 @dataclass(slots=True)
@@ -44,6 +113,10 @@ class EnqueueReport:
     already_present: int = 0
     invalid: list[InputError] = field(default_factory=list)
     formats: dict[str, int] = field(default_factory=dict)
+    mode: str = "last"
+    """``last``, ``all`` or ``passthrough`` (its items are stored as done)."""
+    turns: int = 0
+    """Assistant turns to generate for the items added (``added`` unless ``all``)."""
 
 
 def file_sha256(path: str | Path) -> str:
@@ -57,17 +130,23 @@ def file_sha256(path: str | Path) -> str:
 async def enqueue(
     database: Database,
     spec: DatasetSpec,
-    records: Iterable[RecordLike],
+    records: Iterable[RecordLike] | Iterable[Prepared] | Iterable[PreparedItem],
     *,
     path: str,
     on_invalid: Callable[[InputError], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    update: bool = False,
 ) -> EnqueueReport:
     """Insert every record of one file, or nothing.
 
     A key already in the dataset with the same content is skipped (enqueue is
     idempotent); with other content it is an error, as is a key repeated within the
     file. ``on_invalid`` given: such lines are reported to it and skipped instead.
+    ``records`` may be ``Record``s or, cheaper, ``Prepared`` tuples
+    (``orchestrator.formats.iter_prepared``), read the way the dataset needs: for
+    ``regenerate="all"`` or pass-through (``ConfigError`` otherwise, before anything is
+    written). Pass-through rows are stored done, each with an empty output row, and are
+    never claimed. ``update``: see ``datasets.declare``.
     """
     now = time.time()
     sha = file_sha256(path)
@@ -75,127 +154,406 @@ async def enqueue(
         baseline = (
             await conn.execute(sa.select(sa.func.coalesce(sa.func.max(items.c.id), 0)))
         ).scalar_one()
-        info: DatasetInfo | None = None
-        report: EnqueueReport | None = None
-        batch: list[RecordLike] = []
+        rows = _prepared(records)
+        first = next(rows, None)
+        info, created = await declare(
+            conn,
+            spec,
+            source_path=str(path),
+            source_sha256=sha,
+            input_format=first[2] if first is not None else None,
+            now=now,
+            update=update,
+        )
+        mode = "passthrough" if info.passthrough else info.regenerate
+        report = EnqueueReport(dataset=spec.name, created=created, mode=mode)
+        if first is not None:
+            _check_mode(info, mode, first)
         seen = 0
-        base = 0
-
-        def reject(error: InputError) -> None:
-            if on_invalid is None:
-                raise error
-            on_invalid(error)
-            assert report is not None
-            report.invalid.append(error)
-
-        for record in records:
-            if info is None:
-                info, created = await declare(
-                    conn,
-                    spec,
-                    source_path=str(path),
-                    source_sha256=sha,
-                    input_format=record.fmt,
-                    now=now,
-                )
-                report = EnqueueReport(dataset=spec.name, created=created)
-                # A second file in the same dataset is ordered after the first.
-                base = (
-                    await conn.execute(
-                        sa.select(sa.func.coalesce(sa.func.max(items.c.position), 0)).where(
-                            items.c.dataset_id == info.id
-                        )
+        if first is not None:
+            # A second file in the same dataset is ordered after the first.
+            base = (
+                await conn.execute(
+                    sa.select(sa.func.coalesce(sa.func.max(items.c.position), 0)).where(
+                        items.c.dataset_id == info.id
                     )
-                ).scalar_one()
-            assert report is not None
-            report.formats[record.fmt] = report.formats.get(record.fmt, 0) + 1
-            batch.append(record)
-            seen += 1
-            if len(batch) >= BATCH:
-                await _insert_batch(conn, info, batch, baseline, base, report, reject, path, now)
-                batch = []
-                if progress:
-                    progress(seen)
-        if info is None:
-            # Every line was invalid and skipped: record the dataset all the same.
-            info, created = await declare(
-                conn, spec, source_path=str(path), source_sha256=sha, input_format=None, now=now
-            )
-            report = EnqueueReport(dataset=spec.name, created=created)
-        assert report is not None
-        if batch:
-            await _insert_batch(conn, info, batch, baseline, base, report, reject, path, now)
+                )
+            ).scalar_one()
+            context = _Context(info, baseline, base, now, path, report, on_invalid, mode)
+            writer = await _writer(conn, database, context)
+            size = writer.batch_size
+            try:
+                batch = [first, *islice(rows, size - 1)]
+                while batch:
+                    formats = report.formats
+                    for fmt, n in Counter(map(itemgetter(2), batch)).items():
+                        formats[fmt] = formats.get(fmt, 0) + n
+                    await writer.write(batch)
+                    seen += len(batch)
+                    if progress:
+                        progress(seen)
+                    # Read and check the next lines while SQLite inserts these.
+                    batch = list(islice(rows, size))
+                await writer.flush()
+            except InputError:
+                # A bad line in the batch still being written comes first in the file.
+                await writer.flush()
+                raise
+            finally:
+                await writer.close()
         if progress:
             progress(seen)
     return report
 
 
-async def _insert_batch(
-    conn: AsyncConnection,
-    info: DatasetInfo,
-    batch: list[RecordLike],
-    baseline: int,
-    base: int,
-    report: EnqueueReport,
-    reject: Callable[[InputError], None],
-    path: str,
-    now: float,
-) -> None:
-    existing = {
-        row.key: row
-        for row in (
-            await conn.execute(
-                sa.select(items.c.id, items.c.key, items.c.digest, items.c.position).where(
-                    items.c.dataset_id == info.id, items.c.key.in_([r.key for r in batch])
-                )
-            )
-        ).all()
-    }
-    in_batch: dict[str, int] = {}
-    rows = []
-    for record in batch:
-        old = existing.get(record.key)
-        first_line = in_batch.get(record.key)
-        if first_line is None and old is not None and old.id > baseline:
-            first_line = old.position - base
-        if first_line is not None:
-            reject(
-                InputError(
-                    f"duplicate key {record.key!r} (first on line {first_line})",
-                    path=path,
-                    line=record.line,
-                )
-            )
-            continue
-        if old is not None:
-            if old.digest != record.digest:
-                reject(
-                    InputError(
-                        f"key {record.key!r} is already enqueued in dataset {info.name!r} "
-                        "with different content",
-                        path=path,
-                        line=record.line,
-                    )
-                )
-            else:
-                report.already_present += 1
-            continue
-        in_batch[record.key] = record.line
-        rows.append(
-            (
-                info.id,
-                record.key,
-                base + record.line,
-                orjson.dumps(record.request).decode(),
-                record.digest,
-                now,
-                now,
+def _prepared(
+    records: Iterable[RecordLike] | Iterable[Prepared] | Iterable[PreparedItem],
+) -> Iterator[Any]:
+    """The records as ``Prepared`` (or ``PreparedItem``) tuples, encoding each request once
+    if need be."""
+    it = iter(records)
+    first = next(it, None)
+    if first is None:
+        return iter(())
+    if isinstance(first, tuple):
+        return chain((first,), it)
+    if getattr(first, "mode", "last") == "last":
+        return (
+            _Row(r.line, r.key, r.fmt, r.digest, orjson.dumps(r.request).decode())
+            for r in chain((first,), it)  # type: ignore[union-attr]
+        )
+    return (
+        _ItemRow(
+            r.line,
+            r.key,
+            r.fmt,
+            r.digest,
+            orjson.dumps(r.request).decode(),
+            r.mode,
+            r.turns,
+            r.prompt_tokens,
+            r.completion_tokens,
+        )
+        for r in chain((first,), it)  # type: ignore[union-attr]
+    )
+
+
+_MODE_NAMES = {
+    "last": "regenerates the final answer",
+    "all": "regenerates every assistant turn",
+    "passthrough": "is pass-through",
+}
+_READ_AS = {
+    "last": "as prompts",
+    "all": 'with regenerate="all"',
+    "passthrough": "with passthrough=True",
+}
+
+
+def _check_mode(info: DatasetInfo, mode: str, first: tuple[Any, ...]) -> None:
+    """Lines read for another kind of dataset would be stored wrong: refuse them."""
+    read = first[5] if len(first) > 5 else "last"
+    if read != mode:
+        raise ConfigError(
+            f"dataset {info.name!r} {_MODE_NAMES[mode]}, but the lines were read for a "
+            f"dataset that {_MODE_NAMES[read]}: read them {_READ_AS[mode]}"
+        )
+
+
+@dataclass(slots=True)
+class _Context:
+    """What every batch of one file shares."""
+
+    info: DatasetInfo
+    baseline: int
+    """Largest item id before this file: a key found above it was added by this file."""
+    base: int
+    """Largest position in the dataset before this file; line N goes at ``base + N``."""
+    now: float
+    path: str
+    report: EnqueueReport
+    on_invalid: Callable[[InputError], None] | None
+    mode: str = "last"
+
+    def reject(self, error: InputError) -> None:
+        if self.on_invalid is None:
+            raise error
+        self.on_invalid(error)
+        self.report.invalid.append(error)
+
+
+class _Existing(NamedTuple):
+    id: int
+    key: str
+    digest: str
+    position: int
+
+
+async def _writer(conn: AsyncConnection, database: Database, context: _Context) -> _Writer:
+    if database.is_sqlite and context.mode != "passthrough":
+        driver = (await conn.get_raw_connection()).driver_connection
+        if isinstance(driver, aiosqlite.Connection):
+            limit = await _in_driver_thread(driver, _variable_limit)
+            # The statement binds 3 + 5 (or 6) per line, the key lookup 1 + 1 per line.
+            width = _WIDTHS[context.mode]
+            return _SqliteWriter(context, driver, database, min(BATCH, (limit - 3) // width))
+    return _Writer(context, conn)
+
+
+def _variable_limit(raw: sqlite3.Connection) -> int:
+    return raw.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+
+
+class _Writer:
+    """Checks each batch against the keys already stored, then inserts what is new.
+
+    The portable way: one SELECT and one executemany per batch, in turn with reading.
+    """
+
+    def __init__(
+        self, context: _Context, conn: AsyncConnection | None = None, batch_size: int = 0
+    ) -> None:
+        self.context = context
+        self.conn = conn
+        self.batch_size = batch_size or BATCH
+
+    async def write(self, batch: list[Any]) -> None:
+        fresh = await self._fresh(batch)
+        if not fresh:
+            return
+        c = self.context
+        dataset_id, base, now = c.info.id, c.base, c.now
+        assert self.conn is not None
+        if c.mode == "last":
+            rows = [(dataset_id, r[1], base + r[0], r[4], r[3], now, now) for r in fresh]
+            await insert_many(self.conn, "items", _INSERT_COLUMNS, rows)
+            c.report.turns += len(rows)
+        elif c.mode == "all":
+            rows = [(dataset_id, r[1], base + r[0], r[4], r[3], now, now, r[6]) for r in fresh]
+            await insert_many(self.conn, "items", (*_INSERT_COLUMNS, "turns"), rows)
+            c.report.turns += sum(r[6] for r in fresh)
+        else:
+            rows = [
+                (dataset_id, r[1], base + r[0], r[4], r[3], now, now, "done", now) for r in fresh
+            ]
+            await insert_many(self.conn, "items", (*_INSERT_COLUMNS, "state", "finished_at"), rows)
+            await self._passed_outputs(fresh)
+        c.report.added += len(rows)
+
+    async def _passed_outputs(self, fresh: list[Any]) -> None:
+        """The output rows of pass-through items just inserted: done, nothing generated."""
+        c = self.context
+        ids = {row.key: row.id for row in await self._existing([r[1] for r in fresh])}
+        model = c.info.params.get("model")
+        model = model if isinstance(model, str) else None
+        rows = [(ids[r[1]], c.info.id, "{}", 0, 0.0, 0, c.now, model, r[7], r[8]) for r in fresh]
+        assert self.conn is not None
+        await insert_many(self.conn, "outputs", _PASSED_OUTPUT_COLUMNS, rows)
+
+    async def flush(self) -> None:
+        """Finish the batch in flight, if any."""
+
+    async def close(self) -> None:
+        """Leave nothing running, whatever happened."""
+
+    async def _existing(self, keys: list[str]) -> list[_Existing]:
+        assert self.conn is not None
+        result = await self.conn.execute(
+            sa.select(items.c.id, items.c.key, items.c.digest, items.c.position).where(
+                items.c.dataset_id == self.context.info.id, items.c.key.in_(keys)
             )
         )
-    if rows:
-        await insert_many(conn, "items", _INSERT_COLUMNS, rows)
-        report.added += len(rows)
+        return [_Existing(*row) for row in result.all()]
 
+    async def _fresh(self, batch: list[Any]) -> list[Any]:
+        """The lines of ``batch`` to insert; the others are present already or rejected."""
+        c = self.context
+        existing = {row.key: row for row in await self._existing([r[1] for r in batch])}
+        in_batch: dict[str, int] = {}
+        fresh = []
+        for record in batch:
+            line, key, _fmt, digest = record[:4]
+            old = existing.get(key)
+            first_line = in_batch.get(key)
+            if first_line is None and old is not None and old.id > c.baseline:
+                first_line = old.position - c.base
+            if first_line is not None:
+                c.reject(
+                    InputError(
+                        f"duplicate key {key!r} (first on line {first_line})",
+                        path=c.path,
+                        line=line,
+                    )
+                )
+                continue
+            if old is not None:
+                if old.digest != digest:
+                    c.reject(
+                        InputError(
+                            f"key {key!r} is already enqueued in dataset {c.info.name!r} "
+                            "with different content",
+                            path=c.path,
+                            line=line,
+                        )
+                    )
+                else:
+                    c.report.already_present += 1
+                continue
+            in_batch[key] = line
+            fresh.append(record)
+        return fresh
+
+
+class _SqliteWriter(_Writer):
+    """Inserts a batch in the driver's thread while the caller prepares the next one.
+
+    One batch at a time is in flight, and batches finish in file order, so a duplicate
+    key is always reported on its second line, naming the first.
+    """
+
+    def __init__(
+        self,
+        context: _Context,
+        driver: aiosqlite.Connection,
+        database: Database,
+        batch_size: int,
+    ) -> None:
+        super().__init__(context, batch_size=batch_size)
+        self.driver = driver
+        self.database = database
+        self.checked = False
+        """Look keys up before inserting, while the file overlaps stored items."""
+        self._pending: asyncio.Future[Any] | None = None
+        self._batch: list[Prepared] = []
+
+    async def write(self, batch: list[Any]) -> None:
+        await self.flush()
+        if self.context.mode == "all":
+            # (line, key, fmt, digest, body, turns): what the statement binds.
+            batch = [(*r[:5], r[6]) for r in batch]
+        if self.checked:
+            present = self.context.report.already_present
+            batch = await self._fresh(batch)
+            self.checked = self.context.report.already_present > present
+            if not batch:
+                return
+        self._batch = batch
+        started = threading.Event()
+        sql = _insert_sql(len(batch), _WIDTHS[self.context.mode])
+        self._pending = asyncio.ensure_future(self._run(sql, batch, started))
+        # One turn of the loop hands the INSERT to the driver's thread. Then let that thread
+        # have the GIL until SQLite takes over (it gives the GIL up for the statement):
+        # left to the interpreter, it would wait a whole switch interval (5 ms) for it,
+        # about as long as preparing the next batch takes, and nothing would overlap.
+        await asyncio.sleep(0)
+        started.wait(_HANDOVER_TIMEOUT)
+
+    async def flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        batch = self._batch
+        report = self.context.report
+        try:
+            try:
+                await pending
+            except sqlite3.IntegrityError:
+                # Some key is taken (the statement inserted nothing): sort the lines out.
+                present = report.already_present
+                batch = await self._fresh(batch)
+                if batch:
+                    await self._run(_insert_sql(len(batch), _WIDTHS[self.context.mode]), batch)
+                self.checked = report.already_present > present
+        except sqlite3.Error as exc:
+            raise storage_error(exc, self.database.url) from exc
+        report.added += len(batch)
+        report.turns += sum(r[5] for r in batch) if self.context.mode == "all" else len(batch)
+
+    async def close(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            # The transaction is being abandoned: wait for the statement, drop its outcome.
+            await asyncio.wait([pending])
+            if not pending.cancelled():
+                pending.exception()
+
+    async def _run(
+        self, sql: str, batch: list[Prepared], started: threading.Event | None = None
+    ) -> None:
+        c = self.context
+        params = [c.info.id, c.now, c.base, *chain.from_iterable(batch)]
+        await _in_driver_thread(self.driver, partial(_insert_in_thread, sql, params, started))
+
+    async def _existing(self, keys: list[str]) -> list[_Existing]:
+        sql = (
+            'SELECT id, "key", digest, position FROM items WHERE dataset_id = ? AND "key" IN '
+            f"({', '.join('?' * len(keys))})"
+        )
+        try:
+            rows = await self.driver.execute_fetchall(sql, [self.context.info.id, *keys])
+        except sqlite3.Error as exc:
+            raise storage_error(exc, self.database.url) from exc
+        return [_Existing(*row) for row in rows]
+
+
+_HANDOVER_TIMEOUT = 1.0
+"""Seconds to hold back for the driver's thread at most (it only matters for speed)."""
+
+
+async def _in_driver_thread(
+    driver: aiosqlite.Connection, fn: Callable[[sqlite3.Connection], T]
+) -> T:
+    """Run ``fn`` on the sqlite3 connection, in the aiosqlite thread that owns it.
+
+    aiosqlite has no public way to do this; ``_execute`` and ``_conn`` are what its own
+    ``execute`` uses (and SQLAlchemy's aiosqlite dialect relies on the same internals).
+    """
+    return await driver._execute(fn, driver._conn)
+
+
+def _insert_in_thread(
+    sql: str, params: list[Any], started: threading.Event | None, raw: sqlite3.Connection
+) -> None:
+    if started is not None:
+        started.set()
+    raw.execute(sql, params)
+
+
+@functools.lru_cache(maxsize=8)
+def _insert_sql(n: int, width: int = 5) -> str:
+    """A multi-row INSERT of ``n`` prepared lines bound as they are.
+
+    Parameters: ?1 dataset id, ?2 now, ?3 base position, then each line's
+    ``(line, key, fmt, digest, body)``, plus ``turns`` when ``width`` is 6; the format is
+    bound but not stored.
+    """
+    turns = width == 6
+    values = ", ".join(
+        f"(?1, ?{p + 1}, ?3 + ?{p}, ?{p + 4}, ?{p + 3}, ?2, ?2" + (f", ?{p + 5})" if turns else ")")
+        for p in range(4, 4 + width * n, width)
+    )
+    columns = ", ".join(f'"{c}"' for c in (*_INSERT_COLUMNS, *(("turns",) if turns else ())))
+    return f"INSERT INTO items ({columns}) VALUES {values}"
+
+
+_WIDTHS = {"last": 5, "all": 6}
+"""Parameters bound per line by the SQLite writer, by mode."""
+
+
+# An output row for a pass-through item (the rest stay NULL): message "{}", flags 0,
+# attempt 0, latency 0, the dataset's model, the row's own token counts if any.
+_PASSED_OUTPUT_COLUMNS = (
+    "item_id",
+    "dataset_id",
+    "message",
+    "flags",
+    "latency",
+    "attempt",
+    "created_at",
+    "model",
+    "prompt_tokens",
+    "completion_tokens",
+)
 
 # New pending rows; state, attempts and not_before take their column defaults.
 _INSERT_COLUMNS = (

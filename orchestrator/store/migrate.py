@@ -1,24 +1,33 @@
-"""Schema versions: applied by alembic on first use, refused when newer than this code."""
+"""Schema versions: applied by alembic on first use, refused when newer than this code.
+
+alembic and the SQL layer are imported only when a migration may be needed: a database
+already at :data:`SCHEMA_REVISION` (every open but the first after an upgrade) is
+recognised by reading its version row, which keeps them out of every command's start-up.
+"""
 
 from __future__ import annotations
 
-from importlib.resources import files
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
-from sqlalchemy.engine import Connection
+from orchestrator.errors import SchemaError, StorageError
 
-from orchestrator.errors import SchemaError
-from orchestrator.store.engine import Database
+if TYPE_CHECKING:
+    from alembic.config import Config
+    from sqlalchemy.engine import Connection
+
+    from orchestrator.store.engine import Database
+
+# The head of migrations/versions; a test keeps the two equal.
+SCHEMA_REVISION = "0004"
 
 _OUR_TABLES = {"datasets", "items", "outputs"}
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
+    from importlib.resources import files
+
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(files("orchestrator.migrations")))
     if connection is not None:
@@ -27,16 +36,23 @@ def alembic_config(connection: Connection | None = None) -> Config:
 
 
 def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     assert head is not None
     return head
 
 
 def _current(connection: Connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     return MigrationContext.configure(connection).get_current_revision()
 
 
 def _check_known(connection: Connection, current: str | None, where: str) -> None:
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import inspect
+
     script = ScriptDirectory.from_config(alembic_config())
     if current is None:
         tables = set(inspect(connection).get_table_names())
@@ -59,6 +75,8 @@ async def current_revision(database: Database) -> str | None:
 
 async def upgrade(database: Database) -> tuple[str | None, str]:
     """Bring the schema to head in one write transaction; returns (before, after)."""
+    from alembic import command
+
     head = head_revision()
 
     def _upgrade(connection: Connection) -> str | None:
@@ -73,8 +91,26 @@ async def upgrade(database: Database) -> tuple[str | None, str]:
     return before, head
 
 
+async def _at_head(database: Database) -> bool:
+    """True when the version row says head: the one answer that needs no alembic.
+
+    Any other answer, including an error (no version table yet, not a database), is
+    left to the full check below, which reports it properly.
+    """
+    from sqlalchemy import text
+
+    try:
+        async with database.read() as conn:
+            rows = (await conn.execute(text("SELECT version_num FROM alembic_version"))).all()
+    except StorageError:
+        return False
+    return [tuple(r) for r in rows] == [(SCHEMA_REVISION,)]
+
+
 async def ensure_schema(database: Database) -> None:
     """Cheap check on every open; upgrade only when behind."""
+    if await _at_head(database):
+        return
     head = head_revision()
 
     def _check(connection: Connection) -> Any:

@@ -1,17 +1,82 @@
-"""Reading committed outputs back, in a stable order, for export."""
+"""Reading committed outputs back, in a stable order, for export.
+
+Rows come back as the stored JSON text (request, message, usage), not parsed: export
+writes them out again, and a parse and a re-encode per row cost more than reading it.
+Every reader comes twice, with the same SQL: through plain sqlite3 (``store.reader``,
+the ``*_sqlite`` functions) and through the store's async engine, which works on every
+backend. Both give the same rows, so both give the same export bytes.
+
+Two shapes of done row: :data:`DoneRow`, the five columns the default export needs (its
+fast path), and :data:`FullRow`, with what the other formats, quality filters and
+provenance need on top.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import sqlalchemy as sa
 
 from orchestrator.errors import ConfigError
-from orchestrator.store.engine import Database
-from orchestrator.store.schema import datasets, items, outputs
+from orchestrator.store.reader import Reader
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
+    from orchestrator.store.engine import Database
+
+# key, request JSON, message JSON, finish_reason, usage JSON (or None)
+DoneRow = tuple[str, str, str, str | None, str | None]
+# item id, key, request, message, finish_reason, usage, flags, model, response_id,
+# created_at, latency, server, params_hash, params JSON (param_sets; None when unknown)
+FullRow = tuple[
+    int,
+    str,
+    str,
+    str,
+    str | None,
+    str | None,
+    int,
+    str | None,
+    str | None,
+    float,
+    float,
+    str | None,
+    str | None,
+    str | None,
+]
+# key, error_class, last_error, attempts, turn, turns
+FailedRow = tuple[str, str | None, str | None, int, int, int]
+
+BATCH = 2000
+
+_DATASETS = "SELECT id, name FROM datasets ORDER BY name"
+_DATASET_REFS = "SELECT id, name, regenerate, passthrough FROM datasets ORDER BY name"
+# Within a dataset, row ids grow with input position (enqueue inserts lines in order, and
+# a later file is placed after the earlier ones), so walking the (dataset, state) index
+# in id order yields input order without sorting a million rows.
+_DONE = (
+    "SELECT items.key, items.request, outputs.message, outputs.finish_reason, outputs.usage"
+    " FROM items JOIN outputs ON outputs.item_id = items.id"
+    " WHERE items.dataset_id = :dataset_id AND items.state = 'done' ORDER BY items.id"
+)
+# The same walk, wider; param_sets is one primary-key lookup per row.
+_DONE_FULL = (
+    "SELECT items.id, items.key, items.request, outputs.message, outputs.finish_reason,"
+    " outputs.usage, outputs.flags, outputs.model, outputs.response_id, outputs.created_at,"
+    " outputs.latency, outputs.server, outputs.params_hash, param_sets.params"
+    " FROM items JOIN outputs ON outputs.item_id = items.id"
+    " LEFT JOIN param_sets ON param_sets.hash = outputs.params_hash"
+    " WHERE items.dataset_id = :dataset_id AND items.state = 'done' ORDER BY items.id"
+)
+# The generated turns of a batch of multi-turn items: primary-key lookups.
+_TURNS = "SELECT item_id, message FROM item_turns WHERE item_id IN {ids} ORDER BY item_id, turn"
+_FAILED = (
+    "SELECT key, error_class, last_error, attempts, turn, turns FROM items"
+    " WHERE dataset_id = :dataset_id AND state = 'failed' ORDER BY id"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,51 +89,191 @@ class DoneItem:
     usage: dict[str, Any] | None
 
 
-async def check_datasets(database: Database, names: Sequence[str]) -> None:
-    if not names:
-        return
-    async with database.read() as conn:
-        known = set(
-            (
-                await conn.execute(
-                    sa.select(datasets.c.name).where(datasets.c.name.in_(list(names)))
-                )
-            ).scalars()
-        )
+@dataclass(frozen=True, slots=True)
+class DatasetRef:
+    """What export must know of a dataset to shape its lines."""
+
+    id: int
+    name: str
+    regenerate: str  # last | all
+    passthrough: bool
+
+
+# A batch of full rows and, for multi-turn datasets, each item's turn messages in order.
+FullBatch = tuple[list[FullRow], dict[int, list[str]]]
+
+
+def _missing(names: Sequence[str], datasets: Sequence[tuple[Any, ...]]) -> None:
+    known = {row[1] for row in datasets}
     missing = [n for n in names if n not in known]
     if missing:
         raise ConfigError(f"no such dataset: {', '.join(missing)}")
 
 
-async def iter_done(
-    database: Database, dataset_names: Sequence[str] | None = None, *, batch: int = 2000
-) -> AsyncIterator[DoneItem]:
-    """Done items with their outputs, by dataset name then input position.
+def _chosen(
+    datasets: Sequence[tuple[int, str]], names: Sequence[str] | None
+) -> list[tuple[int, str]]:
+    return [(i, n) for i, n in datasets if not names or n in names]
 
-    One read transaction: the export is a consistent snapshot even while workers commit.
-    Within a dataset, row ids grow with input position (enqueue inserts lines in order,
-    and a later file is placed after the earlier ones), so walking the (dataset, state)
-    index in id order yields input order without sorting a million rows.
-    """
+
+def _refs(rows: Sequence[Sequence[Any]], names: Sequence[str]) -> list[DatasetRef]:
+    _missing(names, [tuple(r) for r in rows])
+    return [
+        DatasetRef(id=r[0], name=r[1], regenerate=r[2] or "last", passthrough=bool(r[3]))
+        for r in rows
+        if not names or r[1] in names
+    ]
+
+
+def _group_turns(rows: Sequence[Sequence[Any]]) -> dict[int, list[str]]:
+    turns: dict[int, list[str]] = {}
+    for item_id, message in rows:
+        turns.setdefault(item_id, []).append(message)
+    return turns
+
+
+async def check_datasets(database: Database, names: Sequence[str]) -> None:
+    if not names:
+        return
+    from sqlalchemy import text
+
     async with database.read() as conn:
-        query = sa.select(datasets.c.id, datasets.c.name).order_by(datasets.c.name)
-        if dataset_names:
-            query = query.where(datasets.c.name.in_(list(dataset_names)))
-        for dataset_id, name in (await conn.execute(query)).all():
-            rows = (
-                sa.select(items.c.key, items.c.request, outputs.c.message,
-                          outputs.c.finish_reason, outputs.c.usage)
-                .select_from(items.join(outputs, outputs.c.item_id == items.c.id))
-                .where(items.c.dataset_id == dataset_id, items.c.state == "done")
-                .order_by(items.c.id)
-            )  # fmt: skip
-            result = await conn.stream(rows.execution_options(yield_per=batch))
-            async for row in result:
-                yield DoneItem(
-                    dataset=name,
-                    key=row.key,
-                    request=orjson.loads(row.request),
-                    message=orjson.loads(row.message),
-                    finish_reason=row.finish_reason,
-                    usage=orjson.loads(row.usage) if row.usage else None,
-                )
+        rows = (await conn.execute(text(_DATASETS))).all()
+    _missing(names, [(r[0], r[1]) for r in rows])
+
+
+def check_datasets_sqlite(reader: Reader, names: Sequence[str]) -> None:
+    if names:
+        _missing(names, reader.conn.execute(_DATASETS).fetchall())
+
+
+# ------------------------------------------------------------------ plain sqlite3
+
+
+def dataset_refs_sqlite(reader: Reader, names: Sequence[str] = ()) -> list[DatasetRef]:
+    """The datasets to export, by name; an unknown name is an error."""
+    return _refs(reader.conn.execute(_DATASET_REFS).fetchall(), names)
+
+
+def done_rows_sqlite(
+    reader: Reader, dataset_id: int, *, batch: int = BATCH
+) -> Iterator[list[DoneRow]]:
+    """One dataset's done rows in input order, ``batch`` at a time."""
+    cursor = reader.conn.execute(_DONE, {"dataset_id": dataset_id})
+    try:
+        while rows := cursor.fetchmany(batch):
+            yield rows
+    finally:
+        cursor.close()
+
+
+def done_batches_sqlite(
+    reader: Reader, dataset_names: Sequence[str] | None = None, *, batch: int = BATCH
+) -> Iterator[tuple[str, list[DoneRow]]]:
+    """(dataset name, rows) in export order, from the reader's one read transaction."""
+    conn = reader.conn
+    for dataset_id, name in _chosen(conn.execute(_DATASETS).fetchall(), dataset_names):
+        for rows in done_rows_sqlite(reader, dataset_id, batch=batch):
+            yield name, rows
+
+
+def full_batches_sqlite(
+    reader: Reader, dataset: DatasetRef, *, turns: bool = False, batch: int = BATCH
+) -> Iterator[FullBatch]:
+    """A dataset's done rows as :data:`FullRow`, with their turns when ``turns``."""
+    conn = reader.conn
+    cursor = conn.execute(_DONE_FULL, {"dataset_id": dataset.id})
+    try:
+        while rows := cursor.fetchmany(batch):
+            by_item: dict[int, list[str]] = {}
+            if turns:
+                marks = ", ".join("?" * len(rows))
+                sql = _TURNS.format(ids=f"({marks})")
+                by_item = _group_turns(conn.execute(sql, [r[0] for r in rows]).fetchall())
+            yield rows, by_item
+    finally:
+        cursor.close()
+
+
+def failed_rows_sqlite(reader: Reader, dataset_id: int) -> list[FailedRow]:
+    """A dataset's failed items in input order (few: they are read at once)."""
+    return reader.conn.execute(_FAILED, {"dataset_id": dataset_id}).fetchall()
+
+
+# ------------------------------------------------------------------ async engine
+
+
+async def dataset_refs(conn: AsyncConnection, names: Sequence[str] = ()) -> list[DatasetRef]:
+    from sqlalchemy import text
+
+    return _refs((await conn.execute(text(_DATASET_REFS))).all(), names)
+
+
+async def done_rows(
+    conn: AsyncConnection, dataset_id: int, *, batch: int = BATCH
+) -> AsyncIterator[list[DoneRow]]:
+    from sqlalchemy import text
+
+    result = await conn.stream(
+        text(_DONE).execution_options(yield_per=batch), {"dataset_id": dataset_id}
+    )
+    async for part in result.partitions(batch):
+        yield [tuple(r) for r in part]  # type: ignore[misc]
+
+
+async def done_batches(
+    database: Database, dataset_names: Sequence[str] | None = None, *, batch: int = BATCH
+) -> AsyncIterator[tuple[str, list[DoneRow]]]:
+    """The same batches through the async engine: one read transaction, streamed.
+
+    The export is a consistent snapshot even while workers commit.
+    """
+    from sqlalchemy import text
+
+    async with database.read() as conn:
+        datasets = [(r[0], r[1]) for r in (await conn.execute(text(_DATASETS))).all()]
+        for dataset_id, name in _chosen(datasets, dataset_names):
+            async for rows in done_rows(conn, dataset_id, batch=batch):
+                yield name, rows
+
+
+async def full_batches(
+    conn: AsyncConnection, dataset: DatasetRef, *, turns: bool = False, batch: int = BATCH
+) -> AsyncIterator[FullBatch]:
+    """:func:`full_batches_sqlite` through the async engine."""
+    from sqlalchemy import bindparam, text
+
+    turns_sql = text(_TURNS.format(ids=":ids")).bindparams(bindparam("ids", expanding=True))
+    result = await conn.stream(
+        text(_DONE_FULL).execution_options(yield_per=batch), {"dataset_id": dataset.id}
+    )
+    async for part in result.partitions(batch):
+        rows: list[FullRow] = [tuple(r) for r in part]  # type: ignore[misc]
+        by_item: dict[int, list[str]] = {}
+        if turns:
+            found = await conn.execute(turns_sql, {"ids": [r[0] for r in rows]})
+            by_item = _group_turns(found.all())
+        yield rows, by_item
+
+
+async def failed_rows(conn: AsyncConnection, dataset_id: int) -> list[FailedRow]:
+    from sqlalchemy import text
+
+    result = await conn.execute(text(_FAILED), {"dataset_id": dataset_id})
+    return [tuple(r) for r in result.all()]  # type: ignore[misc]
+
+
+async def iter_done(
+    database: Database, dataset_names: Sequence[str] | None = None, *, batch: int = BATCH
+) -> AsyncIterator[DoneItem]:
+    """Done items with their outputs parsed, by dataset name then input position."""
+    async for name, rows in done_batches(database, dataset_names, batch=batch):
+        for key, request, message, finish_reason, usage in rows:
+            yield DoneItem(
+                dataset=name,
+                key=key,
+                request=orjson.loads(request),
+                message=orjson.loads(message),
+                finish_reason=finish_reason,
+                usage=orjson.loads(usage) if usage else None,
+            )

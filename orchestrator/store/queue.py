@@ -20,18 +20,19 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
+import sqlite3
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
-from orchestrator.store.engine import Database, insert_many
-from orchestrator.store.schema import attempt_errors, datasets, items, outputs
+from orchestrator.store.engine import Database, insert_rows
+from orchestrator.store.schema import attempt_errors, datasets, item_turns, items, outputs
 
 # Bound parameter lists so one statement stays well under SQLite's variable limit.
 _CHUNK = 400
@@ -51,6 +52,15 @@ class Lease:
     # Taken back from a worker that died or went silent while holding it: it may be
     # what killed that worker, so workers run such items one at a time.
     suspect: bool = False
+    # Multi-turn regeneration: the turn to generate (of ``turns``), and the assistant
+    # messages already generated for the turns before it, in order.
+    turn: int = 0
+    turns: int = 1
+    generated: tuple[dict[str, Any], ...] = ()
+    # Completion tokens and quality flags of the turns already generated (the output
+    # counts every turn's tokens and carries every turn's flags).
+    generated_tokens: int = 0
+    generated_flags: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +76,8 @@ class Output:
     server: str | None
     model: str | None
     response_id: str | None
+    flags: int = 0
+    params_hash: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,32 +93,60 @@ def _chunks(seq: Sequence[Any], size: int = _CHUNK) -> Iterable[Sequence[Any]]:
         yield seq[start : start + size]
 
 
-def _fence(token: str, ids: Sequence[int]) -> sa.ColumnElement[bool]:
-    """The fence: these rows, still running, under this lease token.
+def _fence(pairs: Sequence[tuple[int, str]]) -> sa.ColumnElement[bool]:
+    """The fence: these rows, still running, each under its own lease token.
 
-    A token is minted per claim, so the leases of one claim share it; the row ids then
-    make primary-key lookups.
+    ``id IN (…)`` makes the lookup a primary-key search; the ``(id, token)`` row values
+    then keep only the rows whose lease is still the one the caller holds.
     """
     return sa.and_(
-        items.c.id.in_(list(ids)), items.c.lease_token == token, items.c.state == "running"
+        items.c.id.in_([item_id for item_id, _ in pairs]),
+        sa.tuple_(items.c.id, items.c.lease_token).in_([tuple(p) for p in pairs]),
+        items.c.state == "running",
     )
 
 
-async def _fenced_update(
-    conn: AsyncConnection, pairs: Sequence[tuple[int, str]], values: dict[str, Any]
+def _fenced_update(
+    conn: sa.Connection, pairs: Sequence[tuple[int, str]], values: dict[str, Any]
 ) -> set[int]:
     """Apply ``values`` to the rows still held under these leases; return their ids."""
-    by_token: dict[str, list[int]] = {}
-    for item_id, token in pairs:
-        by_token.setdefault(token, []).append(item_id)
     changed: set[int] = set()
-    for token, ids in by_token.items():
-        for chunk in _chunks(ids):
-            result = await conn.execute(
-                items.update().where(_fence(token, chunk)).values(**values).returning(items.c.id)
+    raw = _sqlite_driver(conn)
+    if raw is not None and not any(isinstance(v, sa.ColumnElement) for v in values.values()):
+        assignments = ", ".join(f"{column} = ?" for column in values)
+        for chunk in _chunks(pairs, _CHUNK // 2):
+            n = len(chunk)
+            sql = (
+                f"UPDATE items SET {assignments} WHERE id IN ({_marks(n)})"
+                f" AND (id, lease_token) IN (VALUES {', '.join(['(?, ?)'] * n)})"
+                " AND state = 'running' RETURNING id"
             )
-            changed.update(result.scalars())
+            params = [*values.values(), *(i for i, _ in chunk), *(x for p in chunk for x in p)]
+            changed.update(row[0] for row in raw.execute(sql, params).fetchall())
+        return changed
+    for chunk in _chunks(pairs, _CHUNK // 2):
+        result = conn.execute(
+            items.update().where(_fence(chunk)).values(**values).returning(items.c.id)
+        )
+        changed.update(result.scalars())
     return changed
+
+
+def _sqlite_driver(conn: sa.Connection) -> sqlite3.Connection | None:
+    """The sqlite3 connection under ``conn``, when there is one.
+
+    The worker's rounds (claim, complete, renew) run their statements as plain SQL on it:
+    for statements this small, building and binding them through the SQL layer costs
+    more than SQLite takes to run them. Every other backend gets the same statements
+    from SQLAlchemy's constructs.
+    """
+    if conn.dialect.name == "sqlite" and conn.dialect.driver == "pysqlite":
+        return conn.connection.driver_connection  # type: ignore[return-value]
+    return None
+
+
+def _marks(n: int) -> str:
+    return ", ".join("?" * n)
 
 
 # The error class of items taken back from a worker that died or stopped renewing.
@@ -115,11 +155,82 @@ LEASE_LOST = "lease_lost"
 _CLEAR_LEASE = {"lease_token": None, "lease_owner": None, "lease_expires_at": None}
 
 
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A request for work: up to ``want`` items for ``owner``.
+
+    At most ``suspect_slots`` (None: no limit) of the items are suspects (taken back from
+    a dead worker): if one of them is a poison item that kills its worker, it takes only
+    itself and fresh items down with it, so no innocent item is caught in crash after
+    crash until its attempts run out.
+    """
+
+    owner: str
+    want: int
+    lease_seconds: float
+    dataset_names: tuple[str, ...] | None = None
+    suspect_slots: int | None = None
+
+
+@dataclass(slots=True)
+class Round:
+    """What one worker writes in one transaction: its outcomes, then a claim for more.
+
+    Folding the claim into the transaction that settles the previous items halves the
+    write transactions of a busy worker, and the slots freed by the outcomes are refilled
+    without waiting for a second turn at the write lock.
+    """
+
+    complete: list[tuple[Lease, Output]] = field(default_factory=list)
+    advance: list[tuple[Lease, Output]] = field(default_factory=list)
+    retry: list[tuple[Lease, Failure, float]] = field(default_factory=list)
+    release: list[tuple[Lease, Failure, float]] = field(default_factory=list)
+    fail: list[tuple[Lease, Failure]] = field(default_factory=list)
+    claim: Claim | None = None
+
+
+@dataclass(slots=True)
+class RoundResult:
+    """Which items each kind of outcome changed (the rest had lost their lease), and the
+    leases claimed."""
+
+    accepted: dict[str, set[int]]
+    leases: list[Lease]
+
+
 class Queue:
     """Transitions of items, each in one write transaction, each fenced where it must be."""
 
     def __init__(self, database: Database):
         self.db = database
+
+    async def write_round(self, work: Round, *, now: float | None = None) -> RoundResult:
+        """Settle outcomes and claim new work, atomically, outcomes first.
+
+        Outcomes go first so that a dataset's concurrency cap counts the items they just
+        finished as free.
+        """
+        now = time.time() if now is None else now
+
+        def run(conn: sa.Connection) -> RoundResult:
+            accepted: dict[str, set[int]] = {}
+            leases: list[Lease] = []
+            if work.complete:
+                accepted["complete"] = _complete(conn, work.complete, now)
+            if work.advance:
+                accepted["advance"] = _advance(conn, work.advance, now)
+            if work.retry:
+                accepted["retry"] = _settle(conn, work.retry, "retry", now)
+            if work.release:
+                accepted["release"] = _settle(conn, work.release, "released", now)
+            if work.fail:
+                failed = [(lease, failure, 0.0) for lease, failure in work.fail]
+                accepted["fail"] = _settle(conn, failed, "failed", now)
+            if work.claim is not None and work.claim.want > 0:
+                leases = _claim(conn, work.claim, now)
+            return RoundResult(accepted, leases)
+
+        return await self.db.run_write(run)
 
     # ---------------------------------------------------------------- claim / renew
 
@@ -136,133 +247,13 @@ class Queue:
         """Lease up to ``want`` items: higher priority first, then dataset, then position.
 
         A dataset's ``concurrency`` caps its running items across every worker sharing
-        the database; paused datasets are skipped. At most ``suspect_slots`` (None: no
-        limit) of the items
-        are suspects (taken back from a dead worker): if one of them is a poison item
-        that kills its worker, it takes only itself and fresh items down with it, so no
-        innocent item is caught in crash after crash until its attempts run out.
+        the database; paused datasets are skipped. See :class:`Claim` for suspects.
         """
         if want <= 0:
             return []
-        now = time.time() if now is None else now
-        token = secrets.token_hex(16)
-        expires = now + lease_seconds
-        leases: list[Lease] = []
-        async with self.db.write() as conn:
-            query = (
-                sa.select(datasets.c.id, datasets.c.concurrency)
-                .where(datasets.c.paused == sa.false())
-                .order_by(datasets.c.priority.desc(), datasets.c.id)
-            )
-            if dataset_names:
-                query = query.where(datasets.c.name.in_(list(dataset_names)))
-            candidates = (await conn.execute(query)).all()
-            if not candidates:
-                return []
-            # Count running items only for capped datasets, one index range each.
-            running = {
-                dataset_id: (
-                    await conn.execute(
-                        sa.select(sa.func.count()).where(
-                            items.c.dataset_id == dataset_id, items.c.state == "running"
-                        )
-                    )
-                ).scalar_one()
-                for dataset_id, concurrency in candidates
-                if concurrency is not None
-            }
-            left = want
-            for dataset_id, concurrency in candidates:
-                n = left
-                if concurrency is not None:
-                    n = min(n, concurrency - running.get(dataset_id, 0))
-                if n <= 0:
-                    continue
-                got: list[Lease] = []
-                if suspect_slots is None:
-                    got = await self._claim_from(
-                        conn, dataset_id, n, None, token, owner, expires, now
-                    )
-                else:
-                    if suspect_slots > 0:
-                        got = await self._claim_from(
-                            conn, dataset_id, min(n, suspect_slots), True, token, owner,
-                            expires, now,
-                        )  # fmt: skip
-                        suspect_slots -= len(got)
-                    got += await self._claim_from(
-                        conn, dataset_id, n - len(got), False, token, owner, expires, now
-                    )
-                leases.extend(got)
-                left -= len(got)
-                if left <= 0:
-                    break
-        return leases
-
-    async def _claim_from(
-        self,
-        conn: AsyncConnection,
-        dataset_id: int,
-        n: int,
-        suspects: bool | None,
-        token: str,
-        owner: str,
-        expires: float,
-        now: float,
-    ) -> list[Lease]:
-        if n <= 0:
-            return []
-        """Claim ``n`` of a dataset's items: suspects only, none, or (None) any."""
-        suspect = items.c.error_class == LEASE_LOST
-        picked = (
-            sa.select(items.c.id)
-            .where(
-                items.c.dataset_id == dataset_id,
-                items.c.state == "pending",
-                items.c.not_before <= now,
-            )
-            .order_by(items.c.position)
-            .limit(n)
-        )
-        if suspects is not None:
-            picked = picked.where(
-                suspect if suspects else sa.or_(items.c.error_class.is_(None), ~suspect)
-            )
-        if conn.dialect.name == "postgresql":
-            picked = picked.with_for_update(skip_locked=True)
-        result = await conn.execute(
-            items.update()
-            .where(items.c.id.in_(picked.scalar_subquery()))
-            .values(
-                state="running",
-                attempts=items.c.attempts + 1,
-                lease_token=token,
-                lease_owner=owner,
-                lease_expires_at=expires,
-                updated_at=now,
-            )
-            .returning(
-                items.c.id,
-                items.c.key,
-                items.c.position,
-                items.c.request,
-                items.c.attempts,
-                items.c.error_class,
-            )
-        )
-        return [
-            Lease(
-                item_id=r.id,
-                token=token,
-                dataset_id=dataset_id,
-                key=r.key,
-                request=orjson.loads(r.request),
-                attempt=r.attempts,
-                expires_at=expires,
-                suspect=bool(suspects) or (suspects is None and r.error_class == LEASE_LOST),
-            )
-            for r in sorted(result.all(), key=lambda r: r.position)
-        ]
+        names = tuple(dataset_names) if dataset_names else None
+        claim = Claim(owner, want, lease_seconds, names, suspect_slots)
+        return (await self.write_round(Round(claim=claim), now=now)).leases
 
     async def renew(
         self, leases: Sequence[tuple[int, str]], *, lease_seconds: float, now: float | None = None
@@ -271,10 +262,8 @@ class Queue:
         if not leases:
             return set()
         now = time.time() if now is None else now
-        async with self.db.write() as conn:
-            return await _fenced_update(
-                conn, leases, {"lease_expires_at": now + lease_seconds, "updated_at": now}
-            )
+        values = {"lease_expires_at": now + lease_seconds, "updated_at": now}
+        return await self.db.run_write(lambda conn: _fenced_update(conn, leases, values))
 
     # ---------------------------------------------------------------- outcomes
 
@@ -288,26 +277,8 @@ class Queue:
         """
         if not results:
             return set()
-        now = time.time() if now is None else now
-        async with self.db.write() as conn:
-            accepted = await _fenced_update(
-                conn,
-                [(lease.item_id, lease.token) for lease, _ in results],
-                {
-                    "state": "done",
-                    **_CLEAR_LEASE,
-                    "error_class": None,
-                    "last_error": None,
-                    "finished_at": now,
-                    "updated_at": now,
-                },
-            )
-            rows = [
-                _output_row(lease, out, now) for lease, out in results if lease.item_id in accepted
-            ]
-            if rows:
-                await insert_many(conn, "outputs", _OUTPUT_COLUMNS, rows)
-        return accepted
+        result = await self.write_round(Round(complete=list(results)), now=now)
+        return result.accepted["complete"]
 
     async def retry(
         self,
@@ -316,64 +287,28 @@ class Queue:
         now: float | None = None,
     ) -> set[int]:
         """Back to pending until ``not_before``; the attempt stays counted."""
-        return await self._settle(outcomes, "retry", now=now)
+        if not outcomes:
+            return set()
+        result = await self.write_round(Round(retry=list(outcomes)), now=now)
+        return result.accepted["retry"]
 
     async def release(
         self, outcomes: Sequence[tuple[Lease, Failure, float]], *, now: float | None = None
     ) -> set[int]:
         """Back to pending with the attempt given back: the item was not at fault."""
-        return await self._settle(outcomes, "released", now=now)
+        if not outcomes:
+            return set()
+        result = await self.write_round(Round(release=list(outcomes)), now=now)
+        return result.accepted["release"]
 
     async def fail(
         self, outcomes: Sequence[tuple[Lease, Failure]], *, now: float | None = None
     ) -> set[int]:
         """Failed for good, with the reason kept."""
-        return await self._settle([(lease, f, 0.0) for lease, f in outcomes], "failed", now=now)
-
-    async def _settle(
-        self,
-        outcomes: Sequence[tuple[Lease, Failure, float]],
-        outcome: str,
-        *,
-        now: float | None,
-    ) -> set[int]:
         if not outcomes:
             return set()
-        now = time.time() if now is None else now
-        changed: set[int] = set()
-        async with self.db.write() as conn:
-            for lease, failure, not_before in outcomes:
-                values: dict[str, Any] = {
-                    **_CLEAR_LEASE,
-                    "error_class": failure.error_class,
-                    "last_error": failure.message[:4000],
-                    "updated_at": now,
-                }
-                if outcome == "failed":
-                    values.update(state="failed", finished_at=now)
-                else:
-                    values.update(state="pending", not_before=not_before)
-                if outcome == "released":
-                    values["attempts"] = sa.case(
-                        (items.c.attempts > 0, items.c.attempts - 1), else_=0
-                    )
-                changed |= await _fenced_update(conn, [(lease.item_id, lease.token)], values)
-            log_rows = [
-                {
-                    "item_id": lease.item_id,
-                    "dataset_id": lease.dataset_id,
-                    "attempt": lease.attempt,
-                    "error_class": failure.error_class,
-                    "message": failure.message[:4000],
-                    "outcome": outcome,
-                    "created_at": now,
-                }
-                for lease, failure, _ in outcomes
-                if lease.item_id in changed
-            ]
-            if log_rows:
-                await conn.execute(attempt_errors.insert(), log_rows)
-        return changed
+        result = await self.write_round(Round(fail=list(outcomes)), now=now)
+        return result.accepted["fail"]
 
     # ---------------------------------------------------------------- recovery
 
@@ -471,15 +406,22 @@ class Queue:
         dataset_names: Sequence[str] | None = None,
         state: str = "failed",
         error_class: str | None = None,
+        flags: int = 0,
+        max_tokens: int | None = None,
         now: float | None = None,
     ) -> int:
         """Send failed (or done) items back to pending with their attempts reset.
 
-        Requeuing done items deletes their outputs in the same transaction: they will be
-        generated again.
+        Requeuing done items deletes their outputs (and generated turns) in the same
+        transaction: they will be generated again, from the first turn. ``flags`` picks
+        done items whose output carries any of these quality flags. A failed multi-turn
+        item resumes at the turn that failed. ``max_tokens`` raises the requeued items'
+        own limit (an item's fields win over its dataset's).
         """
         if state not in ("failed", "done"):
             raise ValueError(f"can only requeue failed or done items, not {state!r}")
+        if flags and state != "done":
+            raise ValueError("quality flags belong to outputs: requeue done items by flag")
         now = time.time() if now is None else now
         where = [items.c.state == state]
         if dataset_names:
@@ -490,27 +432,46 @@ class Queue:
             )
         if error_class:
             where.append(items.c.error_class == error_class)
-        async with self.db.write() as conn:
-            if state == "done":
-                await conn.execute(
-                    outputs.delete().where(
-                        outputs.c.item_id.in_(sa.select(items.c.id).where(*where))
-                    )
-                )
-            result = await conn.execute(
-                items.update()
-                .where(*where)
-                .values(
-                    state="pending",
-                    attempts=0,
-                    not_before=0,
-                    error_class=None,
-                    last_error=None,
-                    finished_at=None,
-                    updated_at=now,
-                )
+        if flags:
+            flagged = sa.select(outputs.c.item_id).where(outputs.c.flags.op("&")(flags) != 0)
+            where.append(items.c.id.in_(flagged))
+        # Pass-through rows were never generated: there is nothing to do again.
+        where.append(
+            items.c.dataset_id.in_(
+                sa.select(datasets.c.id).where(datasets.c.passthrough == sa.false())
             )
-            return result.rowcount
+        )
+        values: dict[str, Any] = {
+            "state": "pending",
+            "attempts": 0,
+            "not_before": 0,
+            "error_class": None,
+            "last_error": None,
+            "finished_at": None,
+            "updated_at": now,
+        }
+        if state == "done":
+            values["turn"] = 0
+        async with self.db.write() as conn:
+            query = sa.select(items.c.id, items.c.request).where(*where)
+            chosen = (await conn.execute(query)).all()
+            for chunk in _chunks(chosen):
+                ids = [item_id for item_id, _ in chunk]
+                if state == "done":
+                    await conn.execute(outputs.delete().where(outputs.c.item_id.in_(ids)))
+                    await conn.execute(item_turns.delete().where(item_turns.c.item_id.in_(ids)))
+                await conn.execute(items.update().where(items.c.id.in_(ids)).values(**values))
+                if max_tokens is not None:
+                    for item_id, request in chunk:
+                        body = orjson.loads(request)
+                        body.pop("max_completion_tokens", None)
+                        body["max_tokens"] = max_tokens
+                        await conn.execute(
+                            items.update()
+                            .where(items.c.id == item_id)
+                            .values(request=orjson.dumps(body).decode())
+                        )
+            return len(chosen)
 
 
 _OUTPUT_COLUMNS = (
@@ -529,12 +490,34 @@ _OUTPUT_COLUMNS = (
     "response_id",
     "attempt",
     "created_at",
+    "flags",
+    "params_hash",
+)
+
+_TURN_COLUMNS = (
+    "item_id",
+    "turn",
+    "message",
+    "finish_reason",
+    "usage",
+    "flags",
+    "latency",
+    "server",
+    "model",
+    "params_hash",
+    "created_at",
 )
 
 
 def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
-    """One ``outputs`` row, in ``_OUTPUT_COLUMNS`` order."""
+    """One ``outputs`` row, in ``_OUTPUT_COLUMNS`` order.
+
+    For a multi-turn item the tokens count every turn, and the flags gather theirs.
+    """
     usage = out.usage or {}
+    completion_tokens = usage.get("completion_tokens")
+    if lease.turns > 1 and completion_tokens is not None:
+        completion_tokens += lease.generated_tokens
     return (
         lease.item_id,
         lease.dataset_id,
@@ -542,7 +525,7 @@ def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
         out.reasoning,
         out.finish_reason,
         usage.get("prompt_tokens"),
-        usage.get("completion_tokens"),
+        completion_tokens,
         orjson.dumps(out.message).decode(),
         orjson.dumps(out.usage).decode() if out.usage is not None else None,
         out.latency,
@@ -551,4 +534,320 @@ def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
         out.response_id,
         lease.attempt,
         now,
+        out.flags | lease.generated_flags,
+        out.params_hash,
     )
+
+
+def _turn_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
+    """One ``item_turns`` row, in ``_TURN_COLUMNS`` order."""
+    return (
+        lease.item_id,
+        lease.turn,
+        orjson.dumps(out.message).decode(),
+        out.finish_reason,
+        orjson.dumps(out.usage).decode() if out.usage is not None else None,
+        out.flags,
+        out.latency,
+        out.server,
+        out.model,
+        out.params_hash,
+        now,
+    )
+
+
+# -------------------------------------------------------------------- transitions
+# Each runs inside a write transaction the caller holds.
+
+
+def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
+    token = secrets.token_hex(16)
+    expires = now + claim.lease_seconds
+    candidates, running = _claimable_datasets(conn, claim.dataset_names)
+    leases: list[Lease] = []
+    left = claim.want
+    suspect_slots = claim.suspect_slots
+    for dataset_id, concurrency in candidates:
+        n = left
+        if concurrency is not None:
+            n = min(n, concurrency - running.get(dataset_id, 0))
+        if n <= 0:
+            continue
+        claim_from = functools.partial(
+            _claim_from, conn, dataset_id, token=token, owner=claim.owner, expires=expires, now=now
+        )
+        got: list[Lease] = []
+        if suspect_slots is None:
+            got = claim_from(n, None)
+        else:
+            if suspect_slots > 0:
+                got = claim_from(min(n, suspect_slots), True)
+                suspect_slots -= len(got)
+            got += claim_from(n - len(got), False)
+        leases.extend(got)
+        left -= len(got)
+        if left <= 0:
+            break
+    return leases
+
+
+def _claimable_datasets(
+    conn: sa.Connection, names: Sequence[str] | None
+) -> tuple[list[tuple[int, int | None]], dict[int, int]]:
+    """Datasets to claim from, best first, and the running count of each capped one."""
+    raw = _sqlite_driver(conn)
+    if raw is not None:
+        sql = "SELECT id, concurrency FROM datasets WHERE paused = 0 AND passthrough = 0"
+        if names:
+            sql += f" AND name IN ({_marks(len(names))})"
+        candidates = raw.execute(sql + " ORDER BY priority DESC, id", names or ()).fetchall()
+        count = "SELECT count(*) FROM items WHERE dataset_id = ? AND state = 'running'"
+        running = {
+            dataset_id: raw.execute(count, (dataset_id,)).fetchone()[0]
+            for dataset_id, concurrency in candidates
+            if concurrency is not None
+        }
+        return candidates, running
+    query = (
+        sa.select(datasets.c.id, datasets.c.concurrency)
+        .where(datasets.c.paused == sa.false(), datasets.c.passthrough == sa.false())
+        .order_by(datasets.c.priority.desc(), datasets.c.id)
+    )
+    if names:
+        query = query.where(datasets.c.name.in_(list(names)))
+    rows = [(r[0], r[1]) for r in conn.execute(query)]
+    # Count running items only for capped datasets, one index range each.
+    running = {
+        dataset_id: conn.execute(
+            sa.select(sa.func.count()).where(
+                items.c.dataset_id == dataset_id, items.c.state == "running"
+            )
+        ).scalar_one()
+        for dataset_id, concurrency in rows
+        if concurrency is not None
+    }
+    return rows, running
+
+
+def _claim_from(
+    conn: sa.Connection,
+    dataset_id: int,
+    n: int,
+    suspects: bool | None,
+    *,
+    token: str,
+    owner: str,
+    expires: float,
+    now: float,
+) -> list[Lease]:
+    """Claim ``n`` of a dataset's items: suspects only, none, or (None) any."""
+    if n <= 0:
+        return []
+    raw = _sqlite_driver(conn)
+    if raw is not None:
+        only = ""
+        if suspects is not None:
+            only = (
+                " AND error_class = ?"
+                if suspects
+                else " AND (error_class IS NULL OR error_class != ?)"
+            )
+        sql = (
+            "UPDATE items SET state = 'running', attempts = attempts + 1, lease_token = ?,"
+            " lease_owner = ?, lease_expires_at = ?, updated_at = ?"
+            " WHERE id IN (SELECT id FROM items WHERE dataset_id = ? AND state = 'pending'"
+            f" AND not_before <= ?{only} ORDER BY position LIMIT ?)"
+            " RETURNING id, key, position, request, attempts, error_class, turn, turns"
+        )
+        params: list[Any] = [token, owner, expires, now, dataset_id, now]
+        if suspects is not None:
+            params.append(LEASE_LOST)
+        params.append(n)
+        rows: list[Any] = raw.execute(sql, params).fetchall()
+    else:
+        rows = _claim_rows(conn, dataset_id, n, suspects, token, owner, expires, now)
+    rows.sort(key=lambda r: r[2])
+    resumed = _generated_turns(conn, [r[0] for r in rows if r[6] > 0])
+    return [
+        Lease(
+            item_id=item_id,
+            token=token,
+            dataset_id=dataset_id,
+            key=key,
+            request=orjson.loads(request),
+            attempt=attempts,
+            expires_at=expires,
+            suspect=bool(suspects) or (suspects is None and error_class == LEASE_LOST),
+            turn=turn,
+            turns=turns,
+            generated=resumed[item_id].messages if item_id in resumed else (),
+            generated_tokens=resumed[item_id].tokens if item_id in resumed else 0,
+            generated_flags=resumed[item_id].flags if item_id in resumed else 0,
+        )
+        for item_id, key, _, request, attempts, error_class, turn, turns in rows
+    ]
+
+
+def _claim_rows(
+    conn: sa.Connection,
+    dataset_id: int,
+    n: int,
+    suspects: bool | None,
+    token: str,
+    owner: str,
+    expires: float,
+    now: float,
+) -> list[Any]:
+    suspect = items.c.error_class == LEASE_LOST
+    picked = (
+        sa.select(items.c.id)
+        .where(
+            items.c.dataset_id == dataset_id,
+            items.c.state == "pending",
+            items.c.not_before <= now,
+        )
+        .order_by(items.c.position)
+        .limit(n)
+    )
+    if suspects is not None:
+        picked = picked.where(
+            suspect if suspects else sa.or_(items.c.error_class.is_(None), ~suspect)
+        )
+    if conn.dialect.name == "postgresql":
+        picked = picked.with_for_update(skip_locked=True)
+    result = conn.execute(
+        items.update()
+        .where(items.c.id.in_(picked.scalar_subquery()))
+        .values(
+            state="running",
+            attempts=items.c.attempts + 1,
+            lease_token=token,
+            lease_owner=owner,
+            lease_expires_at=expires,
+            updated_at=now,
+        )
+        .returning(
+            items.c.id,
+            items.c.key,
+            items.c.position,
+            items.c.request,
+            items.c.attempts,
+            items.c.error_class,
+            items.c.turn,
+            items.c.turns,
+        )
+    )
+    return [tuple(r) for r in result.all()]
+
+
+@dataclass(frozen=True, slots=True)
+class _Generated:
+    messages: tuple[dict[str, Any], ...] = ()
+    tokens: int = 0
+    flags: int = 0
+
+
+def _generated_turns(conn: sa.Connection, ids: Sequence[int]) -> dict[int, _Generated]:
+    """The turns already generated for conversations resuming mid-way."""
+    found: dict[int, _Generated] = {}
+    for chunk in _chunks(ids):
+        rows = conn.execute(
+            sa.select(
+                item_turns.c.item_id, item_turns.c.message, item_turns.c.usage, item_turns.c.flags
+            )
+            .select_from(item_turns.join(items, items.c.id == item_turns.c.item_id))
+            .where(item_turns.c.item_id.in_(list(chunk)), item_turns.c.turn < items.c.turn)
+            .order_by(item_turns.c.item_id, item_turns.c.turn)
+        )
+        for item_id, message, usage, flags in rows:
+            before = found.get(item_id, _Generated())
+            used = orjson.loads(usage) if usage else {}
+            found[item_id] = _Generated(
+                (*before.messages, orjson.loads(message)),
+                before.tokens + (used.get("completion_tokens") or 0),
+                before.flags | flags,
+            )
+    return found
+
+
+def _complete(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now: float) -> set[int]:
+    accepted = _fenced_update(
+        conn,
+        [(lease.item_id, lease.token) for lease, _ in results],
+        {
+            "state": "done",
+            **_CLEAR_LEASE,
+            "error_class": None,
+            "last_error": None,
+            "finished_at": now,
+            "updated_at": now,
+        },
+    )
+    done = [(lease, out) for lease, out in results if lease.item_id in accepted]
+    if done:
+        insert_rows(
+            conn, "outputs", _OUTPUT_COLUMNS, [_output_row(lease, out, now) for lease, out in done]
+        )
+        turns = [(lease, out) for lease, out in done if lease.turns > 1]
+        if turns:
+            insert_rows(conn, "item_turns", _TURN_COLUMNS, [_turn_row(*t, now) for t in turns])
+    return accepted
+
+
+def _advance(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now: float) -> set[int]:
+    """A turn of a multi-turn item is done: keep it, and move the item to its next turn.
+
+    The item stays running under the same lease, so the worker goes on with the next
+    turn at once; a crash from here resumes at that turn. The attempts count restarts:
+    attempts are per turn.
+    """
+    accepted: set[int] = set()
+    for lease, _ in results:
+        accepted |= _fenced_update(
+            conn,
+            [(lease.item_id, lease.token)],
+            {"turn": lease.turn + 1, "attempts": 1, "updated_at": now},
+        )
+    rows = [_turn_row(lease, out, now) for lease, out in results if lease.item_id in accepted]
+    if rows:
+        insert_rows(conn, "item_turns", _TURN_COLUMNS, rows)
+    return accepted
+
+
+def _settle(
+    conn: sa.Connection,
+    outcomes: Sequence[tuple[Lease, Failure, float]],
+    outcome: str,
+    now: float,
+) -> set[int]:
+    changed: set[int] = set()
+    for lease, failure, not_before in outcomes:
+        values: dict[str, Any] = {
+            **_CLEAR_LEASE,
+            "error_class": failure.error_class,
+            "last_error": failure.message[:4000],
+            "updated_at": now,
+        }
+        if outcome == "failed":
+            values.update(state="failed", finished_at=now)
+        else:
+            values.update(state="pending", not_before=not_before)
+        if outcome == "released":
+            values["attempts"] = sa.case((items.c.attempts > 0, items.c.attempts - 1), else_=0)
+        changed |= _fenced_update(conn, [(lease.item_id, lease.token)], values)
+    log_rows = [
+        {
+            "item_id": lease.item_id,
+            "dataset_id": lease.dataset_id,
+            "attempt": lease.attempt,
+            "error_class": failure.error_class,
+            "message": failure.message[:4000],
+            "outcome": outcome,
+            "created_at": now,
+        }
+        for lease, failure, _ in outcomes
+        if lease.item_id in changed
+    ]
+    if log_rows:
+        conn.execute(attempt_errors.insert(), log_rows)
+    return changed

@@ -34,6 +34,13 @@ datasets = sa.Table(
     sa.Column("concurrency", sa.Integer, nullable=True),
     sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
     sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.false()),
+    # last: generate the final assistant turn; all: every assistant turn, in order, each
+    # conditioned on the turns already generated (orchestrator.conversation).
+    sa.Column("regenerate", sa.String(8), nullable=False, server_default="last"),
+    # What a truncated answer (finish_reason "length") becomes: keep | retry | fail.
+    sa.Column("on_truncated", sa.String(8), nullable=False, server_default="keep"),
+    # Rows already in the target model's format, stored as done (nothing is generated).
+    sa.Column("passthrough", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
 )
@@ -63,6 +70,10 @@ items = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
     sa.Column("finished_at", sa.Float, nullable=True),
+    # Multi-turn regeneration: the next assistant turn to generate, of how many. Turns
+    # already generated are in item_turns, so a conversation resumes where it stopped.
+    sa.Column("turn", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("turns", sa.Integer, nullable=False, server_default="1"),
     sa.UniqueConstraint("dataset_id", "key"),
     sa.CheckConstraint("state IN ('pending', 'running', 'done', 'failed')", name="state_valid"),
     # A running row always carries its fence; no other state does.
@@ -94,6 +105,15 @@ sa.Index(
     postgresql_where=items.c.state == "running",
 )
 sa.Index("ix_items_dataset_state", items.c.dataset_id, items.c.state)
+# Status counts failed items by class, and requeue picks them by class: both read only
+# this small index. Enqueue never writes a failed row, so inserts do not maintain it.
+sa.Index(
+    "ix_items_failed",
+    items.c.dataset_id,
+    items.c.error_class,
+    sqlite_where=items.c.state == "failed",
+    postgresql_where=items.c.state == "failed",
+)
 
 outputs = sa.Table(
     "outputs",
@@ -119,8 +139,62 @@ outputs = sa.Table(
     sa.Column("response_id", sa.Text, nullable=True),
     sa.Column("attempt", sa.Integer, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
+    # Quality flags, a bitmask (orchestrator.quality): truncated, empty, unclosed_think...
+    sa.Column("flags", sa.Integer, nullable=False, server_default="0"),
+    # The request parameters the answer was made with (param_sets.hash).
+    sa.Column("params_hash", sa.String(64), nullable=True),
 )
-sa.Index("ix_outputs_created_at", outputs.c.created_at)
+# Status reads outputs through these two narrow indexes, never the wide rows (answer
+# text, message JSON): per-dataset count and tokens, the recent window (a range) and the
+# last answer (one seek) from the first; the first answer's start (one seek) from the
+# second.
+sa.Index(
+    "ix_outputs_totals",
+    outputs.c.dataset_id,
+    outputs.c.created_at,
+    outputs.c.completion_tokens,
+)
+sa.Index("ix_outputs_started", outputs.c.dataset_id, outputs.c.created_at - outputs.c.latency)
+# Flagged answers only (truncated, empty, ...): status counts them from here, and an
+# unflagged answer, the usual kind, writes nothing to it.
+sa.Index(
+    "ix_outputs_flagged",
+    outputs.c.dataset_id,
+    outputs.c.flags,
+    sqlite_where=outputs.c.flags != 0,
+    postgresql_where=outputs.c.flags != 0,
+)
+
+# Each turn of a multi-turn regeneration, written as it is generated (the last one too).
+item_turns = sa.Table(
+    "item_turns",
+    metadata,
+    sa.Column(
+        "item_id",
+        sa.Integer,
+        sa.ForeignKey("items.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    sa.Column("turn", sa.Integer, primary_key=True),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("finish_reason", sa.String(32), nullable=True),
+    sa.Column("usage", sa.Text, nullable=True),
+    sa.Column("flags", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("latency", sa.Float, nullable=False),
+    sa.Column("server", sa.Text, nullable=True),
+    sa.Column("model", sa.Text, nullable=True),
+    sa.Column("params_hash", sa.String(64), nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# Request parameters by hash: every output names the set it was made with.
+param_sets = sa.Table(
+    "param_sets",
+    metadata,
+    sa.Column("hash", sa.String(64), primary_key=True),
+    sa.Column("params", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
 
 # One row per failed attempt: the history behind "errors by class" and retry reports.
 attempt_errors = sa.Table(
@@ -136,6 +210,13 @@ attempt_errors = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
 )
 sa.Index("ix_attempt_errors_created_at", attempt_errors.c.created_at)
+# Errors by dataset, class and outcome (status) as an index-only count.
+sa.Index(
+    "ix_attempt_errors_class",
+    attempt_errors.c.dataset_id,
+    attempt_errors.c.error_class,
+    attempt_errors.c.outcome,
+)
 
 # Live workers, so that status can tell who is working and who went quiet.
 workers = sa.Table(

@@ -7,19 +7,73 @@ they survive restarts. The shape of :func:`snapshot`'s result is the documented
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections import defaultdict
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
+from orchestrator.quality import ALL_FLAGS
+from orchestrator.store.reader import Reader
 
-from orchestrator.store.engine import Database
-from orchestrator.store.schema import STATES, attempt_errors, datasets, items, outputs, workers
+if TYPE_CHECKING:
+    from orchestrator.store.engine import Database
 
 STATUS_VERSION = 1
 WINDOW_SECONDS = 300.0
 # A worker that has not written a heartbeat for this long is reported as silent.
 SILENT_AFTER = 120.0
+# schema.STATES, spelled out: importing the schema loads SQLAlchemy, which the sqlite3
+# path of status never needs. A test keeps the two equal.
+STATES = ("pending", "running", "done", "failed")
+
+# Plain SQL that SQLite and PostgreSQL read alike, so that the SQLAlchemy path and the
+# sqlite3 path of ``status`` run the very same statements. Each is served by an index
+# (migration 0002): none reads the wide output rows, and the failed count reads only
+# the partial index of failed items (hence the literal 'failed': a bound parameter
+# would not match the index's WHERE).
+_QUERIES: dict[str, str] = {
+    "datasets": "SELECT id, name, paused, concurrency, priority FROM datasets ORDER BY name",
+    "counts": "SELECT dataset_id, state, count(*) FROM items GROUP BY dataset_id, state",
+    "overall": (
+        "SELECT dataset_id, count(*), coalesce(sum(completion_tokens), 0)"
+        " FROM outputs GROUP BY dataset_id"
+    ),
+    # First answer's start and last answer's end: one index seek each per dataset,
+    # where a min() over every row would cost as much as the count above.
+    "span": (
+        "SELECT d.id,"
+        " (SELECT min(o.created_at - o.latency) FROM outputs AS o WHERE o.dataset_id = d.id),"
+        " (SELECT max(o.created_at) FROM outputs AS o WHERE o.dataset_id = d.id)"
+        " FROM datasets AS d"
+    ),
+    # Led by datasets, so that each dataset's window is an index range, not a scan.
+    "recent": (
+        "SELECT d.id, count(*), coalesce(sum(o.completion_tokens), 0)"
+        " FROM datasets AS d JOIN outputs AS o"
+        " ON o.dataset_id = d.id AND o.created_at >= :since GROUP BY d.id"
+    ),
+    "errors": (
+        "SELECT dataset_id, error_class, outcome, count(*) FROM attempt_errors"
+        " GROUP BY dataset_id, error_class, outcome"
+    ),
+    "failed": (
+        "SELECT dataset_id, error_class, count(*) FROM items WHERE state = 'failed'"
+        " GROUP BY dataset_id, error_class"
+    ),
+    # Quality flags: the partial index of flagged outputs (migration 0004) holds only those,
+    # by dataset and mask; the literal 0 is what lets the planner use it.
+    "flags": (
+        "SELECT dataset_id, flags, count(*) FROM outputs WHERE flags != 0"
+        " GROUP BY dataset_id, flags"
+    ),
+    "workers": (
+        "SELECT id, host, pid, started_at, heartbeat_at, stopped_at, in_flight, completed"
+        " FROM workers WHERE stopped_at IS NULL OR stopped_at >= :since ORDER BY started_at"
+    ),
+}
+
+Rows = dict[str, Sequence[Sequence[Any]]]
 
 
 def _rate(count: float, seconds: float) -> float:
@@ -29,123 +83,102 @@ def _rate(count: float, seconds: float) -> float:
 async def snapshot(
     database: Database, *, now: float | None = None, window: float = WINDOW_SECONDS
 ) -> dict[str, Any]:
-    now = time.time() if now is None else now
-    since = now - window
-    async with database.read() as conn:
-        ds_rows = (await conn.execute(sa.select(datasets).order_by(datasets.c.name))).all()
-        counts = (
-            await conn.execute(
-                sa.select(items.c.dataset_id, items.c.state, sa.func.count()).group_by(
-                    items.c.dataset_id, items.c.state
-                )
-            )
-        ).all()
-        overall = (
-            await conn.execute(
-                sa.select(
-                    outputs.c.dataset_id,
-                    sa.func.count(),
-                    sa.func.coalesce(sa.func.sum(outputs.c.completion_tokens), 0),
-                    sa.func.min(outputs.c.created_at - outputs.c.latency),
-                    sa.func.max(outputs.c.created_at),
-                ).group_by(outputs.c.dataset_id)
-            )
-        ).all()
-        recent = (
-            await conn.execute(
-                sa.select(
-                    outputs.c.dataset_id,
-                    sa.func.count(),
-                    sa.func.coalesce(sa.func.sum(outputs.c.completion_tokens), 0),
-                )
-                .where(outputs.c.created_at >= since)
-                .group_by(outputs.c.dataset_id)
-            )
-        ).all()
-        errors = (
-            await conn.execute(
-                sa.select(
-                    attempt_errors.c.dataset_id,
-                    attempt_errors.c.error_class,
-                    attempt_errors.c.outcome,
-                    sa.func.count(),
-                ).group_by(
-                    attempt_errors.c.dataset_id,
-                    attempt_errors.c.error_class,
-                    attempt_errors.c.outcome,
-                )
-            )
-        ).all()
-        failed = (
-            await conn.execute(
-                sa.select(items.c.dataset_id, items.c.error_class, sa.func.count())
-                .where(items.c.state == "failed")
-                .group_by(items.c.dataset_id, items.c.error_class)
-            )
-        ).all()
-        worker_rows = (
-            await conn.execute(
-                sa.select(workers)
-                .where(sa.or_(workers.c.stopped_at.is_(None), workers.c.stopped_at >= since))
-                .order_by(workers.c.started_at)
-            )
-        ).all()
+    """The status document, read in one transaction through the store's engine."""
+    from sqlalchemy import text
 
+    now = time.time() if now is None else now
+    params = {"since": now - window}
+    rows: Rows = {}
+    async with database.read() as conn:
+        for name, sql in _QUERIES.items():
+            rows[name] = (await conn.execute(text(sql), params)).all()
+    return _document(rows, where=database.where, now=now, window=window)
+
+
+def snapshot_sqlite(
+    reader: Reader, *, now: float | None = None, window: float = WINDOW_SECONDS
+) -> dict[str, Any]:
+    """The same document from a plain sqlite3 read transaction (see ``store.reader``)."""
+    now = time.time() if now is None else now
+    params = {"since": now - window}
+    conn: sqlite3.Connection = reader.conn
+    rows: Rows = {name: conn.execute(sql, params).fetchall() for name, sql in _QUERIES.items()}
+    return _document(rows, where=reader.where, now=now, window=window)
+
+
+def _document(rows: Rows, *, where: str, now: float, window: float) -> dict[str, Any]:
     state_counts: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(STATES, 0))
-    for dataset_id, state, n in counts:
+    for dataset_id, state, n in rows["counts"]:
         state_counts[dataset_id][state] = n
-    overall_by = {r[0]: r[1:] for r in overall}
-    recent_by = {r[0]: r[1:] for r in recent}
+    span_by = {r[0]: tuple(r[1:]) for r in rows["span"]}
+    overall_by = {r[0]: (*r[1:], *span_by.get(r[0], (None, None))) for r in rows["overall"]}
+    recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
     errors_by: dict[int, dict[str, dict[str, int]]] = defaultdict(dict)
-    for dataset_id, error_class, outcome, n in errors:
+    for dataset_id, error_class, outcome, n in rows["errors"]:
         entry = errors_by[dataset_id].setdefault(
             error_class, {"retried": 0, "released": 0, "failed": 0}
         )
         entry[{"retry": "retried"}.get(outcome, outcome)] = n
     failed_by: dict[int, dict[str, int]] = defaultdict(dict)
-    for dataset_id, error_class, n in failed:
+    for dataset_id, error_class, n in rows["failed"]:
         failed_by[dataset_id][error_class or "unknown"] = n
+    flags_by: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(ALL_FLAGS, 0))
+    for dataset_id, mask, n in rows["flags"]:
+        counts = flags_by[dataset_id]
+        for name, bit in ALL_FLAGS.items():
+            if mask & bit:
+                counts[name] += n
 
     entries = []
-    for ds in ds_rows:
+    for ds_id, name, paused, concurrency, priority in rows["datasets"]:
         entry = _dataset_figures(
-            state_counts[ds.id],
-            overall_by.get(ds.id),
-            recent_by.get(ds.id),
+            state_counts[ds_id],
+            overall_by.get(ds_id),
+            recent_by.get(ds_id),
             now=now,
             window=window,
         )
         entries.append(
             {
-                "name": ds.name,
-                "paused": bool(ds.paused),
-                "concurrency": ds.concurrency,
-                "priority": ds.priority,
+                "name": name,
+                "paused": bool(paused),
+                "concurrency": concurrency,
+                "priority": priority,
                 **entry,
-                "errors": errors_by.get(ds.id, {}),
-                "failed_by_class": failed_by.get(ds.id, {}),
+                "errors": errors_by.get(ds_id, {}),
+                "failed_by_class": failed_by.get(ds_id, {}),
+                "flags": flags_by[ds_id],
             }
         )
     return {
         "version": STATUS_VERSION,
         "generated_at": now,
-        "database": database.where,
+        "database": where,
         "window_seconds": window,
         "totals": _totals(entries, now=now, window=window),
         "datasets": entries,
         "workers": [
             {
-                "id": w.id,
-                "host": w.host,
-                "pid": w.pid,
-                "started_at": w.started_at,
-                "heartbeat_age_s": round(now - w.heartbeat_at, 1),
-                "stopped": w.stopped_at is not None,
-                "silent": w.stopped_at is None and now - w.heartbeat_at > SILENT_AFTER,
-                "in_flight": w.in_flight,
-                "completed": w.completed,
+                "id": worker_id,
+                "host": host,
+                "pid": pid,
+                "started_at": started_at,
+                "heartbeat_age_s": round(now - heartbeat_at, 1),
+                "stopped": stopped_at is not None,
+                "silent": stopped_at is None and now - heartbeat_at > SILENT_AFTER,
+                "in_flight": in_flight,
+                "completed": completed,
             }
-            for w in worker_rows
+            for (
+                worker_id,
+                host,
+                pid,
+                started_at,
+                heartbeat_at,
+                stopped_at,
+                in_flight,
+                completed,
+            ) in rows["workers"]
         ],
     }
 
@@ -248,6 +281,7 @@ def _totals(entries: list[dict[str, Any]], *, now: float, window: float) -> dict
     for e in entries:
         for cls, n in e["failed_by_class"].items():
             failed_by[cls] = failed_by.get(cls, 0) + n
+    flags = {name: sum(e["flags"][name] for e in entries) for name in ALL_FLAGS}
     return {
         "counts": counts,
         "progress": round((counts["done"] + counts["failed"]) / counts["total"], 6)
@@ -274,4 +308,5 @@ def _totals(entries: list[dict[str, Any]], *, now: float, window: float) -> dict
         "eta_seconds": eta,
         "errors": errors,
         "failed_by_class": failed_by,
+        "flags": flags,
     }

@@ -1,0 +1,98 @@
+"""A read-only snapshot of an SQLite database through plain ``sqlite3``, without SQLAlchemy.
+
+``status`` and ``export`` only read. On an SQLite file whose schema is already current
+they need none of the async engine, the connection pool or alembic: importing those
+costs more than ``status`` spends in its queries, and streaming a million rows through
+the async layer costs more than SQLite spends reading them. Anything this module cannot
+vouch for (a URL for another database, a missing file, a schema that is behind, newer or
+absent, a file that is not a database) is left to the full store, which creates,
+upgrades or explains as it always has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from pathlib import Path
+from types import TracebackType
+
+from orchestrator.store.migrate import SCHEMA_REVISION
+
+# The same defaults as orchestrator.store.engine (not imported: it loads SQLAlchemy).
+DEFAULT_DB = "orchestrator.db"
+BUSY_TIMEOUT_MS = 30_000
+_SQLITE_SCHEMES = ("sqlite", "sqlite+aiosqlite", "sqlite+pysqlite")
+
+
+def sqlite_path(db: str | os.PathLike[str] | None) -> str | None:
+    """The SQLite file a ``--db`` value names, as the store shows it; None for anything else.
+
+    Mirrors ``engine.resolve_url`` for plain paths and simple ``sqlite:///`` URLs; URLs
+    with options, in-memory databases and other backends go through SQLAlchemy.
+    """
+    text = os.fspath(db) if db is not None else os.environ.get("ORCHESTRATOR_DB") or DEFAULT_DB
+    if "://" not in text:
+        return str(Path(text).expanduser()) if text not in ("", ":memory:") else None
+    scheme, _, rest = text.partition("://")
+    if scheme not in _SQLITE_SCHEMES or not rest.startswith("/") or any(c in rest for c in "?%"):
+        return None
+    # Taken as written, like SQLAlchemy does: no "~" expansion, no normalising.
+    path = rest[1:]
+    return path if path not in ("", ":memory:") else None
+
+
+class Reader:
+    """One deferred read transaction: every query sees the same committed state."""
+
+    def __init__(self, conn: sqlite3.Connection, where: str):
+        self.conn = conn
+        self.where = where
+
+    def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.conn.execute("ROLLBACK")
+        self.conn.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def open_reader(path: str, *, check_same_thread: bool = True) -> Reader | None:
+    """A read transaction on an existing SQLite file at the current schema, else None.
+
+    Opened ``mode=rw`` so that a missing file is not created (the store decides that),
+    with ``query_only`` so that nothing here can write.
+    """
+    uri = Path(path).absolute().as_uri() + "?mode=rw"
+    try:
+        conn = sqlite3.connect(
+            uri,
+            uri=True,
+            isolation_level=None,
+            timeout=BUSY_TIMEOUT_MS / 1000,
+            check_same_thread=check_same_thread,
+        )
+    except sqlite3.Error:
+        return None
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA query_only = ON")
+        conn.execute("BEGIN")
+        # The first read fixes the snapshot: the revision and the figures come from it.
+        rows = conn.execute("SELECT version_num FROM alembic_version").fetchall()
+    except sqlite3.Error:
+        conn.close()
+        return None
+    if rows != [(SCHEMA_REVISION,)]:
+        conn.close()
+        return None
+    return Reader(conn, path)

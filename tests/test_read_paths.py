@@ -1,0 +1,461 @@
+"""``status`` and ``export`` read paths: plain sqlite3 and SQLAlchemy give the same bytes.
+
+The read-only commands read an up-to-date SQLite file through ``store.reader`` (no
+SQLAlchemy, no alembic) and fall back to the full store otherwise. Both paths must give
+what the documented formats promise: export lines byte for byte as
+``orjson.dumps(messages_line(item))``, and the same status document.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import sqlalchemy as sa
+
+from orchestrator import cli, logs
+from orchestrator.formats.export import export_jsonl, messages_line
+from orchestrator.store import (
+    Database,
+    Failure,
+    Output,
+    Queue,
+    create_database,
+    engine,
+    iter_done,
+    open_database,
+    reader,
+    schema,
+    stats,
+)
+from orchestrator.store.migrate import SCHEMA_REVISION, alembic_config, head_revision
+from orchestrator.store.reader import open_reader, sqlite_path
+from orchestrator.store.stats import snapshot, snapshot_sqlite
+from tests.helpers import REPO, write_jsonl
+from tests.helpers import cli as run_cli
+
+T0 = 1_800_000_000.0
+
+# Input lines that exercise the encoder: non-ASCII and escapes, multi-part content,
+# tools carried into the export line, extra request fields, a line without "id".
+LINES: list[dict[str, Any]] = [
+    {"id": "plain", "messages": [{"role": "user", "content": "hello"}]},
+    {
+        "id": "unicode",
+        "messages": [
+            {"role": "system", "content": "Réponds en français \u00e9\u2028 \U0001f600"},
+            {"role": "user", "content": 'quote " backslash \\ tab \t nul-ish \u0001 </script>'},
+        ],
+    },
+    {
+        "id": "tools",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ],
+        "temperature": 0.7,
+        "max_tokens": 12345678901,
+    },
+    {
+        "id": "parts",
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ],
+    },
+    {"messages": [{"role": "user", "content": "no id: the line number is the key"}]},
+]
+
+
+def _answer(i: int) -> Output:
+    message: dict[str, Any] = {"role": "assistant", "content": f"answer {i} — ✓ \U0001f680"}
+    if i == 2:
+        message = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        }
+    usage = None if i == 3 else {"prompt_tokens": 5, "completion_tokens": i + 1, "x": 1.5e-7}
+    return Output(
+        message=message,
+        content=message["content"],
+        reasoning=None,
+        finish_reason=None if i == 4 else "stop",
+        usage=usage,
+        latency=0.25 * (i + 1),
+        server="http://sim",
+        model="sim-model",
+        response_id=f"r{i}",
+    )
+
+
+def _enqueue(tmp_path: Path, db: Path, name: str, rows: list[dict[str, Any]]) -> None:
+    data = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    result = run_cli("enqueue", str(data), "--dataset", name, "--db", str(db))
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture
+async def done_db(tmp_path: Path) -> AsyncIterator[tuple[Path, Database]]:
+    """Two datasets; every line of "mixed" done with a varied answer, half of "zeta"."""
+    db = tmp_path / "q.db"
+    _enqueue(tmp_path, db, "mixed", LINES)
+    _enqueue(tmp_path, db, "zeta", [{"id": f"z{i}", "prompt": f"z {i}"} for i in range(6)])
+    database = await open_database(str(db))
+    queue = Queue(database)
+    leases = await queue.claim("w", 10, lease_seconds=600, dataset_names=["mixed"])
+    assert await queue.complete([(lease, _answer(i)) for i, lease in enumerate(leases)])
+    leases = await queue.claim("w", 3, lease_seconds=600, dataset_names=["zeta"])
+    assert await queue.complete([(lease, _answer(i)) for i, lease in enumerate(leases)])
+    yield db, database
+    await database.close()
+
+
+async def _reference(database: Database, names: list[str] | None = None) -> bytes:
+    """What export promises: each line exactly ``orjson.dumps(messages_line(item))``."""
+    return b"".join(
+        [orjson.dumps(messages_line(item)) + b"\n" async for item in iter_done(database, names)]
+    )
+
+
+async def test_export_paths_are_byte_identical(
+    done_db: tuple[Path, Database], tmp_path: Path
+) -> None:
+    db, database = done_db
+    expected = await _reference(database)
+    assert expected.count(b"\n") == len(LINES) + 3
+
+    out = tmp_path / "cli.jsonl"
+    result = run_cli("export", str(out), "--db", str(db))
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes() == expected
+
+    # In-process on SQLite: plain sqlite3 in a worker thread.
+    threaded = tmp_path / "threaded.jsonl"
+    assert await export_jsonl(database, threaded) == len(LINES) + 3
+    assert threaded.read_bytes() == expected
+
+    # The SQLAlchemy stream, as on PostgreSQL.
+    database.is_sqlite = False
+    try:
+        streamed = tmp_path / "streamed.jsonl"
+        assert await export_jsonl(database, streamed) == len(LINES) + 3
+    finally:
+        database.is_sqlite = True
+    assert streamed.read_bytes() == expected
+
+    lines = [orjson.loads(line) for line in expected.splitlines()]
+    assert [line["id"] for line in lines[:5]] == ["plain", "unicode", "tools", "parts", "5"]
+    assert lines[2]["tools"][0]["function"]["name"] == "get_weather"
+    assert lines[3]["usage"] is None and lines[4]["finish_reason"] is None
+    assert {line["dataset"] for line in lines[5:]} == {"zeta"}
+
+
+async def test_export_one_dataset_and_unknown_names(
+    done_db: tuple[Path, Database], tmp_path: Path
+) -> None:
+    db, database = done_db
+    out = tmp_path / "zeta.jsonl"
+    result = run_cli("export", str(out), "--dataset", "zeta", "--db", str(db))
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes() == await _reference(database, ["zeta"])
+    assert [orjson.loads(line)["id"] for line in out.read_bytes().splitlines()] == [
+        "z0",
+        "z1",
+        "z2",
+    ]
+
+    before = out.read_bytes()
+    result = run_cli("export", str(out), "--dataset", "nope", "--db", str(db))
+    assert result.returncode == 2
+    assert "no such dataset: nope" in result.stderr
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
+
+
+async def _mixed(database: Database) -> None:
+    """Items in every state, with known times, tokens and errors.
+
+    Dataset "a" (20 items): 10 done (5 at T0 + 10, 5 at T0 + 500), 3 failed (http_400),
+    2 retried (timeout) and 1 released (connect) back to pending, 4 running, no other
+    pending. Dataset "b" (6 items): 2 done at T0 + 20, 4 pending.
+    """
+    queue = Queue(database)
+    a = await queue.claim("w", 20, lease_seconds=3600, dataset_names=["a"], now=T0)
+    b = await queue.claim("w", 2, lease_seconds=3600, dataset_names=["b"], now=T0)
+    done = [(lease, _answer(i % 4)) for i, lease in enumerate(a[:10])]
+    assert len(await queue.complete(done[:5], now=T0 + 10)) == 5
+    assert len(await queue.complete(done[5:], now=T0 + 500)) == 5
+    assert len(await queue.fail([(x, Failure("http_400", "bad")) for x in a[10:13]])) == 3
+    retry = [(x, Failure("timeout", "slow"), 0.0) for x in a[13:15]]
+    assert len(await queue.retry(retry, now=T0 + 30)) == 2
+    assert len(await queue.release([(a[15], Failure("connect", "refused"), 0.0)])) == 1
+    assert len(await queue.complete([(x, _answer(0)) for x in b], now=T0 + 20)) == 2
+
+
+@pytest.fixture
+async def mixed_db(tmp_path: Path) -> AsyncIterator[tuple[Path, Database]]:
+    db = tmp_path / "mixed.db"
+    _enqueue(tmp_path, db, "a", [{"id": f"a{i:02d}", "prompt": f"a {i}"} for i in range(20)])
+    _enqueue(tmp_path, db, "b", [{"id": f"b{i:02d}", "prompt": f"b {i}"} for i in range(6)])
+    database = await open_database(str(db))
+    await _mixed(database)
+    yield db, database
+    await database.close()
+
+
+async def test_status_numbers_on_mixed_states(mixed_db: tuple[Path, Database]) -> None:
+    db, database = mixed_db
+    now = T0 + 600
+    via_engine = await snapshot(database, now=now)
+    with open_reader(str(db)) as read:  # type: ignore[union-attr]
+        via_sqlite = snapshot_sqlite(read, now=now)
+    assert via_sqlite == via_engine
+
+    a, b = via_engine["datasets"]
+    assert (a["name"], b["name"]) == ("a", "b")
+    assert a["counts"] == {"pending": 3, "running": 4, "done": 10, "failed": 3, "total": 20}
+    assert b["counts"] == {"pending": 4, "running": 0, "done": 2, "failed": 0, "total": 6}
+    assert a["progress"] == 0.65
+    # Answers 0..3 carry 1, 2, 3 and no completion tokens and latencies 0.25..1.0 s.
+    assert a["completion_tokens"] == {"total": 1 + 2 + 3 + 0 + 1 + 2 + 3 + 0 + 1 + 2, "mean": 1.5}
+    assert a["overall"]["done"] == 10
+    assert a["overall"]["started_at"] == T0 + 10 - 1.0
+    assert a["overall"]["last_done_at"] == T0 + 500
+    assert a["recent"]["done"] == 5  # the window is [T0 + 300, T0 + 600]
+    assert a["recent"]["seconds"] == 300.0
+    assert a["errors"] == {
+        "http_400": {"retried": 0, "released": 0, "failed": 3},
+        "timeout": {"retried": 2, "released": 0, "failed": 0},
+        "connect": {"retried": 0, "released": 1, "failed": 0},
+    }
+    assert a["failed_by_class"] == {"http_400": 3}
+    assert b["overall"]["started_at"] == T0 + 20 - 0.25
+    assert b["recent"]["done"] == 0 and b["eta_seconds"] is None
+    totals = via_engine["totals"]
+    assert totals["counts"] == {"pending": 7, "running": 4, "done": 12, "failed": 3, "total": 26}
+    assert totals["failed_by_class"] == {"http_400": 3}
+    assert totals["overall"]["started_at"] == T0 + 9.0
+    assert via_engine["database"] == database.where == str(db)
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run code in a fresh interpreter: which modules a command loads is per process."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+async def test_status_cli_reads_without_sqlalchemy(mixed_db: tuple[Path, Database]) -> None:
+    db, database = mixed_db
+    code = (
+        "import json, sys\n"
+        "from orchestrator.cli import main\n"
+        "try:\n"
+        f"    main(['status', '--json', '--db', {str(db)!r}])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('sqlalchemy', 'alembic', 'aiosqlite', 'structlog'))\n"
+        "print(json.dumps(heavy), file=sys.stderr)\n"
+    )
+    result = _python(code)
+    assert json.loads(result.stderr.strip().splitlines()[-1]) == []
+    status = json.loads(result.stdout)
+    expected = await snapshot(database, now=status["generated_at"])
+    assert status == json.loads(orjson.dumps(expected))
+    text = run_cli("status", "--db", str(db))
+    assert text.returncode == 0, text.stderr
+    assert "10/20" in text.stdout and "2/6" in text.stdout
+
+
+async def _alembic(db: Path, step: str, revision: str) -> None:
+    """Run alembic's upgrade or downgrade to ``revision`` the way the store does."""
+    from alembic import command
+
+    database = create_database(str(db))
+
+    def run(connection: sa.Connection) -> None:
+        getattr(command, step)(alembic_config(connection), revision)
+
+    try:
+        async with database.write() as conn:
+            await conn.run_sync(run)
+    finally:
+        await database.close()
+
+
+async def test_0001_database_upgrades_on_status(mixed_db: tuple[Path, Database]) -> None:
+    db, database = mixed_db
+    now = T0 + 600
+    expected = await snapshot(database, now=now)
+    await database.close()
+    await _alembic(db, "downgrade", "0001")
+    assert open_reader(str(db)) is None  # behind: the fast path steps aside
+
+    result = run_cli("status", "--json", "--db", str(db))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["totals"]["counts"]["total"] == 26
+    with closing(sqlite3.connect(db)) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
+            (SCHEMA_REVISION,)
+        ]
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert {"ix_items_failed", "ix_outputs_totals", "ix_outputs_started"} <= names
+    assert {"ix_attempt_errors_class", "ix_outputs_flagged"} <= names
+    with open_reader(str(db)) as read:  # type: ignore[union-attr]
+        assert snapshot_sqlite(read, now=now) == expected
+
+
+async def test_fresh_0001_database_upgrades_to_head(tmp_path: Path) -> None:
+    """A database made by migration 0001 alone takes the later ones, and they go back down."""
+    db = tmp_path / "old.db"
+    await _alembic(db, "upgrade", "0001")
+    with closing(sqlite3.connect(db)) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == ("0001",)
+    result = run_cli("db", "upgrade", "--db", str(db))
+    assert result.returncode == 0, result.stderr
+    assert f"upgraded from 0001 to {SCHEMA_REVISION}" in result.stdout
+    with closing(sqlite3.connect(db)) as conn:
+        indexes = dict(
+            conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'index'").fetchall()
+        )
+        # The same definitions as orchestrator/store/schema.py declares.
+        for table in schema.metadata.tables.values():
+            for index in table.indexes:
+                assert index.name in indexes, index.name
+                columns = [r[2] for r in conn.execute(f"PRAGMA index_info({index.name})")]
+                declared = [getattr(e, "name", None) for e in index.expressions]
+                assert columns == declared, index.name
+    assert "WHERE state = 'failed'" in indexes["ix_items_failed"]
+    assert "(created_at - latency)" in indexes["ix_outputs_started"]
+    assert "WHERE flags != 0" in indexes["ix_outputs_flagged"]
+
+    await _alembic(db, "downgrade", "0001")
+    with closing(sqlite3.connect(db)) as conn:
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == ("0001",)
+    assert names.isdisjoint(
+        {
+            "ix_items_failed",
+            "ix_outputs_totals",
+            "ix_outputs_started",
+            "ix_attempt_errors_class",
+            "ix_outputs_flagged",
+        }
+    )
+    assert "ix_items_dataset_state" in names
+
+
+def test_status_plans_use_the_new_indexes(tmp_path: Path) -> None:
+    """No status query reads the wide output rows or sorts; failed and flags read only the
+    failed items and the flagged outputs."""
+    db = tmp_path / "plans.db"
+    _enqueue(tmp_path, db, "a", [{"id": "x", "prompt": "x"}])
+    with closing(sqlite3.connect(db)) as conn:
+        plans = {
+            name: " | ".join(r[3] for r in conn.execute(f"EXPLAIN QUERY PLAN {sql}", {"since": 0}))
+            for name, sql in stats._QUERIES.items()
+        }
+    assert "ix_outputs_totals" in plans["overall"] and "COVERING" in plans["overall"]
+    assert "ix_outputs_totals (dataset_id=? AND created_at>?)" in plans["recent"]
+    assert "ix_outputs_started" in plans["span"]
+    assert "ix_items_failed" in plans["failed"]
+    assert "COVERING INDEX ix_attempt_errors_class" in plans["errors"]
+    assert "COVERING INDEX ix_items_dataset_state" in plans["counts"]
+    assert "COVERING INDEX ix_outputs_flagged" in plans["flags"]
+    for name in ("counts", "overall", "recent", "errors", "failed", "flags"):
+        assert "TEMP B-TREE" not in plans[name], (name, plans[name])
+
+
+def test_reader_leaves_what_it_cannot_vouch_for(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.db"
+    assert open_reader(str(missing)) is None
+    assert not missing.exists()
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not a database\n" * 300)
+    assert open_reader(str(junk)) is None
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    assert open_reader(str(empty)) is None
+    newer = tmp_path / "newer.db"
+    _enqueue(tmp_path, newer, "a", [{"id": "x", "prompt": "x"}])
+    with open_reader(str(newer)) as read:  # type: ignore[union-attr]
+        assert read.conn.execute("SELECT count(*) FROM items").fetchone() == (1,)
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            read.conn.execute("DELETE FROM items")
+    with closing(sqlite3.connect(newer)) as conn, conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999'")
+    assert open_reader(str(newer)) is None
+
+
+@pytest.mark.parametrize(
+    "db",
+    [
+        None,
+        "q.db",
+        "./q.db",
+        "a//b.db",
+        "~/q.db",
+        "/tmp/x y.db",
+        "sqlite:///x.db",
+        "sqlite:////tmp/a//b.db",
+        "sqlite+aiosqlite:///~/q.db",
+    ],
+)
+def test_sqlite_path_names_what_the_store_shows(db: str | None) -> None:
+    assert sqlite_path(db) == engine.describe(engine.resolve_url(db))
+
+
+@pytest.mark.parametrize(
+    "db", ["sqlite://", "sqlite:///:memory:", "sqlite:///a%20b.db", "postgresql://u@h/db"]
+)
+def test_sqlite_path_leaves_urls_to_sqlalchemy(db: str) -> None:
+    assert sqlite_path(db) is None
+
+
+def test_constants_kept_in_step() -> None:
+    """Values spelled out to keep heavy imports away, checked against their sources."""
+    assert head_revision() == SCHEMA_REVISION
+    assert reader.DEFAULT_DB == engine.DEFAULT_DB
+    assert reader.BUSY_TIMEOUT_MS == engine.BUSY_TIMEOUT_MS
+    assert stats.STATES == schema.STATES
+    assert cli.LOG_LEVELS == logs.LEVELS
+
+
+def test_store_exports_survive_lazy_loading() -> None:
+    """``enqueue`` stays the function even when its module is imported first."""
+    code = (
+        "import orchestrator.store.enqueue, orchestrator.store.queue\n"
+        "from orchestrator.store import enqueue, Queue, snapshot\n"
+        "import orchestrator.store as store\n"
+        "assert callable(enqueue) and not isinstance(enqueue, type(store)), enqueue\n"
+        "assert store.enqueue is enqueue and Queue.__name__ == 'Queue'\n"
+        "from orchestrator.store import queue\n"
+        "assert queue.__name__ == 'orchestrator.store.queue'\n"
+    )
+    _python(code)
