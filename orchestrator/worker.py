@@ -571,6 +571,8 @@ class Worker:
         if not accepted:
             if entry.kind == "release" and entry.payload[0].error_class == "shutdown":
                 return  # its answer was written first, or its lease had already gone
+            if held is None:
+                return  # the keeper found the lease gone first, and counted it
             self.stats.lost += 1
             log.warning(
                 "result_dropped_lease_lost", item=lease.item_id, key=lease.key, kind=entry.kind
