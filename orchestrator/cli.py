@@ -648,6 +648,17 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 @click.option(
     "--stream-idle-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    help="Serve Prometheus metrics at /metrics (and /health) on this port (0: any free one).",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the metrics server binds; another than loopback exposes it to the network.",
+)
 @api_key_file_option
 @db_option
 def run(
@@ -662,6 +673,8 @@ def run(
     grace: float,
     stream: bool,
     stream_idle_timeout: float,
+    metrics_port: int | None,
+    metrics_host: str,
     api_key_file: Path | None,
     db: str | None,
 ) -> None:
@@ -707,11 +720,18 @@ def run(
             await check_datasets(database, datasets)
             # Under systemd (Type=notify): READY=1, STOPPING=1, status and watchdog pings.
             async with InferenceClient(client_config) as client, SystemdNotifier() as notifier:
-                worker = Worker(database, client, config, notifier=notifier)
+                metrics = None
+                if metrics_port is not None:
+                    from orchestrator.metrics import WorkerMetrics
+
+                    metrics = WorkerMetrics()
+                worker = Worker(database, client, config, notifier=notifier, metrics=metrics)
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, worker.request_stop)
-                return await worker.run()
+                if metrics is None:
+                    return await worker.run()
+                return await _run_with_metrics(worker, metrics, metrics_host, metrics_port)
         finally:
             await database.close()
 
@@ -721,6 +741,29 @@ def run(
         f"{stats.retried:,} retried, {stats.released:,} released",
         err=True,
     )
+
+
+async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int) -> Any:
+    import structlog
+
+    from orchestrator.metrics import serve_metrics
+
+    def health() -> dict[str, Any]:
+        return {
+            "worker": worker.owner,
+            "in_flight": worker.in_flight,
+            "completed": worker.stats.completed,
+            "failed": worker.stats.failed,
+        }
+
+    runner, bound = await serve_metrics(metrics, health, host, port)
+    structlog.get_logger("orchestrator.cli").info(
+        "metrics_listening", url=f"http://{host}:{bound}/metrics"
+    )
+    try:
+        return await worker.run()
+    finally:
+        await runner.cleanup()
 
 
 # ---------------------------------------------------------------------------- status

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -48,6 +48,9 @@ from orchestrator.store import Database, Failure, Lease, Output, Queue, list_dat
 from orchestrator.store import workers as worker_rows
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.store.queue import Claim, Round
+
+if TYPE_CHECKING:
+    from orchestrator.metrics import WorkerMetrics
 
 log = structlog.get_logger("orchestrator.worker")
 
@@ -393,8 +396,10 @@ class Worker:
         *,
         owner: str | None = None,
         notifier: Notifier | None = None,
+        metrics: WorkerMetrics | None = None,
     ):
         self.database = database
+        self.metrics = metrics
         self.notifier: Notifier = notifier or _Silent()
         self.client = client
         self.config = config
@@ -421,6 +426,11 @@ class Worker:
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
         self._grace = config.grace_seconds
+        if metrics is not None:
+            metrics.in_flight.set_function(lambda: self._active)
+            metrics.prefetched.set_function(lambda: len(self._buffer))
+            for server, state in self.pool.states.items():
+                metrics.server_up.labels(server).set_function(lambda st=state: float(st.healthy))
 
     def request_stop(self, *, force: bool = False) -> None:
         """Stop claiming; in-flight requests get the grace period (none when forced)."""
@@ -491,6 +501,8 @@ class Worker:
             if time.monotonic() - self._datasets_loaded >= _DATASETS_EVERY:
                 with contextlib.suppress(StorageError):
                     await self._load_datasets()
+                    if self.metrics is not None:
+                        self.metrics.set_items(await self.queue.counts())
             if (
                 self.config.exit_when_done
                 and not self._held
@@ -561,6 +573,8 @@ class Worker:
             entry.written.set_result(accepted)
         if entry.kind == "advance" and accepted:
             self.stats.turns += 1
+            if self.metrics is not None:
+                self._observe(entry)
             return  # the item goes on with its next turn, under the same lease
         held = self._held.pop(lease.item_id, None)
         if held is not None:
@@ -568,6 +582,8 @@ class Worker:
         self._next_claim = 0.0
         if not self._held:
             self._idle.set()
+        if accepted and self.metrics is not None:
+            self._observe(entry)
         if not accepted:
             if entry.kind == "release" and entry.payload[0].error_class == "shutdown":
                 return  # its answer was written first, or its lease had already gone
@@ -597,6 +613,17 @@ class Worker:
             )
         else:
             self.stats.released += 1
+
+    def _observe(self, entry: Outcome) -> None:
+        assert self.metrics is not None
+        info = self._datasets.get(entry.lease.dataset_id)
+        name = info.name if info is not None else str(entry.lease.dataset_id)
+        payload = entry.payload
+        if isinstance(payload, Output):
+            self.metrics.settled(name, entry.kind, None, payload.usage, payload.latency)
+        else:
+            failure = payload if isinstance(payload, Failure) else payload[0]
+            self.metrics.settled(name, entry.kind, failure.error_class, None, None)
 
     # -------------------------------------------------------------------- one item
 
@@ -754,6 +781,9 @@ class Worker:
         if not held:
             return
         kept = await self.queue.renew(held, lease_seconds=self.config.lease_seconds)
+        if self.metrics is not None:
+            self.metrics.renewals.labels("kept").inc(len(kept))
+            self.metrics.renewals.labels("lost").inc(len(held) - len(kept))
         for item_id, _ in held:
             entry = self._held.get(item_id)
             if item_id in kept or entry is None:

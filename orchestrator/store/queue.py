@@ -391,6 +391,16 @@ class Queue:
         async with self.db.read() as conn:
             return (await conn.execute(query)).scalar_one()
 
+    async def counts(self) -> dict[tuple[str, str], int]:
+        """Items by (dataset name, state): the queue-wide figures of a worker's metrics."""
+        query = (
+            sa.select(datasets.c.name, items.c.state, sa.func.count())
+            .select_from(items.join(datasets, datasets.c.id == items.c.dataset_id))
+            .group_by(datasets.c.name, items.c.state)
+        )
+        async with self.db.read() as conn:
+            return {(name, state): n for name, state, n in (await conn.execute(query)).all()}
+
     async def running_owners(self) -> list[str]:
         async with self.db.read() as conn:
             result = await conn.execute(
