@@ -778,9 +778,14 @@ async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int) -> 
     show_default=True,
     help="Seconds of recent history for the recent rates.",
 )
+@servers_option
 @db_option
-def status(as_json: bool, window: float, db: str | None) -> None:
-    """Progress, rates, errors and ETA per dataset and in total."""
+def status(as_json: bool, window: float, servers: tuple[str, ...], db: str | None) -> None:
+    """Progress, rates, errors and ETA per dataset and in total.
+
+    With --server (or ORCHESTRATOR_SERVERS), each server's own view from its /metrics
+    (SGLang or vLLM names) is shown beside them.
+    """
     import sqlite3
 
     from orchestrator.monitor.text import render_status
@@ -807,6 +812,10 @@ def status(as_json: bool, window: float, db: str | None) -> None:
                 await database.close()
 
         snap = run_async(go())
+    if servers:
+        from orchestrator.monitor.server_metrics import scrape
+
+        snap["servers"] = [scrape(server) for server in servers]
     if as_json:
         click.echo(orjson.dumps(snap, option=orjson.OPT_INDENT_2).decode())
     else:

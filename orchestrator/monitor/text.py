@@ -113,4 +113,32 @@ def render_status(snap: dict[str, Any]) -> str:
                 f"  {w['id']}  in flight {w['in_flight']}, done {w['completed']:,},"
                 f" last heartbeat {duration(w['heartbeat_age_s'])} ago{note}"
             )
+    lines.extend(_server_lines(snap.get("servers") or []))
     return "\n".join(lines)
+
+
+def _server_lines(servers: list[dict[str, Any]]) -> list[str]:
+    """The servers' own view (their /metrics), beside the orchestrator's figures above."""
+    if not servers:
+        return []
+    lines = ["", "servers (their own /metrics):"]
+    for s in servers:
+        if s.get("error"):
+            lines.append(f"  {s['server']}  unreachable: {s['error']}")
+            continue
+        if s.get("kind") is None:
+            lines.append(f"  {s['server']}  no SGLang or vLLM metrics at {s['url']}")
+            continue
+        usage = s.get("kv_cache_usage")
+        speed = s.get("gen_throughput")
+        lines.append(
+            f"  {s['server']}  ({s['kind']})  running {_num(s.get('running'))},"
+            f" queued {_num(s.get('queued'))},"
+            f" KV cache {'-' if usage is None else f'{usage:.0%}'},"
+            f" generating {'-' if speed is None else f'{speed:,.0f}'} tok/s"
+        )
+    return lines
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"

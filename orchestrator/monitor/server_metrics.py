@@ -1,0 +1,95 @@
+"""The inference server's own view, from its Prometheus ``/metrics``: SGLang or vLLM.
+
+``status --server URL`` shows it beside the orchestrator's figures: how many requests the
+server runs and queues, how full its KV cache is, and how fast it generates. A worker's
+concurrency that leaves the server's queue empty and its cache half full is too low; a
+long queue with a full cache means the server is the limit. Synchronous (urllib) on
+purpose: ``status`` stays a quick read with no event loop.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+# Our name -> the names SGLang and vLLM (newer, older) give it.
+_GAUGES: dict[str, tuple[str, ...]] = {
+    "running": ("sglang:num_running_reqs", "vllm:num_requests_running"),
+    "queued": ("sglang:num_queue_reqs", "vllm:num_requests_waiting"),
+    "kv_cache_usage": (
+        "sglang:token_usage",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+    ),
+    "gen_throughput": ("sglang:gen_throughput",),
+}
+_COUNTERS: dict[str, tuple[str, ...]] = {
+    "generation_tokens_total": (
+        "sglang:generation_tokens_total",
+        "vllm:generation_tokens_total",
+    ),
+    "prompt_tokens_total": ("sglang:prompt_tokens_total", "vllm:prompt_tokens_total"),
+    "preemptions_total": ("sglang:num_retracted_requests_total", "vllm:num_preemptions_total"),
+}
+
+
+def base_url(server: str) -> str:
+    url = server.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    return url if url.startswith(("http://", "https://")) else "http://" + url
+
+
+def parse(text: str) -> dict[str, float]:
+    """Sum each known metric over its label sets (one entry per model or engine)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def view(values: dict[str, float]) -> dict[str, Any]:
+    """The server's figures under our names; ``kind`` says whose names they were."""
+    found: dict[str, Any] = {"kind": None}
+    for ours, names in {**_GAUGES, **_COUNTERS}.items():
+        for name in names:
+            if name in values:
+                found[ours] = values[name]
+                found["kind"] = found["kind"] or name.split(":", 1)[0]
+                break
+        else:
+            found[ours] = None
+    return found
+
+
+def scrape(server: str, *, timeout: float = 3.0, interval: float = 1.0) -> dict[str, Any]:
+    """Two scrapes ``interval`` apart: gauges from the second, generation tok/s from the
+    counters' difference when the server has no throughput gauge (vLLM)."""
+    url = base_url(server) + "/metrics"
+    # The same keys whatever happens: a stable shape for status --json.
+    out: dict[str, Any] = {"server": server, "url": url, "error": None, **view({})}
+    try:
+        first = view(parse(_get(url, timeout)))
+        started = time.monotonic()
+        if first.get("gen_throughput") is None and first.get("generation_tokens_total") is not None:
+            time.sleep(interval)
+            second = view(parse(_get(url, timeout)))
+            elapsed = time.monotonic() - started
+            delta = second["generation_tokens_total"] - first["generation_tokens_total"]
+            second["gen_throughput"] = max(delta, 0.0) / elapsed if elapsed > 0 else None
+            first = second
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    out.update(first)
+    return out
+
+
+def _get(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode("utf-8", "replace")
