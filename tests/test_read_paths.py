@@ -240,7 +240,14 @@ async def test_status_numbers_on_mixed_states(mixed_db: tuple[Path, Database]) -
     assert b["counts"] == {"pending": 4, "running": 0, "done": 2, "failed": 0, "total": 6}
     assert a["progress"] == 0.65
     # Answers 0..3 carry 1, 2, 3 and no completion tokens and latencies 0.25..1.0 s.
-    assert a["completion_tokens"] == {"total": 1 + 2 + 3 + 0 + 1 + 2 + 3 + 0 + 1 + 2, "mean": 1.5}
+    # p50/p90 by nearest rank over the 8 answers that report tokens: 1 1 1 2 2 2 3 3.
+    assert a["completion_tokens"] == {
+        "total": 1 + 2 + 3 + 0 + 1 + 2 + 3 + 0 + 1 + 2,
+        "mean": 1.5,
+        "p50": 2,
+        "p90": 3,
+        "sample": 8,
+    }
     assert a["overall"]["done"] == 10
     assert a["overall"]["started_at"] == T0 + 10 - 1.0
     assert a["overall"]["last_done_at"] == T0 + 500

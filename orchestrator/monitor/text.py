@@ -23,7 +23,8 @@ def duration(seconds: float | None) -> str:
 
 def _row(name: str, e: dict[str, Any]) -> list[str]:
     c = e["counts"]
-    mean = e["completion_tokens"]["mean"]
+    tokens = e["completion_tokens"]
+    mean = tokens["mean"]
     return [
         name,
         f"{c['done']:,}/{c['total']:,}",
@@ -36,8 +37,14 @@ def _row(name: str, e: dict[str, Any]) -> list[str]:
         f"{e['overall']['requests_per_s']:.2f}",
         f"{e['overall']['tokens_per_s']:.0f}",
         f"{mean:.0f}" if mean is not None else "-",
+        _tokens(tokens.get("p50")),
+        _tokens(tokens.get("p90")),
         duration(e["eta_seconds"]),
     ]
+
+
+def _tokens(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
 
 
 def _flag_counts(flags: dict[str, int]) -> str:
@@ -73,6 +80,8 @@ def render_status(snap: dict[str, Any]) -> str:
         "req/s all",
         "tok/s all",
         "mean tok",
+        "p50 tok",
+        "p90 tok",
         "ETA",
     ]
     rows = []

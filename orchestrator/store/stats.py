@@ -73,6 +73,15 @@ _QUERIES: dict[str, str] = {
     ),
 }
 
+# Completion lengths of a dataset's latest answers, for p50/p90: newest first along
+# ix_outputs_totals (dataset_id, created_at, completion_tokens), so a bounded read of
+# index entries whatever the size of the run.
+LENGTH_SAMPLE = 5000
+_LENGTHS = (
+    "SELECT completion_tokens FROM outputs WHERE dataset_id = :dataset"
+    " AND completion_tokens IS NOT NULL ORDER BY created_at DESC LIMIT :limit"
+)
+
 Rows = dict[str, Sequence[Sequence[Any]]]
 
 
@@ -89,10 +98,15 @@ async def snapshot(
     now = time.time() if now is None else now
     params = {"since": now - window}
     rows: Rows = {}
+    lengths: dict[int, list[int]] = {}
     async with database.read() as conn:
         for name, sql in _QUERIES.items():
             rows[name] = (await conn.execute(text(sql), params)).all()
-    return _document(rows, where=database.where, now=now, window=window)
+        for dataset_id, *_ in rows["datasets"]:
+            sample = {"dataset": dataset_id, "limit": LENGTH_SAMPLE}
+            result = await conn.execute(text(_LENGTHS), sample)
+            lengths[dataset_id] = [n for (n,) in result.all()]
+    return _document(rows, lengths, where=database.where, now=now, window=window)
 
 
 def snapshot_sqlite(
@@ -103,10 +117,30 @@ def snapshot_sqlite(
     params = {"since": now - window}
     conn: sqlite3.Connection = reader.conn
     rows: Rows = {name: conn.execute(sql, params).fetchall() for name, sql in _QUERIES.items()}
-    return _document(rows, where=reader.where, now=now, window=window)
+    lengths = {
+        dataset_id: [
+            n for (n,) in conn.execute(_LENGTHS, {"dataset": dataset_id, "limit": LENGTH_SAMPLE})
+        ]
+        for dataset_id, *_ in rows["datasets"]
+    }
+    return _document(rows, lengths, where=reader.where, now=now, window=window)
 
 
-def _document(rows: Rows, *, where: str, now: float, window: float) -> dict[str, Any]:
+def _percentiles(values: list[int]) -> dict[str, Any]:
+    """p50 and p90 (nearest rank) of the latest answers' completion lengths."""
+    if not values:
+        return {"p50": None, "p90": None, "sample": 0}
+    ordered = sorted(values)
+
+    def rank(q: int) -> int:
+        return ordered[max(0, -(-len(ordered) * q // 100) - 1)]
+
+    return {"p50": rank(50), "p90": rank(90), "sample": len(ordered)}
+
+
+def _document(
+    rows: Rows, lengths: dict[int, list[int]], *, where: str, now: float, window: float
+) -> dict[str, Any]:
     state_counts: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(STATES, 0))
     for dataset_id, state, n in rows["counts"]:
         state_counts[dataset_id][state] = n
@@ -138,6 +172,7 @@ def _document(rows: Rows, *, where: str, now: float, window: float) -> dict[str,
             now=now,
             window=window,
         )
+        entry["completion_tokens"].update(_percentiles(lengths.get(ds_id, [])))
         entries.append(
             {
                 "name": name,
@@ -150,12 +185,16 @@ def _document(rows: Rows, *, where: str, now: float, window: float) -> dict[str,
                 "flags": flags_by[ds_id],
             }
         )
+    totals = _totals(entries, now=now, window=window)
+    totals["completion_tokens"].update(
+        _percentiles([n for sample in lengths.values() for n in sample])
+    )
     return {
         "version": STATUS_VERSION,
         "generated_at": now,
         "database": where,
         "window_seconds": window,
-        "totals": _totals(entries, now=now, window=window),
+        "totals": totals,
         "datasets": entries,
         "workers": [
             {
