@@ -786,9 +786,19 @@ def status(as_json: bool, window: float, servers: tuple[str, ...], db: str | Non
     With --server (or ORCHESTRATOR_SERVERS), each server's own view from its /metrics
     (SGLang or vLLM names) is shown beside them.
     """
+    from orchestrator.monitor.text import render_status
+
+    snap = _status_snapshot(db, window, servers)
+    if as_json:
+        click.echo(orjson.dumps(snap, option=orjson.OPT_INDENT_2).decode())
+    else:
+        click.echo(render_status(snap))
+
+
+def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) -> dict[str, Any]:
+    """The status document (docs/STATUS.md), with the servers' own view when asked."""
     import sqlite3
 
-    from orchestrator.monitor.text import render_status
     from orchestrator.store.reader import open_reader, sqlite_path
     from orchestrator.store.stats import snapshot_sqlite
 
@@ -816,10 +826,55 @@ def status(as_json: bool, window: float, servers: tuple[str, ...], db: str | Non
         from orchestrator.monitor.server_metrics import scrape
 
         snap["servers"] = [scrape(server) for server in servers]
-    if as_json:
-        click.echo(orjson.dumps(snap, option=orjson.OPT_INDENT_2).decode())
-    else:
-        click.echo(render_status(snap))
+    return snap
+
+
+@main.command()
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--window",
+    type=click.FloatRange(min=1),
+    default=300.0,
+    show_default=True,
+    help="Seconds of recent history for the recent rates.",
+)
+@click.option(
+    "--count", type=click.IntRange(min=0), default=0, help="Stop after this many views (0: never)."
+)
+@servers_option
+@db_option
+def watch(
+    interval: float, window: float, count: int, servers: tuple[str, ...], db: str | None
+) -> None:
+    """A live view of status: a progress bar per dataset, rates, ETA, errors, servers.
+
+    Redrawn in place (over ssh too); Ctrl-C leaves it.
+    """
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from orchestrator.monitor.live import render
+
+    console = Console()
+    shown = 0
+    try:
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            while True:
+                live.update(render(_status_snapshot(db, window, servers)), refresh=True)
+                shown += 1
+                if count and shown >= count:
+                    break
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
 
 
 # ---------------------------------------------------------------------------- operator
