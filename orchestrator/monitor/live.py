@@ -91,6 +91,11 @@ def _workers(snap: dict[str, Any]) -> Panel | None:
         f"{w['id']}  in flight {w['in_flight']}, done {w['completed']:,}, "
         f"heartbeat {duration(w['heartbeat_age_s'])} ago"
         + ("  [red]SILENT[/red]" if w["silent"] else "")
+        + (
+            f"  [red]STALLED: no answer for {duration(w['progress_age_s'])}[/red]"
+            if w.get("stalled")
+            else ""
+        )
         for w in live
     ]
     return Panel("\n".join(lines), title="workers")

@@ -118,6 +118,8 @@ def render_status(snap: dict[str, Any]) -> str:
         lines.append("workers:")
         for w in live:
             note = " SILENT" if w["silent"] else ""
+            if w.get("stalled"):
+                note = f" STALLED: no answer for {duration(w['progress_age_s'])}"
             lines.append(
                 f"  {w['id']}  in flight {w['in_flight']}, done {w['completed']:,},"
                 f" last heartbeat {duration(w['heartbeat_age_s'])} ago{note}"

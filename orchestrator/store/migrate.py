@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from orchestrator.store.engine import Database
 
 # The head of migrations/versions; a test keeps the two equal.
-SCHEMA_REVISION = "0004"
+SCHEMA_REVISION = "0005"
 
 _OUR_TABLES = {"datasets", "items", "outputs"}
 

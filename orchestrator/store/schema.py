@@ -230,4 +230,7 @@ workers = sa.Table(
     sa.Column("stopped_at", sa.Float, nullable=True),
     sa.Column("in_flight", sa.Integer, nullable=False, server_default="0"),
     sa.Column("completed", sa.Integer, nullable=False, server_default="0"),
+    # When ``completed`` last moved: a worker that heartbeats but answers nothing for a
+    # long while (a hung server, a stuck request) shows up as stalled.
+    sa.Column("progress_at", sa.Float, nullable=True),
 )

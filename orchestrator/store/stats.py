@@ -23,6 +23,9 @@ STATUS_VERSION = 1
 WINDOW_SECONDS = 300.0
 # A worker that has not written a heartbeat for this long is reported as silent.
 SILENT_AFTER = 120.0
+# A live worker with requests in flight that has committed no answer for this long is
+# reported as stalled (a hung server, requests stuck behind a full queue).
+STALLED_AFTER = 900.0
 # schema.STATES, spelled out: importing the schema loads SQLAlchemy, which the sqlite3
 # path of status never needs. A test keeps the two equal.
 STATES = ("pending", "running", "done", "failed")
@@ -68,8 +71,9 @@ _QUERIES: dict[str, str] = {
         " GROUP BY dataset_id, flags"
     ),
     "workers": (
-        "SELECT id, host, pid, started_at, heartbeat_at, stopped_at, in_flight, completed"
-        " FROM workers WHERE stopped_at IS NULL OR stopped_at >= :since ORDER BY started_at"
+        "SELECT id, host, pid, started_at, heartbeat_at, stopped_at, in_flight, completed,"
+        " progress_at FROM workers WHERE stopped_at IS NULL OR stopped_at >= :since"
+        " ORDER BY started_at"
     ),
 }
 
@@ -207,6 +211,12 @@ def _document(
                 "silent": stopped_at is None and now - heartbeat_at > SILENT_AFTER,
                 "in_flight": in_flight,
                 "completed": completed,
+                "progress_age_s": None if progress_at is None else round(now - progress_at, 1),
+                "stalled": stopped_at is None
+                and now - heartbeat_at <= SILENT_AFTER
+                and in_flight > 0
+                and progress_at is not None
+                and now - progress_at > STALLED_AFTER,
             }
             for (
                 worker_id,
@@ -217,6 +227,7 @@ def _document(
                 stopped_at,
                 in_flight,
                 completed,
+                progress_at,
             ) in rows["workers"]
         ],
     }

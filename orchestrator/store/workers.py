@@ -18,17 +18,20 @@ async def register(database: Database, worker_id: str, host: str, pid: int) -> N
         await conn.execute(workers.delete().where(workers.c.stopped_at < now - 7 * 86400))
         await conn.execute(
             workers.insert().values(
-                id=worker_id, host=host, pid=pid, started_at=now, heartbeat_at=now
+                id=worker_id, host=host, pid=pid, started_at=now, heartbeat_at=now, progress_at=now
             )
         )
 
 
 async def heartbeat(database: Database, worker_id: str, *, in_flight: int, completed: int) -> None:
+    """A sign of life; ``progress_at`` moves only when ``completed`` did."""
+    now = time.time()
+    moved = sa.case((workers.c.completed != completed, now), else_=workers.c.progress_at)
     async with database.write() as conn:
         await conn.execute(
             workers.update()
             .where(workers.c.id == worker_id)
-            .values(heartbeat_at=time.time(), in_flight=in_flight, completed=completed)
+            .values(heartbeat_at=now, in_flight=in_flight, completed=completed, progress_at=moved)
         )
 
 
