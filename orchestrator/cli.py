@@ -60,6 +60,14 @@ servers_option = click.option(
     "(env ORCHESTRATOR_SERVERS, space-separated).",
 )
 
+window_option = click.option(
+    "--window",
+    type=click.FloatRange(min=1),
+    default=300.0,
+    show_default=True,
+    help="Seconds of recent history for the recent rates.",
+)
+
 api_key_file_option = click.option(
     "--api-key-file",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -771,13 +779,7 @@ async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int) -> 
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable (docs/STATUS.md).")
-@click.option(
-    "--window",
-    type=click.FloatRange(min=1),
-    default=300.0,
-    show_default=True,
-    help="Seconds of recent history for the recent rates.",
-)
+@window_option
 @servers_option
 @db_option
 def status(as_json: bool, window: float, servers: tuple[str, ...], db: str | None) -> None:
@@ -837,13 +839,7 @@ def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) ->
     show_default=True,
     help="Seconds between refreshes.",
 )
-@click.option(
-    "--window",
-    type=click.FloatRange(min=1),
-    default=300.0,
-    show_default=True,
-    help="Seconds of recent history for the recent rates.",
-)
+@window_option
 @click.option(
     "--count", type=click.IntRange(min=0), default=0, help="Stop after this many views (0: never)."
 )
