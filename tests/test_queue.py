@@ -17,7 +17,7 @@ from orchestrator.formats import iter_records
 from orchestrator.store import Database, DatasetSpec, Failure, Lease, Output, Queue, enqueue
 from orchestrator.store import queue as queue_module
 from orchestrator.store.queue import Claim, Round
-from orchestrator.store.schema import attempt_errors, items, outputs
+from orchestrator.store.schema import attempt_errors, item_turns, items, outputs
 from tests.helpers import prompts, write_jsonl
 
 
@@ -109,7 +109,12 @@ async def test_late_completion_after_takeover_is_fenced(database: Database, tmp_
     assert await queue.retry([(slow, Failure("timeout", "late"), 0.0)]) == set()
     assert await queue.fail([(slow, Failure("timeout", "late"))]) == set()
     assert await queue.complete([(slow, answer("stale"))]) == set()
+    stale_turn = await queue.write_round(Round(advance=[(slow, answer("stale turn"))]))
+    assert stale_turn.accepted == {"advance": set()}
     assert await output_count(database) == 0
+    async with database.read() as conn:
+        turns = (await conn.execute(sa.select(sa.func.count()).select_from(item_turns))).scalar()
+    assert turns == 0
     state = (await rows(database))["ds000000"]
     assert state["state"] == "running" and state["lease_owner"] == "fast-worker"
     # The current holder completes normally; exactly one output, from the holder.

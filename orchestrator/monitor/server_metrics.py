@@ -35,13 +35,6 @@ _COUNTERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def base_url(server: str) -> str:
-    url = server.strip().rstrip("/")
-    if url.endswith("/v1"):
-        url = url[:-3]
-    return url if url.startswith(("http://", "https://")) else "http://" + url
-
-
 def parse(text: str) -> dict[str, float]:
     """Sum each known metric over its label sets (one entry per model or engine)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -70,6 +63,8 @@ def view(values: dict[str, float]) -> dict[str, Any]:
 def scrape(server: str, *, timeout: float = 3.0, interval: float = 1.0) -> dict[str, Any]:
     """Two scrapes ``interval`` apart: gauges from the second, generation tok/s from the
     counters' difference when the server has no throughput gauge (vLLM)."""
+    from orchestrator.client import base_url  # the same reading of a server URL as a worker's
+
     url = base_url(server) + "/metrics"
     # The same keys whatever happens: a stable shape for status --json.
     out: dict[str, Any] = {"server": server, "url": url, "error": None, **view({})}
