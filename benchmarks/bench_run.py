@@ -5,6 +5,7 @@ Both send the same N short prompts with the same concurrency to the same simulat
 what the queue costs: claims, commits, leases. Target: worker ≥ 0.8 × bare loop.
 
     python benchmarks/bench_run.py [--items 20000] [--concurrency 64]
+    python benchmarks/bench_run.py --postgres postgresql://postgres@127.0.0.1:5432
 """
 
 from __future__ import annotations
@@ -70,16 +71,37 @@ class RunFigures:
         ]
 
 
-def worker_active_seconds(db: Path) -> tuple[int, float]:
+_SPAN = "SELECT count(*), min(created_at - latency), max(created_at) FROM outputs"
+
+
+def worker_active_seconds(db: Path | str) -> tuple[int, float]:
     """Done outputs and the span from the first request sent to the last answer committed."""
-    conn = sqlite3.connect(db)
-    try:
-        n, first, last = conn.execute(
-            "SELECT count(*), min(created_at - latency), max(created_at) FROM outputs"
-        ).fetchone()
-    finally:
-        conn.close()
+    if str(db).startswith("postgresql"):
+        n, first, last = _pg(str(db), _SPAN)
+    else:
+        conn = sqlite3.connect(db)
+        try:
+            n, first, last = conn.execute(_SPAN).fetchone()
+        finally:
+            conn.close()
     return n, (last - first) if n else 0.0
+
+
+def _pg(url: str, sql: str) -> tuple:
+    """One row of one statement on PostgreSQL (``url`` ``/postgres`` for admin statements)."""
+    import asyncio
+
+    import asyncpg
+
+    async def run() -> tuple:
+        conn = await asyncpg.connect(url)
+        try:
+            row = await conn.fetchrow(sql)
+            return tuple(row) if row is not None else ()
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
 
 
 def run_bare(
@@ -112,10 +134,10 @@ def run_bare(
 
 
 def run_worker(
-    server: SimServer, db: Path, concurrency: int, cpu: int | None, profile: Path | None
+    server: SimServer, db: Path | str, concurrency: int, cpu: int | None, profile: Path | None
 ) -> RunFigures:
     before = server.cpu_seconds()
-    m = run_measured(run_argv(server.url, db, concurrency), cpu=cpu, profile=profile)
+    m = run_measured(run_argv(server.url, db, concurrency), cpu=cpu, profile=profile)  # type: ignore[arg-type]
     m.warn_if_failed("orchestrator run")
     done, active = worker_active_seconds(db)
     return RunFigures("orchestrator run", done, m, active, server.cpu_seconds() - before)
@@ -129,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="alternate bare/worker passes; medians are used"
     )
+    parser.add_argument(
+        "--postgres",
+        metavar="SERVER_URL",
+        help="run the worker on PostgreSQL: a fresh database per pass on this server "
+        "(e.g. postgresql://postgres@127.0.0.1:5432), dropped afterwards",
+    )
     add_common_args(parser)
     args = parser.parse_args(argv)
     place = placement(args.pin)
@@ -137,11 +165,18 @@ def main(argv: list[str] | None = None) -> int:
 
     with workdir(args.workdir) as work:
         prompts = write_prompts(work / "prompts.jsonl", args.items)
-        dbs = [work / f"run-{i}.db" for i in range(args.repeat)]
+        dbs: list[Path | str] = [work / f"run-{i}.db" for i in range(args.repeat)]
         for stale in work.glob("run-*.db*"):
             stale.unlink()
+        if args.postgres:
+            server_url = args.postgres.rstrip("/")
+            dbs = [f"{server_url}/orch_bench_run_{i}" for i in range(args.repeat)]
+            for db in dbs:
+                name = str(db).rsplit("/", 1)[-1]
+                _pg(f"{server_url}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+                _pg(f"{server_url}/postgres", f"CREATE DATABASE {name}")
         for db in dbs:
-            run_measured(enqueue_argv(prompts, db)).check()
+            run_measured(enqueue_argv(prompts, db)).check()  # type: ignore[arg-type]
         startup = python_startup_seconds(place.client)
         bares: list[RunFigures] = []
         plain: list[RunFigures] = []
@@ -154,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                 plain.append(run_bare(server, prompts, args.concurrency, place.client, "asyncio"))
                 bares.append(run_bare(server, prompts, args.concurrency, place.client, "uvloop"))
                 workers.append(run_worker(server, db, args.concurrency, place.client, args.profile))
+        if args.postgres:
+            for db in dbs:
+                name = str(db).rsplit("/", 1)[-1]
+                _pg(f"{server_url}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
     print()
     print_table(

@@ -169,6 +169,41 @@ def db_upgrade(db: str | None) -> None:
         click.echo(f"{where}: schema upgraded from {before or 'empty'} to {after}")
 
 
+@db.command("copy")
+@click.option("--from", "source", required=True, metavar="PATH|URL", help="Database to copy.")
+@click.option(
+    "--to", "target", required=True, metavar="PATH|URL", help="An empty database to fill."
+)
+def db_copy(source: str, target: str) -> None:
+    """Copy a run into an empty database: SQLite to PostgreSQL or back, mid-way.
+
+    Every table, in primary-key order, in one transaction on the target (a failed copy
+    leaves nothing). Stop the workers first: items running in the source are copied as
+    pending with their lease cleared and the attempt given back.
+    """
+    from orchestrator.store.copy import copy_database
+
+    progress = _tty_progress("copying")
+    shown = {"table": ""}
+
+    def show(table: str, n: int) -> None:
+        if progress is not None:
+            if shown["table"] and shown["table"] != table:
+                click.echo("", err=True)
+            shown["table"] = table
+            click.echo(f"\rcopying {table}: {n:,} rows", nl=False, err=True)
+
+    try:
+        report = run_async(copy_database(source, target, progress=show))
+    finally:
+        _end_progress(progress)
+    total = sum(report.rows.values())
+    tables = ", ".join(f"{name} {n:,}" for name, n in report.rows.items())
+    click.echo(f"copied {total:,} rows from {report.source} to {report.target} ({tables})")
+    if report.requeued:
+        click.echo(f"{report.requeued:,} items that were running are pending again")
+
+
 # ---------------------------------------------------------------------------- enqueue
 
 # orchestrator.formats.readers.INPUT_FORMATS and the dataset choices of
@@ -607,14 +642,31 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
     return os.environ.get("ORCHESTRATOR_API_KEY") or None
 
 
+def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
+    from orchestrator.servers import parse_cap
+
+    try:
+        return parse_cap(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 @main.command()
 @servers_option
 @click.option(
+    "--servers-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="More servers, one URL a line, each optionally with its own concurrency=N|auto "
+    "('#' starts a comment).",
+)
+@click.option(
     "--concurrency",
-    type=click.IntRange(min=1),
-    default=64,
+    default="64",
     show_default=True,
-    help="Most requests in flight in this worker.",
+    metavar="N|auto",
+    callback=_concurrency,
+    help="Most requests in flight per server (the worker's total is the sum over the "
+    "healthy servers); 'auto' adapts each server's to what it takes, from its /metrics.",
 )
 @click.option("--dataset", "datasets", multiple=True, help="Only work on these datasets.")
 @click.option("--exit-when-done", is_flag=True, help="Exit once no item is pending or running.")
@@ -671,7 +723,8 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 @db_option
 def run(
     servers: tuple[str, ...],
-    concurrency: int,
+    servers_file: Path | None,
+    concurrency: int | str,
     datasets: tuple[str, ...],
     exit_when_done: bool,
     request_timeout: float,
@@ -695,15 +748,19 @@ def run(
     import signal
 
     from orchestrator.client import ClientConfig, InferenceClient
+    from orchestrator.servers import merge_servers, parse_servers_file
     from orchestrator.store import check_datasets, open_database
     from orchestrator.systemd import SystemdNotifier
     from orchestrator.worker import Worker, WorkerConfig
 
-    server_list = servers
+    listed = run_sync(lambda: parse_servers_file(servers_file)) if servers_file else []
+    specs = merge_servers(servers, listed)
+    server_list = tuple(spec.url for spec in specs)
     config = (
         WorkerConfig(
             servers=server_list,
-            concurrency=concurrency,
+            concurrency=concurrency,  # type: ignore[arg-type]
+            server_caps={s.url: s.concurrency for s in specs if s.concurrency is not None},
             datasets=datasets,
             exit_when_done=exit_when_done,
             lease_seconds=lease_seconds,
@@ -714,7 +771,9 @@ def run(
         else None
     )
     if config is None:
-        raise click.UsageError("give at least one --server URL (or ORCHESTRATOR_SERVERS)")
+        raise click.UsageError(
+            "give at least one --server URL (or --servers-file, or ORCHESTRATOR_SERVERS)"
+        )
     client_config = ClientConfig(
         request_timeout=request_timeout,
         stream=stream,
@@ -744,11 +803,14 @@ def run(
             await database.close()
 
     stats = run_async(go())
-    click.echo(
-        f"worker stopped: {stats.completed:,} done, {stats.failed:,} failed, "
-        f"{stats.retried:,} retried, {stats.released:,} released",
-        err=True,
-    )
+    from orchestrator import logs
+
+    if not logs.json_lines():  # else the worker_stopped event says it, as JSON
+        click.echo(
+            f"worker stopped: {stats.completed:,} done, {stats.failed:,} failed, "
+            f"{stats.retried:,} retried, {stats.released:,} released",
+            err=True,
+        )
 
 
 async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int) -> Any:
@@ -871,6 +933,47 @@ def watch(
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
+
+
+@main.command()
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (the dashboard has no authentication).",
+)
+@window_option
+@servers_option
+@db_option
+def dashboard(
+    port: int, host: str, window: float, servers: tuple[str, ...], db: str | None
+) -> None:
+    """A web page of the run that updates itself: progress, throughput and errors over
+    the whole run, completion lengths, servers, ETA. Only reads the database."""
+    _configure_logs()
+    from orchestrator.monitor.dashboard import serve
+
+    def ready(url: str) -> None:
+        click.echo(f"dashboard on {url} (Ctrl-C stops it)", err=True)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        run_async(serve(db, host=host, port=port, servers=servers, window=window, ready=ready))
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path, dir_okay=False))
+@window_option
+@servers_option
+@db_option
+def report(out: Path, window: float, servers: tuple[str, ...], db: str | None) -> None:
+    """The dashboard's page as one static HTML file, data included (no network needed)."""
+    _configure_logs()
+    from orchestrator.monitor.dashboard import gather_report, write_report
+
+    data = run_async(gather_report(db, servers=servers, window=window))
+    run_sync(lambda: write_report(out, data))
+    click.echo(f"wrote {out}")
 
 
 # ---------------------------------------------------------------------------- operator
@@ -1170,6 +1273,46 @@ def export(
     show_default=True,
     help="Fraction of requests offering tools (tool_choice auto) answered with a tool call.",
 )
+@click.option(
+    "--kv-tokens",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Batch continuously, as SGLang does, with a KV cache of this many tokens.",
+)
+@click.option(
+    "--max-running",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Batch continuously, at most this many requests decoded together.",
+)
+@click.option(
+    "--step-time",
+    type=click.FloatRange(min=0),
+    default=0.01,
+    show_default=True,
+    help="Batching: seconds of one decode step ...",
+)
+@click.option(
+    "--step-per-request",
+    type=click.FloatRange(min=0),
+    default=0.0002,
+    show_default=True,
+    help="... plus this much per request in the batch.",
+)
+@click.option(
+    "--prefill-per-token",
+    type=click.FloatRange(min=0),
+    default=0.00002,
+    show_default=True,
+    help="Batching: seconds per prompt token prefilled.",
+)
+@click.option(
+    "--time-scale",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Batching: multiplies every simulated duration (0.1 runs ten times faster).",
+)
 def sim_server(
     host: str,
     port: int,
@@ -1184,6 +1327,12 @@ def sim_server(
     reasoning: str,
     reasoning_field: str,
     tool_call_rate: float,
+    kv_tokens: int,
+    max_running: int,
+    step_time: float,
+    step_per_request: float,
+    prefill_per_token: float,
+    time_scale: float,
 ) -> None:
     """A simulated OpenAI-compatible inference server for tests, rehearsals, benchmarks."""
     from orchestrator.sim import SimConfig, parse_fault, parse_outage, run_forever
@@ -1201,6 +1350,12 @@ def sim_server(
             reasoning=reasoning,
             reasoning_field=reasoning_field,
             tool_call_rate=tool_call_rate,
+            kv_tokens=kv_tokens,
+            max_running=max_running,
+            step_time=step_time,
+            step_per_request=step_per_request,
+            prefill_per_token=prefill_per_token,
+            time_scale=time_scale,
             # From the environment, never the command line, where ps would show it.
             api_key=os.environ.get("SIM_API_KEY") or None,
         )

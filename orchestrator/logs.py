@@ -10,6 +10,13 @@ import structlog
 
 LEVELS = ("debug", "info", "warning", "error")
 
+_json_lines = False
+
+
+def json_lines() -> bool:
+    """Whether stderr carries JSON lines only, so nothing else may be written there."""
+    return _json_lines
+
 
 def configure(level: str | None = None, *, json: bool | None = None) -> None:
     """Set up structlog once per process.
@@ -20,8 +27,10 @@ def configure(level: str | None = None, *, json: bool | None = None) -> None:
     name = (level or os.environ.get("ORCHESTRATOR_LOG_LEVEL") or "info").lower()
     if name not in LEVELS:
         name = "info"
+    global _json_lines
     if json is None:
         json = not sys.stderr.isatty()
+    _json_lines = json
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if json

@@ -66,6 +66,12 @@ class WorkerMetrics:
         self.server_up = Gauge(
             "orchestrator_server_up", "1 while the server answers /health.", ["server"], registry=r
         )
+        self.server_concurrency = Gauge(
+            "orchestrator_server_concurrency",
+            "Requests this worker sends the server at most (adapted under --concurrency auto).",
+            ["server"],
+            registry=r,
+        )
         self.started = Gauge(
             "orchestrator_worker_start_time_seconds", "When this worker started.", registry=r
         )

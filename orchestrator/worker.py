@@ -27,13 +27,14 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from orchestrator import procinfo
+from orchestrator.autoconcurrency import Controller, Limits, Sample
 from orchestrator.client import Completion, InferenceClient
 from orchestrator.conversation import turn_messages
 from orchestrator.errors import (
@@ -44,6 +45,7 @@ from orchestrator.errors import (
     StorageError,
     TransientError,
 )
+from orchestrator.servers import Cap, ServerPool
 from orchestrator.store import Database, Failure, Lease, Output, Queue, list_datasets
 from orchestrator.store import workers as worker_rows
 from orchestrator.store.datasets import DatasetInfo
@@ -57,6 +59,9 @@ log = structlog.get_logger("orchestrator.worker")
 # How often a worker rereads dataset parameters and policies (seconds).
 _DATASETS_EVERY = 5.0
 
+# Items claimed first from each dataset, until it has had that many (see Claim.scouts).
+SCOUTS = 16
+
 # Failures that may mean the server itself died mid-request; /health tells.
 _MAYBE_DOWN = frozenset({"disconnect", "timeout", "stream_idle"})
 
@@ -69,10 +74,19 @@ class WorkerConfig:
     renewed every quarter of it, so a crashed worker's items return within that time (at
     once, for a worker on the same host). ``max_attempts`` counts claims: an item that
     keeps failing, or keeps killing its worker, fails after that many.
+
+    ``concurrency`` is per server (``server_caps`` overrides it for some): the worker keeps
+    the sum of its healthy servers' caps in flight. ``"auto"`` adapts a server's cap to
+    what it takes (``orchestrator.autoconcurrency``), within ``auto_limits``, looking at
+    it every ``auto_interval`` seconds.
     """
 
     servers: tuple[str, ...]
-    concurrency: int = 64
+    concurrency: Cap = 64
+    server_caps: Mapping[str, Cap] = dataclasses.field(default_factory=dict)
+    auto_limits: Limits = dataclasses.field(default_factory=Limits)
+    auto_interval: float = 1.0
+    failure_limit: int = 5
     datasets: tuple[str, ...] = ()
     exit_when_done: bool = False
     lease_seconds: float = 120.0
@@ -85,12 +99,20 @@ class WorkerConfig:
     probe_max: float = 5.0
     checkpoint_every: float = 60.0
     progress_every: float = 30.0
+    # The run's history for the dashboard (orchestrator.store.samples); 0: none.
+    sample_every: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.servers:
             raise ConfigError("at least one --server is needed")
-        if self.concurrency < 1:
-            raise ConfigError("--concurrency must be at least 1")
+        for cap in (self.concurrency, *self.server_caps.values()):
+            if cap != "auto" and (not isinstance(cap, int) or cap < 1):
+                raise ConfigError(f"--concurrency must be at least 1 or 'auto', got {cap!r}")
+        unknown = set(self.server_caps) - set(self.servers)
+        if unknown:
+            raise ConfigError(f"a cap is given for servers not in use: {sorted(unknown)}")
+        if self.failure_limit < 1:
+            raise ConfigError("failure_limit must be at least 1")
         if self.lease_seconds < 2:
             raise ConfigError("--lease-seconds must be at least 2")
         if self.max_attempts < 1:
@@ -136,89 +158,6 @@ def backoff_delay(attempt: int, *, base: float, cap: float, retry_after: float |
     if retry_after is not None:
         delay = max(delay, min(retry_after, cap))
     return delay
-
-
-# ------------------------------------------------------------------------ servers
-
-
-@dataclass(slots=True)
-class _ServerState:
-    healthy: bool = False
-    in_flight: int = 0
-    failures: int = 0
-    down_reason: str | None = None
-    probe: asyncio.Task[None] | None = None
-
-
-class ServerPool:
-    """The servers a worker may use: least-loaded healthy one first, the rest probed."""
-
-    def __init__(self, servers: tuple[str, ...], client: InferenceClient, config: WorkerConfig):
-        self.client = client
-        self.config = config
-        self.states = {s: _ServerState() for s in servers}
-        self.available = asyncio.Event()
-
-    def start(self) -> None:
-        for server in self.states:
-            self.mark_down(server, "not probed yet", quiet=True)
-
-    def healthy(self) -> list[str]:
-        return [s for s, st in self.states.items() if st.healthy]
-
-    def pick(self) -> str | None:
-        best: str | None = None
-        load = 0
-        for server, state in self.states.items():
-            if state.healthy and (best is None or state.in_flight < load):
-                best, load = server, state.in_flight
-        return best
-
-    def mark_down(self, server: str, reason: str, *, quiet: bool = False) -> None:
-        state = self.states[server]
-        if state.probe is not None and not state.probe.done():
-            return
-        state.healthy = False
-        state.failures += 1
-        state.down_reason = reason
-        if not quiet:
-            log.warning("server_down", server=server, reason=reason)
-        if not self.healthy():
-            self.available.clear()
-        state.probe = asyncio.create_task(self._probe(server), name=f"probe {server}")
-
-    async def _probe(self, server: str) -> None:
-        state = self.states[server]
-        delay = self.config.probe_min * min(2 ** max(state.failures - 2, 0), 8)
-        waited = 0.0
-        while True:
-            await asyncio.sleep(delay)
-            waited += delay
-            if await self.client.health(server):
-                break
-            if waited > 30 and state.failures <= 1:
-                log.warning("server_unreachable", server=server, waited_s=round(waited))
-                state.failures += 1
-            delay = min(delay * 2, self.config.probe_max)
-        was_reason = state.down_reason
-        state.healthy = True
-        state.down_reason = None
-        self.available.set()
-        if was_reason != "not probed yet":
-            log.info("server_up", server=server, down_for_s=round(waited, 1))
-        else:
-            state.failures = 0
-
-    def succeeded(self, server: str) -> None:
-        self.states[server].failures = 0
-
-    async def close(self) -> None:
-        tasks = [st.probe for st in self.states.values() if st.probe and not st.probe.done()]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 # ------------------------------------------------------------------------ committer
@@ -381,8 +320,8 @@ class _Held:
 class Worker:
     """One process's share of the run.
 
-    Every lease is held from its claim until its outcome is written. A slot (one of
-    ``concurrency`` requests) frees as soon as the answer arrives, not when it is
+    Every lease is held from its claim until its outcome is written. A slot (one of the
+    healthy servers' caps, summed) frees as soon as the answer arrives, not when it is
     committed, and the next item starts at once from a small prefetch of claimed items,
     sized to about 20 ms of the recent answer rate (none for slow servers, where it would
     only hold items back from other workers).
@@ -406,7 +345,17 @@ class Worker:
         self.owner = owner or procinfo.owner_id()
         self.stats = WorkerStats()
         self.queue = Queue(database)
-        self.pool = ServerPool(config.servers, client, config)
+        caps: dict[str, int] = {}
+        controllers: dict[str, Controller] = {}
+        for server in config.servers:
+            cap = config.server_caps.get(server, config.concurrency)
+            if cap == "auto":
+                controllers[server] = Controller(config.auto_limits)
+                cap = controllers[server].cap
+            caps[server] = cap
+        self.pool = ServerPool(
+            caps, client, config, controllers=controllers, on_change=self._capacity_changed
+        )
         self.committer = Committer(
             self.queue,
             plan=self._plan_claim,
@@ -416,6 +365,7 @@ class Worker:
         )
         self._held: dict[int, _Held] = {}
         self._buffer: deque[Lease] = deque()
+        self._started: set[int] = set()
         self._active = 0
         self._suspects = 0
         self._next_claim = 0.0
@@ -431,6 +381,9 @@ class Worker:
             metrics.prefetched.set_function(lambda: len(self._buffer))
             for server, state in self.pool.states.items():
                 metrics.server_up.labels(server).set_function(lambda st=state: float(st.healthy))
+                metrics.server_concurrency.labels(server).set_function(
+                    lambda st=state: float(st.cap)
+                )
 
     def request_stop(self, *, force: bool = False) -> None:
         """Stop claiming; in-flight requests get the grace period (none when forced)."""
@@ -453,20 +406,27 @@ class Worker:
         self.pool.start()
         self.committer.start()
         keeper = asyncio.create_task(self._keeper(), name="keeper")
+        tuner = None
+        if any(st.controller is not None for st in self.pool.states.values()):
+            tuner = asyncio.create_task(self._tune(), name="tuner")
         log.info(
             "worker_started",
             worker=self.owner,
             servers=list(self.config.servers),
-            concurrency=self.config.concurrency,
+            concurrency={
+                s: "auto" if st.controller else st.cap for s, st in self.pool.states.items()
+            },
             datasets=list(self.config.datasets) or None,
         )
         try:
             await self._supervise()
         finally:
             await self._drain()
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            for task in (keeper, tuner):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await self.committer.close()
             await self.pool.close()
             with contextlib.suppress(StorageError):
@@ -520,7 +480,7 @@ class Worker:
         now = time.monotonic()
         if now < self._next_claim:
             return None
-        concurrency = self.config.concurrency
+        concurrency = self.pool.capacity()
         prefetch = min(concurrency // 2, int(self._rate.per_second() * 0.02))
         want = concurrency + prefetch - self._active - len(self._buffer)
         if want <= 0:
@@ -537,6 +497,8 @@ class Worker:
             self.config.lease_seconds,
             self.config.datasets or None,
             suspect_slots,
+            scouts=SCOUTS,
+            started=self._started,
         )
 
     def _deliver(self, leases: list[Lease], claim: Claim) -> None:
@@ -559,13 +521,20 @@ class Worker:
 
     def _fill(self) -> None:
         """Start buffered items while slots are free."""
-        while self._buffer and self._active < self.config.concurrency:
+        capacity = self.pool.capacity()
+        while self._buffer and self._active < capacity:
             lease = self._buffer.popleft()
             held = self._held.get(lease.item_id)
             if held is None:  # its lease was lost while it waited
                 continue
             self._active += 1
             held.task = asyncio.create_task(self._process(held), name=f"item {lease.item_id}")
+
+    def _capacity_changed(self) -> None:
+        """A server came or went, or its cap changed: claim and start what now fits."""
+        self._next_claim = 0.0
+        self._fill()
+        self.committer.poke()
 
     def _settled(self, entry: Outcome, accepted: bool) -> None:
         lease = entry.lease
@@ -663,6 +632,7 @@ class Worker:
                 generated_tokens=lease.generated_tokens
                 + ((result.usage or {}).get("completion_tokens") or 0),
                 generated_flags=lease.generated_flags | result.flags,
+                generated_latency=lease.generated_latency + result.latency,
             )
             held.lease = lease
 
@@ -687,6 +657,7 @@ class Worker:
                 # the item's fault.
                 self.pool.mark_down(server, str(exc))
                 return "release", (Failure("unavailable", str(exc)), time.time())
+            self.pool.failed(server, exc.error_class)
             return self._retry_or_fail(lease, exc, exc.retry_after)
         except PermanentError as exc:
             return "fail", Failure(exc.error_class, _where(lease) + str(exc))
@@ -700,7 +671,19 @@ class Worker:
             return self._retry_or_fail(lease, error, None)
         finally:
             state.in_flight -= 1
-        self.pool.succeeded(server)
+        usage = completion.usage or {}
+        self.pool.succeeded(server, usage.get("completion_tokens") or 0, completion.latency)
+        log.debug(
+            "answered",
+            item=lease.item_id,
+            key=lease.key,
+            dataset=info.name,
+            turn=lease.turn,
+            server=server,
+            latency_s=round(completion.latency, 3),
+            completion_tokens=usage.get("completion_tokens"),
+            finish_reason=completion.finish_reason,
+        )
         if completion.finish_reason == "length" and info.on_truncated != "keep":
             limit = body.get("max_tokens") or body.get("max_completion_tokens")
             truncated = TransientError(
@@ -744,11 +727,52 @@ class Worker:
         self._datasets = {d.id: d for d in await list_datasets(self.database)}
         self._datasets_loaded = time.monotonic()
 
+    # -------------------------------------------------------------------- auto caps
+
+    async def _tune(self) -> None:
+        """Every ``auto_interval`` seconds, look at each adapted server and set its cap."""
+        blind: set[str] = set()
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.config.auto_interval)
+            now = time.monotonic()
+            elapsed, last = now - last, now
+            try:
+                tuned = [st for st in self.pool.states.values() if st.controller and st.healthy]
+                views = await asyncio.gather(*(self.pool.metrics(st.url) for st in tuned))
+                for state, view in zip(tuned, views, strict=True):
+                    if view is None and state.url not in blind:
+                        blind.add(state.url)
+                        log.info("server_metrics_unavailable", server=state.url)
+                    sample = Sample(
+                        elapsed=elapsed,
+                        in_flight=state.in_flight,
+                        tokens_per_s=state.tokens / elapsed if elapsed > 0 else None,
+                        latency=state.latency / state.answers if state.answers else None,
+                        **(view or {}),
+                    )
+                    state.answers = state.tokens = 0
+                    state.latency = 0.0
+                    assert state.controller is not None
+                    change = state.controller.update(sample)
+                    if change is not None:
+                        log.info(
+                            "concurrency_changed",
+                            server=state.url,
+                            old=change.old,
+                            new=change.new,
+                            reason=change.reason,
+                        )
+                        self.pool.set_cap(state.url, change.new)
+            except Exception:  # the tuner must outlive any one bad look
+                log.exception("tuner_crashed")
+
     # -------------------------------------------------------------------- leases
 
     async def _keeper(self) -> None:
         interval = self.config.lease_seconds / 4
         last_checkpoint = last_progress = time.monotonic()
+        last_sample = float("-inf")
         while True:
             await asyncio.sleep(interval)
             try:
@@ -764,6 +788,9 @@ class Worker:
                 if now - last_checkpoint >= self.config.checkpoint_every:
                     await self.database.checkpoint()
                     last_checkpoint = now
+                if self.config.sample_every and now - last_sample >= self.config.sample_every:
+                    last_sample = now
+                    await self._sample()
                 self.notifier.status(
                     f"{self.stats.completed} done, {self.stats.failed} failed, "
                     f"{self.in_flight} in flight"
@@ -775,6 +802,22 @@ class Worker:
                 log.error("keeper_failed", error=str(exc))
             except Exception:  # the keeper must outlive any one bad round
                 log.exception("keeper_crashed")
+
+    async def _sample(self) -> None:
+        """The run's history (store.samples), with the gauges of the servers we use.
+
+        Every worker tries; the first past the interval writes. The servers are only
+        scraped when a sample is due.
+        """
+        from orchestrator.monitor.server_metrics import scrape
+        from orchestrator.store import samples
+
+        if not await samples.due(self.database, self.config.sample_every):
+            return
+        gauges = await asyncio.gather(
+            *(asyncio.to_thread(scrape, server) for server in self.config.servers)
+        )
+        await samples.record(self.database, interval=self.config.sample_every, servers=gauges)
 
     async def _renew(self) -> None:
         held = [(h.lease.item_id, h.lease.token) for h in self._held.values()]

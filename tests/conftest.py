@@ -1,16 +1,134 @@
-"""Shared fixtures: real SQLite files, the simulated server over loopback, subprocesses."""
+"""Shared fixtures: real databases (SQLite files and PostgreSQL), the simulated server over
+loopback, subprocesses.
+
+The storage conformance suite: every test that takes ``database`` (or ``db_url``) runs
+once per backend, as ``[sqlite]`` and ``[postgresql]`` (``pytest -k postgresql`` picks the
+PostgreSQL runs). The PostgreSQL variant gets a database of its own, created for the test
+on the server at ``ORCHESTRATOR_TEST_PG`` (default ``postgresql://postgres@127.0.0.1:5432``,
+trust auth) and dropped after it. PostgreSQL is on every dev and CI machine: when it
+cannot be reached the PostgreSQL variants fail, they are never skipped.
+
+A test about the SQLite file itself (WAL, pragmas, the file's bytes, a lock held by
+another process) runs on SQLite only: mark it ``sqlite_only``, or take ``db_path`` beside
+``database`` (the database is then the file at ``db_path``).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import os
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from orchestrator.sim import SimConfig, serve
 from orchestrator.store import Database, open_database
 from tests.helpers import STARTED, SimProcess
+
+BACKENDS = ("sqlite", "postgresql")
+PG_SERVER = os.environ.get("ORCHESTRATOR_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "sqlite_only: a test about the SQLite file itself")
+    config.addinivalue_line("markers", "postgresql: runs against a PostgreSQL database")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that reaches the ``backend`` fixture runs once per backend."""
+    if "backend" not in metafunc.fixturenames:
+        return
+    if any(
+        "backend" in (getattr(m, "args", None) or ())
+        for m in metafunc.definition.iter_markers("parametrize")
+    ):
+        return  # the test chose its backends itself
+    only_sqlite = (
+        metafunc.definition.get_closest_marker("sqlite_only") is not None
+        or "db_path" in metafunc.fixturenames
+    )
+    chosen = ("sqlite",) if only_sqlite else BACKENDS
+    metafunc.parametrize(
+        "backend",
+        [
+            pytest.param(b, id=b, marks=[pytest.mark.postgresql] if b == "postgresql" else [])
+            for b in chosen
+        ],
+        indirect=True,
+    )
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    return getattr(request, "param", "sqlite")
+
+
+def _pg_admin(sql: str) -> None:
+    """One statement on the server's ``postgres`` database (from a thread of its own: the
+    caller may be inside a running event loop)."""
+
+    async def run() -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect(f"{PG_SERVER}/postgres", timeout=10)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, run()).result()
+
+
+def create_pg_database() -> str:
+    """A new, empty PostgreSQL database; its URL. Fails loudly when the server is down."""
+    name = f"orch_test_{secrets.token_hex(6)}"
+    try:
+        _pg_admin(f"CREATE DATABASE {name}")
+    except OSError as exc:
+        raise RuntimeError(
+            f"PostgreSQL at {PG_SERVER} is unreachable ({exc}): the PostgreSQL tests need it"
+        ) from exc
+    return f"{PG_SERVER}/{name}"
+
+
+def drop_pg_database(url: str) -> None:
+    name = url.rsplit("/", 1)[-1]
+    _pg_admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def pg_database() -> Iterator[Callable[[], str]]:
+    """Make fresh PostgreSQL databases (URLs); all are dropped after the test."""
+    made: list[str] = []
+
+    def make() -> str:
+        made.append(create_pg_database())
+        return made[-1]
+
+    yield make
+    for url in made:
+        drop_pg_database(url)
+
+
+@pytest.fixture
+def db_url(backend: str, tmp_path: Path, pg_database: Callable[[], str]) -> str:
+    """What ``--db`` names for this backend: an SQLite file, or a fresh PostgreSQL database."""
+    if backend == "postgresql":
+        return pg_database()
+    return str(tmp_path / "queue.db")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> None:
+    """Each test starts with structlog's defaults: a command run in-process by an earlier
+    test may have set a level that filters out the events a later test captures."""
+    structlog.reset_defaults()
 
 
 @pytest.fixture(autouse=True)
@@ -32,8 +150,8 @@ def db_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-async def database(db_path: Path) -> AsyncIterator[Database]:
-    db = await open_database(str(db_path))
+async def database(db_url: str) -> AsyncIterator[Database]:
+    db = await open_database(db_url)
     yield db
     await db.close()
 

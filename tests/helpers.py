@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import hashlib
+import itertools
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -106,7 +111,11 @@ STARTED: list[subprocess.Popen[str]] = []
 
 
 def start_worker(
-    db: Path, url: str, *extra: str, env: dict[str, str] | None = None, log_level: str = "info"
+    db: Path | str,
+    url: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    log_level: str = "info",
 ) -> subprocess.Popen[str]:
     """``orchestrator run`` as a subprocess with JSON logs on stderr."""
     cmd = [sys.executable, "-m", "orchestrator", "--log-json", "--log-level", log_level, "run"]
@@ -126,12 +135,56 @@ def events(stderr: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
 
 
-def item_rows(db: Path) -> list[tuple[Any, ...]]:
-    with closing(sqlite3.connect(db)) as conn:
-        return conn.execute("SELECT key, state, attempts FROM items ORDER BY position").fetchall()
+def is_postgres(db: Path | str) -> bool:
+    return str(db).startswith("postgresql")
 
 
-def check_export(db: Path, out: Path, expected_keys: list[str]) -> list[dict[str, Any]]:
+def query(db: Path | str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+    """Rows of one statement on either backend: an SQLite file, or a PostgreSQL URL.
+
+    Parameters are ``?`` on both (PostgreSQL's ``$n`` are made from them).
+    """
+    if not is_postgres(db):
+        with closing(sqlite3.connect(db)) as conn:
+            return conn.execute(sql, params).fetchall()
+    marks = itertools.count(1)
+    pg_sql = re.sub(r"\?", lambda _: f"${next(marks)}", sql)
+
+    async def run() -> list[tuple[Any, ...]]:
+        import asyncpg
+
+        conn = await asyncpg.connect(str(db))
+        try:
+            return [tuple(r) for r in await conn.fetch(pg_sql, *params)]
+        finally:
+            await conn.close()
+
+    # A thread of its own: the caller may be inside a running event loop.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, run()).result()
+
+
+def db_snapshot(db: Path | str) -> str:
+    """What a refused command must leave unchanged: the file's bytes on SQLite, every row
+    of every table on PostgreSQL."""
+    if not is_postgres(db):
+        return hashlib.sha256(Path(db).read_bytes()).hexdigest()
+    tables = query(
+        db,
+        "SELECT table_name FROM information_schema.tables"
+        " WHERE table_schema = 'public' ORDER BY table_name",
+    )
+    digest = hashlib.sha256()
+    for (table,) in tables:
+        digest.update(repr((table, query(db, f'SELECT * FROM "{table}" ORDER BY 1'))).encode())
+    return digest.hexdigest()
+
+
+def item_rows(db: Path | str) -> list[tuple[Any, ...]]:
+    return query(db, "SELECT key, state, attempts FROM items ORDER BY position")
+
+
+def check_export(db: Path | str, out: Path, expected_keys: list[str]) -> list[dict[str, Any]]:
     """Export, and check: each key once, in input order, each answer made for its prompt."""
     result = cli("export", str(out), "--db", str(db))
     assert result.returncode == 0, result.stderr

@@ -24,7 +24,6 @@ def test_enqueue_run_status_export(tmp_path: Path, sim_process: Callable[..., Si
     assert result.returncode == 0, result.stderr
     result = cli("run", "--server", server.url, "--db", str(db), "--exit-when-done")
     assert result.returncode == 0, result.stderr
-    assert "300 done, 0 failed" in result.stderr
     out = tmp_path / "out.jsonl"
     lines = check_export(db, out, [f"p{i:06d}" for i in range(300)])
     assert all(line["dataset"] == "e2e" and line["usage"]["completion_tokens"] for line in lines)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
-import sqlite3
-from contextlib import closing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from orchestrator.cli import main
-from tests.helpers import prompts, write_jsonl
+from tests.helpers import db_snapshot, prompts, query, write_jsonl
 
 
 def invoke(*args: str) -> tuple[int, str, str]:
@@ -25,17 +24,17 @@ def invoke(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-def snapshot_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def snapshot_file(db: Path | str) -> str:
+    """The SQLite file's bytes, or on PostgreSQL every row: a refused enqueue leaves both."""
+    return db_snapshot(db)
 
 
-def count_items(db: Path) -> int:
-    with closing(sqlite3.connect(db)) as conn:
-        return conn.execute("SELECT count(*) FROM items").fetchone()[0]
+def count_items(db: Path | str) -> int:
+    return query(db, "SELECT count(*) FROM items")[0][0]
 
 
-def test_all_formats_and_keys(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_all_formats_and_keys(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     path = write_jsonl(
         tmp_path / "mixed.jsonl",
         [
@@ -53,16 +52,15 @@ def test_all_formats_and_keys(tmp_path: Path) -> None:
     code, out, err = invoke("enqueue", str(path), "--dataset", "mix", "--db", str(db))
     assert code == 0, err
     assert "enqueued 4 items" in out
-    with closing(sqlite3.connect(db)) as conn:
-        keys = [r[0] for r in conn.execute("SELECT key FROM items ORDER BY position")]
-        fmt, params = conn.execute("SELECT input_format, params FROM datasets").fetchone()
+    keys = [r[0] for r in query(db, "SELECT key FROM items ORDER BY position")]
+    [(fmt, params)] = query(db, "SELECT input_format, params FROM datasets")
     assert keys == ["chat-1", "2", "3", "batch-7"]
     assert fmt == "mixed" or fmt in {"messages", "sharegpt"}
     assert params == "{}"
 
 
-def test_enqueue_is_idempotent(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_enqueue_is_idempotent(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     path = write_jsonl(tmp_path / "in.jsonl", prompts(50))
     args = ("enqueue", str(path), "--dataset", "d", "--db", str(db), "--max-tokens", "100")
     assert invoke(*args)[0] == 0
@@ -77,8 +75,8 @@ def test_enqueue_is_idempotent(tmp_path: Path) -> None:
     assert count_items(db) == 60
 
 
-def test_changed_content_or_params_are_refused(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_changed_content_or_params_are_refused(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     path = write_jsonl(tmp_path / "in.jsonl", prompts(3))
     assert invoke("enqueue", str(path), "-d", "d", "--db", str(db), "--model", "a")[0] == 0
     before = snapshot_file(db)
@@ -111,8 +109,10 @@ BAD_LINES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_LINES))
-def test_bad_line_names_file_and_line_and_writes_nothing(tmp_path: Path, case: str) -> None:
-    db = tmp_path / "q.db"
+def test_bad_line_names_file_and_line_and_writes_nothing(
+    db_url: str, tmp_path: Path, case: str
+) -> None:
+    db = db_url
     good = write_jsonl(tmp_path / "good.jsonl", prompts(5, prefix="g"))
     assert invoke("enqueue", str(good), "-d", "d", "--db", str(db))[0] == 0
     before = snapshot_file(db)
@@ -140,8 +140,8 @@ def test_bad_line_names_file_and_line_and_writes_nothing(tmp_path: Path, case: s
         (lambda p: None, "no such file"),
     ],
 )
-def test_bad_files(tmp_path: Path, make, message: str) -> None:  # type: ignore[no-untyped-def]
-    db = tmp_path / "q.db"
+def test_bad_files(db_url: str, tmp_path: Path, make, message: str) -> None:  # type: ignore[no-untyped-def]
+    db = db_url
     target = tmp_path / "input.jsonl"
     make(target)
     code, _, err = invoke("enqueue", str(target), "-d", "d", "--db", str(db))
@@ -149,8 +149,8 @@ def test_bad_files(tmp_path: Path, make, message: str) -> None:  # type: ignore[
     assert message in err and str(target) in err
 
 
-def test_bom_and_crlf_are_accepted(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_bom_and_crlf_are_accepted(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     path = tmp_path / "win.jsonl"
     path.write_bytes(
         b'\xef\xbb\xbf{"messages": [{"role": "user", "content": "a"}]}\r\n{"prompt": "b"}\r\n'
@@ -167,8 +167,8 @@ def test_database_file_is_private(tmp_path: Path) -> None:
     assert db.stat().st_mode & 0o777 == 0o600
 
 
-def test_a_50_mb_line_is_taken_whole(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_a_50_mb_line_is_taken_whole(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     big = "word " * (10 * 1024 * 1024)  # 50 MiB of content on one line
     path = write_jsonl(
         tmp_path / "big.jsonl",
@@ -177,8 +177,7 @@ def test_a_50_mb_line_is_taken_whole(tmp_path: Path) -> None:
     code, out, err = invoke("enqueue", str(path), "-d", "d", "--db", str(db))
     assert code == 0, err
     assert "enqueued 3 items" in out
-    with closing(sqlite3.connect(db)) as conn:
-        (length,) = conn.execute("SELECT length(request) FROM items WHERE key = 'huge'").fetchone()
+    [(length,)] = query(db, "SELECT length(request) FROM items WHERE key = 'huge'")
     assert length > 50 * 1024 * 1024
 
 
@@ -201,16 +200,13 @@ def small_batches(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
         monkeypatch.setattr(module, "_writer", portable)
 
 
-def item_rows(db: Path) -> list[tuple[str, int, str, str]]:
-    with closing(sqlite3.connect(db)) as conn:
-        return conn.execute(
-            "SELECT key, position, request, digest FROM items ORDER BY id"
-        ).fetchall()
+def item_rows(db: Path | str) -> list[tuple[Any, ...]]:
+    return query(db, "SELECT key, position, request, digest FROM items ORDER BY id")
 
 
 @pytest.mark.usefixtures("small_batches")
-def test_batches_keep_file_order_and_content(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_batches_keep_file_order_and_content(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     lines = prompts(10)
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     code, out, err = invoke("enqueue", str(path), "-d", "d", "--db", str(db))
@@ -228,8 +224,8 @@ def test_batches_keep_file_order_and_content(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("small_batches")
 @pytest.mark.parametrize("first", [2, 5])  # same batch as the repeat, or an earlier one
-def test_duplicate_key_in_any_batch(tmp_path: Path, first: int) -> None:
-    db = tmp_path / "q.db"
+def test_duplicate_key_in_any_batch(db_url: str, tmp_path: Path, first: int) -> None:
+    db = db_url
     good = write_jsonl(tmp_path / "good.jsonl", prompts(2, prefix="g"))
     assert invoke("enqueue", str(good), "-d", "d", "--db", str(db))[0] == 0
     before = snapshot_file(db)
@@ -248,14 +244,13 @@ def test_duplicate_key_in_any_batch(tmp_path: Path, first: int) -> None:
     assert "enqueued 9 items into existing dataset 'd' (0 already present, 1 invalid" in out
     assert count_items(db) == 2 + 9
     # The line kept is the first one, at its own position.
-    with closing(sqlite3.connect(db)) as conn:
-        (position,) = conn.execute("SELECT position FROM items WHERE key = ?", (key,)).fetchone()
+    [(position,)] = query(db, "SELECT position FROM items WHERE key = ?", key)
     assert position == 2 + first
 
 
 @pytest.mark.usefixtures("small_batches")
-def test_earlier_duplicate_is_reported_before_a_later_bad_line(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_earlier_duplicate_is_reported_before_a_later_bad_line(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     lines: list[object] = [*prompts(8)]
     lines[4] = {**prompts(1)[0]}  # line 5 repeats line 1 (second batch)
     lines[7] = b"{not json"  # line 8, read while the second batch is being written
@@ -268,8 +263,8 @@ def test_earlier_duplicate_is_reported_before_a_later_bad_line(tmp_path: Path) -
 
 
 @pytest.mark.usefixtures("small_batches")
-def test_bad_line_in_a_late_batch_writes_nothing(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_bad_line_in_a_late_batch_writes_nothing(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     good = write_jsonl(tmp_path / "good.jsonl", prompts(4, prefix="g"))
     assert invoke("enqueue", str(good), "-d", "d", "--db", str(db))[0] == 0
     before = snapshot_file(db)
@@ -282,8 +277,8 @@ def test_bad_line_in_a_late_batch_writes_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("small_batches")
-def test_overlapping_file_adds_only_new_lines(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_overlapping_file_adds_only_new_lines(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     path = write_jsonl(tmp_path / "in.jsonl", prompts(7))
     assert invoke("enqueue", str(path), "-d", "d", "--db", str(db))[0] == 0
     # New lines before, among and after the stored ones, over several batches.
@@ -309,7 +304,9 @@ def test_overlapping_file_adds_only_new_lines(tmp_path: Path) -> None:
     assert snapshot_file(db) == before
 
 
-async def test_records_and_prepared_lines_store_the_same(tmp_path: Path) -> None:
+async def test_records_and_prepared_lines_store_the_same(
+    backend: str, pg_database: Callable[[], str], tmp_path: Path
+) -> None:
     from orchestrator.formats import iter_prepared, iter_records
     from orchestrator.store import DatasetSpec, enqueue, open_database
 
@@ -327,14 +324,15 @@ async def test_records_and_prepared_lines_store_the_same(tmp_path: Path) -> None
     )
     stored = []
     for name, lines in (("records", iter_records(path)), ("prepared", iter_prepared(path))):
-        database = await open_database(str(tmp_path / f"{name}.db"))
+        db = pg_database() if backend == "postgresql" else str(tmp_path / f"{name}.db")
+        database = await open_database(db)
         try:
             report = await enqueue(database, DatasetSpec("d"), lines, path=str(path))
         finally:
             await database.close()
         assert report.added == 6
         assert report.formats == {"messages": 3, "sharegpt": 1, "prompt": 1, "openai-batch": 1}
-        stored.append(item_rows(tmp_path / f"{name}.db"))
+        stored.append(item_rows(db))
     assert stored[0] == stored[1]
 
 
@@ -350,12 +348,11 @@ CALL = {
 RESULT = {"role": "tool", "tool_call_id": "c1", "content": "r"}
 
 
-def rows(db: Path, sql: str, *params: object) -> list[tuple[Any, ...]]:
-    with closing(sqlite3.connect(db)) as conn:
-        return conn.execute(sql, params).fetchall()
+def rows(db: Path | str, sql: str, *params: object) -> list[tuple[Any, ...]]:
+    return query(db, sql, *params)
 
 
-def claim_all(db: Path) -> list[Any]:
+def claim_all(db: Path | str) -> list[Any]:
     """What a worker would be given: every claimable item, through the real queue."""
     from orchestrator.store import Queue, open_database
 
@@ -382,8 +379,8 @@ CONVERSATIONS = [
 ]
 
 
-def test_regenerate_all_stores_whole_conversations(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_regenerate_all_stores_whole_conversations(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     path = write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS)
     code, out, err = invoke("enqueue", str(path), "-d", "d", "--db", str(db), "--regenerate", "all")
     assert code == 0, err
@@ -414,8 +411,8 @@ def test_regenerate_all_stores_whole_conversations(tmp_path: Path) -> None:
     assert leases["c2"].request["messages"] == CONVERSATIONS[1]["messages"]
 
 
-def test_regenerate_all_bad_line_and_kind_change(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_regenerate_all_bad_line_and_kind_change(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     good = write_jsonl(tmp_path / "good.jsonl", CONVERSATIONS)
     assert invoke("enqueue", str(good), "-d", "d", "--db", str(db), "--regenerate", "all")[0] == 0
     before = snapshot_file(db)
@@ -450,8 +447,8 @@ PASSED = [
 ]
 
 
-def test_passthrough_rows_are_stored_done_and_never_claimed(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_passthrough_rows_are_stored_done_and_never_claimed(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     pending = write_jsonl(tmp_path / "prompts.jsonl", prompts(2))
     assert invoke("enqueue", str(pending), "-d", "p", "--db", str(db))[0] == 0
     path = write_jsonl(tmp_path / "final.jsonl", PASSED)
@@ -510,9 +507,9 @@ def test_passthrough_rows_are_stored_done_and_never_claimed(tmp_path: Path) -> N
     ],
 )
 def test_bad_passthrough_rows_name_file_and_line(
-    tmp_path: Path, line: dict[str, Any], reason: str
+    db_url: str, tmp_path: Path, line: dict[str, Any], reason: str
 ) -> None:
-    db = tmp_path / "q.db"
+    db = db_url
     good = write_jsonl(tmp_path / "good.jsonl", PASSED[2:])
     assert invoke("enqueue", str(good), "-d", "t", "--db", str(db), "--passthrough")[0] == 0
     before = snapshot_file(db)
@@ -526,12 +523,13 @@ def test_bad_passthrough_rows_name_file_and_line(
     assert f"skipped {bad}:4: " in err and "1 invalid lines skipped" in out
     # t1 was there already: f1, f2 and line 5 are added.
     assert "enqueued" not in out and "stored 3 rows as done" in out
-    assert rows(db, "SELECT count(*), sum(state = 'done') FROM items") == [(5, 5)]
+    done = "sum(CASE WHEN state = 'done' THEN 1 ELSE 0 END)"
+    assert rows(db, f"SELECT count(*), {done} FROM items") == [(5, 5)]
     assert rows(db, "SELECT count(*) FROM outputs") == [(5,)]
 
 
-def test_format_tokens(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_format_tokens(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     path = write_jsonl(tmp_path / "t.jsonl", PASSED[2:])
     code, _, err = invoke("enqueue", str(path), "-d", "t", "--db", str(db), "--format", "tokens")
     assert code == 2 and "can only be passed through" in err
@@ -546,8 +544,8 @@ def test_format_tokens(tmp_path: Path) -> None:
     assert "stored 3 rows as done" in out
 
 
-def test_declared_format(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_declared_format(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, *prompts(1)])
     code, out, err = invoke("enqueue", str(path), "-d", "d", "--db", str(db), "--format", "prompt")
     assert code == 2 and out == ""
@@ -565,8 +563,10 @@ def test_declared_format(tmp_path: Path) -> None:
         ("--on-truncated", "retry"),
     ],
 )
-def test_passthrough_refuses_request_options(tmp_path: Path, option: tuple[str, str]) -> None:
-    db = tmp_path / "q.db"
+def test_passthrough_refuses_request_options(
+    db_url: str, tmp_path: Path, option: tuple[str, str]
+) -> None:
+    db = db_url
     path = write_jsonl(tmp_path / "in.jsonl", PASSED)
     code, _, err = invoke(
         "enqueue", str(path), "-d", "d", "--db", str(db), "--passthrough", *option
@@ -581,8 +581,8 @@ def test_passthrough_refuses_request_options(tmp_path: Path, option: tuple[str, 
     assert snapshot_file(db) == before
 
 
-def test_on_truncated_is_stored_and_may_change(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_on_truncated_is_stored_and_may_change(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     path = write_jsonl(tmp_path / "in.jsonl", prompts(2))
     args = ("enqueue", str(path), "-d", "d", "--db", str(db))
     assert invoke(*args, "--on-truncated", "retry")[0] == 0
@@ -594,11 +594,11 @@ def test_on_truncated_is_stored_and_may_change(tmp_path: Path) -> None:
     assert rows(db, "SELECT on_truncated FROM datasets") == [("fail",)]
 
 
-def test_update_changes_parameters_of_the_items_not_done(tmp_path: Path) -> None:
+def test_update_changes_parameters_of_the_items_not_done(db_url: str, tmp_path: Path) -> None:
     from orchestrator.store import Output, Queue, open_database
     from orchestrator.store.datasets import params_hash
 
-    db = tmp_path / "q.db"
+    db = db_url
     path = write_jsonl(tmp_path / "in.jsonl", prompts(3))
     old = {"model": "m", "temperature": 0.6}
     new = {"model": "m", "temperature": 1.0}
@@ -650,7 +650,11 @@ def test_update_changes_parameters_of_the_items_not_done(tmp_path: Path) -> None
     ],
 )
 async def test_records_and_prepared_items_store_the_same(
-    tmp_path: Path, options: dict[str, Any], spec: dict[str, Any]
+    backend: str,
+    pg_database: Callable[[], str],
+    tmp_path: Path,
+    options: dict[str, Any],
+    spec: dict[str, Any],
 ) -> None:
     from orchestrator.errors import ConfigError
     from orchestrator.formats import iter_prepared, iter_records
@@ -662,8 +666,8 @@ async def test_records_and_prepared_items_store_the_same(
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     stored = []
     for name, read in (("records", iter_records), ("prepared", iter_prepared)):
-        db = tmp_path / f"{name}.db"
-        database = await open_database(str(db))
+        db = pg_database() if backend == "postgresql" else str(tmp_path / f"{name}.db")
+        database = await open_database(db)
         try:
             # Lines read as prompts would lose the turns this dataset keeps: refused.
             with pytest.raises(ConfigError, match="read them with"):
@@ -682,8 +686,8 @@ async def test_records_and_prepared_items_store_the_same(
 
 
 @pytest.mark.usefixtures("small_batches")
-def test_regenerate_all_in_batches(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_regenerate_all_in_batches(db_url: str, tmp_path: Path) -> None:
+    db = db_url
     turns = [{"id": f"t{i}", "messages": [USER, ANSWER] * (i % 3 + 1)} for i in range(8)]
     path = write_jsonl(tmp_path / "in.jsonl", turns[:5])
     args = ("enqueue", str(path), "-d", "d", "--db", str(db), "--regenerate", "all")

@@ -12,7 +12,7 @@ import json
 import sqlite3
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -111,16 +111,14 @@ def _answer(i: int) -> Output:
     )
 
 
-def _enqueue(tmp_path: Path, db: Path, name: str, rows: list[dict[str, Any]]) -> None:
+def _enqueue(tmp_path: Path, db: Path | str, name: str, rows: list[dict[str, Any]]) -> None:
     data = write_jsonl(tmp_path / f"{name}.jsonl", rows)
     result = run_cli("enqueue", str(data), "--dataset", name, "--db", str(db))
     assert result.returncode == 0, result.stderr
 
 
-@pytest.fixture
-async def done_db(tmp_path: Path) -> AsyncIterator[tuple[Path, Database]]:
+async def _done(tmp_path: Path, db: Path | str) -> Database:
     """Two datasets; every line of "mixed" done with a varied answer, half of "zeta"."""
-    db = tmp_path / "q.db"
     _enqueue(tmp_path, db, "mixed", LINES)
     _enqueue(tmp_path, db, "zeta", [{"id": f"z{i}", "prompt": f"z {i}"} for i in range(6)])
     database = await open_database(str(db))
@@ -129,6 +127,13 @@ async def done_db(tmp_path: Path) -> AsyncIterator[tuple[Path, Database]]:
     assert await queue.complete([(lease, _answer(i)) for i, lease in enumerate(leases)])
     leases = await queue.claim("w", 3, lease_seconds=600, dataset_names=["zeta"])
     assert await queue.complete([(lease, _answer(i)) for i, lease in enumerate(leases)])
+    return database
+
+
+@pytest.fixture
+async def done_db(tmp_path: Path) -> AsyncIterator[tuple[Path, Database]]:
+    db = tmp_path / "q.db"
+    database = await _done(tmp_path, db)
     yield db, database
     await database.close()
 
@@ -215,13 +220,18 @@ async def _mixed(database: Database) -> None:
     assert len(await queue.complete([(x, _answer(0)) for x in b], now=T0 + 20)) == 2
 
 
-@pytest.fixture
-async def mixed_db(tmp_path: Path) -> AsyncIterator[tuple[Path, Database]]:
-    db = tmp_path / "mixed.db"
+async def _mixed_db(tmp_path: Path, db: Path | str) -> Database:
     _enqueue(tmp_path, db, "a", [{"id": f"a{i:02d}", "prompt": f"a {i}"} for i in range(20)])
     _enqueue(tmp_path, db, "b", [{"id": f"b{i:02d}", "prompt": f"b {i}"} for i in range(6)])
     database = await open_database(str(db))
     await _mixed(database)
+    return database
+
+
+@pytest.fixture
+async def mixed_db(tmp_path: Path) -> AsyncIterator[tuple[Path, Database]]:
+    db = tmp_path / "mixed.db"
+    database = await _mixed_db(tmp_path, db)
     yield db, database
     await database.close()
 
@@ -260,12 +270,73 @@ async def test_status_numbers_on_mixed_states(mixed_db: tuple[Path, Database]) -
     }
     assert a["failed_by_class"] == {"http_400": 3}
     assert b["overall"]["started_at"] == T0 + 20 - 0.25
-    assert b["recent"]["done"] == 0 and b["eta_seconds"] is None
+    assert b["recent"]["done"] == 0
+    # The ETA replays the claim order: "a" first, then "b" in the slots "a" frees.
+    assert 0 < a["eta_seconds"] < b["eta_seconds"]
     totals = via_engine["totals"]
+    assert totals["eta_seconds"] == b["eta_seconds"]
     assert totals["counts"] == {"pending": 7, "running": 4, "done": 12, "failed": 3, "total": 26}
     assert totals["failed_by_class"] == {"http_400": 3}
     assert totals["overall"]["started_at"] == T0 + 9.0
     assert via_engine["database"] == database.where == str(db)
+
+
+# --- PostgreSQL: the same status document and the same export bytes -------------------
+
+
+@pytest.mark.postgresql
+async def test_postgresql_export_is_byte_identical_to_sqlite(
+    done_db: tuple[Path, Database], pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    db, _ = done_db
+    url = pg_database()
+    database = await _done(tmp_path, url)
+    try:
+        expected = await _reference(database)
+    finally:
+        await database.close()
+    # (openai-batch lines carry the time each answer was made: not comparable here.)
+    for fmt in ("messages", "sharegpt"):
+        outs = []
+        for where in (db, url):
+            out = tmp_path / f"{fmt}-{'pg' if where == url else 'sqlite'}.jsonl"
+            result = run_cli("export", str(out), "--format", fmt, "--db", str(where))
+            assert result.returncode == 0, result.stderr
+            outs.append(out.read_bytes())
+        assert outs[0] == outs[1], fmt
+        if fmt == "messages":
+            assert outs[1] == expected
+    result = run_cli("export", str(tmp_path / "x.jsonl"), "--dataset", "nope", "--db", url)
+    assert result.returncode == 2 and "no such dataset: nope" in result.stderr
+
+
+@pytest.mark.postgresql
+async def test_postgresql_status_matches_sqlite(
+    mixed_db: tuple[Path, Database], pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    _, lite = mixed_db
+    url = pg_database()
+    database = await _mixed_db(tmp_path, url)
+    try:
+        now = T0 + 600
+        on_pg = await snapshot(database, now=now)
+        on_sqlite = await snapshot(lite, now=now)
+        assert on_pg.pop("database") == database.where
+        on_sqlite.pop("database")
+        assert on_pg == on_sqlite
+    finally:
+        await database.close()
+    result = run_cli("status", "--json", "--db", url)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["totals"]["counts"] == {
+        "pending": 7,
+        "running": 4,
+        "done": 12,
+        "failed": 3,
+        "total": 26,
+    }
+    assert document["database"] == database.where
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:

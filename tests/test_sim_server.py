@@ -1023,3 +1023,12 @@ def test_cli_choices_match_the_server():
     assert params["reasoning"].default == SimConfig().reasoning
     assert params["reasoning_field"].default == SimConfig().reasoning_field
     assert params["tool_call_rate"].default == SimConfig().tool_call_rate
+    for name in (
+        "kv_tokens",
+        "max_running",
+        "step_time",
+        "step_per_request",
+        "prefill_per_token",
+        "time_scale",
+    ):
+        assert params[name].default == getattr(SimConfig(), name), name

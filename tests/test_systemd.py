@@ -22,7 +22,7 @@ import pytest
 
 from orchestrator.deploy import UnitSpec, installed_executable, render_unit
 from orchestrator.systemd import SystemdNotifier, notify_address, watchdog_interval
-from tests.helpers import REPO, SimProcess, cli, prompts, start_worker, write_jsonl
+from tests.helpers import REPO, SimProcess, cli, events, prompts, start_worker, write_jsonl
 
 
 class NotifySocket:
@@ -280,4 +280,5 @@ def test_worker_runs_without_writable_executable_memory(
     if result.returncode in (77, 78):
         pytest.skip("this kernel has no PR_SET_MDWE (Linux 6.3+)")
     assert result.returncode == 0, result.stderr
-    assert "worker stopped: 50 done" in result.stderr
+    stopped = [e for e in events(result.stderr) if e["event"] == "worker_stopped"]
+    assert stopped and stopped[0]["completed"] == 50

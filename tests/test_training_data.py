@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 import sqlalchemy as sa
 
 from orchestrator.client import ClientConfig, InferenceClient
@@ -185,25 +186,32 @@ async def test_regenerate_all_goes_turn_by_turn_and_resumes(
         async with database.read() as conn:
             outputs_rows = (
                 await conn.execute(
-                    sa.select(items.c.key, outputs.c.message, outputs.c.completion_tokens).join(
-                        items, items.c.id == outputs.c.item_id
-                    )
+                    sa.select(
+                        items.c.key,
+                        outputs.c.message,
+                        outputs.c.completion_tokens,
+                        outputs.c.latency,
+                    ).join(items, items.c.id == outputs.c.item_id)
                 )
             ).all()
             spent = (
                 await conn.execute(
-                    sa.select(items.c.key, item_turns.c.usage).join(
+                    sa.select(items.c.key, item_turns.c.usage, item_turns.c.latency).join(
                         items, items.c.id == item_turns.c.item_id
                     )
                 )
             ).all()
         assert len(outputs_rows) == 12
         per_key: dict[str, int] = {}
-        for key, usage in spent:
+        seconds: dict[str, float] = {}
+        for key, usage, latency in spent:
             per_key[key] = per_key.get(key, 0) + orjson.loads(usage)["completion_tokens"]
-        for key, message, tokens in outputs_rows:
+            seconds[key] = seconds.get(key, 0.0) + latency
+        for key, message, tokens, latency in outputs_rows:
             assert orjson.loads(message) == done[key][-1]
             assert tokens == per_key[key]
+            # ... and so does its latency: what the ETA counts an item's cost by.
+            assert latency == pytest.approx(seconds[key]) and latency > 0
     finally:
         await database.close()
 

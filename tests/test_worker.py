@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from orchestrator.client import ClientConfig, InferenceClient
 from orchestrator.formats import iter_records
+from orchestrator.metrics import WorkerMetrics
 from orchestrator.sim import answer_matches
 from orchestrator.store import Database, DatasetSpec, enqueue, iter_done
 from orchestrator.store.schema import attempt_errors, items
@@ -42,10 +43,13 @@ def config(url: str, **overrides: Any) -> WorkerConfig:
 
 
 async def run_worker(
-    database: Database, cfg: WorkerConfig, client_cfg: ClientConfig | None = None
+    database: Database,
+    cfg: WorkerConfig,
+    client_cfg: ClientConfig | None = None,
+    metrics: WorkerMetrics | None = None,
 ) -> WorkerStats:
     async with InferenceClient(client_cfg or ClientConfig(request_timeout=2)) as client:
-        return await asyncio.wait_for(Worker(database, client, cfg).run(), 60)
+        return await asyncio.wait_for(Worker(database, client, cfg, metrics=metrics).run(), 60)
 
 
 async def states(database: Database) -> dict[str, int]:

@@ -135,6 +135,20 @@ class SimConfig:
             or absent) that are answered with a call of the first tool; which ones is fixed
             by the request's digest. ``tool_choice`` "required" or naming a function always
             calls, "none" never.
+        kv_tokens: KV-cache size in tokens. With it (or ``max_running``) the server batches
+            as SGLang does (``latency`` and ``per_token`` then do not apply): requests wait
+            in a queue until they fit, are decoded together one token per step, and when
+            the cache overflows as sequences grow the newest are retracted (re-queued, to
+            be prefilled again). 0: no cache limit.
+        max_running: most requests decoded together (0: as many as fit in the cache).
+        step_time: seconds of one decode step, plus ``step_per_request`` per request in
+            the batch: the larger the batch, the slower each request and the higher the
+            total throughput, up to ``1 / step_per_request`` tokens/s.
+        step_per_request: see ``step_time``.
+        prefill_per_token: seconds per token prefilled (prompts, and the generated tokens
+            of a retracted request when it is admitted again).
+        time_scale: multiplies every simulated duration of the batching model, so a
+            benchmark of a slow server finishes in seconds.
     """
 
     model: str = "sim-model"
@@ -149,6 +163,16 @@ class SimConfig:
     reasoning: str = "none"
     reasoning_field: str = "reasoning_content"
     tool_call_rate: float = 0.5
+    kv_tokens: int = 0
+    max_running: int = 0
+    step_time: float = 0.01
+    step_per_request: float = 0.0002
+    prefill_per_token: float = 0.00002
+    time_scale: float = 1.0
+
+    @property
+    def batching(self) -> bool:
+        return self.kv_tokens > 0 or self.max_running > 0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -164,7 +188,19 @@ class SimConfig:
             )
         if not 0.0 <= self.tool_call_rate <= 1.0:
             raise ValueError(f"tool_call_rate must be within [0, 1], got {self.tool_call_rate!r}")
-        for name in ("latency", "per_token", "retry_after"):
+        for name in ("kv_tokens", "max_running"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not math.isfinite(self.time_scale) or self.time_scale <= 0:
+            raise ValueError(f"time_scale must be a finite number > 0, got {self.time_scale!r}")
+        for name in (
+            "latency",
+            "per_token",
+            "retry_after",
+            "step_time",
+            "step_per_request",
+            "prefill_per_token",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -390,10 +426,189 @@ class _Stats:
         }
 
 
+#: SGLang's admission estimate: a running request is expected to still need this share of
+#: its ``max_tokens``. It starts cautious, grows bolder each step, and goes back to
+#: cautious when the cache overflows.
+_NEW_TOKEN_RATIO_INIT = 0.7
+_NEW_TOKEN_RATIO_MIN = 0.1
+_NEW_TOKEN_RATIO_DECAY = (_NEW_TOKEN_RATIO_INIT - _NEW_TOKEN_RATIO_MIN) / 600
+
+
+@dataclass(eq=False, slots=True)
+class _Seq:
+    """One request inside the batching model."""
+
+    prompt: int
+    target: int  # tokens it will generate
+    limit: int  # tokens the server must expect it may generate (its max_tokens)
+    done: asyncio.Future[None]
+    generated: int = 0
+    place: str = "queued"  # queued | running | done
+
+    @property
+    def kv(self) -> int:
+        return self.prompt + self.generated
+
+
+class _Batcher:
+    """A continuous-batching server: one task advances simulated steps; requests wait on
+    futures, so a few hundred of them cost little CPU.
+
+    Each step admits queued requests while the cache (less what the running ones are
+    expected to still need) holds them, then decodes one token of every running request;
+    when the cache cannot hold the step's tokens, the newest running requests are
+    retracted to the front of the queue.
+    """
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.capacity = config.kv_tokens or math.inf
+        self.max_running = config.max_running or math.inf
+        self.queue: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.kv_used = 0
+        self.ratio = _NEW_TOKEN_RATIO_INIT
+        self.retracted = 0
+        self.steps = 0
+        self.peak_running = 0
+        self.peak_queued = 0
+        self.peak_usage = 0.0
+        self.recent_tokens: deque[list[int]] = deque()  # (second, tokens decoded)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def fits(self, tokens: int) -> bool:
+        return tokens <= self.capacity
+
+    @property
+    def usage(self) -> float:
+        return self.kv_used / self.config.kv_tokens if self.config.kv_tokens else 0.0
+
+    def throughput(self) -> float:
+        now = int(time.monotonic())
+        while self.recent_tokens and self.recent_tokens[0][0] <= now - _THROUGHPUT_WINDOW:
+            self.recent_tokens.popleft()
+        if not self.recent_tokens:
+            return 0.0
+        window = min(_THROUGHPUT_WINDOW, now - self.recent_tokens[0][0] + 1)
+        return sum(tokens for _, tokens in self.recent_tokens) / window
+
+    async def generate(self, prompt: int, target: int, limit: int) -> None:
+        """Wait until the request has generated ``target`` tokens."""
+        seq = _Seq(prompt, target, max(limit, target), asyncio.get_running_loop().create_future())
+        self.queue.append(seq)
+        self.peak_queued = max(self.peak_queued, len(self.queue))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="sim batcher")
+        self._wake.set()
+        try:
+            await seq.done
+        finally:
+            self._drop(seq)
+
+    def _drop(self, seq: _Seq) -> None:
+        """Forget a request that left before its end (its client went away)."""
+        if seq.place == "queued":
+            self.queue.remove(seq)
+        elif seq.place == "running":
+            self.running.remove(seq)
+            self.kv_used -= seq.kv
+        seq.place = "done"
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        clock = loop.time()
+        while True:
+            if not self.running and not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+                clock = loop.time()
+                continue
+            clock += self._step() * self.config.time_scale
+            delay = clock - loop.time()
+            if delay < -1.0:
+                clock = loop.time()  # far behind (a busy machine): do not race to catch up
+            await asyncio.sleep(max(delay, 0.0))
+
+    def _step(self) -> float:
+        """One scheduling round and decode step; returns its simulated seconds."""
+        prefill = 0
+        ratio = self.ratio
+        reserved = sum(ratio * (s.limit - s.generated) for s in self.running)
+        while self.queue and len(self.running) < self.max_running:
+            seq = self.queue[0]
+            need = seq.kv + ratio * (seq.limit - seq.generated)
+            if self.running and self.kv_used + reserved + need > self.capacity:
+                break
+            self.queue.popleft()
+            seq.place = "running"
+            self.running.append(seq)
+            self.kv_used += seq.kv
+            reserved += ratio * (seq.limit - seq.generated)
+            prefill += seq.kv
+        # Every running request adds a token to the cache; retract the newest until they fit.
+        while len(self.running) > 1 and self.kv_used + len(self.running) > self.capacity:
+            seq = self.running.pop()
+            self.kv_used -= seq.kv
+            seq.place = "queued"
+            self.queue.appendleft(seq)
+            self.retracted += 1
+            self.ratio = _NEW_TOKEN_RATIO_INIT
+        batch = len(self.running)
+        self.peak_running = max(self.peak_running, batch)
+        self.peak_queued = max(self.peak_queued, len(self.queue))
+        if self.config.kv_tokens:
+            self.peak_usage = max(self.peak_usage, (self.kv_used + batch) / self.config.kv_tokens)
+        kept: list[_Seq] = []
+        for seq in self.running:
+            seq.generated += 1
+            if seq.generated >= seq.target:
+                self.kv_used -= seq.prompt + seq.generated - 1
+                seq.place = "done"
+                if not seq.done.done():
+                    seq.done.set_result(None)
+            else:
+                kept.append(seq)
+        self.kv_used += len(kept)
+        self.running = kept
+        self.steps += 1
+        self.ratio = max(_NEW_TOKEN_RATIO_MIN, self.ratio - _NEW_TOKEN_RATIO_DECAY)
+        now = int(time.monotonic())
+        if self.recent_tokens and self.recent_tokens[-1][0] == now:
+            self.recent_tokens[-1][1] += batch
+        else:
+            self.recent_tokens.append([now, batch])
+        config = self.config
+        return (
+            config.step_time + config.step_per_request * batch + config.prefill_per_token * prefill
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "running": len(self.running),
+            "queued": len(self.queue),
+            "kv_used": self.kv_used,
+            "kv_tokens": self.config.kv_tokens,
+            "token_usage": self.usage,
+            "peak_running": self.peak_running,
+            "peak_queued": self.peak_queued,
+            "peak_token_usage": self.peak_usage,
+            "retracted": self.retracted,
+            "steps": self.steps,
+        }
+
+
 class _State:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.stats = _Stats()
+        self.batcher = _Batcher(config) if config.batching else None
         self.fault_rng = random.Random(config.seed)
         self.started = time.monotonic()
         self.closing = asyncio.Event()
@@ -727,6 +942,14 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
     answer = _generate(body, digest, config, empty=fault == "empty")
     n = answer.tokens
     prompt_tokens = _count_prompt_tokens(messages)
+    batcher = state.batcher
+    if batcher is not None and not batcher.fits(prompt_tokens + n):
+        stats.invalid += 1
+        return _bad_request(
+            f"the prompt and answer ({prompt_tokens + n} tokens) do not fit in the KV cache "
+            f"({config.kv_tokens} tokens)"
+        )
+    limit = body.get("max_completion_tokens") or body.get("max_tokens") or 2 * config.mean_tokens
     state.next_id += 1
     completion_id = f"chatcmpl-{digest}{state.next_id:08x}"
 
@@ -745,9 +968,13 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 include_usage=include_usage,
                 cut=fault == "malformed",
                 stall=fault == "stall",
+                limit=limit,
             )
         else:
-            await _sleep(config.latency + config.per_token * n)
+            if batcher is not None:
+                await batcher.generate(prompt_tokens, n, limit)
+            else:
+                await _sleep(config.latency + config.per_token * n)
             if _client_gone(request):
                 stats.aborted += 1
                 return web.Response(status=499)
@@ -809,8 +1036,11 @@ async def _stream_answer(
     include_usage: bool,
     cut: bool,
     stall: bool = False,
+    limit: int = 0,
 ) -> web.StreamResponse:
     config = state.config
+    # The batching model answers once the whole answer is generated, then streams it.
+    batcher = state.batcher
     created = int(time.time())
 
     def chunk(delta: dict[str, Any], finish: str | None) -> bytes:
@@ -823,7 +1053,10 @@ async def _stream_answer(
         }
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-    await _sleep(config.latency)
+    if batcher is not None:
+        await batcher.generate(prompt_tokens, answer.tokens, limit)
+    else:
+        await _sleep(config.latency)
     response = web.StreamResponse(
         status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -834,7 +1067,7 @@ async def _stream_answer(
     # a stalled one sends the same half, then nothing, keeping the connection open.
     sent = deltas[: max(1, len(deltas) // 2)] if cut or stall else deltas
     for delta, tokens in sent:
-        await _sleep(config.per_token * tokens)
+        await _sleep(0 if batcher is not None else config.per_token * tokens)
         await response.write(chunk(delta, None))
     if stall:
         await _hang(request, state)
@@ -893,18 +1126,18 @@ def _metrics_text(state: _State) -> str:
     def counter(name: str, help_text: str, value: float) -> None:
         metric(name, "counter", help_text, [(f"{name}_total{{{labels}}}", value)])
 
-    gauge("sglang:num_running_reqs", "The number of running requests.", stats.running)
-    gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", 0)
-    gauge(
-        "sglang:token_usage",
-        "The token usage.",
-        min(1.0, stats.running_tokens / _KV_CAPACITY_TOKENS),
-    )
-    gauge(
-        "sglang:gen_throughput",
-        "The generation throughput (token/s).",
-        stats.throughput(state.uptime()),
-    )
+    batcher = state.batcher
+    if batcher is not None:
+        running, queued = len(batcher.running), len(batcher.queue)
+        usage, throughput = batcher.usage, batcher.throughput()
+    else:
+        running, queued = stats.running, 0
+        usage = min(1.0, stats.running_tokens / _KV_CAPACITY_TOKENS)
+        throughput = stats.throughput(state.uptime())
+    gauge("sglang:num_running_reqs", "The number of running requests.", running)
+    gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", queued)
+    gauge("sglang:token_usage", "The token usage.", usage)
+    gauge("sglang:gen_throughput", "The generation throughput (token/s).", throughput)
     gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", 0)
     counter("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
     counter(
@@ -914,6 +1147,11 @@ def _metrics_text(state: _State) -> str:
     )
     counter("sglang:num_requests", "Number of requests processed.", stats.completed)
     counter("sglang:num_aborted_requests", "Number of requests aborted.", stats.aborted)
+    counter(
+        "sglang:num_retracted_requests",
+        "Number of requests retracted (the KV cache overflowed).",
+        batcher.retracted if batcher is not None else 0,
+    )
 
     name = "sglang:e2e_request_latency_seconds"
     samples = [
@@ -935,6 +1173,8 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _sim_stats(request: web.Request) -> web.Response:
     state = request.app[_STATE]
     body = {**state.stats.as_json(), "uptime": state.uptime(), "in_outage": state.in_outage()}
+    if state.batcher is not None:
+        body["batch"] = state.batcher.as_json()
     return web.Response(body=orjson.dumps(body), content_type=_JSON)
 
 
@@ -953,8 +1193,13 @@ def build_app(config: SimConfig) -> web.Application:
         # Release hanging requests so that shutdown does not wait for their clients.
         state.closing.set()
 
+    async def on_cleanup(app: web.Application) -> None:
+        if state.batcher is not None:
+            await state.batcher.close()
+
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/health", _health)
     app.router.add_get("/health_generate", _health)
@@ -1040,6 +1285,39 @@ def main(argv: list[str] | None = None) -> int:
         default=defaults.tool_call_rate,
         help="fraction of requests offering tools (tool_choice auto) answered with a call",
     )
+    batching = parser.add_argument_group(
+        "continuous batching", "a server that batches as SGLang does (off unless given)"
+    )
+    batching.add_argument(
+        "--kv-tokens", type=int, default=defaults.kv_tokens, help="KV-cache size in tokens"
+    )
+    batching.add_argument(
+        "--max-running", type=int, default=defaults.max_running, help="most requests per batch"
+    )
+    batching.add_argument(
+        "--step-time",
+        type=float,
+        default=defaults.step_time,
+        help="seconds of a decode step (default %(default)s)",
+    )
+    batching.add_argument(
+        "--step-per-request",
+        type=float,
+        default=defaults.step_per_request,
+        help="seconds a decode step takes more per request in the batch (default %(default)s)",
+    )
+    batching.add_argument(
+        "--prefill-per-token",
+        type=float,
+        default=defaults.prefill_per_token,
+        help="seconds per prompt token prefilled (default %(default)s)",
+    )
+    batching.add_argument(
+        "--time-scale",
+        type=float,
+        default=defaults.time_scale,
+        help="multiplies simulated durations; 0.1 runs ten times faster (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     try:
         faults: dict[str, float] = {}
@@ -1058,6 +1336,12 @@ def main(argv: list[str] | None = None) -> int:
             reasoning=args.reasoning,
             reasoning_field=args.reasoning_field,
             tool_call_rate=args.tool_call_rate,
+            kv_tokens=args.kv_tokens,
+            max_running=args.max_running,
+            step_time=args.step_time,
+            step_per_request=args.step_per_request,
+            prefill_per_token=args.prefill_per_token,
+            time_scale=args.time_scale,
             # From the environment, never the command line, where ps would show it.
             api_key=os.environ.get("SIM_API_KEY") or None,
         )

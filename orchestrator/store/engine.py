@@ -15,6 +15,14 @@ SQLite choices, and why:
   process never competes with itself for the file lock; callers batch their rows.
 * ``journal_size_limit`` and periodic checkpoints keep the WAL file from growing over a
   30-hour run.
+
+PostgreSQL (``postgresql://…``, through asyncpg): every transaction is READ COMMITTED.
+Many worker processes, on many hosts, write at once; nothing serialises them but row
+locks. A claim picks its rows with ``FOR UPDATE SKIP LOCKED`` (two claims never take the
+same row, and never wait for each other), a dataset's concurrency cap is counted under
+a lock on the dataset's row, and every renew, complete, retry, fail, release and advance
+is fenced in its UPDATE (id, lease token, ``state = 'running'``), which PostgreSQL
+re-checks against the row's latest version.
 """
 
 from __future__ import annotations
@@ -317,6 +325,12 @@ def create_database(db: str | os.PathLike[str] | URL | None = None) -> Database:
     if url.get_backend_name() == "sqlite":
         _prepare_sqlite_file(str(url.database or ""))
         kwargs["connect_args"] = {"timeout": BUSY_TIMEOUT_MS / 1000}
+    elif url.get_backend_name() == "postgresql":
+        # READ COMMITTED, said outright: each statement sees what was committed before it
+        # began. Claims lock the rows they take (FOR UPDATE SKIP LOCKED) and every
+        # fenced transition re-checks its row's lease when it updates it, so many
+        # processes on many hosts share one queue without serialising on a lock.
+        kwargs["isolation_level"] = "READ COMMITTED"
     engine = create_async_engine(url, **kwargs)
     if url.get_backend_name() == "sqlite":
         _install_sqlite_hooks(engine.sync_engine)

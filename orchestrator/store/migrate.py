@@ -18,9 +18,11 @@ if TYPE_CHECKING:
     from orchestrator.store.engine import Database
 
 # The head of migrations/versions; a test keeps the two equal.
-SCHEMA_REVISION = "0005"
+SCHEMA_REVISION = "0006"
 
 _OUR_TABLES = {"datasets", "items", "outputs"}
+# The PostgreSQL advisory lock that serialises schema upgrades ("orch" in ASCII).
+_PG_LOCK = 0x6F726368
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
@@ -80,6 +82,13 @@ async def upgrade(database: Database) -> tuple[str | None, str]:
     head = head_revision()
 
     def _upgrade(connection: Connection) -> str | None:
+        if connection.dialect.name == "postgresql":
+            # Concurrent first uses (several workers started at once) take turns: the
+            # others wait here, then find the schema at head. SQLite's BEGIN IMMEDIATE
+            # does the same.
+            from sqlalchemy import text
+
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_LOCK})
         before = _current(connection)
         _check_known(connection, before, database.where)
         if before != head:

@@ -57,10 +57,11 @@ class Lease:
     turn: int = 0
     turns: int = 1
     generated: tuple[dict[str, Any], ...] = ()
-    # Completion tokens and quality flags of the turns already generated (the output
-    # counts every turn's tokens and carries every turn's flags).
+    # Completion tokens, quality flags and seconds of the turns already generated (the
+    # output counts every turn's tokens and time, and carries every turn's flags).
     generated_tokens: int = 0
     generated_flags: int = 0
+    generated_latency: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +171,12 @@ class Claim:
     lease_seconds: float
     dataset_names: tuple[str, ...] | None = None
     suspect_slots: int | None = None
+    #: Items to take first from each dataset that fewer have been claimed from, whatever
+    #: its priority: every dataset then answers early, so a bad template or
+    #: ``max_tokens`` shows at once and the ETA knows every dataset's answer length.
+    #: ``started`` caches the datasets found to have had theirs, across claims.
+    scouts: int = 0
+    started: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -208,26 +215,28 @@ class Queue:
         """Settle outcomes and claim new work, atomically, outcomes first.
 
         Outcomes go first so that a dataset's concurrency cap counts the items they just
-        finished as free.
+        finished as free. The time is read once the transaction holds the write lock, so
+        that an answer's ``created_at`` is its commit time give or take the transaction,
+        however long the lock was waited for (the run's samples rely on it).
         """
-        now = time.time() if now is None else now
 
         def run(conn: sa.Connection) -> RoundResult:
+            at = time.time() if now is None else now
             accepted: dict[str, set[int]] = {}
             leases: list[Lease] = []
             if work.complete:
-                accepted["complete"] = _complete(conn, work.complete, now)
+                accepted["complete"] = _complete(conn, work.complete, at)
             if work.advance:
-                accepted["advance"] = _advance(conn, work.advance, now)
+                accepted["advance"] = _advance(conn, work.advance, at)
             if work.retry:
-                accepted["retry"] = _settle(conn, work.retry, "retry", now)
+                accepted["retry"] = _settle(conn, work.retry, "retry", at)
             if work.release:
-                accepted["release"] = _settle(conn, work.release, "released", now)
+                accepted["release"] = _settle(conn, work.release, "released", at)
             if work.fail:
                 failed = [(lease, failure, 0.0) for lease, failure in work.fail]
-                accepted["fail"] = _settle(conn, failed, "failed", now)
+                accepted["fail"] = _settle(conn, failed, "failed", at)
             if work.claim is not None and work.claim.want > 0:
-                leases = _claim(conn, work.claim, now)
+                leases = _claim(conn, work.claim, at)
             return RoundResult(accepted, leases)
 
         return await self.db.run_write(run)
@@ -332,14 +341,15 @@ class Queue:
                 items.c.lease_owner.in_(list(dead_owners)) if dead_owners else sa.false(),
             ),
         )
+        picked = sa.select(
+            items.c.id, items.c.dataset_id, items.c.attempts, items.c.lease_expires_at
+        ).where(lost)
+        if self.db.url.get_backend_name() == "postgresql":
+            # Another worker reaping at the same time takes other rows (or none): a row
+            # is taken back once, and never from a holder that claimed it since.
+            picked = picked.with_for_update(skip_locked=True)
         async with self.db.write() as conn:
-            rows = (
-                await conn.execute(
-                    sa.select(
-                        items.c.id, items.c.dataset_id, items.c.attempts, items.c.lease_expires_at
-                    ).where(lost)
-                )
-            ).all()
+            rows = (await conn.execute(picked)).all()
             if not rows:
                 return 0
             exhausted = [r.id for r in rows if r.attempts >= max_attempts]
@@ -522,7 +532,8 @@ _TURN_COLUMNS = (
 def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
     """One ``outputs`` row, in ``_OUTPUT_COLUMNS`` order.
 
-    For a multi-turn item the tokens count every turn, and the flags gather theirs.
+    For a multi-turn item the tokens and the latency count every turn, and the flags
+    gather theirs.
     """
     usage = out.usage or {}
     completion_tokens = usage.get("completion_tokens")
@@ -538,7 +549,7 @@ def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
         completion_tokens,
         orjson.dumps(out.message).decode(),
         orjson.dumps(out.usage).decode() if out.usage is not None else None,
-        out.latency,
+        out.latency + lease.generated_latency,
         out.server,
         out.model,
         out.response_id,
@@ -577,7 +588,31 @@ def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
     leases: list[Lease] = []
     left = claim.want
     suspect_slots = claim.suspect_slots
+    if claim.scouts > 0:
+        for dataset_id, concurrency in candidates:
+            if left <= 0:
+                break
+            if dataset_id in claim.started:
+                continue
+            taken = _taken(conn, dataset_id, claim.scouts)
+            if taken >= claim.scouts:
+                claim.started.add(dataset_id)
+                continue
+            n = min(left, claim.scouts - taken)
+            if concurrency is not None:
+                n = min(n, concurrency - running.get(dataset_id, 0))
+            # A dataset whose every item is back to pending may hold the items a dead
+            # worker was on: scouts are never those, when suspects are rationed.
+            fresh = None if claim.suspect_slots is None else False
+            got = _claim_from(
+                conn, dataset_id, n, fresh, token=token, owner=claim.owner, expires=expires, now=now
+            )
+            running[dataset_id] = running.get(dataset_id, 0) + len(got)
+            leases.extend(got)
+            left -= len(got)
     for dataset_id, concurrency in candidates:
+        if left <= 0:
+            break
         n = left
         if concurrency is not None:
             n = min(n, concurrency - running.get(dataset_id, 0))
@@ -599,6 +634,22 @@ def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
         if left <= 0:
             break
     return leases
+
+
+_TAKEN = (
+    "SELECT count(*) FROM (SELECT 1 FROM items WHERE dataset_id = :dataset"
+    " AND state IN ('running', 'done', 'failed') LIMIT :most) AS taken"
+)
+
+
+def _taken(conn: sa.Connection, dataset_id: int, most: int) -> int:
+    """How many of the dataset's items were claimed (or stored done), counting up to
+    ``most``: a bounded read of the (dataset, state) index."""
+    params = {"dataset": dataset_id, "most": most}
+    raw = _sqlite_driver(conn)
+    if raw is not None:
+        return int(raw.execute(_TAKEN, params).fetchone()[0])
+    return int(conn.execute(sa.text(_TAKEN), params).scalar_one())
 
 
 def _claimable_datasets(
@@ -626,6 +677,18 @@ def _claimable_datasets(
     if names:
         query = query.where(datasets.c.name.in_(list(names)))
     rows = [(r[0], r[1]) for r in conn.execute(query)]
+    capped = [dataset_id for dataset_id, concurrency in rows if concurrency is not None]
+    if capped and conn.dialect.name == "postgresql":
+        # Claims from many processes at once: a capped dataset's count and its claim
+        # happen under a lock on its row, so that two claims cannot both see room for
+        # the same slot. FOR NO KEY UPDATE: enqueue's inserts (a key share, for the
+        # foreign key) go on meanwhile. Taken in id order, so claims never deadlock.
+        conn.execute(
+            sa.select(datasets.c.id)
+            .where(datasets.c.id.in_(sorted(capped)))
+            .order_by(datasets.c.id)
+            .with_for_update(key_share=True)
+        )
     # Count running items only for capped datasets, one index range each.
     running = {
         dataset_id: conn.execute(
@@ -693,6 +756,7 @@ def _claim_from(
             generated=resumed[item_id].messages if item_id in resumed else (),
             generated_tokens=resumed[item_id].tokens if item_id in resumed else 0,
             generated_flags=resumed[item_id].flags if item_id in resumed else 0,
+            generated_latency=resumed[item_id].latency if item_id in resumed else 0.0,
         )
         for item_id, key, _, request, attempts, error_class, turn, turns in rows
     ]
@@ -724,6 +788,9 @@ def _claim_rows(
             suspect if suspects else sa.or_(items.c.error_class.is_(None), ~suspect)
         )
     if conn.dialect.name == "postgresql":
+        # Rows another claim has locked are skipped, not waited for; a row claimed and
+        # committed since this statement's snapshot is re-checked under the lock and
+        # dropped (it is no longer pending).
         picked = picked.with_for_update(skip_locked=True)
     result = conn.execute(
         items.update()
@@ -755,6 +822,7 @@ class _Generated:
     messages: tuple[dict[str, Any], ...] = ()
     tokens: int = 0
     flags: int = 0
+    latency: float = 0.0
 
 
 def _generated_turns(conn: sa.Connection, ids: Sequence[int]) -> dict[int, _Generated]:
@@ -763,19 +831,24 @@ def _generated_turns(conn: sa.Connection, ids: Sequence[int]) -> dict[int, _Gene
     for chunk in _chunks(ids):
         rows = conn.execute(
             sa.select(
-                item_turns.c.item_id, item_turns.c.message, item_turns.c.usage, item_turns.c.flags
+                item_turns.c.item_id,
+                item_turns.c.message,
+                item_turns.c.usage,
+                item_turns.c.flags,
+                item_turns.c.latency,
             )
             .select_from(item_turns.join(items, items.c.id == item_turns.c.item_id))
             .where(item_turns.c.item_id.in_(list(chunk)), item_turns.c.turn < items.c.turn)
             .order_by(item_turns.c.item_id, item_turns.c.turn)
         )
-        for item_id, message, usage, flags in rows:
+        for item_id, message, usage, flags, latency in rows:
             before = found.get(item_id, _Generated())
             used = orjson.loads(usage) if usage else {}
             found[item_id] = _Generated(
                 (*before.messages, orjson.loads(message)),
                 before.tokens + (used.get("completion_tokens") or 0),
                 before.flags | flags,
+                before.latency + latency,
             )
     return found
 

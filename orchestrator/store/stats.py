@@ -7,12 +7,14 @@ they survive restarts. The shape of :func:`snapshot`'s result is the documented
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.eta import Work, forecast
 from orchestrator.quality import ALL_FLAGS
 from orchestrator.store.reader import Reader
 
@@ -36,7 +38,10 @@ STATES = ("pending", "running", "done", "failed")
 # the partial index of failed items (hence the literal 'failed': a bound parameter
 # would not match the index's WHERE).
 _QUERIES: dict[str, str] = {
-    "datasets": "SELECT id, name, paused, concurrency, priority FROM datasets ORDER BY name",
+    "datasets": (
+        "SELECT id, name, paused, concurrency, priority, passthrough, params"
+        " FROM datasets ORDER BY name"
+    ),
     "counts": "SELECT dataset_id, state, count(*) FROM items GROUP BY dataset_id, state",
     "overall": (
         "SELECT dataset_id, count(*), coalesce(sum(completion_tokens), 0)"
@@ -86,6 +91,14 @@ _LENGTHS = (
     " AND completion_tokens IS NOT NULL ORDER BY created_at DESC LIMIT :limit"
 )
 
+# What a dataset's latest answers cost, for the ETA: a bounded read of the newest rows.
+COST_SAMPLE = 200
+_COSTS = (
+    "SELECT count(*), coalesce(sum(latency), 0), coalesce(sum(completion_tokens), 0) FROM"
+    " (SELECT latency, completion_tokens FROM outputs WHERE dataset_id = :dataset"
+    " ORDER BY created_at DESC LIMIT :limit) AS latest"
+)
+
 Rows = dict[str, Sequence[Sequence[Any]]]
 
 
@@ -103,6 +116,7 @@ async def snapshot(
     params = {"since": now - window}
     rows: Rows = {}
     lengths: dict[int, list[int]] = {}
+    costs: dict[int, Sequence[Any]] = {}
     async with database.read() as conn:
         for name, sql in _QUERIES.items():
             rows[name] = (await conn.execute(text(sql), params)).all()
@@ -110,7 +124,9 @@ async def snapshot(
             sample = {"dataset": dataset_id, "limit": LENGTH_SAMPLE}
             result = await conn.execute(text(_LENGTHS), sample)
             lengths[dataset_id] = [n for (n,) in result.all()]
-    return _document(rows, lengths, where=database.where, now=now, window=window)
+            cost = {"dataset": dataset_id, "limit": COST_SAMPLE}
+            costs[dataset_id] = (await conn.execute(text(_COSTS), cost)).one()
+    return _document(rows, lengths, costs, where=database.where, now=now, window=window)
 
 
 def snapshot_sqlite(
@@ -127,7 +143,11 @@ def snapshot_sqlite(
         ]
         for dataset_id, *_ in rows["datasets"]
     }
-    return _document(rows, lengths, where=reader.where, now=now, window=window)
+    costs = {
+        dataset_id: conn.execute(_COSTS, {"dataset": dataset_id, "limit": COST_SAMPLE}).fetchone()
+        for dataset_id, *_ in rows["datasets"]
+    }
+    return _document(rows, lengths, costs, where=reader.where, now=now, window=window)
 
 
 def _percentiles(values: list[int]) -> dict[str, Any]:
@@ -143,7 +163,13 @@ def _percentiles(values: list[int]) -> dict[str, Any]:
 
 
 def _document(
-    rows: Rows, lengths: dict[int, list[int]], *, where: str, now: float, window: float
+    rows: Rows,
+    lengths: dict[int, list[int]],
+    costs: dict[int, Sequence[Any]],
+    *,
+    where: str,
+    now: float,
+    window: float,
 ) -> dict[str, Any]:
     state_counts: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(STATES, 0))
     for dataset_id, state, n in rows["counts"]:
@@ -168,7 +194,8 @@ def _document(
                 counts[name] += n
 
     entries = []
-    for ds_id, name, paused, concurrency, priority in rows["datasets"]:
+    work: list[tuple[Any, ...]] = []
+    for ds_id, name, paused, concurrency, priority, passthrough, ds_params in rows["datasets"]:
         entry = _dataset_figures(
             state_counts[ds_id],
             overall_by.get(ds_id),
@@ -177,6 +204,8 @@ def _document(
             window=window,
         )
         entry["completion_tokens"].update(_percentiles(lengths.get(ds_id, [])))
+        if not passthrough:  # stored done at enqueue: no answer time to learn from
+            work.append((ds_id, entry, costs.get(ds_id), ds_params, paused, concurrency, priority))
         entries.append(
             {
                 "name": name,
@@ -189,7 +218,18 @@ def _document(
                 "flags": flags_by[ds_id],
             }
         )
+    workers = [_worker(row, now) for row in rows["workers"]]
+    live = sum(w["in_flight"] for w in workers if not w["stopped"] and not w["silent"])
+    # The seconds of the recent window the run was going on: requests in flight are
+    # averaged over these, finished datasets included (they held slots too).
+    starts = [e["overall"]["started_at"] for e in entries if e["overall"]["started_at"]]
+    busy = _span(min(starts), now, now, window) if starts else 0.0
+    outlook = forecast([_work(*args, busy=busy) for args in work], live_in_flight=live)
+    for (ds_id, *_), entry in zip(rows["datasets"], entries, strict=True):
+        entry["eta_seconds"] = _round(outlook.datasets.get(ds_id, 0.0))
     totals = _totals(entries, now=now, window=window)
+    totals["eta_seconds"] = _round(outlook.total)
+    totals["eta_slots"] = round(outlook.slots, 1)
     totals["completion_tokens"].update(
         _percentiles([n for sample in lengths.values() for n in sample])
     )
@@ -200,37 +240,78 @@ def _document(
         "window_seconds": window,
         "totals": totals,
         "datasets": entries,
-        "workers": [
-            {
-                "id": worker_id,
-                "host": host,
-                "pid": pid,
-                "started_at": started_at,
-                "heartbeat_age_s": round(now - heartbeat_at, 1),
-                "stopped": stopped_at is not None,
-                "silent": stopped_at is None and now - heartbeat_at > SILENT_AFTER,
-                "in_flight": in_flight,
-                "completed": completed,
-                "progress_age_s": None if progress_at is None else round(now - progress_at, 1),
-                "stalled": stopped_at is None
-                and now - heartbeat_at <= SILENT_AFTER
-                and in_flight > 0
-                and progress_at is not None
-                and now - progress_at > STALLED_AFTER,
-            }
-            for (
-                worker_id,
-                host,
-                pid,
-                started_at,
-                heartbeat_at,
-                stopped_at,
-                in_flight,
-                completed,
-                progress_at,
-            ) in rows["workers"]
-        ],
+        "workers": workers,
     }
+
+
+def _worker(row: Sequence[Any], now: float) -> dict[str, Any]:
+    (
+        worker_id,
+        host,
+        pid,
+        started_at,
+        heartbeat_at,
+        stopped_at,
+        in_flight,
+        completed,
+        progress_at,
+    ) = row
+    silent = stopped_at is None and now - heartbeat_at > SILENT_AFTER
+    return {
+        "id": worker_id,
+        "host": host,
+        "pid": pid,
+        "started_at": started_at,
+        "heartbeat_age_s": round(now - heartbeat_at, 1),
+        "stopped": stopped_at is not None,
+        "silent": silent,
+        "in_flight": in_flight,
+        "completed": completed,
+        "progress_age_s": None if progress_at is None else round(now - progress_at, 1),
+        "stalled": stopped_at is None
+        and not silent
+        and in_flight > 0
+        and progress_at is not None
+        and now - progress_at > STALLED_AFTER,
+    }
+
+
+def _work(
+    dataset_id: int,
+    entry: dict[str, Any],
+    cost: Sequence[Any] | None,
+    params: str | None,
+    paused: bool,
+    cap: int | None,
+    priority: int,
+    *,
+    busy: float,
+) -> Work:
+    """What the ETA needs of a dataset: items left, its latest answers' cost, its cap."""
+    sample, seconds, tokens = cost or (0, 0.0, 0)
+    mean_seconds = seconds / sample if sample else None
+    try:
+        max_tokens = json.loads(params or "{}").get("max_tokens")
+    except (ValueError, AttributeError):
+        max_tokens = None
+    return Work(
+        dataset_id,
+        pending=entry["counts"]["pending"],
+        running=entry["counts"]["running"],
+        priority=priority,
+        cap=cap,
+        paused=bool(paused),
+        seconds=mean_seconds,
+        tokens=tokens / sample if sample else None,
+        sample=sample,
+        max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
+        # Little's law: requests in flight = answer rate x time in the system.
+        in_flight=_rate(entry["recent"]["done"], busy) * (mean_seconds or 0.0),
+    )
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 def _span(start: float | None, end: float, now: float, window: float) -> float:
@@ -261,11 +342,6 @@ def _dataset_figures(
     span = _span(first_start, end, now, window)
     mean_tokens = out_tokens / out_count if out_count else None
     recent_rps = _rate(recent_count, span)
-    eta = None
-    if remaining == 0:
-        eta = 0.0
-    elif recent_rps > 0:
-        eta = round(remaining / recent_rps, 1)
     return {
         "counts": {**counts, "total": total},
         "progress": round((counts["done"] + counts["failed"]) / total, 6) if total else 0.0,
@@ -287,7 +363,7 @@ def _dataset_figures(
             "total": int(out_tokens),
             "mean": round(mean_tokens, 1) if mean_tokens is not None else None,
         },
-        "eta_seconds": eta,
+        "eta_seconds": None,
     }
 
 
@@ -305,22 +381,6 @@ def _totals(entries: list[dict[str, Any]], *, now: float, window: float) -> dict
     recent_done = sum(e["recent"]["done"] for e in entries)
     recent_tokens = sum(e["recent"]["tokens_per_s"] * e["recent"]["seconds"] for e in entries)
     recent_tokens_per_s = _rate(recent_tokens, span)
-    # Work left, in tokens: each dataset's remaining items times its own mean length,
-    # divided by the current token throughput. Datasets with long answers weigh more.
-    known_means = [
-        e["completion_tokens"]["mean"] for e in entries if e["completion_tokens"]["mean"]
-    ]
-    fallback_mean = sum(known_means) / len(known_means) if known_means else None
-    eta = None
-    if remaining == 0:
-        eta = 0.0
-    elif recent_tokens_per_s > 0 and fallback_mean is not None:
-        left_tokens = sum(
-            (e["counts"]["pending"] + e["counts"]["running"])
-            * (e["completion_tokens"]["mean"] or fallback_mean)
-            for e in entries
-        )
-        eta = round(left_tokens / recent_tokens_per_s, 1)
     errors: dict[str, dict[str, int]] = {}
     for e in entries:
         for cls, by_outcome in e["errors"].items():
@@ -355,7 +415,7 @@ def _totals(entries: list[dict[str, Any]], *, now: float, window: float) -> dict
             "total": int(tokens),
             "mean": round(tokens / done, 1) if done else None,
         },
-        "eta_seconds": eta,
+        "eta_seconds": None,
         "errors": errors,
         "failed_by_class": failed_by,
         "flags": flags,

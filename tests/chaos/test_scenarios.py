@@ -92,6 +92,35 @@ def verify_outcome(tmp_path: Path, db: Path, keys: list[str], figures: dict[str,
 # 1 ------------------------------------------------------------------------------
 
 
+def kill_repeatedly(
+    start: Callable[[], subprocess.Popen[str]],
+    kills: int,
+    rng: random.Random,
+    running: Callable[[], int],
+    *,
+    awake: tuple[float, float],
+) -> int:
+    """SIGKILL a freshly started worker ``kills`` times; the leases taken back meanwhile.
+
+    Each new worker must take the dead one's leases back at once (same host, pid gone),
+    not after the lease expires.
+    """
+    stranded = reclaimed = killed = 0  # stranded: items left running by the last one
+    for _ in range(kills):
+        worker = start()
+        time.sleep(rng.uniform(*awake))
+        worker.kill()
+        _, stderr = worker.communicate(timeout=30)
+        killed += worker.returncode == -signal.SIGKILL
+        got = sum(e["items"] for e in events(stderr) if e["event"] == "leases_reclaimed")
+        if stranded and "worker_started" in stderr:
+            assert got >= stranded
+        reclaimed += got
+        stranded = running()
+    assert killed == kills
+    return reclaimed
+
+
 @pytest.mark.parametrize(("n", "kills"), sizes((3000, 8), (5000, 20)))
 def test_crash_loop(
     tmp_path: Path, sim_process: SimFactory, figures: dict[str, Any], n: int, kills: int
@@ -100,23 +129,13 @@ def test_crash_loop(
     db = tmp_path / "q.db"
     server = sim_process("--latency", "0.05", "--per-token", "0.001", "--mean-tokens", "40")
     keys = enqueue(tmp_path, db, n)
-    done_killed = 0
-    stranded = 0  # items left running by the worker just killed
-    reclaimed = 0
-    for _ in range(kills):
-        worker = start_worker(db, server.url, "--concurrency", "48", "--exit-when-done")
-        time.sleep(rng.uniform(0.8, 2.5))
-        worker.kill()
-        _, stderr = worker.communicate(timeout=30)
-        done_killed += worker.returncode == -signal.SIGKILL
-        got = sum(e["items"] for e in events(stderr) if e["event"] == "leases_reclaimed")
-        # A restarted worker takes a dead one's leases back at once (same host, pid
-        # gone), not after the 120 s lease expires.
-        if stranded and "worker_started" in stderr:
-            assert got >= stranded
-        reclaimed += got
-        stranded = scalar(db, "SELECT count(*) FROM items WHERE state = 'running'")
-    assert done_killed == kills
+    reclaimed = kill_repeatedly(
+        lambda: start_worker(db, server.url, "--concurrency", "48", "--exit-when-done"),
+        kills,
+        rng,
+        lambda: scalar(db, "SELECT count(*) FROM items WHERE state = 'running'"),
+        awake=(0.8, 2.5),
+    )
     finish(db, server.url, "--concurrency", "48")
     figures.update(items=n, kills=kills, leases_reclaimed=reclaimed)
     figures["requests_sent"] = server.stats()["chat_requests"]
@@ -266,6 +285,29 @@ def test_graceful_stop(
 # 6 ------------------------------------------------------------------------------
 
 
+def share(db: Path | str, url: str, workers: int, n: int) -> list[int]:
+    """``workers`` worker processes on one queue, to the end; how many each completed.
+
+    Each item must have been claimed exactly once (one attempt, one request each): no
+    item ever ran in two workers at once, and the work was really shared.
+    """
+    procs = [
+        start_worker(db, url, "--concurrency", "32", "--exit-when-done") for _ in range(workers)
+    ]
+    outputs = [p.communicate(timeout=900) for p in procs]
+    for proc, (_, stderr) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, stderr[-3000:]
+        assert "database is locked" not in stderr
+    assert {(s, a) for _, s, a in item_rows(db)} == {("done", 1)}
+    done_by = [
+        next(e for e in events(stderr) if e["event"] == "worker_stopped")["completed"]
+        for _, stderr in outputs
+    ]
+    assert sum(done_by) == n
+    assert sum(1 for d in done_by if d > 0) >= 2
+    return done_by
+
+
 @pytest.mark.parametrize(("workers", "n"), sizes((3, 3000), (4, 20000)))
 def test_many_workers(
     tmp_path: Path, sim_process: SimFactory, figures: dict[str, Any], workers: int, n: int
@@ -273,22 +315,7 @@ def test_many_workers(
     db = tmp_path / "q.db"
     server = sim_process("--latency", "0.02")
     keys = enqueue(tmp_path, db, n)
-    procs = [
-        start_worker(db, server.url, "--concurrency", "32", "--exit-when-done")
-        for _ in range(workers)
-    ]
-    outputs = [p.communicate(timeout=900) for p in procs]
-    for proc, (_, stderr) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, stderr[-3000:]
-        assert "database is locked" not in stderr
-    # Each item was claimed exactly once: no item ever ran in two workers at once.
-    assert {(s, a) for _, s, a in item_rows(db)} == {("done", 1)}
-    done_by = [
-        next(e for e in events(stderr) if e["event"] == "worker_stopped")["completed"]
-        for _, stderr in outputs
-    ]
-    assert sum(done_by) == n
-    assert sum(1 for d in done_by if d > 0) >= 2  # the work really was shared
+    done_by = share(db, server.url, workers, n)
     assert server.stats()["chat_requests"] == n
     figures.update(items=n, workers=workers, done_by_worker=done_by)
     verify_outcome(tmp_path, db, keys, figures)

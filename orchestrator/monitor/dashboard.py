@@ -1,0 +1,335 @@
+"""``orchestrator dashboard`` and ``orchestrator report``: the run in a browser.
+
+One self-contained page (``static/dashboard.html``: inline CSS and JS, charts drawn as
+SVG, nothing fetched from elsewhere) shows the status document (``docs/STATUS.md``:
+progress, rates, ETA, errors, workers, servers), the run's history from the samples
+the workers write (``store.samples``) and the completion lengths. The dashboard serves
+it with three JSON endpoints the page polls; the report is the same page with the data
+embedded, one file to keep or share.
+
+Read-only: an SQLite file is read through ``store.reader`` (``query_only``, a WAL
+reader, so workers writing meanwhile are neither blocked nor disturbed); any other
+database through the store's engine, without creating or upgrading anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import orjson
+import structlog
+from aiohttp import web
+
+from orchestrator.errors import ConfigError, SchemaError
+from orchestrator.store import samples
+from orchestrator.store.migrate import SCHEMA_REVISION
+from orchestrator.store.reader import Reader, open_reader, sqlite_path
+from orchestrator.store.stats import WINDOW_SECONDS, snapshot_sqlite
+
+log = structlog.get_logger("orchestrator.dashboard")
+
+T = TypeVar("T")
+_EMBED_MARK = '<script id="embedded" type="application/json">null</script>'
+# The servers' /metrics are scraped at most this often, however many pages poll.
+_SCRAPE_EVERY = 5.0
+
+
+def page_html() -> str:
+    return (files("orchestrator.monitor") / "static" / "dashboard.html").read_text("utf-8")
+
+
+def embed(data: dict[str, Any]) -> str:
+    """The page with ``data`` in it instead of polling: the static report."""
+    # "<" escaped, so that no string in the data can close the script element.
+    text = orjson.dumps(data).decode().replace("<", "\\u003c")
+    html = page_html()
+    if _EMBED_MARK not in html:
+        raise AssertionError("dashboard.html lost its embedded-data element")
+    filled = f'<script id="embedded" type="application/json">{text}</script>'
+    return html.replace(_EMBED_MARK, filled)
+
+
+# ------------------------------------------------------------------ sources
+
+
+class Source(Protocol):
+    """Where the figures come from; every call is one consistent read."""
+
+    async def status(self, window: float) -> dict[str, Any]: ...
+    async def history(self, since: float) -> dict[str, Any]: ...
+    async def lengths(self) -> dict[str, Any]: ...
+    async def close(self) -> None: ...
+
+
+class SqliteSource:
+    """An SQLite file, each request in its own read transaction on a worker thread."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def check(self) -> None:
+        if not os.path.exists(self.path):
+            raise ConfigError(f"{self.path}: no such database")
+        reader = open_reader(self.path)
+        if reader is None:
+            raise SchemaError(
+                f"{self.path}: not an orchestrator database at schema {SCHEMA_REVISION} "
+                "(run `orchestrator db upgrade` first; the dashboard only reads)"
+            )
+        reader.close()
+
+    async def _read(self, fn: Callable[[Reader], T]) -> T:
+        def run() -> T:
+            reader = open_reader(self.path, check_same_thread=False)
+            if reader is None:
+                raise SchemaError(f"{self.path}: cannot be read as a current database")
+            with reader:
+                return fn(reader)
+
+        return await asyncio.to_thread(run)
+
+    async def status(self, window: float) -> dict[str, Any]:
+        return await self._read(lambda r: snapshot_sqlite(r, window=window))
+
+    async def history(self, since: float) -> dict[str, Any]:
+        return await self._read(lambda r: samples.history_sqlite(r.conn, since=since))
+
+    async def lengths(self) -> dict[str, Any]:
+        return await self._read(lambda r: samples.lengths_sqlite(r.conn))
+
+    async def close(self) -> None:
+        return None
+
+
+class EngineSource:
+    """Any other database (PostgreSQL), through the store's engine; never upgraded."""
+
+    def __init__(self, db: str):
+        from orchestrator.store.engine import create_database
+
+        self.database = create_database(db)
+
+    async def check(self) -> None:
+        from orchestrator.store.migrate import current_revision
+
+        current = await current_revision(self.database)
+        if current != SCHEMA_REVISION:
+            raise SchemaError(
+                f"{self.database.where}: schema {current!r}, not {SCHEMA_REVISION!r} "
+                "(run `orchestrator db upgrade` first; the dashboard only reads)"
+            )
+
+    async def status(self, window: float) -> dict[str, Any]:
+        from orchestrator.store.stats import snapshot
+
+        return await snapshot(self.database, window=window)
+
+    async def history(self, since: float) -> dict[str, Any]:
+        return await samples.history(self.database, since=since)
+
+    async def lengths(self) -> dict[str, Any]:
+        return await samples.lengths(self.database)
+
+    async def close(self) -> None:
+        await self.database.close()
+
+
+async def open_source(db: str | None) -> Source:
+    """The database named by ``--db``, checked to be readable now, with a clear error."""
+    path = sqlite_path(db)
+    if path is not None:
+        source = SqliteSource(path)
+        source.check()
+        return source
+    engine = EngineSource(db or "")
+    try:
+        await engine.check()
+    except BaseException:
+        await engine.close()
+        raise
+    return engine
+
+
+# ------------------------------------------------------------------ servers
+
+
+class ServerViews:
+    """Each ``--server``'s own view (``server_metrics.scrape``), refreshed at most every
+    few seconds and never on the event loop (the scrape is synchronous)."""
+
+    def __init__(self, servers: tuple[str, ...]):
+        self.servers = servers
+        self._views: list[dict[str, Any]] = []
+        self._at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> list[dict[str, Any]]:
+        if not self.servers:
+            return []
+        async with self._lock:
+            if time.monotonic() - self._at >= _SCRAPE_EVERY:
+                from orchestrator.monitor.server_metrics import scrape
+
+                self._views = list(
+                    await asyncio.gather(*(asyncio.to_thread(scrape, s) for s in self.servers))
+                )
+                self._at = time.monotonic()
+        return self._views
+
+
+# ------------------------------------------------------------------ the app
+
+_SOURCE = web.AppKey("source", Source)
+_SERVERS = web.AppKey("servers", ServerViews)
+_WINDOW = web.AppKey("window", float)
+
+
+def make_app(
+    source: Source, *, servers: tuple[str, ...] = (), window: float = WINDOW_SECONDS
+) -> web.Application:
+    app = web.Application(middlewares=[_errors])
+    app[_SOURCE] = source
+    app[_SERVERS] = ServerViews(servers)
+    app[_WINDOW] = window
+    app.router.add_get("/", _page)
+    app.router.add_get("/api/status", _status)
+    app.router.add_get("/api/samples", _samples)
+    app.router.add_get("/api/lengths", _lengths)
+    # Browsers ask for it; a 404 would show as an error in the page's console.
+    app.router.add_get("/favicon.ico", _no_content)
+    return app
+
+
+@web.middleware
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    """A failed read is a 503 with the reason (the page shows it), not a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception as exc:
+        log.warning("dashboard_read_failed", path=request.path, error=str(exc))
+        return _json({"error": f"{type(exc).__name__}: {exc}"}, status=503)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data),
+        status=status,
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+async def _no_content(request: web.Request) -> web.Response:
+    return web.Response(status=204)
+
+
+async def _page(request: web.Request) -> web.Response:
+    return web.Response(
+        text=page_html(), content_type="text/html", headers={"Cache-Control": "no-store"}
+    )
+
+
+async def _status(request: web.Request) -> web.Response:
+    try:
+        window = float(request.query.get("window", request.app[_WINDOW]))
+    except ValueError:
+        raise web.HTTPBadRequest(text="window must be a number of seconds") from None
+    snap = await request.app[_SOURCE].status(window)
+    snap["servers"] = await request.app[_SERVERS].get()
+    return _json(snap)
+
+
+async def _samples(request: web.Request) -> web.Response:
+    try:
+        since = float(request.query.get("since", 0))
+    except ValueError:
+        raise web.HTTPBadRequest(text="since must be a Unix time") from None
+    return _json(await request.app[_SOURCE].history(since))
+
+
+async def _lengths(request: web.Request) -> web.Response:
+    return _json(await request.app[_SOURCE].lengths())
+
+
+async def serve(
+    db: str | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    servers: tuple[str, ...] = (),
+    window: float = WINDOW_SECONDS,
+    ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve the dashboard until cancelled."""
+    source = await open_source(db)
+    runner = web.AppRunner(make_app(source, servers=servers, window=window), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+        bound = runner.addresses[0][1] if runner.addresses else port
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}/"
+        log.info("dashboard_listening", url=url)
+        if ready is not None:
+            ready(url)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await source.close()
+
+
+# ------------------------------------------------------------------ the report
+
+
+async def gather_report(
+    db: str | None, *, servers: tuple[str, ...] = (), window: float = WINDOW_SECONDS
+) -> dict[str, Any]:
+    """Everything the page shows, read once."""
+    source = await open_source(db)
+    try:
+        status = await source.status(window)
+        status["servers"] = await ServerViews(servers).get()
+        return {
+            "status": status,
+            "history": await source.history(0.0),
+            "lengths": await source.lengths(),
+        }
+    finally:
+        await source.close()
+
+
+def write_report(out: Path, data: dict[str, Any]) -> None:
+    """Written to a temporary file beside ``out`` and renamed: all or nothing."""
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        raise ConfigError(f"{out}: directory {folder} does not exist")
+    if out.is_dir():
+        raise ConfigError(f"{out}: is a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise ConfigError(f"{out}: cannot write there ({exc.strerror or exc})") from exc
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(embed(data))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ConfigError(f"{out}: cannot write the report ({exc.strerror or exc})") from exc

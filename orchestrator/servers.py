@@ -1,0 +1,297 @@
+"""The inference servers a worker sends to: each with its own concurrency cap and health.
+
+A request goes to the least-loaded healthy server, load being its requests in flight over
+its cap, so a slow server fills its own slots and the others keep going. A server that
+refuses connections, or fails several requests in a row while another one answers, is
+taken out of rotation and probed on ``/health`` until it answers again.
+
+Servers come from ``--server`` (repeatable) and from a servers file, one per line::
+
+    # comments and blank lines are ignored
+    http://gpu-1:30000
+    http://gpu-2:30000  concurrency=128   # this one takes more
+    http://gpu-3:30000  concurrency=auto  # this one adapts (see orchestrator.autoconcurrency)
+
+A server without ``concurrency=`` gets the worker's ``--concurrency``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import structlog
+
+from orchestrator.errors import ConfigError
+
+if TYPE_CHECKING:
+    from orchestrator.autoconcurrency import Controller
+    from orchestrator.client import InferenceClient
+
+log = structlog.get_logger("orchestrator.servers")
+
+#: A server's cap: a number of requests, or ``"auto"`` (adapted to what the server takes).
+Cap = int | Literal["auto"]
+
+#: Failures that say something about the server rather than the request: enough of them
+#: in a row take a server out of rotation while another one answers.
+SERVER_FAULTS = frozenset(
+    {"disconnect", "timeout", "stream_idle", "stream_cut", "bad_response", "aborted"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    """One server and its cap (None: the worker's ``--concurrency``)."""
+
+    url: str
+    concurrency: Cap | None = None
+
+
+def parse_cap(text: str) -> Cap:
+    """``auto`` or a whole number of requests, at least 1."""
+    value = text.strip().lower()
+    if value == "auto":
+        return "auto"
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"concurrency must be a whole number or 'auto', got {text!r}") from None
+    if number < 1:
+        raise ValueError(f"concurrency must be at least 1, got {number}")
+    return number
+
+
+def parse_servers_file(path: Path) -> list[ServerSpec]:
+    """Read a servers file; a bad line stops it with ``FILE:LINE: what is wrong``."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    specs: list[ServerSpec] = []
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{path}:{number}"
+        url, *options = line.split()
+        if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
+            raise ConfigError(f"{where}: {url!r} is not a server URL (http://HOST:PORT)")
+        cap: Cap | None = None
+        for option in options:
+            key, sep, value = option.partition("=")
+            if key != "concurrency" or not sep:
+                raise ConfigError(
+                    f"{where}: unknown option {option!r}; expected concurrency=N or "
+                    "concurrency=auto"
+                )
+            try:
+                cap = parse_cap(value)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+        key = _same(url)
+        if key in seen:
+            raise ConfigError(f"{where}: {url} is already listed on line {seen[key]}")
+        seen[key] = number
+        specs.append(ServerSpec(url, cap))
+    if not specs:
+        raise ConfigError(f"{path}: no server listed")
+    return specs
+
+
+def merge_servers(urls: Iterable[str], specs: Iterable[ServerSpec]) -> list[ServerSpec]:
+    """``--server`` URLs and a file's servers, each once (the file's cap wins)."""
+    merged: dict[str, ServerSpec] = {}
+    for url in urls:
+        merged.setdefault(_same(url), ServerSpec(url))
+    for spec in specs:
+        merged[_same(spec.url)] = spec
+    return list(merged.values())
+
+
+def _same(url: str) -> str:
+    return url.strip().rstrip("/").removesuffix("/v1").lower()
+
+
+class PoolSettings(Protocol):
+    """What the pool reads of the worker's configuration."""
+
+    @property
+    def probe_min(self) -> float: ...
+    @property
+    def probe_max(self) -> float: ...
+    @property
+    def failure_limit(self) -> int: ...
+
+
+@dataclass(slots=True)
+class ServerState:
+    """One server as the worker sees it."""
+
+    url: str
+    cap: int
+    controller: Controller | None = None  # set when the cap adapts
+    healthy: bool = False
+    in_flight: int = 0
+    failures: int = 0  # times taken out since it last answered: paces the probes
+    errors: int = 0  # server-side request failures in a row
+    down_reason: str | None = None
+    probe: asyncio.Task[None] | None = None
+    # Answers since the tuner last looked: how many, their tokens and summed latency.
+    answers: int = 0
+    tokens: int = 0
+    latency: float = 0.0
+
+    @property
+    def load(self) -> float:
+        return self.in_flight / self.cap
+
+
+class ServerPool:
+    """The servers a worker may use: least-loaded healthy one first, the rest probed."""
+
+    def __init__(
+        self,
+        caps: Mapping[str, int],
+        client: InferenceClient,
+        config: PoolSettings,
+        *,
+        controllers: Mapping[str, Controller] | None = None,
+        on_change: Callable[[], None] | None = None,
+    ):
+        self.client = client
+        self.config = config
+        controllers = controllers or {}
+        self.states = {
+            url: ServerState(url, cap, controller=controllers.get(url)) for url, cap in caps.items()
+        }
+        self.available = asyncio.Event()
+        self._on_change = on_change or (lambda: None)
+
+    def start(self) -> None:
+        for server in self.states:
+            self.mark_down(server, "not probed yet", quiet=True)
+
+    def healthy(self) -> list[str]:
+        return [s for s, st in self.states.items() if st.healthy]
+
+    def capacity(self) -> int:
+        """Requests the healthy servers take at once: what the worker keeps in flight."""
+        return sum(st.cap for st in self.states.values() if st.healthy)
+
+    def pick(self) -> str | None:
+        """The healthy server with the lowest in-flight/cap (the first listed on a tie)."""
+        best: ServerState | None = None
+        load = math.inf
+        for state in self.states.values():
+            if state.healthy and state.load < load:
+                best, load = state, state.load
+        return None if best is None else best.url
+
+    def set_cap(self, server: str, cap: int) -> None:
+        self.states[server].cap = cap
+        self._on_change()
+
+    def mark_down(self, server: str, reason: str, *, quiet: bool = False) -> None:
+        state = self.states[server]
+        if state.probe is not None and not state.probe.done():
+            return
+        state.healthy = False
+        state.failures += 1
+        state.errors = 0
+        state.down_reason = reason
+        if not quiet:
+            log.warning("server_down", server=server, reason=reason)
+        if not self.healthy():
+            self.available.clear()
+        state.probe = asyncio.create_task(self._probe(server), name=f"probe {server}")
+        self._on_change()
+
+    async def _probe(self, server: str) -> None:
+        state = self.states[server]
+        delay = self.config.probe_min * min(2 ** max(state.failures - 2, 0), 8)
+        waited = 0.0
+        while True:
+            await asyncio.sleep(delay)
+            waited += delay
+            if await self.client.health(server):
+                break
+            if waited > 30 and state.failures <= 1:
+                log.warning("server_unreachable", server=server, waited_s=round(waited))
+                state.failures += 1
+            delay = min(delay * 2, self.config.probe_max)
+        was_reason = state.down_reason
+        state.healthy = True
+        state.down_reason = None
+        self.available.set()
+        if was_reason != "not probed yet":
+            log.info("server_up", server=server, down_for_s=round(waited, 1))
+        else:
+            state.failures = 0
+        self._on_change()
+
+    def succeeded(self, server: str, tokens: int = 0, latency: float = 0.0) -> None:
+        state = self.states[server]
+        state.failures = 0
+        state.errors = 0
+        state.answers += 1
+        state.tokens += tokens
+        state.latency += latency
+
+    def failed(self, server: str, error_class: str) -> None:
+        """A request failed; several server-side failures in a row take the server out
+        while another one answers (with no other, pausing would gain nothing)."""
+        state = self.states[server]
+        if error_class not in SERVER_FAULTS and not error_class.startswith("http_5"):
+            return
+        state.errors += 1
+        others = any(s.healthy for s in self.states.values() if s is not state)
+        if state.errors >= self.config.failure_limit and state.healthy and others:
+            self.mark_down(server, f"{state.errors} failures in a row ({error_class})")
+
+    async def metrics(self, server: str) -> dict[str, float | None] | None:
+        """The server's queue, running requests, KV-cache usage and retractions (or
+        preemptions) from its ``/metrics``; None when it publishes none we know."""
+        import aiohttp
+
+        from orchestrator.client import base_url
+        from orchestrator.monitor import server_metrics
+
+        timeout = aiohttp.ClientTimeout(total=self.config.probe_max)
+        try:
+            url = base_url(server) + "/metrics"
+            async with self.client.session.get(url, timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                text = await resp.text()
+            values = server_metrics.parse(text)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None
+        found = server_metrics.view(values)
+        if found["kind"] is None:
+            return None
+        retractions = found["preemptions_total"]
+        if retractions is None:
+            retractions = values.get("vllm:num_preemptions")  # as older vLLM names it
+        return {
+            "queued": found["queued"],
+            "running": found["running"],
+            "kv_usage": found["kv_cache_usage"],
+            "retractions": retractions,
+        }
+
+    async def close(self) -> None:
+        tasks = [st.probe for st in self.states.values() if st.probe and not st.probe.done()]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,147 @@
+"""The simulated server's continuous-batching model: queue, KV cache, retractions, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+from orchestrator.monitor import server_metrics
+from orchestrator.sim import SimConfig, answer_matches
+from orchestrator.sim.server import main as sim_main
+from tests.conftest import StartSim
+
+
+def _messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"question {i}"}]
+
+
+async def _ask(session: aiohttp.ClientSession, url: str, i: int, **body: Any) -> dict[str, Any]:
+    payload = {"messages": _messages(i), **body}
+    async with session.post(url + "/v1/chat/completions", json=payload) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url + "/sim/stats") as resp:
+        return await resp.json()
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url + "/metrics") as resp:
+        return server_metrics.view(server_metrics.parse(await resp.text()))
+
+
+async def _run_all(url: str, n: int, **body: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Send ``n`` requests at once; sample /metrics and /sim/stats until they are answered."""
+    snapshots: list[Any] = []
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(_ask(session, url, i, **body)) for i in range(n)]
+        while not all(t.done() for t in tasks):
+            snapshots.append((await _metrics(session, url), await _json(session, url)))
+            await asyncio.sleep(0.01)
+        answers = [t.result() for t in tasks]
+    return answers, snapshots
+
+
+def _check_answers(answers: list[dict[str, Any]]) -> None:
+    for i, doc in enumerate(answers):
+        assert answer_matches(_messages(i), doc["choices"][0]["message"]["content"])
+
+
+async def test_requests_queue_when_the_cache_is_full(sim: StartSim) -> None:
+    # Answers of 20-60 tokens; 400 tokens of cache hold only a handful at once.
+    url = await sim(mean_tokens=40, kv_tokens=400, step_time=0.0005, step_per_request=0.0)
+    answers, snapshots = await _run_all(url, 40, max_tokens=60)
+    _check_answers(answers)
+    async with aiohttp.ClientSession() as session:
+        stats = await _json(session, url)
+        final = await _metrics(session, url)
+    batch = stats["batch"]
+    assert batch["peak_queued"] > 0
+    assert 0 < batch["peak_running"] < 40
+    assert batch["peak_token_usage"] <= 1.0
+    assert stats["completed"] == 40
+    # Every snapshot agrees with itself and with the model's bounds.
+    assert any(m["queued"] > 0 for m, _ in snapshots)
+    for m, s in snapshots:
+        assert 0.0 <= m["kv_cache_usage"] <= 1.0
+        assert m["running"] + m["queued"] <= 40
+        b = s["batch"]
+        assert b["kv_used"] <= b["kv_tokens"]
+        assert b["running"] + b["queued"] <= s["running"]
+        assert b["token_usage"] == pytest.approx(b["kv_used"] / 400)
+    # Drained: nothing running or queued, the cache empty, every token counted.
+    assert final["running"] == 0 and final["queued"] == 0 and final["kv_cache_usage"] == 0
+    generated = sum(doc["usage"]["completion_tokens"] for doc in answers)
+    assert final["generation_tokens_total"] == generated
+
+
+async def test_overflow_retracts_the_newest_and_counts_it(sim: StartSim) -> None:
+    # The admission estimate grows bolder each step; long answers then outgrow the cache.
+    url = await sim(mean_tokens=400, kv_tokens=3000, step_time=0.0001, step_per_request=0.0)
+    answers, _ = await _run_all(url, 30, max_tokens=600)
+    _check_answers(answers)
+    async with aiohttp.ClientSession() as session:
+        stats = await _json(session, url)
+        final = await _metrics(session, url)
+    batch = stats["batch"]
+    assert batch["retracted"] > 0
+    assert final["preemptions_total"] == batch["retracted"]
+    assert batch["peak_token_usage"] <= 1.0
+    # A retracted request still gives its whole answer, once.
+    assert stats["completed"] == 30
+    assert final["kv_cache_usage"] == 0
+
+
+async def test_max_running_caps_the_batch(sim: StartSim) -> None:
+    url = await sim(mean_tokens=20, max_running=4, step_time=0.0005)
+    answers, snapshots = await _run_all(url, 20, stream=False)
+    _check_answers(answers)
+    async with aiohttp.ClientSession() as session:
+        stats = await _json(session, url)
+    assert stats["batch"]["peak_running"] == 4
+    assert stats["batch"]["peak_queued"] > 0
+    assert all(m["running"] <= 4 for m, _ in snapshots)
+    assert stats["batch"]["retracted"] == 0  # no cache limit, nothing to retract
+
+
+async def test_streamed_answers_equal_plain_ones_when_batching(sim: StartSim) -> None:
+    url = await sim(mean_tokens=20, kv_tokens=500, step_time=0.0005)
+    payload = {"messages": _messages(1), "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/chat/completions", json=payload) as resp,
+    ):
+        text = (await resp.read()).decode()
+    assert text.rstrip().endswith("data: [DONE]")
+    async with aiohttp.ClientSession() as session:
+        plain = await _ask(session, url, 1)
+    content = plain["choices"][0]["message"]["content"]
+    assert content.split()[0] in text
+
+
+async def test_a_request_larger_than_the_cache_is_refused(sim: StartSim) -> None:
+    url = await sim(mean_tokens=400, kv_tokens=100)
+    payload = {"messages": _messages(1)}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/chat/completions", json=payload) as resp,
+    ):
+        assert resp.status == 400
+        assert "KV cache" in (await resp.json())["message"]
+
+
+def test_batching_is_off_by_default_and_options_are_checked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert not SimConfig().batching
+    assert SimConfig(kv_tokens=1000).batching and SimConfig(max_running=8).batching
+    for bad in (["--time-scale", "0"], ["--kv-tokens", "-1"], ["--step-time", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            sim_main(bad)
+        assert exc.value.code == 2
+    assert "time_scale" in capsys.readouterr().err
