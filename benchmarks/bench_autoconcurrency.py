@@ -27,14 +27,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
+from common import PYTHON, REPO, SimServer
 
 #: name -> simulated server options: small (a 60k-token cache, slower steps), large.
 SERVERS: dict[str, list[str]] = {
@@ -68,38 +66,6 @@ class Result:
     final_cap: str
 
 
-class Sim:
-    def __init__(self, args: list[str], log: Path) -> None:
-        cmd = [PYTHON, "-m", "orchestrator.sim.server", "--port", "0", "--mean-tokens", "1000"]
-        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [*cmd, *args],
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            cwd=REPO,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        if "listening on" not in line:
-            raise RuntimeError(f"sim server did not start: {line!r}")
-        self.url = line.rsplit(" ", 1)[-1]
-
-    def stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + "/sim/stats", timeout=10) as resp:
-            return json.loads(resp.read())
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 def write_prompts(path: Path, n: int) -> None:
     with open(path, "w") as fh:
         for i in range(n):
@@ -118,9 +84,8 @@ def orch(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
 def one_run(
     name: str, concurrency: str, prompts: Path, work: Path, items: int, limit: float
 ) -> Result:
-    sim = Sim(SERVERS[name], work / f"sim-{name}-{concurrency}.log")
     db = work / f"{name}-{concurrency}.db"
-    try:
+    with SimServer(mean_tokens=1000, extra=tuple(SERVERS[name])) as sim:
         enq = orch(
             "enqueue", str(prompts), "--dataset", "bench", "--max-tokens", "2048",
             "--db", str(db), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -141,8 +106,6 @@ def one_run(
                 run.send_signal(signal.SIGTERM)
                 run.wait(30)
         batch = sim.stats()["batch"]
-    finally:
-        sim.stop()
     with closing(sqlite3.connect(db)) as conn:
         rows = conn.execute(
             "SELECT created_at - latency, created_at, completion_tokens FROM outputs "

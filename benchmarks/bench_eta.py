@@ -14,24 +14,13 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+from common import ORCH, REPO, SimServer, add_common_args, print_machine, print_table, workdir
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import (
-    ORCH,
-    REPO,
-    SimServer,
-    add_common_args,
-    print_machine,
-    print_table,
-    workdir,
-)
 from orchestrator.store.reader import open_reader
 from orchestrator.store.stats import snapshot_sqlite
 

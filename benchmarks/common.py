@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -314,6 +315,11 @@ class SimServer:
     def cpu_seconds(self) -> float:
         assert self.proc is not None
         return proc_cpu_seconds(self.proc.pid)
+
+    def stats(self) -> dict[str, Any]:
+        """The server's own counters (``/sim/stats``)."""
+        with urllib.request.urlopen(self.url + "/sim/stats", timeout=10) as resp:
+            return dict(orjson.loads(resp.read()))
 
     def check_alive(self) -> None:
         """A dead server turns every later figure into a wait: stop with its last words."""

@@ -278,14 +278,11 @@ class ServerPool:
         found = server_metrics.view(values)
         if found["kind"] is None:
             return None
-        retractions = found["preemptions_total"]
-        if retractions is None:
-            retractions = values.get("vllm:num_preemptions")  # as older vLLM names it
         return {
             "queued": found["queued"],
             "running": found["running"],
             "kv_usage": found["kv_cache_usage"],
-            "retractions": retractions,
+            "retractions": found["preemptions_total"],
         }
 
     async def close(self) -> None:

@@ -49,3 +49,20 @@ async def test_no_scouts_unless_asked(database: Database, tmp_path: Path) -> Non
     await load(database, tmp_path, 10, name="second")
     got = await Queue(database).claim("w", 5, lease_seconds=60)
     assert all(lease.key.startswith("first") for lease in got)
+
+
+async def test_a_dataset_smaller_than_its_scouts_is_looked_up_once(
+    database: Database, tmp_path: Path
+) -> None:
+    await load(database, tmp_path, 10, name="big", priority=5)
+    await load(database, tmp_path, 2, name="tiny")
+    queue = Queue(database)
+    started: set[int] = set()
+    got = await queue.write_round(Round(claim=Claim("w", 20, 60.0, scouts=4, started=started)))
+    names = [lease.key.rstrip("0123456789") for lease in got.leases]
+    assert names.count("tiny") == 2 and names.count("big") == 10
+    # "tiny" gave all it had: it is not looked up again. "big" had its four, which
+    # the next round finds (and then stops looking too).
+    assert len(started) == 1
+    await queue.write_round(Round(claim=Claim("w", 5, 60.0, scouts=4, started=started)))
+    assert len(started) == 2

@@ -35,6 +35,12 @@ def test_vllm_names_are_read() -> None:
     assert found["generation_tokens_total"] == 1000.0 and found["gen_throughput"] is None
 
 
+def test_preemptions_under_either_vllm_name() -> None:
+    for name in ("vllm:num_preemptions_total", "vllm:num_preemptions"):
+        text = f'# TYPE {name} gauge\n{name}{{engine="0"}} 7.0\n'
+        assert view(parse(text))["preemptions_total"] == 7.0, name
+
+
 async def test_vllm_throughput_comes_from_the_counter() -> None:
     served = 0
 

@@ -31,7 +31,11 @@ _COUNTERS: dict[str, tuple[str, ...]] = {
         "vllm:generation_tokens_total",
     ),
     "prompt_tokens_total": ("sglang:prompt_tokens_total", "vllm:prompt_tokens_total"),
-    "preemptions_total": ("sglang:num_retracted_requests_total", "vllm:num_preemptions_total"),
+    "preemptions_total": (
+        "sglang:num_retracted_requests_total",
+        "vllm:num_preemptions_total",
+        "vllm:num_preemptions",  # as older vLLM names it
+    ),
 }
 
 

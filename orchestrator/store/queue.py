@@ -607,6 +607,10 @@ def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
             got = _claim_from(
                 conn, dataset_id, n, fresh, token=token, owner=claim.owner, expires=expires, now=now
             )
+            if len(got) < n:
+                # Nothing more to take now (a small dataset, or items in backoff):
+                # looking again every round would find nothing either.
+                claim.started.add(dataset_id)
             running[dataset_id] = running.get(dataset_id, 0) + len(got)
             leases.extend(got)
             left -= len(got)
@@ -741,25 +745,28 @@ def _claim_from(
         rows = _claim_rows(conn, dataset_id, n, suspects, token, owner, expires, now)
     rows.sort(key=lambda r: r[2])
     resumed = _generated_turns(conn, [r[0] for r in rows if r[6] > 0])
-    return [
-        Lease(
-            item_id=item_id,
-            token=token,
-            dataset_id=dataset_id,
-            key=key,
-            request=orjson.loads(request),
-            attempt=attempts,
-            expires_at=expires,
-            suspect=bool(suspects) or (suspects is None and error_class == LEASE_LOST),
-            turn=turn,
-            turns=turns,
-            generated=resumed[item_id].messages if item_id in resumed else (),
-            generated_tokens=resumed[item_id].tokens if item_id in resumed else 0,
-            generated_flags=resumed[item_id].flags if item_id in resumed else 0,
-            generated_latency=resumed[item_id].latency if item_id in resumed else 0.0,
+    leases = []
+    for item_id, key, _, request, attempts, error_class, turn, turns in rows:
+        before = resumed.get(item_id, _NOTHING_GENERATED)
+        leases.append(
+            Lease(
+                item_id=item_id,
+                token=token,
+                dataset_id=dataset_id,
+                key=key,
+                request=orjson.loads(request),
+                attempt=attempts,
+                expires_at=expires,
+                suspect=bool(suspects) or (suspects is None and error_class == LEASE_LOST),
+                turn=turn,
+                turns=turns,
+                generated=before.messages,
+                generated_tokens=before.tokens,
+                generated_flags=before.flags,
+                generated_latency=before.latency,
+            )
         )
-        for item_id, key, _, request, attempts, error_class, turn, turns in rows
-    ]
+    return leases
 
 
 def _claim_rows(
@@ -823,6 +830,9 @@ class _Generated:
     tokens: int = 0
     flags: int = 0
     latency: float = 0.0
+
+
+_NOTHING_GENERATED = _Generated()
 
 
 def _generated_turns(conn: sa.Connection, ids: Sequence[int]) -> dict[int, _Generated]:
