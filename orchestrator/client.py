@@ -18,6 +18,11 @@ It knows nothing of the queue. Every failure leaves as one of the errors in
     PermanentError     http_4xx      400/401/403/404/422 and other client errors: the
                                      server's reason is kept
 
+A request whose pooled keep-alive connection turns out to have been closed by the server
+while it sat idle (llama.cpp's server closes after every streamed answer although its
+headers say keep-alive) fails before any byte of answer arrives: it is sent again at once
+on a new connection, as urllib3 and httpx do, and is no error at all.
+
 An answer that is usable but poor (cut by ``max_tokens``, reasoning without an answer) is
 not an error: it is returned with its quality flags (``orchestrator.quality``), and what to
 do with it is the caller's choice.
@@ -31,9 +36,12 @@ from typing import Any
 
 import aiohttp
 import orjson
+import structlog
 
 from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
 from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
+
+log = structlog.get_logger(__name__)
 
 _UNAVAILABLE = {502, 503, 504}
 _RETRYABLE_4XX = {408, 409, 425}
@@ -154,12 +162,38 @@ def _check_finished(
         )
 
 
+class _Sent:
+    """Filled in by the session's trace hooks: was the request's connection a pooled one?"""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(_session: Any, ctx: Any, _params: Any) -> None:
+    if isinstance(ctx.trace_request_ctx, _Sent):
+        ctx.trace_request_ctx.reused = True
+
+
+def _trace_reuse() -> aiohttp.TraceConfig:
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_on_reuse)
+    return trace
+
+
 class InferenceClient:
-    """One aiohttp session shared by every request of a worker."""
+    """One aiohttp session shared by every request of a worker.
+
+    ``stale_resends`` counts requests sent again because their pooled connection had
+    been closed by the server: a figure for benchmarks and tests, not an error.
+    """
 
     def __init__(self, config: ClientConfig | None = None):
         self.config = config or ClientConfig()
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
+        self.stale_resends = 0
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -167,29 +201,58 @@ class InferenceClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _new_session(self, *, fresh: bool) -> aiohttp.ClientSession:
+        headers = {"User-Agent": "orchestrator"}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        return aiohttp.ClientSession(
+            headers=headers,
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, force_close=fresh),
+            json_serialize=lambda obj: orjson.dumps(obj).decode(),
+            trace_configs=None if fresh else [_trace_reuse()],
+        )
+
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            headers = {"User-Agent": "orchestrator"}
-            if self.config.api_key:
-                headers["Authorization"] = f"Bearer {self.config.api_key}"
-            self._session = aiohttp.ClientSession(
-                headers=headers,
-                connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
-                json_serialize=lambda obj: orjson.dumps(obj).decode(),
-            )
+            self._session = self._new_session(fresh=False)
         return self._session
 
+    @property
+    def fresh_session(self) -> aiohttp.ClientSession:
+        """A session whose every request opens a new connection: for resends."""
+        if self._fresh is None or self._fresh.closed:
+            self._fresh = self._new_session(fresh=True)
+        return self._fresh
+
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
+
+    async def _send(self, method: str, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
+        """The response, its headers read. A pooled connection that fails before any byte
+        of answer arrived had been closed by the server while idle: the request never
+        reached it as a request to answer, so it goes again at once, on a new connection,
+        with no attempt charged and no backoff. A new connection that fails is an error."""
+        sent = _Sent()
+        try:
+            return await self.session.request(method, url, trace_request_ctx=sent, **kwargs)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if not sent.reused or isinstance(exc, aiohttp.ClientConnectorError):
+                raise
+            self.stale_resends += 1
+            log.debug("stale_connection_resend", url=url, error=str(exc) or type(exc).__name__)
+        return await self.fresh_session.request(method, url, **kwargs)
 
     async def health(self, server: str) -> bool:
         """True when the server's ``/health`` answers 200."""
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         try:
-            async with self.session.get(base_url(server) + "/health", timeout=timeout) as resp:
+            async with await self._send(
+                "GET", base_url(server) + "/health", timeout=timeout
+            ) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
@@ -215,12 +278,14 @@ class InferenceClient:
             )
         started = time.monotonic()
         try:
-            async with self.session.post(
+            resp = await self._send(
+                "POST",
                 url,
                 data=orjson.dumps(body),
                 headers={"Content-Type": "application/json"},
                 timeout=timeout,
-            ) as resp:
+            )
+            async with resp:
                 if resp.status != 200:
                     _raise_for_status(resp.status, await resp.read(), resp.headers)
                 if stream:
