@@ -149,14 +149,38 @@ def db() -> None:
 
 
 @db.command("upgrade")
+@click.option(
+    "--into-existing",
+    is_flag=True,
+    help="Add the queue's tables to a database that already holds another application's.",
+)
 @db_option
-def db_upgrade(db: str | None) -> None:
+def db_upgrade(into_existing: bool, db: str | None) -> None:
     """Create or upgrade the schema to the version this orchestrator knows."""
     from orchestrator.store import create_database, upgrade
+    from orchestrator.store.engine import resolve_url
+    from orchestrator.store.migrate import check_open, database_facts, sqlite_facts
 
     async def go() -> tuple[str | None, str, str]:
-        database = create_database(db)
+        url = resolve_url(db)
+        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+            facts = sqlite_facts(str(url.database))
+            if facts is not None:
+                revision, tables = facts
+                check_open(
+                    "create",
+                    str(url.database),
+                    revision=revision,
+                    tables=tables,
+                    adopt=into_existing,
+                )
+        database = create_database(url)
         try:
+            if not database.is_sqlite:
+                revision, tables = await database_facts(database)
+                check_open(
+                    "create", database.where, revision=revision, tables=tables, adopt=into_existing
+                )
             before, after = await upgrade(database)
             return before, after, database.where
         finally:
@@ -604,7 +628,7 @@ def plan(config: Path | None, tokens_per_second: float, as_json: bool, db: str |
         from orchestrator.store import open_database
         from orchestrator.store.planning import stored_datasets
 
-        database = await open_database(db)
+        database = await open_database(db, mode="read")
         try:
             return await stored_datasets(database)
         finally:
@@ -782,7 +806,7 @@ def run(
     )
 
     async def go() -> Any:
-        database = await open_database(db)
+        database = await open_database(db, mode="write")
         try:
             await check_datasets(database, datasets)
             # Under systemd (Type=notify): READY=1, STOPPING=1, status and watchdog pings.
@@ -879,7 +903,7 @@ def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) ->
         from orchestrator.store import open_database, snapshot
 
         async def go() -> dict[str, Any]:
-            database = await open_database(db)
+            database = await open_database(db, mode="read")
             try:
                 return await snapshot(database, window=window)
             finally:
@@ -1022,7 +1046,7 @@ def requeue(
         state = "done"
 
     async def go() -> int:
-        database = await open_database(db)
+        database = await open_database(db, mode="write")
         try:
             await check_datasets(database, datasets)
             return await Queue(database).requeue(
@@ -1043,7 +1067,7 @@ def _set_paused(dataset: str, paused: bool, db: str | None) -> None:
     from orchestrator.store import open_database, set_paused
 
     async def go() -> bool:
-        database = await open_database(db)
+        database = await open_database(db, mode="write")
         try:
             return await set_paused(database, dataset, paused)
         finally:
@@ -1164,7 +1188,7 @@ def export(
     async def go() -> ExportReport:
         from orchestrator.store import open_database
 
-        database = await open_database(db)
+        database = await open_database(db, mode="read")
         try:
             return await export_database(
                 database, out, dataset_names=datasets, progress=progress, options=chosen
@@ -1196,15 +1220,18 @@ def export(
             report = run_async(go())
     finally:
         _end_progress(progress)
+    # `export -`: the lines are standard output, so the summary goes to stderr.
+    piped = str(out) == "-"
     where = f"{len(report.files):,} files in {out}" if split else str(out)
-    click.echo(f"exported {report.lines:,} items to {where}")
+    where = "standard output" if piped else where
+    click.echo(f"exported {report.lines:,} items to {where}", err=piped)
     if chosen.exclude_flags:
         names = ", ".join(flag_names(chosen.exclude_flags))
-        click.echo(f"left out {report.excluded:,} answers flagged {names}")
+        click.echo(f"left out {report.excluded:,} answers flagged {names}", err=piped)
     if report.failed_files:
         files = report.failed_files
         into = str(files[0]) if len(files) == 1 else f"{len(files):,} files in {out}"
-        click.echo(f"wrote {report.failed:,} failed items to {into}")
+        click.echo(f"wrote {report.failed:,} failed items to {into}", err=piped)
 
 
 # ---------------------------------------------------------------------------- sim-server

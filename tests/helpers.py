@@ -100,7 +100,7 @@ def cli(
         capture_output=True,
         text=True,
         env=full_env,
-        cwd=REPO,
+        cwd=kwargs.pop("cwd", REPO),
         timeout=kwargs.pop("timeout", 300),
         **kwargs,
     )

@@ -26,6 +26,7 @@ import hashlib
 import os
 import re
 import sqlite3
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -418,7 +419,13 @@ def file_stems(names: Sequence[str]) -> dict[str, str]:
     return stems
 
 
+# ``export -``: the lines go to standard output, written as they come (nothing to rename).
+STDOUT = Path("-")
+
+
 def _check_target(target: Path) -> None:
+    if target == STDOUT:
+        return
     if target.is_dir():
         raise ConfigError(f"{target}: is a directory; give a file name")
     if not target.parent.exists():
@@ -433,6 +440,10 @@ class _Staged:
 
     @contextlib.contextmanager
     def open(self, target: Path) -> Iterator[IO[bytes]]:
+        if target == STDOUT:
+            yield sys.stdout.buffer
+            sys.stdout.buffer.flush()
+            return
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         self._pending.append((tmp, target))
         with open(tmp, "wb", buffering=_BUFFER) as fh:
@@ -494,6 +505,11 @@ class _Job:
         self.outputs: list[tuple[Path, list[DatasetRef]]] = []
         self.failures: list[tuple[Path, list[DatasetRef]]] = []
         batch = options.format == "openai-batch"
+        if target == STDOUT and (options.split or (batch and options.include_failed is None)):
+            raise ConfigError(
+                "export - writes one stream to standard output: --split needs a directory, "
+                "and --format openai-batch needs --include-failed FILE for the failed items"
+            )
         if options.split:
             if target.exists() and not target.is_dir():
                 raise ConfigError(

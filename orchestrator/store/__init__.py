@@ -76,14 +76,34 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-async def open_database(db: str | None = None) -> Database:
-    """Open (and create or upgrade) the database named by a path or URL."""
-    from orchestrator.store.engine import create_database
-    from orchestrator.store.migrate import ensure_schema
+async def open_database(
+    db: str | None = None, *, mode: str = "create", adopt: bool = False
+) -> Database:
+    """Open the database named by a path or URL, as ``mode`` allows.
 
-    database = create_database(db)
+    ``create`` (enqueue, db upgrade, the library's default) creates a missing SQLite file
+    and installs or upgrades the schema; ``write`` refuses a missing or empty database
+    and upgrades an older schema; ``read`` refuses anything not at this schema and never
+    changes the database. See :func:`orchestrator.store.migrate.check_open`.
+    """
+    from orchestrator.store.engine import create_database, missing_database, resolve_url
+    from orchestrator.store.migrate import check_open, database_facts, ensure_schema, sqlite_facts
+
+    url = resolve_url(db)
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        path = str(url.database)
+        facts = sqlite_facts(path)
+        if facts is None and mode != "create":
+            raise missing_database(path)
+        if facts is not None:
+            check_open(mode, path, revision=facts[0], tables=facts[1], adopt=adopt)
+    database = create_database(url)
     try:
-        await ensure_schema(database)
+        if not database.is_sqlite:
+            revision, tables = await database_facts(database)
+            check_open(mode, database.where, revision=revision, tables=tables, adopt=adopt)
+        if mode != "read":
+            await ensure_schema(database)
     except BaseException:
         await database.close()
         raise

@@ -107,6 +107,17 @@ def _open_failure(path: str) -> str:
     return "cannot open the database file"
 
 
+def missing_database(path: str) -> StorageError:
+    """A mistyped --db must not start an empty run: say where we looked, and why there."""
+    env = os.environ.get("ORCHESTRATOR_DB")
+    return StorageError(
+        f"no database at {os.path.abspath(path)} (named by --db, else ORCHESTRATOR_DB "
+        f"({env or 'unset'}), else ./{DEFAULT_DB}; relative to the working directory "
+        f"{os.getcwd()}). Only `orchestrator enqueue` and `orchestrator db upgrade` create "
+        "a database: check the path, or set ORCHESTRATOR_DB"
+    )
+
+
 def _is_locked(exc: BaseException) -> bool:
     orig = getattr(exc, "orig", exc)
     return isinstance(orig, sqlite3.OperationalError) and "locked" in str(orig).lower()

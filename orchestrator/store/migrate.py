@@ -131,3 +131,97 @@ async def ensure_schema(database: Database) -> None:
         current = await conn.run_sync(_check)
     if current != head:
         await upgrade(database)
+
+
+# Which commands may do what to a database they are pointed at. A mistyped --db must not
+# start a new, empty run, and a read must never change the file it reads.
+OPEN_MODES = ("create", "write", "read")
+
+
+def check_open(
+    mode: str,
+    where: str,
+    *,
+    revision: str | None,
+    tables: list[str],
+    adopt: bool = False,
+) -> None:
+    """Refuse what ``mode`` may not do to this database (found by ``revision`` and ``tables``).
+
+    ``create`` (enqueue, db upgrade) may install the schema into an empty database;
+    ``write`` (run, requeue, pause, resume) may upgrade an older schema; ``read`` (status,
+    export, watch, ...) changes nothing and needs the schema at head. A non-empty database
+    without the schema's version row is another application's: refused unless ``adopt``.
+    """
+    if revision is None:
+        ours = set(tables) & _OUR_TABLES
+        if ours:
+            raise SchemaError(f"{where}: has orchestrator tables but no schema version")
+        if tables and not (mode == "create" and adopt):
+            shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+            raise SchemaError(
+                f"{where}: not an orchestrator database (it holds other tables: {shown}); "
+                "left unchanged. Check --db / ORCHESTRATOR_DB, or run `orchestrator db "
+                "upgrade --into-existing` to add the queue's tables to it"
+            )
+        if mode != "create":
+            raise StorageError(
+                f"{where}: empty database, no orchestrator schema yet (nothing was enqueued "
+                "into it); `orchestrator enqueue` creates the schema"
+            )
+        return
+    if mode == "read" and revision != SCHEMA_REVISION:
+        raise SchemaError(
+            f"{where}: schema {revision} is not this orchestrator's ({SCHEMA_REVISION}); "
+            "read-only commands never upgrade: run `orchestrator db upgrade` (with the "
+            "workers stopped) first"
+        )
+
+
+def sqlite_facts(path: str) -> tuple[str | None, list[str]] | None:
+    """(schema revision, table names) of an SQLite file, read without changing it; None
+    when there is no file. Plain sqlite3 in read-only mode: no WAL switch, no journal."""
+    import contextlib
+    import sqlite3
+    from pathlib import Path
+
+    if not Path(path).exists():
+        return None
+    uri = Path(path).absolute().as_uri() + "?mode=ro"
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=30)
+    except sqlite3.Error as exc:
+        raise StorageError(f"{path}: cannot open the database file ({exc})") from exc
+    try:
+        tables = [
+            name
+            for (name,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+            )
+        ]
+        revision = None
+        if "alembic_version" in tables:
+            rows = conn.execute("SELECT version_num FROM alembic_version").fetchall()
+            revision = rows[0][0] if rows else None
+            tables.remove("alembic_version")
+        return revision, tables
+    except sqlite3.DatabaseError as exc:
+        raise StorageError(
+            f"{path}: the file is not an orchestrator (SQLite) database ({exc})"
+        ) from exc
+    finally:
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
+
+
+async def database_facts(database: Database) -> tuple[str | None, list[str]]:
+    """(schema revision, table names) through the engine (PostgreSQL: nothing changes)."""
+
+    def facts(connection: Connection) -> tuple[str | None, list[str]]:
+        from sqlalchemy import inspect
+
+        tables = [t for t in inspect(connection).get_table_names() if t != "alembic_version"]
+        return _current(connection), tables
+
+    async with database.read() as conn:
+        return await conn.run_sync(facts)

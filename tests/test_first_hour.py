@@ -1,0 +1,153 @@
+"""The mistakes of a run's first hour, through the real command: a mistyped --db, another
+application's database, a requeue of every answer, the terminal of a run under a pipe."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Callable
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import SimProcess, cli, db_snapshot, is_postgres, prompts, query, write_jsonl
+
+URL = "http://127.0.0.1:9"  # never reached: the database is refused first
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],
+        ["status", "--json"],
+        ["watch", "--count", "1"],
+        ["export", "OUT"],
+        ["run", "--server", URL, "--exit-when-done"],
+        ["requeue", "--error-class", "timeout"],
+        ["pause", "d"],
+        ["resume", "d"],
+        ["plan"],
+    ],
+    ids=lambda a: " ".join(a[:2]),
+)
+def test_a_missing_database_is_refused_not_created(tmp_path: Path, args: list[str]) -> None:
+    typo = tmp_path / "typo.db"
+    argv = [str(tmp_path / "out.jsonl") if a == "OUT" else a for a in args]
+    result = cli(*argv, "--db", str(typo), cwd=tmp_path)
+    assert result.returncode != 0
+    assert str(typo) in result.stderr
+    assert not typo.exists()
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_the_refusal_names_the_environment_and_working_directory(tmp_path: Path) -> None:
+    result = cli("status", env={"ORCHESTRATOR_DB": "runs/typo.db"}, cwd=tmp_path)
+    assert result.returncode == 3
+    assert f"no database at {tmp_path / 'runs' / 'typo.db'}" in result.stderr
+    assert "ORCHESTRATOR_DB (runs/typo.db)" in result.stderr
+    assert f"working directory {tmp_path}" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_export_to_a_wrong_db_keeps_the_existing_file(tmp_path: Path) -> None:
+    out = tmp_path / "train.jsonl"
+    out.write_text('{"id": "kept"}\n')
+    result = cli("export", str(out), "--db", str(tmp_path / "typo.db"))
+    assert result.returncode == 3
+    assert out.read_text() == '{"id": "kept"}\n'
+
+
+def _done_run(tmp_path: Path, db: str, server: SimProcess, n: int = 20) -> None:
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(n))
+    result = cli("enqueue", str(data), "-d", "d", "--db", db, "--max-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    result = cli("run", "--server", server.url, "--db", db, "--exit-when-done")
+    assert result.returncode == 0, result.stderr
+
+
+def test_export_dash_writes_standard_output(
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
+) -> None:
+    _done_run(tmp_path, db_url, sim_process("--latency", "0.001"))
+    out = tmp_path / "out.jsonl"
+    assert cli("export", str(out), "--db", db_url).returncode == 0
+    piped = cli("export", "-", "--db", db_url)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == out.read_text()
+    assert len(piped.stdout.splitlines()) == 20
+    assert "exported 20 items to standard output" in piped.stderr
+    assert not (tmp_path / "-").exists()
+
+
+def test_read_and_write_commands_refuse_an_empty_database(tmp_path: Path, db_url: str) -> None:
+    """An SQLite file that is not there, or a PostgreSQL database nothing was enqueued into."""
+    before = db_snapshot(db_url) if is_postgres(db_url) else None
+    for args in (["status"], ["export", str(tmp_path / "o.jsonl")], ["pause", "d"]):
+        result = cli(*args, "--db", db_url)
+        assert result.returncode == 3, (args, result.stderr)
+        assert ("empty database" if before else "no database at") in result.stderr
+    if before is not None:
+        assert db_snapshot(db_url) == before
+        assert query(db_url, "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [
+            (0,)
+        ]
+
+
+def _foreign(path: Path) -> Path:
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT)")
+        conn.execute("INSERT INTO notes (body) VALUES ('mine')")
+        conn.commit()
+    return path
+
+
+def test_another_applications_sqlite_file_is_left_alone(tmp_path: Path) -> None:
+    other = _foreign(tmp_path / "app.db")
+    before = db_snapshot(other)
+    for args in (
+        ["status"],
+        ["status", "--json"],
+        ["export", str(tmp_path / "o.jsonl")],
+        ["run", "--server", URL],
+        ["requeue", "--error-class", "x"],
+        ["enqueue", str(write_jsonl(tmp_path / "in.jsonl", prompts(2))), "-d", "d"],
+        ["db", "upgrade"],
+    ):
+        result = cli(*args, "--db", str(other))
+        assert result.returncode == 3, (args, result.stderr)
+        assert "not an orchestrator database" in result.stderr
+        assert "notes" in result.stderr
+    assert db_snapshot(other) == before
+    assert not Path(f"{other}-wal").exists()
+    with closing(sqlite3.connect(other)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+        assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["notes"]
+    adopted = cli("db", "upgrade", "--into-existing", "--db", str(other))
+    assert adopted.returncode == 0, adopted.stderr
+    assert json.loads(cli("status", "--json", "--db", str(other)).stdout)["datasets"] == []
+
+
+def test_another_applications_postgresql_database_is_left_alone(
+    tmp_path: Path, pg_database: Callable[[], str]
+) -> None:
+    url = pg_database()
+    cli_sql = "CREATE TABLE notes (id integer PRIMARY KEY)"
+    import asyncio
+
+    import asyncpg
+
+    async def make() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(cli_sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(make())
+    before = db_snapshot(url)
+    for args in (["status"], ["run", "--server", URL], ["db", "upgrade"]):
+        result = cli(*args, "--db", url)
+        assert result.returncode == 3, (args, result.stderr)
+        assert "not an orchestrator database" in result.stderr
+    assert db_snapshot(url) == before
