@@ -24,6 +24,7 @@ __all__ = [
     "ALL_FLAGS",
     "EMPTY_CONTENT",
     "REASONING_ONLY",
+    "TOOL_MISMATCH",
     "TRUNCATED",
     "UNCLOSED_THINK",
     "flag_names",
@@ -41,6 +42,9 @@ EMPTY_CONTENT = 2
 UNCLOSED_THINK = 4
 #: Reasoning but no answer: no content and no tool calls.
 REASONING_ONLY = 8
+#: ``regenerate = "all"``: a regenerated turn's tool calls did not line up with the
+#: original's (orchestrator.conversation), so the conversation stopped after it.
+TOOL_MISMATCH = 32
 
 #: Every flag by the name users type, in bit order.
 ALL_FLAGS: Mapping[str, int] = MappingProxyType(
@@ -49,6 +53,7 @@ ALL_FLAGS: Mapping[str, int] = MappingProxyType(
         "empty": EMPTY_CONTENT,
         "unclosed_think": UNCLOSED_THINK,
         "reasoning_only": REASONING_ONLY,
+        "tool_mismatch": TOOL_MISMATCH,
     }
 )
 

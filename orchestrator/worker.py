@@ -36,7 +36,7 @@ import structlog
 from orchestrator import procinfo
 from orchestrator.autoconcurrency import Controller, Limits, Sample
 from orchestrator.client import Completion, InferenceClient
-from orchestrator.conversation import turn_messages
+from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.errors import (
     ConfigError,
     InferenceError,
@@ -45,6 +45,7 @@ from orchestrator.errors import (
     StorageError,
     TransientError,
 )
+from orchestrator.quality import TOOL_MISMATCH
 from orchestrator.servers import Cap, ServerPool
 from orchestrator.store import Database, Failure, Lease, Output, Queue, list_datasets
 from orchestrator.store import workers as worker_rows
@@ -620,6 +621,8 @@ class Worker:
                 return result
             if lease.turn + 1 >= lease.turns:
                 return "complete", result
+            if stops_after(lease.request["messages"], lease.turn, result.message):
+                return "complete", self._stopped(lease, result)
             written = asyncio.get_running_loop().create_future()
             self.committer.submit("advance", lease, result, written)
             if not await written:
@@ -639,8 +642,15 @@ class Worker:
     async def _call_turn(self, lease: Lease, info: DatasetInfo) -> tuple[str, Any] | Output:
         """One request: its answer, or what should become of the item."""
         body = {**info.params, **lease.request}
-        if lease.turns > 1:
-            body["messages"] = turn_messages(lease.request["messages"], lease.turn, lease.generated)
+        if lease.turns > 1 or info.regenerate == "all":
+            # Every turn of such an item, its only one too, is asked without its original
+            # answer, which the stored conversation still holds.
+            try:
+                body["messages"] = turn_messages(
+                    lease.request["messages"], lease.turn, lease.generated
+                )
+            except ValueError as exc:
+                return "fail", Failure("conversation", _where(lease) + str(exc))
         server = self.pool.pick()
         if server is None:
             return "release", (Failure("unavailable", "no server reachable"), time.time())
@@ -693,6 +703,20 @@ class Worker:
                 return "fail", Failure("truncated", _where(lease) + str(truncated))
             return self._retry_or_fail(lease, truncated, None)
         return _output(completion, info.params_hash)
+
+    @staticmethod
+    def _stopped(lease: Lease, result: Output) -> Output:
+        """The last turn of a conversation that cannot go on: the model's tool calls went
+        another way than the original's, whose results would answer calls never made."""
+        log.info(
+            "conversation_stopped",
+            item=lease.item_id,
+            key=lease.key,
+            turn=lease.turn,
+            turns=lease.turns,
+            reason="tool_mismatch",
+        )
+        return dataclasses.replace(result, flags=result.flags | TOOL_MISMATCH)
 
     def _retry_or_fail(
         self, lease: Lease, exc: InferenceError, retry_after: float | None

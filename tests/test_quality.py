@@ -9,6 +9,7 @@ from orchestrator.quality import (
     ALL_FLAGS,
     EMPTY_CONTENT,
     REASONING_ONLY,
+    TOOL_MISMATCH,
     TRUNCATED,
     UNCLOSED_THINK,
     flag_names,
@@ -28,10 +29,12 @@ def test_bits_are_stable_and_distinct():
         "empty": 2,
         "unclosed_think": 4,
         "reasoning_only": 8,
+        "tool_mismatch": 32,
     }
     assert (TRUNCATED, EMPTY_CONTENT, UNCLOSED_THINK, REASONING_ONLY) == (1, 2, 4, 8)
+    assert TOOL_MISMATCH == 32
     with pytest.raises(TypeError):
-        ALL_FLAGS["new"] = 16  # type: ignore[index]
+        ALL_FLAGS["new"] = 64  # type: ignore[index]
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ import orjson
 
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
-from orchestrator.quality import flag_names
+from orchestrator.quality import TOOL_MISMATCH, flag_names
 from orchestrator.store.outputs import (
     DatasetRef,
     DoneItem,
@@ -287,7 +287,7 @@ class _Lines:
             if passthrough:
                 messages = request["messages"]
             elif self.turns:
-                messages = self._assembled(item_id, key, request, message_json, turns)
+                messages = self._assembled(item_id, key, request, message_json, turns, flags)
             else:
                 messages = [*request.get("messages", []), self._generated(message_json)]
             if self.options.format == "sharegpt":
@@ -320,20 +320,33 @@ class _Lines:
         request: dict[str, Any],
         message_json: str,
         turns: dict[int, list[str]],
+        flags: int,
     ) -> list[dict[str, Any]]:
-        """The whole conversation, each original answer replaced by its generated turn."""
+        """The whole conversation, each original answer replaced by its generated turn.
+
+        A conversation stopped where the model's tool calls went another way
+        (``tool_mismatch``) ends with that turn, its last stored one: what comes after it
+        in the original answers calls that were never made.
+        """
         original = request.get("messages", [])
         stored = turns.get(item_id, [])
         wanted = len(targets(original))
-        if len(stored) == wanted - 1:
+        stopped = bool(flags & TOOL_MISMATCH) and 0 < len(stored) < wanted
+        if len(stored) == wanted - 1 and not stopped:
             stored = [*stored, message_json]  # the final turn lives in outputs anyway
-        if len(stored) != wanted:
+        if len(stored) != wanted and not stopped:
             raise StorageError(
                 f"dataset {self.dataset.name!r}, item {key!r}: {wanted} generated turns "
                 f"expected, {len(stored)} stored"
             )
         mode = self.options.reasoning
-        return assemble(original, [apply_reasoning(orjson.loads(m), mode) for m in stored])
+        generated = [apply_reasoning(orjson.loads(m), mode) for m in stored]
+        try:
+            return assemble(original, generated)
+        except ValueError as exc:
+            raise StorageError(
+                f"dataset {self.dataset.name!r}, item {key!r}: flagged tool_mismatch, but {exc}"
+            ) from exc
 
     def _batch_line(self, row: FullRow, message: Any, usage: Any) -> dict[str, Any]:
         key, finish_reason, model, response_id, created_at = row[1], row[4], row[7], row[8], row[9]
