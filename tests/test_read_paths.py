@@ -387,14 +387,21 @@ async def _alembic(db: Path, step: str, revision: str) -> None:
         await database.close()
 
 
-async def test_0001_database_upgrades_on_status(mixed_db: tuple[Path, Database]) -> None:
+async def test_0001_database_is_not_upgraded_by_status(mixed_db: tuple[Path, Database]) -> None:
+    """status only reads: an older schema is named, left as it is, and upgraded on request."""
     db, database = mixed_db
     now = T0 + 600
     expected = await snapshot(database, now=now)
     await database.close()
     await _alembic(db, "downgrade", "0001")
     assert open_reader(str(db)) is None  # behind: the fast path steps aside
+    before = db.read_bytes()
 
+    result = run_cli("status", "--json", "--db", str(db))
+    assert result.returncode == 3
+    assert "schema 0001" in result.stderr and "orchestrator db upgrade" in result.stderr
+    assert db.read_bytes() == before
+    assert run_cli("db", "upgrade", "--db", str(db)).returncode == 0
     result = run_cli("status", "--json", "--db", str(db))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["totals"]["counts"]["total"] == 26
