@@ -427,10 +427,12 @@ async def test_default_messages_lines(db: Path, database: Database, tmp_path: Pa
     assert m0["finish_reason"] == "stop" and m0["usage"]["completion_tokens"] == 9
     assert m1["messages"] == [M1[0], M1_TURNS[0], M1[2], M1_TURNS[1]]
     assert m1["tools"] == [WEATHER_TOOL]
-    # Pass-through: the conversation as it was read; the token row unchanged.
+    # Pass-through: the conversation as it was read; the token row as read, with the
+    # dataset it came from (the file holds four).
     assert lines[6]["messages"] == P0["messages"]
     assert lines[6]["finish_reason"] is None and lines[6]["usage"] is None
-    assert files["train.jsonl"].splitlines()[7] == orjson.dumps(P1)
+    p1 = {"id": "p1", "dataset": "pass", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}
+    assert files["train.jsonl"].splitlines()[7] == orjson.dumps(p1)
 
 
 @pytest.mark.parametrize("fmt", ["messages", "sharegpt"])
@@ -438,7 +440,10 @@ async def test_reasoning_modes(db: Path, tmp_path: Path, fmt: str) -> None:
     by_mode = {}
     for mode in ("separate", "inline", "drop"):
         files, _ = _cli_export(db, tmp_path / mode, ["--format", fmt, "--reasoning", mode])
-        by_mode[mode] = {line["id"]: line for line in _lines(files["train.jsonl"])}
+        # ShareGPT ids in a file of several datasets are dataset/key.
+        by_mode[mode] = {
+            line["id"].rpartition("/")[2]: line for line in _lines(files["train.jsonl"])
+        }
 
     def answers(mode: str, key: str) -> list[dict[str, Any]]:
         line = by_mode[mode][key]
@@ -465,14 +470,17 @@ async def test_reasoning_modes(db: Path, tmp_path: Path, fmt: str) -> None:
 
 async def test_sharegpt_lines(db: Path, tmp_path: Path) -> None:
     files, _ = _cli_export(db, tmp_path / "out", ["--format", "sharegpt"])
-    lines = {line["id"]: line for line in _lines(files["train.jsonl"])}
+    # The file holds several datasets: ids are dataset/key, the key after the first "/".
+    lines = {line["id"].split("/", 1)[1]: line for line in _lines(files["train.jsonl"])}
     assert lines["c0"] == {
-        "id": "c0",
+        "id": "chat/c0",
         "conversations": [
             {"from": "human", "value": "Capital of France?"},
             {"from": "gpt", "value": "Paris.", "reasoning_content": "France: Paris."},
         ],
+        "tools": [],
     }
+    assert lines["w0"]["id"] == "web%2Fqa/w0"
     assert lines["c1"]["conversations"][-1] == {"from": "gpt", "value": "", "tool_calls": [CALL]}
     assert lines["c1"]["tools"] == [WEATHER_TOOL]
     assert lines["c2"]["conversations"][0] == {"from": "system", "value": "You are verbose."}
@@ -487,17 +495,17 @@ async def test_sharegpt_lines(db: Path, tmp_path: Path) -> None:
         "value": "4",
         "reasoning_content": "add",
     }
-    assert orjson.dumps(P1) in files["train.jsonl"].splitlines()
-    assert set(lines["m0"]) == {"id", "conversations"}
+    assert lines["p1"] == {"id": "pass/p1", **{k: P1[k] for k in P1 if k != "id"}, "tools": []}
+    assert list(lines["m0"]) == ["id", "conversations", "tools"]
 
 
 async def test_openai_batch_lines_and_error_file(db: Path, tmp_path: Path) -> None:
     files, stdout = _cli_export(db, tmp_path / "out", ["--format", "openai-batch"])
     assert set(files) == {"train.jsonl", "train.errors.jsonl"}
-    lines = {
-        line["custom_id"]: line for line in _lines(files["train.jsonl"]) if "custom_id" in line
-    }
+    # The file holds several datasets: custom_ids are dataset/key.
+    lines = {line["custom_id"].split("/", 1)[1]: line for line in _lines(files["train.jsonl"])}
     c0 = lines["c0"]
+    assert c0["custom_id"] == "chat/c0"
     assert c0["id"].startswith("batch_req_") and c0["error"] is None
     assert c0["response"] == {
         "status_code": 200,
@@ -526,12 +534,12 @@ async def test_openai_batch_lines_and_error_file(db: Path, tmp_path: Path) -> No
     # Multi-turn: the final completion; pass-through: the row's answer; tokens: as read.
     assert lines["m0"]["response"]["body"]["choices"][0]["message"] == M0_TURNS[-1]
     assert lines["p0"]["response"]["body"]["choices"][0]["message"] == P0["messages"][-1]
-    assert orjson.dumps(P1) in files["train.jsonl"].splitlines()
+    assert lines["p1"] == {"custom_id": "pass/p1", **P1}
     errors = _lines(files["train.errors.jsonl"])
-    assert [e["custom_id"] for e in errors] == ["c4", "m2"]
+    assert [e["custom_id"] for e in errors] == ["chat/c4", "multi/m2"]
     assert errors[0] == {
         "id": errors[0]["id"],
-        "custom_id": "c4",
+        "custom_id": "chat/c4",
         "response": None,
         "error": {"code": "http_400", "message": "context length exceeded"},
     }
@@ -547,7 +555,9 @@ async def test_split_one_file_per_dataset(db: Path, tmp_path: Path) -> None:
     assert set(files) == {"split/chat.jsonl", "split/multi.jsonl", "split/pass.jsonl", web}
     joined = b"".join(files[name] for name in ("split/chat.jsonl", "split/multi.jsonl"))
     joined += files["split/pass.jsonl"] + files[web]
-    assert joined == whole["train.jsonl"]
+    # The same lines, but for the token row: in the combined file it names its dataset.
+    named = orjson.dumps({"id": "p1", "dataset": "pass", **P1})
+    assert joined == whole["train.jsonl"].replace(named, orjson.dumps(P1))
     assert "exported 9 items to 4 files in" in stdout
     # Exporting again into the same directory replaces the files, and leaves no temp files.
     result = run_cli("export", str(tmp_path / "parts" / "split"), "--split", "--db", str(db))
@@ -629,13 +639,11 @@ async def test_provenance(db: Path, tmp_path: Path) -> None:
     assert c0["flags"] == []
     assert lines["c3"]["params"] is None and lines["c3"]["flags"] == ["empty", "reasoning_only"]
     assert lines["c2"]["flags"] == ["truncated"] and lines["m1"]["flags"] == ["unclosed_think"]
-    assert lines["p1"] == P1  # a token row stays as it was read
+    assert lines["p1"] == {**P1, "dataset": "pass"}  # a token row as read, with its dataset
 
     files, _ = _cli_export(db, tmp_path / "batch", ["--format", "openai-batch", "--provenance"])
-    batch = {
-        line["custom_id"]: line for line in _lines(files["train.jsonl"]) if "custom_id" in line
-    }
-    assert batch["c0"]["provenance"] == {
+    batch = {line["custom_id"]: line for line in _lines(files["train.jsonl"])}
+    assert batch["chat/c0"]["provenance"] == {
         "params": PARAMS,
         "params_hash": "h1",
         "server": "http://gpu:30000",
@@ -643,7 +651,7 @@ async def test_provenance(db: Path, tmp_path: Path) -> None:
         "started_at": T0 + 9.5,
         "flags": [],
     }
-    assert list(batch["c0"]) == ["id", "custom_id", "response", "error", "provenance"]
+    assert list(batch["chat/c0"]) == ["id", "custom_id", "response", "error", "provenance"]
 
 
 async def test_broken_multi_turn_item_stops_the_export(db: Path, tmp_path: Path) -> None:
@@ -729,7 +737,10 @@ def test_choices_kept_in_step() -> None:
 
 
 def test_options_keep_the_plain_sqlite_path(db: Path, tmp_path: Path) -> None:
-    """Every option is served by plain sqlite3: no SQLAlchemy, alembic or structlog."""
+    """Every option is served by plain sqlite3: no SQLAlchemy, alembic or structlog.
+
+    structlog only for the one warning: pass.jsonl mixes a conversation and a token row.
+    """
     args = ["export", str(tmp_path / "split"), "--split", "--format", "openai-batch"]
     args += ["--provenance", "--exclude-flag", "truncated", "--reasoning", "inline"]
     args += ["--include-failed", str(tmp_path / "failed.jsonl"), "--db", str(db)]
@@ -748,6 +759,10 @@ def test_options_keep_the_plain_sqlite_path(db: Path, tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stderr.strip().splitlines()[-1]) == []
+    heavy = json.loads(result.stderr.strip().splitlines()[-1])
+    assert {name.split(".")[0] for name in heavy} == {"structlog"}
+    (warning,) = [orjson.loads(line) for line in result.stderr.splitlines()[:-1]]
+    assert warning["event"] == "export_mixed_token_rows"
+    assert warning["file"].endswith("pass.jsonl")
     assert "exported 8 items to 4 files in" in result.stdout
     assert len(_lines((tmp_path / "failed.jsonl").read_bytes())) == 2

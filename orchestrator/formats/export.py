@@ -122,6 +122,8 @@ class ExportReport:
     failed: int = 0  # failed items written to failed_files
     files: list[Path] = field(default_factory=list)
     failed_files: list[Path] = field(default_factory=list)
+    # (file, pre-tokenised rows, other lines) for each file that mixes the two kinds.
+    mixed: list[tuple[Path, int, int]] = field(default_factory=list)
 
 
 def messages_line(item: DoneItem) -> dict[str, Any]:
@@ -226,11 +228,22 @@ def failed_line(dataset: str, row: FailedRow) -> dict[str, Any]:
     return line
 
 
-def batch_error_line(dataset: str, row: FailedRow) -> dict[str, Any]:
+def line_id(dataset: str, key: str) -> str:
+    """``<dataset>/<key>``: an item's id in a file that holds several datasets.
+
+    Keys are unique within a dataset only, and files read without ids number them from 1
+    in each one. ``/`` and ``%`` in the dataset name are written ``%2F`` and ``%25``, so
+    the name is what comes before the first ``/`` and the key, as it was, what follows.
+    """
+    return f"{dataset.replace('%', '%25').replace('/', '%2F')}/{key}"
+
+
+def batch_error_line(dataset: str, row: FailedRow, *, shared: bool = False) -> dict[str, Any]:
+    """A failed item as the batch format's error line; ``shared``: the file has others' too."""
     key, error_class, last_error = row[0], row[1], row[2]
     return {
         "id": f"batch_req_{batch_ids(dataset, key)}",
-        "custom_id": key,
+        "custom_id": line_id(dataset, key) if shared else key,
         "response": None,
         "error": {"code": error_class, "message": last_error},
     }
@@ -239,10 +252,13 @@ def batch_error_line(dataset: str, row: FailedRow) -> dict[str, Any]:
 class _Lines:
     """Shapes one dataset's full rows into lines of the chosen format."""
 
-    def __init__(self, dataset: DatasetRef, options: ExportOptions):
+    def __init__(self, dataset: DatasetRef, options: ExportOptions, *, shared: bool = False):
         self.dataset = dataset
         self.options = options
+        # The file holds other datasets' lines too: ids must say whose each line is.
+        self.shared = shared
         self.excluded = 0
+        self.tokens = 0  # pre-tokenised rows written
         # The generated turns are read only where they are written: the batch format
         # answers with the final completion alone.
         self.turns = (
@@ -270,8 +286,8 @@ class _Lines:
         request = orjson.loads(request_json)
         passthrough = self.dataset.passthrough
         if passthrough and "messages" not in request:
-            # A pre-tokenised row: every format writes it as it was read.
-            return orjson.dumps(request)
+            self.tokens += 1
+            return orjson.dumps(self._token_line(key, request))
         usage = orjson.Fragment(usage_json) if usage_json else None
         line: dict[str, Any]
         if self.options.format == "openai-batch":
@@ -291,7 +307,14 @@ class _Lines:
             else:
                 messages = [*request.get("messages", []), self._generated(message_json)]
             if self.options.format == "sharegpt":
-                line = {"id": key, "conversations": [sharegpt_turn(m) for m in messages]}
+                line = {
+                    "id": self._id(key),
+                    "conversations": [sharegpt_turn(m) for m in messages],
+                    # On every line: a loader that takes its columns from the first rows
+                    # (HF Dataset.from_generator, as SpecForge builds its dataset) fails
+                    # or drops every tool schema when only some lines have the key.
+                    "tools": request.get("tools") or [],
+                }
             else:
                 line = {
                     "id": key,
@@ -300,12 +323,34 @@ class _Lines:
                     "finish_reason": finish_reason,
                     "usage": usage,
                 }
-            for name in _CARRIED:
-                if name in request:
-                    line[name] = request[name]
+                for name in _CARRIED:
+                    if name in request:
+                        line[name] = request[name]
             if self.options.provenance:
                 line.update(self._provenance(row))
         return orjson.dumps(line)
+
+    def _id(self, key: str) -> str:
+        return line_id(self.dataset.name, key) if self.shared else key
+
+    def _token_line(self, key: str, row: dict[str, Any]) -> dict[str, Any]:
+        """A pre-tokenised row as it was read, plus what its file needs to tell it apart.
+
+        In a file of several datasets it gets the identifying fields of the format's lines
+        (``id`` and ``dataset``; ``id``; ``custom_id``), and in a ShareGPT file the
+        ``tools`` key every line of such a file has.
+        """
+        fmt = self.options.format
+        if self.shared:
+            if fmt == "messages":
+                rest = {k: v for k, v in row.items() if k not in ("id", "dataset")}
+                row = {"id": key, "dataset": self.dataset.name, **rest}
+            else:
+                name = "custom_id" if fmt == "openai-batch" else "id"
+                row = {name: self._id(key), **{k: v for k, v in row.items() if k != name}}
+        if fmt == "sharegpt":
+            row["tools"] = row.get("tools") or []
+        return row
 
     def _generated(self, message_json: str) -> Any:
         """The stored answer as the line needs it: the stored bytes when unchanged."""
@@ -353,7 +398,7 @@ class _Lines:
         ids = batch_ids(self.dataset.name, key)
         line: dict[str, Any] = {
             "id": f"batch_req_{ids}",
-            "custom_id": key,
+            "custom_id": self._id(key),
             "response": {
                 "status_code": 200,
                 "request_id": response_id or f"req_{ids}",
@@ -548,22 +593,44 @@ class _Job:
             target.mkdir(exist_ok=True)
         for path in paths:
             _check_target(path)
+        # Datasets whose lines share a file with another dataset's.
+        self._shared = {d.id for _, group in self.outputs if len(group) > 1 for d in group}
+        self._shared_failures = {
+            d.id for _, group in self.failures if len(group) > 1 for d in group
+        }
+        self._mixed: list[tuple[Path, int, int]] = []
 
     def fast(self, dataset: DatasetRef) -> bool:
         return self.options.plain and dataset.regenerate == "last" and not dataset.passthrough
 
     def lines(self, dataset: DatasetRef) -> _Lines:
-        lines = _Lines(dataset, self.options)
+        lines = _Lines(dataset, self.options, shared=dataset.id in self._shared)
         self._lines.append(lines)
         return lines
+
+    @contextlib.contextmanager
+    def output(self, target: Path) -> Iterator[IO[bytes]]:
+        """A file of done items, noted in ``mixed`` if it mixes token rows with others."""
+        before, shapes = self.counter.count, len(self._lines)
+        with self.staged.open(target) as fh:
+            yield fh
+        tokens = sum(lines.tokens for lines in self._lines[shapes:])
+        others = self.counter.count - before - tokens
+        if tokens and others:
+            self._mixed.append((target, tokens, others))
 
     def write_failed(
         self, write: Callable[[bytes], object], dataset: DatasetRef, rows: Sequence[FailedRow]
     ) -> None:
-        shape = batch_error_line if self.options.format == "openai-batch" else failed_line
-        for row in rows:
-            write(orjson.dumps(shape(dataset.name, row)))
-            write(b"\n")
+        if self.options.format == "openai-batch":
+            shared = dataset.id in self._shared_failures
+            for row in rows:
+                write(orjson.dumps(batch_error_line(dataset.name, row, shared=shared)))
+                write(b"\n")
+        else:
+            for row in rows:
+                write(orjson.dumps(failed_line(dataset.name, row)))
+                write(b"\n")
         self._failed += len(rows)
 
     def __enter__(self) -> _Job:
@@ -587,10 +654,40 @@ class _Job:
             failed=self._failed,
             files=[p for p, _ in self.outputs],
             failed_files=[p for p, _ in self.failures],
+            mixed=list(self._mixed),
         )
 
 
 # ---------------------------------------------------------------------- the two paths
+
+
+MIXED_TOKEN_ROWS = (
+    "SpecForge skips pre-tokenised rows in a conversation file without a word, and "
+    "trainers that read messages or conversations cannot use them: export those "
+    "datasets apart (--split, or --dataset NAME)"
+)
+
+
+def warn_mixed(report: ExportReport, fmt: str) -> None:
+    """One structlog warning per file that mixes pre-tokenised rows with conversations.
+
+    structlog is imported only here, when there is something to say: a plain export
+    does not load it.
+    """
+    if not report.mixed:
+        return
+    import structlog
+
+    log = structlog.get_logger("orchestrator.export")
+    for path, tokens, others in report.mixed:
+        log.warning(
+            "export_mixed_token_rows",
+            file=str(path),
+            format=fmt,
+            token_rows=tokens,
+            other_lines=others,
+            hint=MIXED_TOKEN_ROWS,
+        )
 
 
 def export_sqlite(
@@ -600,18 +697,20 @@ def export_sqlite(
     dataset_names: Sequence[str] = (),
     progress: Progress | None = None,
     options: ExportOptions | None = None,
+    warn: bool = True,
 ) -> ExportReport:
     """Write the export from an SQLite read transaction.
 
     Synchronous: the driver's ``fetchmany`` hands over 2,000 rows at a time, with no
-    event loop or second thread to pass each row across.
+    event loop or second thread to pass each row across. ``warn``: log
+    :func:`warn_mixed`'s events (the CLI does it itself, once its logging is set up).
     """
     job = _Job(
         out, options or ExportOptions(), dataset_refs_sqlite(reader, dataset_names), progress
     )
     with job:
         for target, group in job.outputs:
-            with job.staged.open(target) as fh:
+            with job.output(target) as fh:
                 for dataset in group:
                     if job.fast(dataset):
                         for rows in done_rows_sqlite(reader, dataset.id):
@@ -625,7 +724,10 @@ def export_sqlite(
             with job.staged.open(target) as fh:
                 for dataset in group:
                     job.write_failed(fh.write, dataset, failed_rows_sqlite(reader, dataset.id))
-    return job.report()
+    report = job.report()
+    if warn:
+        warn_mixed(report, job.options.format)
+    return report
 
 
 def _export_sqlite_file(
@@ -634,13 +736,19 @@ def _export_sqlite_file(
     dataset_names: Sequence[str],
     progress: Progress | None,
     options: ExportOptions | None,
+    warn: bool = True,
 ) -> ExportReport | None:
     reader = open_reader(path)
     if reader is None:
         return None
     with reader:
         return export_sqlite(
-            reader, out, dataset_names=dataset_names, progress=progress, options=options
+            reader,
+            out,
+            dataset_names=dataset_names,
+            progress=progress,
+            options=options,
+            warn=warn,
         )
 
 
@@ -651,6 +759,7 @@ async def export_database(
     dataset_names: Sequence[str] = (),
     progress: Progress | None = None,
     options: ExportOptions | None = None,
+    warn: bool = True,
 ) -> ExportReport:
     """Write the export from any database.
 
@@ -662,7 +771,7 @@ async def export_database(
     if path and path != ":memory:":
         try:
             report = await asyncio.to_thread(
-                _export_sqlite_file, path, out, dataset_names, progress, options
+                _export_sqlite_file, path, out, dataset_names, progress, options, warn
             )
         except sqlite3.Error as exc:
             from orchestrator.store.engine import storage_error
@@ -676,7 +785,7 @@ async def export_database(
         )
         with job:
             for target, group in job.outputs:
-                with job.staged.open(target) as fh:
+                with job.output(target) as fh:
                     for dataset in group:
                         if job.fast(dataset):
                             async for rows in done_rows(conn, dataset.id):
@@ -690,7 +799,10 @@ async def export_database(
                 with job.staged.open(target) as fh:
                     for dataset in group:
                         job.write_failed(fh.write, dataset, await failed_rows(conn, dataset.id))
-    return job.report()
+    report = job.report()
+    if warn:
+        warn_mixed(report, job.options.format)
+    return report
 
 
 async def export_jsonl(
