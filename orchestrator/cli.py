@@ -74,6 +74,14 @@ api_key_file_option = click.option(
     help="File holding the server's API key (else env ORCHESTRATOR_API_KEY).",
 )
 
+basic_auth_file_option = click.option(
+    "--basic-auth-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="ORCHESTRATOR_BASIC_AUTH_FILE",
+    help="File holding USER:PASSWORD for the servers' HTTP Basic auth: kept out of the "
+    "process arguments, unlike http://USER:PASSWORD@HOST (env ORCHESTRATOR_BASIC_AUTH_FILE).",
+)
+
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; turn our errors into a message and an exit code."""
@@ -666,6 +674,63 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
     return os.environ.get("ORCHESTRATOR_API_KEY") or None
 
 
+max_response_option = click.option(
+    "--max-response-mb",
+    type=click.FloatRange(min=0.001),
+    default=64.0,
+    show_default=True,
+    help="Most MiB of one answer's body; a larger one fails the item (response_too_large) "
+    "before it fills memory and the database.",
+)
+
+
+def _without_credentials(
+    specs: list[Any], api_key: str | None, basic_auth_file: Path | None
+) -> tuple[list[Any], dict[str, Any]]:
+    """The servers under their URLs without userinfo, and the Basic credentials to send
+    each (orchestrator.urls): no password reaches a log line, a row or a label."""
+    import structlog
+
+    from orchestrator.servers import ServerSpec
+    from orchestrator.urls import read_basic_auth, server_credentials
+
+    shared = run_sync(lambda: read_basic_auth(basic_auth_file)) if basic_auth_file else None
+    shown, auth = run_sync(
+        lambda: server_credentials([s.url for s in specs], api_key=api_key, shared=shared)
+    )
+    in_urls = [url for url, spec in zip(shown, specs, strict=True) if url != spec.url.strip()]
+    if in_urls:
+        structlog.get_logger("orchestrator.cli").warning(
+            "credentials_in_server_url",
+            servers=in_urls,
+            hint="anyone on this machine can read process arguments: use --basic-auth-file",
+        )
+    clean = [ServerSpec(url, spec.concurrency) for url, spec in zip(shown, specs, strict=True)]
+    return clean, auth
+
+
+def _checked_servers(servers: tuple[str, ...]) -> tuple[str, ...]:
+    """``--server`` / ORCHESTRATOR_SERVERS URLs through the one URL check of every server
+    source (a servers file's lines get the same): refused with the source named, or
+    corrected (a ``/v1``, a trailing slash) with a note."""
+    import structlog
+
+    from orchestrator.servers import check_server_url
+
+    ctx = click.get_current_context()
+    from_env = ctx.get_parameter_source("servers") == click.core.ParameterSource.ENVIRONMENT
+    source = "ORCHESTRATOR_SERVERS" if from_env else "--server"
+    checked = []
+    for url in servers:
+        fixed, note = run_sync(lambda url=url: check_server_url(url, source))
+        if note:
+            structlog.get_logger("orchestrator.cli").info(
+                "server_url_corrected", source=source, note=note
+            )
+        checked.append(fixed)
+    return tuple(checked)
+
+
 def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
     from orchestrator.servers import parse_cap
 
@@ -744,6 +809,8 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     help="Address the metrics server binds; another than loopback exposes it to the network.",
 )
 @api_key_file_option
+@basic_auth_file_option
+@max_response_option
 @db_option
 def run(
     servers: tuple[str, ...],
@@ -761,6 +828,8 @@ def run(
     metrics_port: int | None,
     metrics_host: str,
     api_key_file: Path | None,
+    basic_auth_file: Path | None,
+    max_response_mb: float,
     db: str | None,
 ) -> None:
     """Work on the queue: claim items, call the servers, commit each answer once.
@@ -778,7 +847,10 @@ def run(
     from orchestrator.worker import Worker, WorkerConfig
 
     listed = run_sync(lambda: parse_servers_file(servers_file)) if servers_file else []
-    specs = merge_servers(servers, listed)
+    api_key = _read_api_key(api_key_file)
+    specs, basic_auth = _without_credentials(
+        merge_servers(servers, listed), api_key, basic_auth_file
+    )
     server_list = tuple(spec.url for spec in specs)
     config = (
         WorkerConfig(
@@ -802,7 +874,9 @@ def run(
         request_timeout=request_timeout,
         stream=stream,
         stream_idle_timeout=stream_idle_timeout,
-        api_key=_read_api_key(api_key_file),
+        api_key=api_key,
+        basic_auth=basic_auth,
+        max_response_bytes=int(max_response_mb * 2**20),
     )
 
     async def go() -> Any:
@@ -967,11 +1041,24 @@ def watch(
     show_default=True,
     help="Address to listen on (the dashboard has no authentication).",
 )
+@click.option(
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="Another name the page may be reached by (a proxy's, a DNS name): requests whose "
+    "Host header is none of loopback, an IP address, --host or these are refused.",
+)
 @window_option
 @servers_option
 @db_option
 def dashboard(
-    port: int, host: str, window: float, servers: tuple[str, ...], db: str | None
+    port: int,
+    host: str,
+    allow_hosts: tuple[str, ...],
+    window: float,
+    servers: tuple[str, ...],
+    db: str | None,
 ) -> None:
     """A web page of the run that updates itself: progress, throughput and errors over
     the whole run, completion lengths, servers, ETA. Only reads the database."""
@@ -982,7 +1069,17 @@ def dashboard(
         click.echo(f"dashboard on {url} (Ctrl-C stops it)", err=True)
 
     with contextlib.suppress(KeyboardInterrupt):
-        run_async(serve(db, host=host, port=port, servers=servers, window=window, ready=ready))
+        run_async(
+            serve(
+                db,
+                host=host,
+                port=port,
+                servers=servers,
+                window=window,
+                ready=ready,
+                allow_hosts=allow_hosts,
+            )
+        )
 
 
 @main.command()

@@ -17,6 +17,10 @@ It knows nothing of the queue. Every failure leaves as one of the errors in
                        aborted       finish_reason "abort" (the server dropped it)
     PermanentError     http_4xx      400/401/403/404/422 and other client errors: the
                                      server's reason is kept
+                       redirect      a 3xx: not followed (a POST would lose its body, an
+                                     answer from elsewhere be credited to this server);
+                                     the reason names the Location
+                       response_too_large  a body over ``max_response_bytes``
 
 A request whose pooled keep-alive connection turns out to have been closed by the server
 while it sat idle (llama.cpp's server closes after every streamed answer although its
@@ -31,12 +35,14 @@ do with it is the caller's choice.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 import structlog
+import yarl
 
 from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
 from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
@@ -64,6 +70,12 @@ class ClientConfig:
     stream_idle_timeout: float = 120.0
     api_key: str | None = field(default=None, repr=False)
     health_timeout: float = 5.0
+    #: Most bytes of one answer's body: a server gone wrong can send without end, and
+    #: every byte is held in memory and then stored. Over it: ``response_too_large``.
+    max_response_bytes: int = 64 * 2**20
+    #: HTTP Basic credentials by server URL (as the worker names it: without them), sent
+    #: with every request to that server, whoever makes it (see ``orchestrator.urls``).
+    basic_auth: dict[str, aiohttp.BasicAuth] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +142,8 @@ def _retry_after(headers: Any) -> float | None:
 
 
 def _raise_for_status(status: int, body: bytes, headers: Any) -> None:
+    if 300 <= status < 400:
+        raise _redirected(status, headers)
     reason = _error_reason(status, body)
     if status == 429:
         raise TransientError(reason, error_class="rate_limited", retry_after=_retry_after(headers))
@@ -140,6 +154,51 @@ def _raise_for_status(status: int, body: bytes, headers: Any) -> None:
     if status >= 500 or status in _RETRYABLE_4XX:
         raise TransientError(reason, error_class=f"http_{status}")
     raise PermanentError(reason, error_class=f"http_{status}")
+
+
+def _redirected(status: int, headers: Any) -> PermanentError:
+    """Redirects are not followed: a POST turned into a GET by a 301/302 loses its body,
+    and an answer from elsewhere would be credited to the server named. A redirect says
+    the server URL is wrong."""
+    location = headers.get("Location") or "(no Location header)"
+    return PermanentError(
+        f"HTTP {status} redirect to {location}: redirects are not followed; give the "
+        "server's own URL (--server / --servers-file)",
+        error_class="redirect",
+    )
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or ``response_too_large`` once it passes ``limit`` bytes."""
+    declared = resp.content_length
+    if declared is not None and declared > limit:
+        raise _too_large(limit, f"{declared:,} bytes declared")
+    chunks: list[bytes] = []
+    received = 0
+    while chunk := await resp.content.read(2**20):
+        received += len(chunk)
+        if received > limit:
+            raise _too_large(limit, "the body kept coming")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_prefix(resp: aiohttp.ClientResponse, size: int = 2**16) -> bytes:
+    """The start of an error body: enough for its reason, whatever its length."""
+    chunks: list[bytes] = []
+    received = 0
+    while received < size and (chunk := await resp.content.read(size - received)):
+        chunks.append(chunk)
+        received += len(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int, detail: str) -> PermanentError:
+    return PermanentError(
+        f"the answer is over {limit:,} bytes ({detail}); raise --max-response-mb if such "
+        "answers are meant",
+        error_class="response_too_large",
+    )
 
 
 def _reasoning_of(obj: dict[str, Any]) -> str | None:
@@ -160,6 +219,44 @@ def _check_finished(
             f"the answer has no content (finish_reason={finish_reason!r})",
             error_class="empty_content",
         )
+
+
+_redirects_logged: set[tuple[str, str]] = set()
+
+
+def _log_redirect(server: str, status: int, headers: Any) -> None:
+    """A ``/health`` that redirects keeps the server out of rotation: say so, once."""
+    location = headers.get("Location") or ""
+    if (server, location) not in _redirects_logged:
+        _redirects_logged.add((server, location))
+        log.error(
+            "server_redirects",
+            server=server,
+            status=status,
+            location=location,
+            reason="redirects are not followed; give the server's own URL",
+        )
+
+
+def _basic_auth(by_server: dict[str, aiohttp.BasicAuth]) -> Any:
+    """A session middleware adding each server's own Basic credentials to the requests
+    sent to it (and to no other origin)."""
+    prefixes = [
+        (str(yarl.URL(base_url(server))).lower() + "/", auth.encode())
+        for server, auth in by_server.items()
+    ]
+
+    async def add(
+        req: aiohttp.ClientRequest, handler: Callable[[aiohttp.ClientRequest], Awaitable[Any]]
+    ) -> Any:
+        url = str(req.url).lower()
+        for prefix, header in prefixes:
+            if url.startswith(prefix):
+                req.headers["Authorization"] = header
+                break
+        return await handler(req)
+
+    return add
 
 
 class _Sent:
@@ -210,6 +307,7 @@ class InferenceClient:
             connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, force_close=fresh),
             json_serialize=lambda obj: orjson.dumps(obj).decode(),
             trace_configs=None if fresh else [_trace_reuse()],
+            middlewares=(_basic_auth(self.config.basic_auth),) if self.config.basic_auth else (),
         )
 
     @property
@@ -251,11 +349,16 @@ class InferenceClient:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         try:
             async with await self._send(
-                "GET", base_url(server) + "/health", timeout=timeout
+                "GET",
+                base_url(server) + "/health",
+                timeout=timeout,
+                allow_redirects=False,
             ) as resp:
-                await resp.read()
+                await _read_capped(resp, 2**20)
+                if 300 <= resp.status < 400:
+                    _log_redirect(server, resp.status, resp.headers)
                 return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
+        except (aiohttp.ClientError, TimeoutError, OSError, PermanentError):
             return False
 
     async def chat(self, server: str, body: dict[str, Any]) -> Completion:
@@ -284,13 +387,15 @@ class InferenceClient:
                 data=orjson.dumps(body),
                 headers={"Content-Type": "application/json"},
                 timeout=timeout,
+                allow_redirects=False,
             )
             async with resp:
+                limit = self.config.max_response_bytes
                 if resp.status != 200:
-                    _raise_for_status(resp.status, await resp.read(), resp.headers)
+                    _raise_for_status(resp.status, await _read_prefix(resp), resp.headers)
                 if stream:
                     return await self._read_stream(resp, server, started)
-                return self._parse(await resp.read(), resp, server, started)
+                return self._parse(await _read_capped(resp, limit), resp, server, started)
         except aiohttp.ClientConnectorError as exc:
             raise ServerUnavailable(
                 f"cannot connect to {server}: {exc}", error_class="connect"
@@ -373,7 +478,11 @@ class InferenceClient:
         model: str | None = None
         response_id: str | None = None
         done = False
+        received, limit = 0, self.config.max_response_bytes
         async for raw_line in resp.content:
+            received += len(raw_line)
+            if received > limit:
+                raise _too_large(limit, "the stream kept coming")
             line = raw_line.strip()
             if not line.startswith(b"data:"):
                 continue

@@ -213,7 +213,20 @@ class ServerPool:
         if not self.healthy():
             self.available.clear()
         state.probe = asyncio.create_task(self._probe(server), name=f"probe {server}")
+        state.probe.add_done_callback(lambda task: self._probe_ended(server, task))
         self._on_change()
+
+    def _probe_ended(self, server: str, task: asyncio.Task[None]) -> None:
+        """A prober that died would leave its server out for good and the worker waiting
+        in silence: say why, and probe again (paced as after any failure)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error(
+            "probe_crashed", server=server, error=f"{type(exc).__name__}: {exc}", exc_info=exc
+        )
+        if self.states[server].probe is task:
+            self.mark_down(server, f"the health probe failed: {type(exc).__name__}: {exc}")
 
     async def _probe(self, server: str) -> None:
         state = self.states[server]

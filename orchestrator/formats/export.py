@@ -35,6 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
+from orchestrator import atomicfile
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
 from orchestrator.quality import TOOL_MISMATCH, flag_names
@@ -502,16 +503,17 @@ class _Staged:
             yield sys.stdout.buffer
             sys.stdout.buffer.flush()
             return
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        # Mode kept (or the umask's for a new file), symlinks written through.
+        fd, tmp = atomicfile.open_temp(target)
         self._pending.append((tmp, target))
-        with open(tmp, "wb", buffering=_BUFFER) as fh:
+        with open(fd, "wb", buffering=_BUFFER) as fh:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
 
     def commit(self) -> None:
         for tmp, target in self._pending:
-            os.replace(tmp, target)
+            atomicfile.replace(tmp, target)
         self._pending.clear()
 
     def discard(self) -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import math
 import os
-import tempfile
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -28,6 +30,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from orchestrator import atomicfile
 from orchestrator.errors import ConfigError, SchemaError
 from orchestrator.store import samples
 from orchestrator.store.migrate import SCHEMA_REVISION
@@ -193,9 +196,14 @@ _WINDOW = web.AppKey("window", float)
 
 
 def make_app(
-    source: Source, *, servers: tuple[str, ...] = (), window: float = WINDOW_SECONDS
+    source: Source,
+    *,
+    servers: tuple[str, ...] = (),
+    window: float = WINDOW_SECONDS,
+    hosts: Iterable[str] = (),
 ) -> web.Application:
-    app = web.Application(middlewares=[_errors])
+    """``hosts``: names (besides loopback and IP addresses) the Host header may give."""
+    app = web.Application(middlewares=[_host_check(hosts), _errors])
     app[_SOURCE] = source
     app[_SERVERS] = ServerViews(servers)
     app[_WINDOW] = window
@@ -206,6 +214,58 @@ def make_app(
     # Browsers ask for it; a 404 would show as an error in the page's console.
     app.router.add_get("/favicon.ico", _no_content)
     return app
+
+
+def host_allowed(header: str, names: frozenset[str]) -> bool:
+    """Is ``Host: header`` one this dashboard answers? An IP address, ``localhost`` (and
+    its subdomains) or one of ``names``: a page from another site that points its own name
+    at this address (DNS rebinding) sends that name, and is refused."""
+    host = header.strip().lower()
+    if host.startswith("["):
+        host = host[1 : host.find("]")] if "]" in host else host
+    else:
+        name, colon, port = host.rpartition(":")
+        if colon and port.isdigit():
+            host = name
+    host = host.rstrip(".")
+    if host == "localhost" or host.endswith(".localhost") or host in names:
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _host_check(hosts: Iterable[str]) -> Any:
+    names = frozenset(h.strip().lower().strip("[]").rstrip(".") for h in hosts if h.strip())
+
+    @web.middleware
+    async def check(
+        request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        header = request.headers.get("Host")
+        if header is not None and not host_allowed(header, names):
+            log.warning("dashboard_host_refused", host=header[:200], path=request.path)
+            return web.Response(
+                status=421,
+                text=f"this dashboard does not answer to the name {header[:200]!r} "
+                "(dashboard --allow-host NAME adds one)\n",
+            )
+        return await handler(request)
+
+    return check
+
+
+def _finite(request: web.Request, name: str, default: float, what: str) -> float:
+    """A query number; NaN and infinities are no numbers of seconds."""
+    try:
+        value = float(request.query.get(name, default))
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise web.HTTPBadRequest(text=f"{name} must be {what}")
+    return value
 
 
 @web.middleware
@@ -242,20 +302,14 @@ async def _page(request: web.Request) -> web.Response:
 
 
 async def _status(request: web.Request) -> web.Response:
-    try:
-        window = float(request.query.get("window", request.app[_WINDOW]))
-    except ValueError:
-        raise web.HTTPBadRequest(text="window must be a number of seconds") from None
+    window = _finite(request, "window", request.app[_WINDOW], "a number of seconds")
     snap = await request.app[_SOURCE].status(window)
     snap["servers"] = await request.app[_SERVERS].get()
     return _json(snap)
 
 
 async def _samples(request: web.Request) -> web.Response:
-    try:
-        since = float(request.query.get("since", 0))
-    except ValueError:
-        raise web.HTTPBadRequest(text="since must be a Unix time") from None
+    since = _finite(request, "since", 0.0, "a Unix time")
     return _json(await request.app[_SOURCE].history(since))
 
 
@@ -271,10 +325,16 @@ async def serve(
     servers: tuple[str, ...] = (),
     window: float = WINDOW_SECONDS,
     ready: Callable[[str], None] | None = None,
+    allow_hosts: tuple[str, ...] = (),
 ) -> None:
-    """Serve the dashboard until cancelled."""
+    """Serve the dashboard until cancelled. It answers to loopback names, IP addresses,
+    ``host`` and ``allow_hosts`` (and this machine's names when bound to all addresses)."""
     source = await open_source(db)
-    runner = web.AppRunner(make_app(source, servers=servers, window=window), access_log=None)
+    hosts = [host, *allow_hosts]
+    if host in ("", "0.0.0.0", "::"):
+        hosts += [socket.gethostname(), socket.getfqdn()]
+    app = make_app(source, servers=servers, window=window, hosts=hosts)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
@@ -321,14 +381,14 @@ def write_report(out: Path, data: dict[str, Any]) -> None:
     if out.is_dir():
         raise ConfigError(f"{out}: is a directory")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=folder)
+        # The umask's mode for a new file, the old mode for a replaced one; links followed.
+        fd, tmp = atomicfile.open_temp(out)
     except OSError as exc:
         raise ConfigError(f"{out}: cannot write there ({exc.strerror or exc})") from exc
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(embed(data))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
+        atomicfile.replace(tmp, out)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -68,16 +68,19 @@ def scrape(server: str, *, timeout: float = 3.0, interval: float = 1.0) -> dict[
     """Two scrapes ``interval`` apart: gauges from the second, generation tok/s from the
     counters' difference when the server has no throughput gauge (vLLM)."""
     from orchestrator.client import base_url  # the same reading of a server URL as a worker's
+    from orchestrator.urls import split
 
+    server, auth = split(server)  # credentials are sent, never shown
+    header = auth.encode() if auth is not None else None
     url = base_url(server) + "/metrics"
     # The same keys whatever happens: a stable shape for status --json.
     out: dict[str, Any] = {"server": server, "url": url, "error": None, **view({})}
     try:
-        first = view(parse(_get(url, timeout)))
+        first = view(parse(_get(url, timeout, header)))
         started = time.monotonic()
         if first.get("gen_throughput") is None and first.get("generation_tokens_total") is not None:
             time.sleep(interval)
-            second = view(parse(_get(url, timeout)))
+            second = view(parse(_get(url, timeout, header)))
             elapsed = time.monotonic() - started
             delta = second["generation_tokens_total"] - first["generation_tokens_total"]
             second["gen_throughput"] = max(delta, 0.0) / elapsed if elapsed > 0 else None
@@ -89,6 +92,9 @@ def scrape(server: str, *, timeout: float = 3.0, interval: float = 1.0) -> dict[
     return out
 
 
-def _get(url: str, timeout: float) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+def _get(url: str, timeout: float, authorization: str | None = None) -> str:
+    request = urllib.request.Request(url)
+    if authorization:
+        request.add_header("Authorization", authorization)
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
         return resp.read().decode("utf-8", "replace")

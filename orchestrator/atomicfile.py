@@ -1,0 +1,45 @@
+"""Files written whole: a temporary file beside the target, renamed over it at the end.
+
+What a reader of the target sees stays what its owner chose. A new file gets the mode the
+umask gives (as ``open`` would); a file written again keeps the mode it had, so an export
+made private with ``chmod 600`` stays private; a target that is a symbolic link is written
+through (the file it points at is replaced, the link stays), as ``>`` in a shell does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+
+def real_target(target: Path) -> Path:
+    """The file a write to ``target`` replaces: the end of its symlinks, if any."""
+    return Path(os.path.realpath(target)) if target.is_symlink() else target
+
+
+def open_temp(target: Path) -> tuple[int, Path]:
+    """A new temporary file beside ``real_target(target)``, open for writing, with the
+    mode the finished file should have; returns its descriptor and path."""
+    final = real_target(target)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover of a crashed write: created anew, the umask applies
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        old = os.stat(final)
+        if stat.S_ISREG(old.st_mode):
+            os.fchmod(fd, stat.S_IMODE(old.st_mode))
+    except FileNotFoundError:
+        pass
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return fd, tmp
+
+
+def replace(tmp: Path, target: Path) -> None:
+    """Rename the finished temporary file over the target (through its symlinks)."""
+    os.replace(tmp, real_target(target))

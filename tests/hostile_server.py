@@ -1,0 +1,137 @@
+"""A small OpenAI-compatible server that misbehaves on purpose, run as its own process.
+
+    python -m tests.hostile_server [--basic USER:PASSWORD] [--redirect STATUS=URL]
+                                   [--answer-bytes N] [--stream-bytes N]
+
+--basic         every route wants these HTTP Basic credentials (401 otherwise)
+--redirect      chat requests are answered with a redirect to URL (its path kept)
+--answer-bytes  each answer's content is N bytes long (sent without Content-Length)
+--stream-bytes  each streamed answer sends N bytes of content, in 64 KiB pieces
+
+Every route answers GET as well as POST, as a misconfigured proxy may; ``/stats`` counts
+the requests seen by method and path, and the Authorization headers received.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+from collections import Counter
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+_STATS: Counter[str] = Counter()
+
+
+def _answer(content: str) -> bytes:
+    return orjson.dumps(
+        {
+            "id": "hostile-1",
+            "model": "hostile",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    )
+
+
+def make_app(args: argparse.Namespace) -> web.Application:
+    wanted = "Basic " + base64.b64encode(args.basic.encode()).decode() if args.basic else None
+
+    @web.middleware
+    async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path != "/stats":
+            _STATS[f"{request.method} {request.path}"] += 1
+            _STATS[f"auth {request.headers.get('Authorization', '-')}"] += 1
+            if wanted and request.headers.get("Authorization") != wanted:
+                return web.json_response({"error": {"message": "bad credentials"}}, status=401)
+        return await handler(request)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response(dict(_STATS))
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        if args.redirect:
+            status, _, target = args.redirect.partition("=")
+            raise _redirect(int(status), target.rstrip("/") + request.path)
+        if request.method == "GET":
+            return web.Response(
+                body=_answer("an answer to no request"), content_type="application/json"
+            )
+        body = orjson.loads(await request.read())
+        if body.get("stream") and args.stream_bytes:
+            return await _stream(request, args.stream_bytes)
+        content = "x" * args.answer_bytes if args.answer_bytes else "ok"
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        payload = _answer(content)
+        for start in range(0, len(payload), 2**20):
+            await resp.write(payload[start : start + 2**20])
+        await resp.write_eof()
+        return resp
+
+    app = web.Application(middlewares=[count], client_max_size=2**30)
+    app.router.add_route("*", "/health", health)
+    app.router.add_get("/stats", stats)
+    app.router.add_route("*", "/v1/chat/completions", chat)
+    return app
+
+
+def _redirect(status: int, location: str) -> web.HTTPException:
+    classes = {
+        301: web.HTTPMovedPermanently,
+        302: web.HTTPFound,
+        303: web.HTTPSeeOther,
+        307: web.HTTPTemporaryRedirect,
+        308: web.HTTPPermanentRedirect,
+    }
+    return classes[status](location)
+
+
+async def _stream(request: web.Request, size: int) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    piece = "y" * 2**16
+    for _ in range(0, size, len(piece)):
+        chunk = {
+            "id": "s",
+            "model": "hostile",
+            "choices": [{"index": 0, "delta": {"content": piece}}],
+        }
+        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    done = {"id": "s", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    await resp.write(b"data: " + orjson.dumps(done) + b"\n\ndata: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--basic")
+    parser.add_argument("--redirect")
+    parser.add_argument("--answer-bytes", type=int, default=0)
+    parser.add_argument("--stream-bytes", type=int, default=0)
+    args = parser.parse_args()
+    runner = web.AppRunner(make_app(args), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    print(f"listening on http://127.0.0.1:{port}", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
