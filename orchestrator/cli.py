@@ -18,7 +18,7 @@ import click
 import orjson
 
 from orchestrator import __version__
-from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.errors import ConfigError, OrchestratorError, StorageError
 
 T = TypeVar("T")
 
@@ -861,6 +861,7 @@ def run(
             exit_when_done=exit_when_done,
             lease_seconds=lease_seconds,
             max_attempts=max_attempts,
+            backoff_base=retry_backoff,
             grace_seconds=grace,
         )
         if server_list
@@ -909,6 +910,15 @@ def run(
             f"{stats.retried:,} retried, {stats.released:,} released",
             err=True,
         )
+    if stats.dropped:
+        # The database refused them until the stop deadline: their leases expire and
+        # the items run again, but this worker did not finish cleanly.
+        click.echo(
+            f"error: {stats.dropped:,} answers could not be written before the stop and were "
+            "dropped (their items run again once their leases expire)",
+            err=True,
+        )
+        sys.exit(StorageError.exit_code)
 
 
 async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int) -> Any:

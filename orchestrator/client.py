@@ -34,6 +34,9 @@ do with it is the caller's choice.
 
 from __future__ import annotations
 
+import datetime
+import email.utils
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -131,14 +134,26 @@ def _error_reason(status: int, body: bytes) -> str:
     return f"HTTP {status}: {text}" if text else f"HTTP {status}"
 
 
-def _retry_after(headers: Any) -> float | None:
+def _retry_after(headers: Any, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: delay-seconds or an HTTP date
+    (RFC 9110 10.2.3), whichever the server sent; None when absent or unreadable."""
     value = headers.get("Retry-After")
     if value is None:
         return None
+    value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
+        pass
+    else:
+        return max(0.0, seconds) if math.isfinite(seconds) else None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
         return None
+    if when.tzinfo is None:  # an obsolete date form without a zone: GMT, says the RFC
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def _raise_for_status(status: int, body: bytes, headers: Any) -> None:
@@ -448,7 +463,7 @@ class InferenceClient:
         message = choice.get("message")
         if not isinstance(message, dict):
             raise TransientError("the answer's choice has no message", error_class="bad_response")
-        usage = doc.get("usage") if isinstance(doc.get("usage"), dict) else None
+        usage = doc.get("usage")
         return _completion(
             message.get("content"),
             _reasoning_of(message),
@@ -533,21 +548,27 @@ class InferenceClient:
 def _completion(
     content: Any,
     reasoning: str | None,
-    tool_calls: list[Any] | None,
-    finish_reason: str | None,
+    tool_calls: Any,
+    finish_reason: Any,
     *,
-    usage: dict[str, Any] | None,
+    usage: Any,
     latency: float,
     server: str,
-    model: str | None,
-    response_id: str | None,
+    model: Any,
+    response_id: Any,
 ) -> Completion:
     """Check a received answer and build its Completion, the same for both transports.
 
-    Reasoning is split out of the content only when the server sent none apart: a server
+    Fields of the wrong type are refused as ``bad_response`` (see :func:`_checked_answer`):
+    what is stored becomes training data, and a malformed field in it either poisons the
+    data or cannot be stored at all. Reasoning is split out of the content only when the
+    server sent none apart: a server
     without a reasoning parser leaves the model's think tags in the content. A tool-call
     answer with empty content says ``None``, as a non-streaming server does.
     """
+    content, tool_calls, finish_reason = _checked_answer(content, tool_calls, finish_reason)
+    usage = _checked_usage(usage)
+    model, response_id = _identifier(model, "model"), _identifier(response_id, "id")
     unclosed = False
     if reasoning is None and isinstance(content, str):
         reasoning, content, unclosed = split_think(content)
@@ -572,6 +593,75 @@ def _completion(
             unclosed_think=unclosed,
         ),
     )
+
+
+# Most tokens a usage count may say: the columns are 32-bit, and no answer comes near.
+_MAX_TOKENS = 2**31 - 1
+_USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def _bad(message: str) -> TransientError:
+    return TransientError(message, error_class="bad_response")
+
+
+def _checked_answer(
+    content: Any, tool_calls: Any, finish_reason: Any
+) -> tuple[str | None, list[dict[str, Any]] | None, str]:
+    """The answer's content, tool calls and finish_reason, or ``bad_response``.
+
+    A ``finish_reason`` given as an object (``{"type": "length", ...}``, as SGLang's
+    native API does) is read as its type; an answer without one may have been cut short.
+    """
+    if content is not None and not isinstance(content, str):
+        raise _bad(f"the answer's content is a {type(content).__name__}, not a string")
+    if isinstance(finish_reason, dict) and isinstance(finish_reason.get("type"), str):
+        finish_reason = finish_reason["type"]
+    if finish_reason is None:
+        raise _bad("the answer has no finish_reason: it may have been cut short")
+    if not isinstance(finish_reason, str):
+        raise _bad(f"finish_reason is a {type(finish_reason).__name__}, not a string")
+    if tool_calls is not None:
+        if not isinstance(tool_calls, list) or not all(_is_tool_call(c) for c in tool_calls):
+            raise _bad(f"malformed tool_calls: {str(tool_calls)[:200]}")
+        tool_calls = tool_calls or None
+    return content, tool_calls, finish_reason
+
+
+def _is_tool_call(call: Any) -> bool:
+    """An OpenAI tool call: a function with a name and arguments (JSON text or object)."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return False
+    fn = call["function"]
+    return (
+        isinstance(fn.get("name"), str)
+        and isinstance(fn.get("arguments", ""), str | dict)
+        and isinstance(call.get("id", ""), str)
+        and isinstance(call.get("type", ""), str)
+    )
+
+
+def _checked_usage(usage: Any) -> dict[str, Any] | None:
+    """``usage`` with whole, plausible token counts, or ``bad_response``."""
+    if usage is None:
+        return None
+    if not isinstance(usage, dict):
+        raise _bad(f"usage is a {type(usage).__name__}, not an object")
+    for name in _USAGE_COUNTS:
+        if name not in usage:
+            continue
+        value = usage[name]
+        if type(value) is not int or not 0 <= value <= _MAX_TOKENS:
+            raise _bad(f"usage.{name} is {str(value)[:40]!r}, not a token count")
+    return usage
+
+
+def _identifier(value: Any, name: str) -> str | None:
+    """A response's ``model`` or ``id``: text (a number is written as text), or None."""
+    if value is None or isinstance(value, str):
+        return value
+    if type(value) is int or type(value) is float:
+        return str(value)
+    raise _bad(f"the answer's {name} is a {type(value).__name__}, not a string")
 
 
 def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from orchestrator.errors import ConfigError
 __all__ = [
     "ALL_FLAGS",
     "EMPTY_CONTENT",
+    "NUL_CHAR",
     "REASONING_ONLY",
     "TOOL_MISMATCH",
     "TRUNCATED",
@@ -42,6 +43,10 @@ EMPTY_CONTENT = 2
 UNCLOSED_THINK = 4
 #: Reasoning but no answer: no content and no tool calls.
 REASONING_ONLY = 8
+#: The content or reasoning holds a U+0000 (NUL). The exported message keeps it as the
+#: model emitted it; the plain-text ``content``/``reasoning`` columns hold U+FFFD in its
+#: place, because PostgreSQL text cannot hold a NUL (docs/RELIABILITY.md).
+NUL_CHAR = 16
 #: ``regenerate = "all"``: a regenerated turn's tool calls did not line up with the
 #: original's (orchestrator.conversation), so the conversation stopped after it.
 TOOL_MISMATCH = 32
@@ -53,6 +58,7 @@ ALL_FLAGS: Mapping[str, int] = MappingProxyType(
         "empty": EMPTY_CONTENT,
         "unclosed_think": UNCLOSED_THINK,
         "reasoning_only": REASONING_ONLY,
+        "nul": NUL_CHAR,
         "tool_mismatch": TOOL_MISMATCH,
     }
 )
@@ -105,6 +111,8 @@ def flags_of(
             mask |= REASONING_ONLY
     if unclosed_think:
         mask |= UNCLOSED_THINK
+    if "\x00" in (content or "") or "\x00" in (reasoning or ""):
+        mask |= NUL_CHAR
     return mask
 
 

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
+from sqlalchemy import exc as sa_exc
 
 from orchestrator import procinfo
 from orchestrator.autoconcurrency import Controller, Limits, Sample
@@ -151,6 +153,7 @@ class WorkerStats:
     lost: int = 0
     completion_tokens: int = 0
     turns: int = 0  # turns of multi-turn items generated before their last one
+    dropped: int = 0  # outcomes given up at shutdown: the database took none of them
 
 
 def backoff_delay(attempt: int, *, base: float, cap: float, retry_after: float | None) -> float:
@@ -173,6 +176,12 @@ class Outcome:
     payload: Any
     # Set when the outcome is written (an advance waits for it: the next turn needs it).
     written: asyncio.Future[bool] | None = None
+    # Writes of it alone that failed while other outcomes were written (see Committer).
+    failures: int = 0
+
+
+# An outcome that fails alone this many times while others are written is at fault.
+_ALONE_FAILURES = 3
 
 
 class Committer:
@@ -180,9 +189,15 @@ class Committer:
     work for the free slots, in one transaction.
 
     Rounds run back to back while there is work, so they grow with the load: a busy
-    worker writes many outcomes per transaction instead of one transaction per item. A
-    storage fault (disk full, file locked for too long) does not lose outcomes: the round
-    is retried with backoff until it lands or its leases are gone.
+    worker writes many outcomes per transaction instead of one transaction per item.
+
+    A round that fails is written again one outcome at a time, so that one outcome the
+    database cannot take (a value it cannot bind or hold) stops nobody else: that one is
+    handed to ``unstorable``, which says what to write instead (the item retried or
+    failed as ``bad_response``, with the reason). A storage fault (disk full, file locked
+    for too long) fails every write; those outcomes are kept and written again with
+    backoff until they land, their leases are gone, or the shutdown deadline passes:
+    then they are dropped, counted in ``dropped``, and their leases left to expire.
     """
 
     def __init__(
@@ -193,16 +208,21 @@ class Committer:
         deliver: Callable[[list[Lease], Claim], None],
         settled: Callable[[Outcome, bool], None],
         idle_poll: float,
+        unstorable: Callable[[Outcome, str], Outcome | None] | None = None,
     ):
         self.queue = queue
         self._plan = plan
         self._deliver = deliver
         self._settled = settled
+        self._unstorable = unstorable or (lambda _entry, _reason: None)
         self._idle_poll = idle_poll
         self._items: list[Outcome] = []
         self._wake = asyncio.Event()
         self._closing = False
+        self._deadline: float | None = None
+        self._deadline_moved = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.dropped = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="committer")
@@ -217,6 +237,13 @@ class Committer:
         """Something changed that may allow a claim (a free slot, a server back)."""
         self._wake.set()
 
+    def give_up_at(self, deadline: float) -> None:
+        """Once closing, drop what still cannot be written after ``deadline`` (monotonic
+        seconds): a stop must not hang on a database that takes nothing."""
+        if self._deadline is None or deadline < self._deadline:
+            self._deadline = deadline
+            self._deadline_moved.set()
+
     @property
     def backlog(self) -> int:
         return len(self._items)
@@ -225,6 +252,7 @@ class Committer:
         """Write what is queued, claim nothing more, and stop."""
         self._closing = True
         self._wake.set()
+        self._deadline_moved.set()
         if self._task is not None:
             await self._task
 
@@ -242,29 +270,149 @@ class Committer:
             batch, self._items = self._items, []
             try:
                 result = await self.queue.write_round(_round(batch, claim))
-                delay = 0.5
             except Exception as exc:
-                # Keep every outcome and try again: the fault (a full disk, a lock held
-                # too long) may be fixed, and fencing keeps a late write harmless.
+                kept, error = await self._isolate(batch, exc)
+                if not kept:
+                    delay = 0.5
+                    continue
+                # Keep them and try again: the fault (a full disk, a lock held too long)
+                # may be fixed, and fencing keeps a late write harmless.
                 log.error(
                     "commit_failed",
-                    error=str(exc),
-                    error_type=type(exc).__name__,
-                    batch=len(batch),
+                    error=str(error),
+                    error_type=type(error).__name__,
+                    batch=len(kept),
                     retry_in_s=delay,
-                    exc_info=not isinstance(exc, StorageError),
+                    exc_info=not isinstance(error, StorageError),
                 )
-                self._items[:0] = batch
+                self._items[:0] = kept
+                if self._past_deadline():
+                    self._drop(str(error))
+                    return
                 with contextlib.suppress(Exception):
                     # A full disk may be the WAL's doing: fold it back and truncate it.
                     await self.queue.db.checkpoint("TRUNCATE")
-                await asyncio.sleep(delay)
+                await self._pause(delay)
+                if self._past_deadline():
+                    self._drop(str(error))
+                    return
                 delay = min(delay * 2, 30.0)
                 continue
+            delay = 0.5
             for entry in batch:
                 self._settled(entry, entry.lease.item_id in result.accepted.get(entry.kind, ()))
             if claim is not None:
                 self._deliver(result.leases, claim)
+
+    async def _isolate(
+        self, batch: list[Outcome], error: Exception
+    ) -> tuple[list[Outcome], Exception]:
+        """After a failed round: write each outcome alone. Returns those still unwritten
+        (a storage fault: every write fails) and the last error seen."""
+        if len(batch) == 1 and not _is_data_fault(error):
+            return batch, error
+        kept: list[Outcome] = []
+        wrote = False
+        for entry in batch:
+            try:
+                result = await self.queue.write_round(_round([entry], None))
+            except Exception as exc:
+                error = exc
+                if _is_data_fault(exc):
+                    await self._replace(entry, exc)
+                else:
+                    kept.append(entry)
+                continue
+            wrote = True
+            self._settled(entry, entry.lease.item_id in result.accepted.get(entry.kind, ()))
+        if wrote:
+            # Others were written meanwhile: an outcome failing alone again and again is
+            # at fault whatever the driver calls its error.
+            for entry in kept:
+                entry.failures += 1
+            stubborn = [entry for entry in kept if entry.failures >= _ALONE_FAILURES]
+            kept = [entry for entry in kept if entry.failures < _ALONE_FAILURES]
+            for entry in stubborn:
+                await self._replace(entry, error)
+        return kept, error
+
+    async def _replace(self, entry: Outcome, error: Exception) -> None:
+        """Write what ``unstorable`` says instead of an outcome that cannot be stored."""
+        reason = f"{type(error).__name__}: {error}"
+        log.error(
+            "outcome_unstorable",
+            item=entry.lease.item_id,
+            key=entry.lease.key,
+            kind=entry.kind,
+            error=reason[:500],
+        )
+        if entry.written is not None and not entry.written.done():
+            entry.written.set_result(False)  # the next turn must not start from it
+        instead = self._unstorable(entry, reason)
+        if instead is not None:
+            try:
+                result = await self.queue.write_round(_round([instead], None))
+            except Exception as exc:
+                if not _is_data_fault(exc):
+                    self._items.append(instead)  # the database's fault: try again later
+                    return
+                log.error("outcome_dropped", item=entry.lease.item_id, error=str(exc)[:500])
+            else:
+                accepted = instead.lease.item_id in result.accepted.get(instead.kind, ())
+                self._settled(instead, accepted)
+                return
+        # Nothing could be written for it: its lease expires and the item is taken back.
+        self._settled(entry, False)
+
+    def _past_deadline(self) -> bool:
+        return self._closing and self._deadline is not None and time.monotonic() >= self._deadline
+
+    async def _pause(self, delay: float) -> None:
+        """Sleep before the next try; a stop deadline passing cuts it short."""
+        until = time.monotonic() + delay
+        while (left := until - time.monotonic()) > 0 and not self._past_deadline():
+            if self._closing and self._deadline is not None:
+                left = min(left, max(self._deadline - time.monotonic(), 0.0))
+            self._deadline_moved.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._deadline_moved.wait(), left)
+
+    def _drop(self, error: str) -> None:
+        """Stop trying: drop what is unwritten, in one log line; the leases expire."""
+        dropped, self._items = self._items, []
+        for entry in dropped:
+            if entry.written is not None and not entry.written.done():
+                entry.written.set_result(False)
+        self.dropped += len(dropped)
+        log.error("outcomes_dropped", outcomes=len(dropped), error=error[:500])
+
+
+def _is_data_fault(exc: BaseException) -> bool:
+    """The error is about the values written, not the database: a value the driver
+    cannot bind, or the database cannot hold (a NUL in PostgreSQL text, a number out of
+    range, a constraint)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, _DATA_FAULTS):
+            return True
+        if isinstance(current, sa_exc.DBAPIError | sqlite3.Error) and "binding" in str(current):
+            return True
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    return False
+
+
+_DATA_FAULTS = (
+    sa_exc.DataError,
+    sa_exc.IntegrityError,
+    sqlite3.DataError,
+    sqlite3.IntegrityError,
+    TypeError,
+    ValueError,
+    OverflowError,
+)
 
 
 def _round(batch: list[Outcome], claim: Claim | None) -> Round:
@@ -363,6 +511,7 @@ class Worker:
             deliver=self._deliver,
             settled=self._settled,
             idle_poll=config.poll_interval,
+            unstorable=self._unstorable,
         )
         self._held: dict[int, _Held] = {}
         self._buffer: deque[Lease] = deque()
@@ -390,6 +539,8 @@ class Worker:
         """Stop claiming; in-flight requests get the grace period (none when forced)."""
         if force or self._stopping.is_set():
             self._grace = 0.0
+        # Outcomes the database still refuses once the grace period is over are dropped.
+        self.committer.give_up_at(time.monotonic() + self._grace)
         self.notifier.stopping()
         self._stopping.set()
         self._idle.set()
@@ -429,6 +580,7 @@ class Worker:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             await self.committer.close()
+            self.stats.dropped = self.committer.dropped
             await self.pool.close()
             with contextlib.suppress(StorageError):
                 await worker_rows.mark_stopped(
@@ -721,6 +873,17 @@ class Worker:
     def _retry_or_fail(
         self, lease: Lease, exc: InferenceError, retry_after: float | None
     ) -> tuple[str, Any]:
+        if exc.error_class == "rate_limited" and retry_after is not None:
+            # The server said when to come back: not the item's fault, so the attempt is
+            # given back and a long rate limit cannot use up the item's attempts.
+            delay = backoff_delay(
+                1,
+                base=self.config.backoff_base,
+                cap=self.config.backoff_cap,
+                retry_after=retry_after,
+            )
+            failure = Failure(exc.error_class, _where(lease) + str(exc))
+            return "release", (failure, time.time() + delay)
         if lease.attempt >= self.config.max_attempts:
             message = f"{_where(lease)}gave up after {lease.attempt} attempts: {exc}"
             return "fail", Failure(exc.error_class, message)
@@ -739,6 +902,25 @@ class Worker:
             delay_s=round(delay, 2),
         )
         return "retry", (Failure(exc.error_class, _where(lease) + str(exc)), time.time() + delay)
+
+    def _unstorable(self, entry: Outcome, reason: str) -> Outcome | None:
+        """What to write for an outcome the database refused: an answer becomes a
+        ``bad_response`` attempt (retried, or failed once attempts are spent); a failure
+        is written with its message left out. None: nothing more to try."""
+        lease = entry.lease
+        if entry.kind in ("complete", "advance"):
+            error = TransientError(
+                f"the answer could not be stored: {reason}", error_class="bad_response"
+            )
+            kind, payload = self._retry_or_fail(lease, error, None)
+            return Outcome(kind, lease, payload)
+        failure = entry.payload if isinstance(entry.payload, Failure) else entry.payload[0]
+        if failure.message.startswith("(unstorable)"):
+            return None
+        plain = Failure(failure.error_class[:64], f"(unstorable) {reason}"[:4000])
+        if entry.kind == "fail":
+            return Outcome("fail", lease, plain)
+        return Outcome(entry.kind, lease, (plain, *entry.payload[1:]))
 
     async def _dataset(self, dataset_id: int) -> DatasetInfo:
         if dataset_id not in self._datasets:

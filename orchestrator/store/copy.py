@@ -34,8 +34,10 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError, SchemaError
+from orchestrator.quality import NUL_CHAR
 from orchestrator.store.engine import Database, create_database, describe, insert_many, resolve_url
 from orchestrator.store.migrate import current_revision, head_revision, upgrade
+from orchestrator.store.queue import storable
 
 log = structlog.get_logger("orchestrator.store.copy")
 
@@ -169,8 +171,13 @@ def _tables(conn: sa.Connection) -> dict[str, _Table]:
 
 
 def _converter(kind: sa.types.TypeEngine[Any]) -> Callable[[Any], Any] | None:
-    """How a value read from the source is made right for the target's column type."""
-    if isinstance(kind, sa.Boolean):
+    """How a value read from the source is made right for the target's column type.
+
+    Text loses any U+0000 (to U+FFFD, as the queue stores it): an SQLite database written
+    before the queue did so may hold one, and PostgreSQL text cannot.
+    """
+    if isinstance(kind, sa.String):
+        return storable
         return bool
     if isinstance(kind, sa.Float | sa.Numeric) and not isinstance(kind, sa.Integer):
         return float
@@ -202,10 +209,11 @@ async def _copy_table(
     copied = requeued = 0
     result = await read.stream(sa.text(sql).execution_options(yield_per=batch))
     async for part in result.partitions(batch):
-        rows = [_convert(tuple(r), table.convert) for r in part]
+        rows = [tuple(r) for r in part]
         if fix is not None:
             rows, n = fix(rows)
             requeued += n
+        rows = [_convert(r, table.convert) for r in rows]
         await insert_many(write, table.name, table.columns, rows)
         copied += len(rows)
         if progress is not None:
@@ -224,8 +232,21 @@ def _convert(
 def _row_fix(
     table: _Table,
 ) -> Callable[[list[tuple[Any, ...]]], tuple[list[tuple[Any, ...]], int]] | None:
-    """Running items go back to pending (attempt given back); live workers stop."""
+    """Running items go back to pending (attempt given back); live workers stop; an
+    answer holding a U+0000 in its text gets the ``nul`` flag (see ``_converter``)."""
     at = {c: i for i, c in enumerate(table.columns)}
+    if table.name == "outputs" and {"content", "reasoning", "flags"} <= at.keys():
+        text = (at["content"], at["reasoning"])
+
+        def outputs_fix(rows: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], int]:
+            for i, row in enumerate(rows):
+                if any(isinstance(row[c], str) and "\x00" in row[c] for c in text):
+                    fixed = list(row)
+                    fixed[at["flags"]] = (fixed[at["flags"]] or 0) | NUL_CHAR
+                    rows[i] = tuple(fixed)
+            return rows, 0
+
+        return outputs_fix
     if table.name == "items" and {"state", "lease_token", "attempts"} <= at.keys():
         clear = [at[c] for c in ("lease_token", "lease_owner", "lease_expires_at") if c in at]
 

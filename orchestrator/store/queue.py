@@ -529,6 +529,19 @@ _TURN_COLUMNS = (
 )
 
 
+def storable(text: str | None) -> str | None:
+    """Text as a plain-text column can hold it on every backend: U+0000 becomes U+FFFD.
+
+    PostgreSQL text cannot hold a NUL, and both backends store the same, so a ``db copy``
+    changes nothing. Only the plain-text copies (content, reasoning, error messages) lose
+    the NUL: the JSON columns (message, usage) keep it escaped, ``\\u0000``, so the answer
+    exports exactly as the model emitted it, flagged ``nul`` (orchestrator.quality).
+    """
+    if text is None or "\x00" not in text:
+        return text
+    return text.replace("\x00", "\ufffd")
+
+
 def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
     """One ``outputs`` row, in ``_OUTPUT_COLUMNS`` order.
 
@@ -542,17 +555,17 @@ def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
     return (
         lease.item_id,
         lease.dataset_id,
-        out.content,
-        out.reasoning,
-        out.finish_reason,
+        storable(out.content),
+        storable(out.reasoning),
+        storable(out.finish_reason),
         usage.get("prompt_tokens"),
         completion_tokens,
         orjson.dumps(out.message).decode(),
         orjson.dumps(out.usage).decode() if out.usage is not None else None,
         out.latency + lease.generated_latency,
-        out.server,
-        out.model,
-        out.response_id,
+        storable(out.server),
+        storable(out.model),
+        storable(out.response_id),
         lease.attempt,
         now,
         out.flags | lease.generated_flags,
@@ -566,12 +579,12 @@ def _turn_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
         lease.item_id,
         lease.turn,
         orjson.dumps(out.message).decode(),
-        out.finish_reason,
+        storable(out.finish_reason),
         orjson.dumps(out.usage).decode() if out.usage is not None else None,
         out.flags,
         out.latency,
-        out.server,
-        out.model,
+        storable(out.server),
+        storable(out.model),
         out.params_hash,
         now,
     )
@@ -918,7 +931,7 @@ def _settle(
         values: dict[str, Any] = {
             **_CLEAR_LEASE,
             "error_class": failure.error_class,
-            "last_error": failure.message[:4000],
+            "last_error": storable(failure.message[:4000]),
             "updated_at": now,
         }
         if outcome == "failed":
@@ -934,7 +947,7 @@ def _settle(
             "dataset_id": lease.dataset_id,
             "attempt": lease.attempt,
             "error_class": failure.error_class,
-            "message": failure.message[:4000],
+            "message": storable(failure.message[:4000]),
             "outcome": outcome,
             "created_at": now,
         }

@@ -127,7 +127,7 @@ outputs = sa.Table(
     sa.Column("dataset_id", sa.Integer, nullable=False),
     sa.Column("content", sa.Text, nullable=True),
     sa.Column("reasoning", sa.Text, nullable=True),
-    sa.Column("finish_reason", sa.String(32), nullable=True),
+    sa.Column("finish_reason", sa.Text, nullable=True),
     sa.Column("prompt_tokens", sa.Integer, nullable=True),
     sa.Column("completion_tokens", sa.Integer, nullable=True),
     # The assistant message as the server sent it (tool_calls and all), JSON text.
@@ -177,7 +177,7 @@ item_turns = sa.Table(
     ),
     sa.Column("turn", sa.Integer, primary_key=True),
     sa.Column("message", sa.Text, nullable=False),
-    sa.Column("finish_reason", sa.String(32), nullable=True),
+    sa.Column("finish_reason", sa.Text, nullable=True),
     sa.Column("usage", sa.Text, nullable=True),
     sa.Column("flags", sa.Integer, nullable=False, server_default="0"),
     sa.Column("latency", sa.Float, nullable=False),
