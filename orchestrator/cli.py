@@ -1117,7 +1117,7 @@ def report(out: Path, window: float, servers: tuple[str, ...], db: str | None) -
     type=click.Choice(["failed", "done"]),
     default="failed",
     show_default=True,
-    help="Which items go back (done items lose their outputs).",
+    help="Which items go back (done items' answers are kept aside: see --undo).",
 )
 @click.option("--error-class", help="Only items that failed with this error class.")
 @click.option(
@@ -1133,6 +1133,19 @@ def report(out: Path, window: float, servers: tuple[str, ...], db: str | None) -
     type=click.IntRange(min=1),
     help="Give the requeued items this max_tokens (e.g. more room for truncated answers).",
 )
+@click.option(
+    "--all",
+    "everything",
+    is_flag=True,
+    help="Requeue every done item (with --state done and no other filter).",
+)
+@click.option("--dry-run", is_flag=True, help="Print what would move, per dataset and state.")
+@click.option(
+    "--undo",
+    is_flag=True,
+    help="Take back the latest requeue: its items not claimed since get their state and "
+    "answers back.",
+)
 @db_option
 def requeue(
     datasets: tuple[str, ...],
@@ -1140,34 +1153,82 @@ def requeue(
     error_class: str | None,
     flag_names: tuple[str, ...],
     max_tokens: int | None,
+    everything: bool,
+    dry_run: bool,
+    undo: bool,
     db: str | None,
 ) -> None:
-    """Send items back to pending with their attempts reset."""
-    from orchestrator.quality import parse_flags
-    from orchestrator.store import Queue, check_datasets, open_database
+    """Send items back to pending with their attempts reset.
 
+    Done items need a filter (--dataset, --flag, --error-class) or --all; their answers
+    are kept aside, and `requeue --undo` puts them back until the items run again.
+    """
+    from orchestrator.quality import parse_flags
+    from orchestrator.store import check_datasets, open_database
+    from orchestrator.store import requeue as requeues
+
+    if undo:
+        _requeue_undo(db, dry_run=dry_run)
+        return
     flags = 0
     for names in flag_names:
         flags |= run_sync(lambda names=names: parse_flags(names))
     if flags:
         state = "done"
+    if state == "done" and not (datasets or flags or error_class or everything):
+        raise click.UsageError(
+            "requeue --state done sends answers back to be generated again: name which "
+            "(--dataset, --flag, --error-class), or say --all; --dry-run shows what would move"
+        )
+    selection = requeues.Selection(
+        state=state, dataset_names=datasets, error_class=error_class, flags=flags
+    )
 
-    async def go() -> int:
-        database = await open_database(db, mode="write")
+    async def go() -> int | dict[tuple[str, str], int]:
+        database = await open_database(db, mode="read" if dry_run else "write")
         try:
             await check_datasets(database, datasets)
-            return await Queue(database).requeue(
-                dataset_names=datasets,
-                state=state,
-                error_class=error_class,
-                flags=flags,
-                max_tokens=max_tokens,
-            )
+            if dry_run:
+                return await requeues.preview(database, selection)
+            return await requeues.requeue(database, selection, max_tokens=max_tokens)
         finally:
             await database.close()
 
-    n = run_async(go())
-    click.echo(f"requeued {n:,} {state} items")
+    result = run_async(go())
+    if isinstance(result, dict):
+        total = sum(result.values())
+        click.echo(f"would requeue {total:,} {state} items (dry run, nothing changed)")
+        for (name, item_state), n in result.items():
+            click.echo(f"  {name}  {item_state} {n:,}")
+        return
+    click.echo(f"requeued {result:,} {state} items")
+    if result and state == "done":
+        click.echo("  their answers are kept aside: `orchestrator requeue --undo` puts them back")
+
+
+def _requeue_undo(db: str | None, *, dry_run: bool) -> None:
+    """``requeue --undo``: the latest requeue, taken back (--dry-run: only say what)."""
+    from orchestrator.store import open_database
+    from orchestrator.store import requeue as requeues
+
+    async def go() -> Any:
+        database = await open_database(db, mode="read" if dry_run else "write")
+        try:
+            if dry_run:
+                return await requeues.undo_preview(database)
+            return await requeues.undo(database)
+        finally:
+            await database.close()
+
+    report = run_async(go())
+    if report.requeue_id is None:
+        click.echo("nothing to undo: no requeue since the last undo")
+        return
+    verb = "would put back" if dry_run else "put back"
+    click.echo(
+        f"{verb} {report.restored:,} items of requeue #{report.requeue_id} "
+        f"({report.kept:,} claimed since are left as they are)"
+    )
 
 
 def _set_paused(dataset: str, paused: bool, db: str | None) -> None:

@@ -151,3 +151,59 @@ def test_another_applications_postgresql_database_is_left_alone(
         assert result.returncode == 3, (args, result.stderr)
         assert "not an orchestrator database" in result.stderr
     assert db_snapshot(url) == before
+
+
+def test_requeue_of_done_items_needs_a_filter_or_all(
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
+) -> None:
+    _done_run(tmp_path, db_url, sim_process("--latency", "0.001"))
+    before = db_snapshot(db_url)
+    refused = cli("requeue", "--state", "done", "--db", db_url)
+    assert refused.returncode == 2
+    assert "--all" in refused.stderr and "--dataset" in refused.stderr
+    dry = cli("requeue", "--state", "done", "--all", "--dry-run", "--db", db_url)
+    assert dry.returncode == 0, dry.stderr
+    assert "would requeue 20 done items" in dry.stdout
+    assert "  d  done 20" in dry.stdout
+    assert db_snapshot(db_url) == before  # neither the refusal nor the dry run wrote
+
+
+def test_a_requeue_of_every_answer_can_be_taken_back(
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
+) -> None:
+    server = sim_process("--latency", "0.001")
+    _done_run(tmp_path, db_url, server)
+    first = cli("export", "-", "--db", db_url, "--provenance").stdout
+    assert len(first.splitlines()) == 20
+    moved = cli("requeue", "--state", "done", "--all", "--db", db_url)
+    assert moved.stdout.startswith("requeued 20 done items"), moved.stderr
+    assert cli("export", "-", "--db", db_url).stdout == ""
+    undone = cli("requeue", "--undo", "--db", db_url)
+    assert "put back 20 items" in undone.stdout, undone.stderr
+    assert cli("export", "-", "--db", db_url, "--provenance").stdout == first
+    assert query(db_url, "SELECT count(*) FROM superseded_outputs") == [(0,)]
+    assert "nothing to undo" in cli("requeue", "--undo", "--db", db_url).stdout
+
+    # Generated again before the undo: the new answers stand, the old ones stay kept.
+    cli("requeue", "--dataset", "d", "--state", "done", "--db", db_url)
+    assert cli("run", "--server", server.url, "--db", db_url, "--exit-when-done").returncode == 0
+    late = cli("requeue", "--undo", "--db", db_url)
+    assert "put back 0 items" in late.stdout and "20 claimed since" in late.stdout
+    assert len(cli("export", "-", "--db", db_url).stdout.splitlines()) == 20
+    assert query(db_url, "SELECT count(*) FROM superseded_outputs") == [(20,)]
+
+
+def test_undo_gives_failed_items_their_error_back(
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
+) -> None:
+    server = sim_process("--latency", "0.001", "--model", "sim-model")
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(5))
+    cli("enqueue", str(data), "-d", "d", "--db", db_url, "--model", "wrong")
+    cli("run", "--server", server.url, "--db", db_url, "--exit-when-done")
+    failed = query(db_url, "SELECT key, state, attempts, error_class FROM items ORDER BY key")
+    assert {row[1:] for row in failed} == {("failed", 1, "http_404")}
+    assert cli("requeue", "--db", db_url).stdout.strip() == "requeued 5 failed items"
+    assert "put back 5 items" in cli("requeue", "--undo", "--db", db_url).stdout
+    assert query(db_url, "SELECT key, state, attempts, error_class FROM items ORDER BY key") == (
+        failed
+    )

@@ -32,7 +32,7 @@ import orjson
 import sqlalchemy as sa
 
 from orchestrator.store.engine import Database, insert_rows
-from orchestrator.store.schema import attempt_errors, datasets, item_turns, items, outputs
+from orchestrator.store.schema import attempt_errors, datasets, item_turns, items
 
 # Bound parameter lists so one statement stays well under SQLite's variable limit.
 _CHUNK = 400
@@ -432,66 +432,21 @@ class Queue:
     ) -> int:
         """Send failed (or done) items back to pending with their attempts reset.
 
-        Requeuing done items deletes their outputs (and generated turns) in the same
-        transaction: they will be generated again, from the first turn. ``flags`` picks
-        done items whose output carries any of these quality flags. A failed multi-turn
-        item resumes at the turn that failed. ``max_tokens`` raises the requeued items'
-        own limit (an item's fields win over its dataset's).
+        Requeuing done items sets their outputs (and generated turns) aside in the same
+        transaction, where ``requeue --undo`` finds them (``store.requeue``): they will be
+        generated again, from the first turn. ``flags`` picks done items whose output
+        carries any of these quality flags. A failed multi-turn item resumes at the turn
+        that failed. ``max_tokens`` raises the requeued items' own limit.
         """
-        if state not in ("failed", "done"):
-            raise ValueError(f"can only requeue failed or done items, not {state!r}")
-        if flags and state != "done":
-            raise ValueError("quality flags belong to outputs: requeue done items by flag")
-        now = time.time() if now is None else now
-        where = [items.c.state == state]
-        if dataset_names:
-            where.append(
-                items.c.dataset_id.in_(
-                    sa.select(datasets.c.id).where(datasets.c.name.in_(list(dataset_names)))
-                )
-            )
-        if error_class:
-            where.append(items.c.error_class == error_class)
-        if flags:
-            flagged = sa.select(outputs.c.item_id).where(outputs.c.flags.op("&")(flags) != 0)
-            where.append(items.c.id.in_(flagged))
-        # Pass-through rows were never generated: there is nothing to do again.
-        where.append(
-            items.c.dataset_id.in_(
-                sa.select(datasets.c.id).where(datasets.c.passthrough == sa.false())
-            )
+        from orchestrator.store import requeue as requeues
+
+        selection = requeues.Selection(
+            state=state,
+            dataset_names=tuple(dataset_names or ()),
+            error_class=error_class,
+            flags=flags,
         )
-        values: dict[str, Any] = {
-            "state": "pending",
-            "attempts": 0,
-            "not_before": 0,
-            "error_class": None,
-            "last_error": None,
-            "finished_at": None,
-            "updated_at": now,
-        }
-        if state == "done":
-            values["turn"] = 0
-        async with self.db.write() as conn:
-            query = sa.select(items.c.id, items.c.request).where(*where)
-            chosen = (await conn.execute(query)).all()
-            for chunk in _chunks(chosen):
-                ids = [item_id for item_id, _ in chunk]
-                if state == "done":
-                    await conn.execute(outputs.delete().where(outputs.c.item_id.in_(ids)))
-                    await conn.execute(item_turns.delete().where(item_turns.c.item_id.in_(ids)))
-                await conn.execute(items.update().where(items.c.id.in_(ids)).values(**values))
-                if max_tokens is not None:
-                    for item_id, request in chunk:
-                        body = orjson.loads(request)
-                        body.pop("max_completion_tokens", None)
-                        body["max_tokens"] = max_tokens
-                        await conn.execute(
-                            items.update()
-                            .where(items.c.id == item_id)
-                            .values(request=orjson.dumps(body).decode())
-                        )
-            return len(chosen)
+        return await requeues.requeue(self.db, selection, max_tokens=max_tokens, now=now)
 
 
 _OUTPUT_COLUMNS = (

@@ -234,3 +234,58 @@ workers = sa.Table(
     # long while (a hung server, a stuck request) shows up as stalled.
     sa.Column("progress_at", sa.Float, nullable=True),
 )
+
+# Requeues, so that one can be taken back (``requeue --undo``): each requeue, what every
+# item it moved was before, and the answers of done items it moved, kept (never deleted)
+# beside the live outputs. Written only by requeue and undo, never on the hot paths.
+requeues = sa.Table(
+    "requeues",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("selection", sa.Text, nullable=False, server_default="{}"),
+    sa.Column("items", sa.Integer, nullable=False),
+    sa.Column("undone_at", sa.Float, nullable=True),
+)
+
+requeued_items = sa.Table(
+    "requeued_items",
+    metadata,
+    sa.Column("requeue_id", sa.Integer, primary_key=True),
+    sa.Column(
+        "item_id",
+        sa.Integer,
+        sa.ForeignKey("items.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("error_class", sa.String(64), nullable=True),
+    sa.Column("last_error", sa.Text, nullable=True),
+    sa.Column("finished_at", sa.Float, nullable=True),
+    sa.Column("turn", sa.Integer, nullable=False),
+    # The request as it was, when the requeue changed it (--max-tokens), else NULL.
+    sa.Column("request", sa.Text, nullable=True),
+)
+sa.Index("ix_requeued_items_item_id", requeued_items.c.item_id)
+
+superseded_outputs = sa.Table(
+    "superseded_outputs",
+    metadata,
+    sa.Column("requeue_id", sa.Integer, primary_key=True),
+    *[
+        sa.Column(c.name, c.type, primary_key=c.name == "item_id", nullable=c.nullable)
+        for c in outputs.columns
+    ],
+)
+
+superseded_turns = sa.Table(
+    "superseded_turns",
+    metadata,
+    sa.Column("requeue_id", sa.Integer, primary_key=True),
+    *[
+        sa.Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable)
+        for c in item_turns.columns
+    ],
+)
