@@ -1359,7 +1359,12 @@ def export(
         database = await open_database(db, mode="read")
         try:
             return await export_database(
-                database, out, dataset_names=datasets, progress=progress, options=chosen
+                database,
+                out,
+                dataset_names=datasets,
+                progress=progress,
+                options=chosen,
+                warn=False,
             )
         finally:
             await database.close()
@@ -1381,6 +1386,7 @@ def export(
                         dataset_names=datasets,
                         progress=progress,
                         options=chosen,
+                        warn=False,
                     )
                 )
         if report is None:
@@ -1400,6 +1406,24 @@ def export(
         files = report.failed_files
         into = str(files[0]) if len(files) == 1 else f"{len(files):,} files in {out}"
         click.echo(f"wrote {report.failed:,} failed items to {into}", err=piped)
+    if report.mixed:
+        _warn_mixed(report, fmt)
+
+
+def _warn_mixed(report: Any, fmt: str) -> None:
+    """The export's warning event, and in a terminal's text logs a line of its own."""
+    from orchestrator import logs
+    from orchestrator.formats.export import MIXED_TOKEN_ROWS, warn_mixed
+
+    _configure_logs()
+    warn_mixed(report, fmt)
+    if not logs.json_lines():  # else the export_mixed_token_rows event says it, as JSON
+        for path, tokens, others in report.mixed:
+            click.echo(
+                f"warning: {path}: {tokens:,} pre-tokenised rows among {others:,} other "
+                f"lines; {MIXED_TOKEN_ROWS}",
+                err=True,
+            )
 
 
 # ---------------------------------------------------------------------------- sim-server

@@ -207,3 +207,39 @@ def test_undo_gives_failed_items_their_error_back(
     assert query(db_url, "SELECT key, state, attempts, error_class FROM items ORDER BY key") == (
         failed
     )
+
+
+def test_ctrl_c_under_a_closed_pipe_stops_cleanly(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """``run ... 2>&1 | head -1`` then Ctrl-C: the reader is gone, the stop still runs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    db = str(tmp_path / "q.db")
+    server = sim_process("--latency", "0.5")
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(400))
+    assert cli("enqueue", str(data), "-d", "d", "--db", db).returncode == 0
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "--log-json", "run", "--server", server.url,
+         "--db", db],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert b"worker_started" in proc.stdout.readline()
+        proc.stdout.close()  # the pipe's reader goes away, as `head -1` does
+        deadline = time.monotonic() + 30
+        while not query(db, "SELECT count(*) FROM items WHERE state = 'running'")[0][0]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert query(db, "SELECT count(*) FROM items WHERE state = 'running'") == [(0,)]
+    assert query(db, "SELECT count(*) FROM workers WHERE stopped_at IS NULL") == [(0,)]
