@@ -89,9 +89,7 @@ def test_read_and_write_commands_refuse_an_empty_database(tmp_path: Path, db_url
         assert ("empty database" if before else "no database at") in result.stderr
     if before is not None:
         assert db_snapshot(db_url) == before
-        assert query(db_url, "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [
-            (0,)
-        ]
+        assert query(db_url, "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
 
 
 def _foreign(path: Path) -> Path:
