@@ -262,6 +262,22 @@ def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
     return params
 
 
+def _check_params(body: dict[str, Any], options: dict[str, Any]) -> None:
+    """The request body through the check run files and input lines get
+    (``orchestrator.params``): a NaN or a negative temperature stops here."""
+    from orchestrator.params import problems
+
+    found = problems(body)
+    if found:
+        named = [
+            (f"--{name.replace('_', '-')}" if options.get(name) is not None else f"--param {name}")
+            for name, _ in found
+        ]
+        raise click.UsageError(
+            "; ".join(f"{option}: {why}" for option, (_, why) in zip(named, found, strict=True))
+        )
+
+
 @main.command()
 @click.argument("file", required=False, type=click.Path(path_type=Path))
 @click.option(
@@ -403,6 +419,7 @@ def enqueue(
     ):
         if value is not None:
             body[name] = value
+    _check_params(body, {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p})
     sampling = [
         name
         for name, value in (

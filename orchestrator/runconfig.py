@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from orchestrator import params
 from orchestrator.errors import ConfigError
 from orchestrator.formats.readers import INPUT_FORMATS, PASSTHROUGH_FORMATS, iter_records
 
@@ -221,19 +222,15 @@ def _integer(minimum: int | None = None) -> Check:
     return check
 
 
-def _number(*, low: float, low_open: bool, high: float | None = None) -> Check:
-    """A finite number in [low, high] (or (low, high] when ``low_open``)."""
-    shown = f"({low}, {high}]" if low_open else f"at least {low}"
+def _param(name: str) -> Check:
+    """``orchestrator.params``' check, the one ``enqueue`` options and input lines get."""
 
     def check(value: object) -> list[tuple[str, str]]:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return [("", f"must be a number, got {_kind(value)}")]
-        if not math.isfinite(value):
-            return [("", f"must be a finite number, got {value}")]
-        too_low = value <= low if low_open else value < low
-        if too_low or (high is not None and value > high):
-            return [("", f"must be {'in ' if low_open else ''}{shown}, got {value}")]
-        return []
+        want = params.expected(name, value)
+        if not want:
+            return []
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return [("", f"must be {want}, got {value if number else _kind(value)}")]
 
     return check
 
@@ -303,9 +300,9 @@ _CHECKS: dict[str, Check] = {
     "priority": _integer(),
     "passthrough": _boolean,
     "model": _string,
-    "max_tokens": _integer(1),
-    "temperature": _number(low=0, low_open=False),
-    "top_p": _number(low=0, low_open=True, high=1),
+    "max_tokens": _param("max_tokens"),
+    "temperature": _param("temperature"),
+    "top_p": _param("top_p"),
     "concurrency": _integer(1),
     "regenerate": _choice(REGENERATE),
     "on_truncated": _choice(ON_TRUNCATED),

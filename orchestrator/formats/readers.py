@@ -42,6 +42,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import orjson
 
+from orchestrator import params
 from orchestrator.conversation import targets
 from orchestrator.errors import ConfigError, InputError
 
@@ -862,15 +863,6 @@ def _check_object(value: object) -> str:
     return "" if isinstance(value, dict) else "an object"
 
 
-def _check_max_tokens(value: object) -> str:
-    return "" if isinstance(value, int) and _is_int(value) and value > 0 else "a positive integer"
-
-
-def _check_number(value: object) -> str:
-    ok = isinstance(value, int | float) and _is_number(value) and value >= 0
-    return "" if ok else "a non-negative number"
-
-
 def _check_stop(value: object) -> str:
     ok = isinstance(value, str) or (
         isinstance(value, list) and all(isinstance(s, str) for s in value)
@@ -887,9 +879,10 @@ _FIELD_CHECKS: dict[str, Callable[[object], str]] = {
     "tool_choice": _check_tool_choice,
     "response_format": _check_object,
     "chat_template_kwargs": _check_object,
-    "max_tokens": _check_max_tokens,
-    "temperature": _check_number,
-    "top_p": _check_number,
+    # The checks of enqueue's options and a run file's keys (orchestrator.params).
+    "max_tokens": lambda value: params.expected("max_tokens", value),
+    "temperature": lambda value: params.expected("temperature", value),
+    "top_p": lambda value: params.expected("top_p", value),
     "stop": _check_stop,
     "seed": _check_seed,
 }
