@@ -39,15 +39,17 @@ SAMPLE_OUTPUTS = 1000
 
 @dataclass(frozen=True, slots=True)
 class Check:
-    """One result. ``ok`` is None when the check could not apply (shown as SKIP)."""
+    """One result. ``ok`` is None when the check could not apply (shown as SKIP), or, with
+    ``info``, when there is nothing wrong yet to check (INFO: no database before enqueue)."""
 
     name: str
     ok: bool | None
     detail: str
+    info: bool = False
 
     @property
     def line(self) -> str:
-        label = {True: "PASS", False: "FAIL", None: "SKIP"}[self.ok]
+        label = "INFO" if self.info else {True: "PASS", False: "FAIL", None: "SKIP"}[self.ok]
         return f"{label}  {self.name}: {self.detail}"
 
 
@@ -91,7 +93,12 @@ async def check_database(config: DoctorConfig, facts: _DbFacts) -> Check:
     """Reachable and at the schema head this orchestrator knows; never upgraded here."""
     path = _sqlite_file(config.db)
     if path is not None and not path.exists():
-        return Check("database", False, f"{path} does not exist (enqueue creates it)")
+        return Check(
+            "database",
+            None,
+            f"{path} not created yet: `orchestrator enqueue` creates it",
+            info=True,
+        )
     try:
         database = create_database(config.db)
     except OrchestratorError as exc:
@@ -244,7 +251,7 @@ def check_disk(config: DoctorConfig, facts: _DbFacts) -> Check:
     path = _sqlite_file(config.db)
     if path is None:
         return Check("disk", None, "not a SQLite file")
-    if not facts.readable:
+    if not facts.readable and path.exists():
         return Check("disk", None, "database not readable")
     size = sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
     remaining = facts.counts.get("pending", 0) + facts.counts.get("running", 0)
@@ -254,12 +261,17 @@ def check_disk(config: DoctorConfig, facts: _DbFacts) -> Check:
         per_item, how = facts.output_bytes * STORAGE_OVERHEAD, "measured"
     else:
         per_item, how = float(DEFAULT_BYTES_PER_ITEM), "estimated"
-    needed = remaining * per_item + WAL_ALLOWANCE
+    answers = remaining * per_item
+    needed = answers + WAL_ALLOWANCE
+    if not path.parent.is_dir():
+        return Check("disk", False, f"directory {path.parent} does not exist")
     free = shutil.disk_usage(path.parent).free
+    # Every figure adds up: size + answers = ends near; answers + WAL = needed.
     detail = (
-        f"{_size(free)} free at {path.parent}; the database is {_size(size)} and "
-        f"{remaining:,} items to go at ~{_size(per_item)} each ({how}) need about "
-        f"{_size(needed)} more (ends near {_size(size + needed - WAL_ALLOWANCE)})"
+        f"{_size(free)} free at {path.parent}; the database is {_size(size)}, and "
+        f"{remaining:,} items to go at ~{_size(per_item)} each ({how}) add "
+        f"{_size(answers)} (ends near {_size(size + answers)}); with {_size(WAL_ALLOWANCE)} "
+        f"for the WAL that needs {_size(needed)} free"
     )
     return Check("disk", free >= needed, detail)
 

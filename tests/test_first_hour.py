@@ -241,3 +241,34 @@ def test_ctrl_c_under_a_closed_pipe_stops_cleanly(
             proc.kill()
     assert query(db, "SELECT count(*) FROM items WHERE state = 'running'") == [(0,)]
     assert query(db, "SELECT count(*) FROM workers WHERE stopped_at IS NULL") == [(0,)]
+
+
+def _bytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
+
+
+def test_doctor_before_enqueue_and_a_disk_line_that_adds_up(tmp_path: Path) -> None:
+    import re
+
+    db = tmp_path / "q.db"
+    first = cli("doctor", "--db", str(db))
+    assert first.returncode == 0, first.stdout
+    assert "INFO  database: " in first.stdout and "not created yet" in first.stdout
+    assert "FAIL" not in first.stdout and not db.exists()
+
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(10))
+    assert cli("enqueue", str(data), "-d", "d", "--db", str(db)).returncode == 0
+    result = cli("doctor", "--db", str(db), "--bytes-per-item", str(1024 * 1024))
+    disk = next(line for line in result.stdout.splitlines() if "disk:" in line)
+    size = r"([\d.]+ [KMGT]?i?B)"
+    found = re.search(
+        rf"the database is {size}, and 10 items to go at ~1.0 MiB each \(as given\) add "
+        rf"{size} \(ends near {size}\); with {size} for the WAL that needs {size} free",
+        disk,
+    )
+    assert found, disk
+    now, answers, end, wal, needed = (_bytes(g) for g in found.groups())
+    assert answers == 10 * 1024 * 1024
+    assert abs(end - (now + answers)) <= 0.05 * 1024 * 1024
+    assert needed == answers + wal
