@@ -178,6 +178,7 @@ def _converter(kind: sa.types.TypeEngine[Any]) -> Callable[[Any], Any] | None:
     """
     if isinstance(kind, sa.String):
         return storable
+    if isinstance(kind, sa.Boolean):
         return bool
     if isinstance(kind, sa.Float | sa.Numeric) and not isinstance(kind, sa.Integer):
         return float
