@@ -24,6 +24,7 @@ def open_temp(target: Path) -> tuple[int, Path]:
     mode the finished file should have; returns its descriptor and path."""
     final = real_target(target)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    remove_stale(final)
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()  # a leftover of a crashed write: created anew, the umask applies
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
@@ -38,6 +39,33 @@ def open_temp(target: Path) -> tuple[int, Path]:
         tmp.unlink(missing_ok=True)
         raise
     return fd, tmp
+
+
+def remove_stale(final: Path) -> None:
+    """Remove the temporary files of writes to ``final`` whose process is no longer
+    running on this host: killed (SIGKILL, a crash) before it could clean up, each left a
+    file as large as what it had written."""
+    prefix = f".{final.name}."
+    try:
+        with os.scandir(final.parent) as entries:
+            names = [e.name for e in entries if e.name.startswith(prefix)]
+    except OSError:
+        return  # the write itself will say what is wrong with the directory
+    for name in names:
+        pid = name[len(prefix) : -len(".tmp")] if name.endswith(".tmp") else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(final.parent / name)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process (EPERM): it is running
+    return True
 
 
 def replace(tmp: Path, target: Path) -> None:

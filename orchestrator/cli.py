@@ -31,6 +31,8 @@ REASONING_MODES = ("separate", "inline", "drop")
 # Commands that set up logging only when they leave their sqlite3 fast path.
 _LAZY_LOGGING = frozenset({"status", "export"})
 _pending_logs: tuple[str, bool | None] | None = None
+# The largest number a dataset setting may hold: what a PostgreSQL INTEGER column takes.
+INT_MAX = 2**31 - 1
 
 db_option = click.option(
     "--db",
@@ -97,6 +99,11 @@ def run_sync(fn: Callable[[], T]) -> T:
     except OrchestratorError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        # A file the command had to read or write, and the system's reason, in one line.
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"error: {where}{exc.strerror or exc}", err=True)
+        sys.exit(ConfigError.exit_code)
 
 
 def _tty_progress(label: str) -> Callable[[int], None] | None:
@@ -300,10 +307,14 @@ def _check_params(body: dict[str, Any], options: dict[str, Any]) -> None:
 )
 @click.option(
     "--concurrency",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=INT_MAX),
     help="Most requests of this dataset in flight at once, across all workers.",
 )
-@click.option("--priority", type=int, help="Higher priority datasets are worked on first.")
+@click.option(
+    "--priority",
+    type=click.IntRange(min=-INT_MAX, max=INT_MAX),
+    help="Higher priority datasets are worked on first.",
+)
 @click.option(
     "--format",
     "fmt",

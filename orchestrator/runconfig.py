@@ -212,11 +212,17 @@ def _kind(value: object) -> str:
 
 
 def _integer(minimum: int | None = None) -> Check:
+    """An integer from ``minimum`` up to what every database's INTEGER column holds."""
+    high = 2**31 - 1
+
     def check(value: object) -> list[tuple[str, str]]:
         if isinstance(value, bool) or not isinstance(value, int):
             return [("", f"must be an integer, got {_kind(value)}")]
         if minimum is not None and value < minimum:
             return [("", f"must be at least {minimum}, got {value}")]
+        if abs(value) > high:
+            low = -high if minimum is None else minimum
+            return [("", f"must be {low} to {high}, got {value}")]
         return []
 
     return check

@@ -65,6 +65,9 @@ _DATASETS_EVERY = 5.0
 # Items claimed first from each dataset, until it has had that many (see Claim.scouts).
 SCOUTS = 16
 
+# Seconds between looks at whether the database file is still the one opened.
+FILE_CHECK_EVERY = 60.0
+
 # Failures that may mean the server itself died mid-request; /health tells.
 _MAYBE_DOWN = frozenset({"disconnect", "timeout", "stream_idle"})
 
@@ -526,6 +529,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
         self._grace = config.grace_seconds
+        self._file_gone: StorageError | None = None
         if metrics is not None:
             metrics.in_flight.set_function(lambda: self._active)
             metrics.prefetched.set_function(lambda: len(self._buffer))
@@ -558,6 +562,7 @@ class Worker:
         self.pool.start()
         self.committer.start()
         keeper = asyncio.create_task(self._keeper(), name="keeper")
+        watcher = asyncio.create_task(self._watch_file(), name="file-watcher")
         tuner = None
         if any(st.controller is not None for st in self.pool.states.values()):
             tuner = asyncio.create_task(self._tune(), name="tuner")
@@ -574,7 +579,7 @@ class Worker:
             await self._supervise()
         finally:
             await self._drain()
-            for task in (keeper, tuner):
+            for task in (keeper, watcher, tuner):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -589,6 +594,8 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self.database.checkpoint("TRUNCATE")
             log.info("worker_stopped", **_stats_fields(self.stats))
+        if self._file_gone is not None:
+            raise self._file_gone
         return self.stats
 
     # -------------------------------------------------------------------- claiming
@@ -1008,6 +1015,24 @@ class Worker:
                 log.error("keeper_failed", error=str(exc))
             except Exception:  # the keeper must outlive any one bad round
                 log.exception("keeper_crashed")
+
+    async def _watch_file(self) -> None:
+        """Stop at once when the database file is deleted or replaced under the worker.
+
+        SQLite would go on committing into the deleted file (a run reporting success with
+        nothing kept), or into the WAL of a file moved over it (corrupting that one).
+        Looked at every minute, or every keeper round when leases are shorter.
+        """
+        every = min(FILE_CHECK_EVERY, self.config.lease_seconds / 4)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                self.database.check_file()
+            except StorageError as exc:
+                log.error("stopping_database_file_gone", db=self.database.where, error=str(exc))
+                self._file_gone = exc
+                self.request_stop(force=True)
+                return
 
     async def _sample(self) -> None:
         """The run's history (store.samples), with the gauges of the servers we use.

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import os
 import re
+import signal
 import sqlite3
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -489,13 +492,42 @@ def _check_target(target: Path) -> None:
         raise ConfigError(f"{target}: is a directory; give a file name")
     if not target.parent.exists():
         raise ConfigError(f"{target}: directory {target.parent} does not exist")
+    if not target.parent.is_dir():
+        raise ConfigError(f"{target}: {target.parent} is a file, not a directory")
+
+
+# What writing an export file can meet, and what to do about it.
+_WRITE_ERRORS = {
+    errno.ENOSPC: "the disk is full: free space there, or export to another disk",
+    errno.EDQUOT: "the disk quota is used up: free space there, or export to another disk",
+    errno.EFBIG: "the file would pass the file size limit (ulimit -f): raise it, or export "
+    "less at a time (--dataset, --split)",
+    errno.EROFS: "the file system is read-only: export to a writable directory",
+    errno.EACCES: "permission denied: export to a directory you can write",
+    errno.EPERM: "permission denied: export to a directory you can write",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.ENOENT: "its directory does not exist",
+}
+
+
+def _write_error(target: Path, exc: OSError) -> ConfigError:
+    """One line for a file that could not be written: the path, the cause, what to do."""
+    reason = _WRITE_ERRORS.get(exc.errno or 0, f"cannot write it: {exc.strerror or exc}")
+    return ConfigError(f"{target}: {reason}")
 
 
 class _Staged:
-    """Files written under temporary names, renamed over their targets together at the end."""
+    """Files written under temporary names, renamed over their targets together at the end.
+
+    While any temporary file exists, SIGTERM does what SIGINT does (from the main thread:
+    ``KeyboardInterrupt``, or the event loop's cancellation), so that a stop by a service
+    manager or ``timeout`` unwinds and removes them too. Those of a process killed outright
+    are removed by the next write to the same target (``atomicfile.remove_stale``).
+    """
 
     def __init__(self) -> None:
         self._pending: list[tuple[Path, Path]] = []
+        self._sigterm: tuple[Any] | None = None
 
     @contextlib.contextmanager
     def open(self, target: Path) -> Iterator[IO[bytes]]:
@@ -503,24 +535,53 @@ class _Staged:
             yield sys.stdout.buffer
             sys.stdout.buffer.flush()
             return
-        # Mode kept (or the umask's for a new file), symlinks written through.
-        fd, tmp = atomicfile.open_temp(target)
+        self._interrupt_on_sigterm()
+        try:
+            # Mode kept (or the umask's for a new file), symlinks written through.
+            fd, tmp = atomicfile.open_temp(target)
+        except OSError as exc:
+            raise _write_error(target, exc) from None
         self._pending.append((tmp, target))
-        with open(fd, "wb", buffering=_BUFFER) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with open(fd, "wb", buffering=_BUFFER) as fh:
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            # Only the file's own faults: a database read error stays what it is.
+            if exc.errno not in _WRITE_ERRORS:
+                raise
+            raise _write_error(target, exc) from None
 
     def commit(self) -> None:
-        for tmp, target in self._pending:
-            atomicfile.replace(tmp, target)
-        self._pending.clear()
+        try:
+            while self._pending:
+                tmp, target = self._pending[0]
+                try:
+                    atomicfile.replace(tmp, target)
+                except OSError as exc:
+                    raise _write_error(target, exc) from None
+                self._pending.pop(0)
+        finally:
+            self.discard()  # what was not renamed (an error, a signal) goes
 
     def discard(self) -> None:
         for tmp, _ in self._pending:
             with contextlib.suppress(OSError):
                 tmp.unlink()
         self._pending.clear()
+        if self._sigterm is not None:
+            previous = self._sigterm[0]
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            self._sigterm = None
+
+    def _interrupt_on_sigterm(self) -> None:
+        if self._sigterm is not None or threading.current_thread() is not threading.main_thread():
+            return
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):  # SIGINT ignored (a background job): interrupt anyway
+            handler = signal.default_int_handler
+        self._sigterm = (signal.signal(signal.SIGTERM, handler),)
 
 
 class _Counter:

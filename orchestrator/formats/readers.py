@@ -305,14 +305,20 @@ def _iter_file(
             try:
                 item = parse(raw, lineno)
             except _LineError as exc:
-                error = InputError(str(exc), path=name, line=lineno)
-                if on_invalid is None:
-                    raise error from None
-                invalid += 1
-                on_invalid(error)
+                reason = str(exc)
+            except orjson.JSONEncodeError:
+                # The line reads, but its request cannot be written back as JSON: orjson
+                # writes at most MAX_DEPTH levels of nesting.
+                reason = _too_deep(raw)
+            else:
+                yielded += 1
+                yield item
                 continue
-            yielded += 1
-            yield item
+            error = InputError(reason, path=name, line=lineno)
+            if on_invalid is None:
+                raise error from None
+            invalid += 1
+            on_invalid(error)
     if yielded == 0 and invalid == 0:
         raise InputError("no records in file", path=name)
 
@@ -427,6 +433,36 @@ def _line_key(obj: dict[str, Any], fmt: str, lineno: int) -> str:
     return str(lineno)
 
 
+MAX_DEPTH = 254
+"""Most levels of nesting a request may have: orjson writes no deeper."""
+
+
+def _too_deep(raw: bytes) -> str:
+    """Where a line nests deeper than ``MAX_DEPTH`` (the path to its deepest value)."""
+    deepest, where = 0, ""
+    stack: list[tuple[object, int, str]] = [(_loads(raw), 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        children = (
+            value.items()
+            if isinstance(value, dict)
+            else enumerate(value)
+            if isinstance(value, list)
+            else ()
+        )
+        if depth > deepest:
+            deepest, where = depth, path
+        for key, child in children:
+            if isinstance(child, dict | list):
+                step = f"[{key}]" if isinstance(key, int) else f".{key}" if path else str(key)
+                stack.append((child, depth + 1, path + step if depth < 4 else path))
+    at = f" at {where}{'…' if deepest > 4 else ''}" if where else ""
+    return (
+        f"nested {deepest} levels deep{at}; a request may nest at most {MAX_DEPTH} levels: "
+        "flatten that field or leave it out"
+    )
+
+
 def _json_reason(raw: bytes, exc: orjson.JSONDecodeError) -> str:
     # orjson reports bad UTF-8 as "surrogates not allowed" at column 1; find the real spot.
     try:
@@ -434,6 +470,11 @@ def _json_reason(raw: bytes, exc: orjson.JSONDecodeError) -> str:
     except UnicodeDecodeError as uexc:
         column = len(raw[: uexc.start].decode("utf-8", errors="replace")) + 1
         return f"invalid UTF-8 at column {column} (byte 0x{raw[uexc.start]:02x})"
+    if exc.msg.startswith("depth limit exceeded"):
+        return (
+            f"nested deeper than {MAX_DEPTH} levels (at column {exc.colno}): a request may "
+            f"nest at most {MAX_DEPTH} levels"
+        )
     return f"invalid JSON: {exc.msg} at column {exc.colno}"
 
 

@@ -25,6 +25,10 @@ def params_hash(params: dict[str, Any]) -> str:
     return hashlib.sha256(_dumps(params).encode()).hexdigest()
 
 
+INT_MAX = 2**31 - 1
+"""The largest concurrency or priority: what a PostgreSQL INTEGER column holds."""
+
+
 @dataclass(frozen=True, slots=True)
 class DatasetSpec:
     """What ``enqueue`` declares about a dataset.
@@ -47,8 +51,10 @@ class DatasetSpec:
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 200:
             raise ConfigError("dataset name must be 1 to 200 characters")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ConfigError(f"dataset {self.name}: concurrency must be at least 1")
+        if self.concurrency is not None and not 1 <= self.concurrency <= INT_MAX:
+            raise ConfigError(f"dataset {self.name}: concurrency must be 1 to {INT_MAX}")
+        if self.priority is not None and not -INT_MAX <= self.priority <= INT_MAX:
+            raise ConfigError(f"dataset {self.name}: priority must be -{INT_MAX} to {INT_MAX}")
         if self.regenerate not in (None, *REGENERATE):
             raise ConfigError(
                 f"dataset {self.name}: regenerate must be one of {', '.join(REGENERATE)}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import os
 import random
 import sqlite3
@@ -118,6 +119,18 @@ def missing_database(path: str) -> StorageError:
     )
 
 
+def _file_identity(url: URL) -> tuple[int, int] | None:
+    """The (device, inode) of an SQLite database file, to tell it from a later one."""
+    path = str(url.database or "")
+    if path in ("", ":memory:") or path.startswith("file:"):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _is_locked(exc: BaseException) -> bool:
     orig = getattr(exc, "orig", exc)
     return isinstance(orig, sqlite3.OperationalError) and "locked" in str(orig).lower()
@@ -136,9 +149,29 @@ def _prepare_sqlite_file(path: str) -> None:
         return
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
+        if os.path.exists(parent):
+            raise StorageError(f"{path}: {parent} is a file, not a directory")
         raise StorageError(f"{path}: directory {parent} does not exist")
-    with contextlib.suppress(FileExistsError):
+    try:
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StorageError(
+            f"{os.path.abspath(path)}: cannot create the database: {_create_failure(parent, exc)}"
+            "; choose a writable place with --db (or ORCHESTRATOR_DB)"
+        ) from None
+
+
+def _create_failure(folder: str, exc: OSError) -> str:
+    """Why a new database file could not be made in ``folder``."""
+    if exc.errno == errno.EROFS:
+        return f"{folder} is on a read-only file system"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"no permission to write in {folder}"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk holding {folder} is full"
+    return exc.strerror or str(exc)
 
 
 class Database:
@@ -151,6 +184,44 @@ class Database:
         self._write_lock = asyncio.Lock()
         self._sync_engine: sa.Engine | None = None
         self._writer_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._file = _file_identity(url) if self.is_sqlite else None
+        self._gone: StorageError | None = None
+        if self._file is not None:
+            event.listen(engine.sync_engine, "do_connect", self._before_connect)
+
+    def _before_connect(self, *_args: Any) -> None:
+        """Every new connection opens the path again: only while it names the file opened
+        (one on a file moved over it would read this file's WAL into that one)."""
+        self.check_file()
+
+    def check_file(self) -> None:
+        """Raise ``StorageError`` once the path no longer names the SQLite file opened.
+
+        SQLite goes on writing to a deleted file without a word, and a file moved over
+        the path is opened by every new connection together with this file's WAL, which
+        corrupts it. Once this has raised, every later write or read raises the same
+        error: nothing more is written anywhere.
+        """
+        if self._gone is not None:
+            raise self._gone
+        if self._file is None:
+            return
+        path = str(self.url.database)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            what = "was deleted"
+        except OSError:
+            return  # cannot tell (a permission change, say): the next look may
+        else:
+            if (st.st_dev, st.st_ino) == self._file:
+                return
+            what = "was replaced by another file"
+        self._gone = StorageError(
+            f"{os.path.abspath(path)}: the database file {what} while in use; nothing more "
+            "was written to it: restore the file (or point --db at the right one) and start again"
+        )
+        raise self._gone
 
     @property
     def where(self) -> str:
@@ -163,6 +234,8 @@ class Database:
         A lock held by another process longer than ``busy_timeout`` is retried with
         jittered backoff rather than surfacing "database is locked".
         """
+        if self._gone is not None:
+            raise self._gone
         async with self._write_lock:
             conn = await self._begin_write()
             try:
@@ -189,6 +262,8 @@ class Database:
         if not self.is_sqlite or self.url.database in (None, "", ":memory:"):
             async with self.write() as conn:
                 return await conn.run_sync(fn)
+        if self._gone is not None:
+            raise self._gone
         async with self._write_lock:
             if self._writer_thread is None:
                 self._writer_thread = concurrent.futures.ThreadPoolExecutor(
@@ -218,8 +293,28 @@ class Database:
                 connect_args={"timeout": BUSY_TIMEOUT_MS / 1000, "check_same_thread": False},
             )
             _install_sqlite_hooks(self._sync_engine)
+            if self._file is not None:
+                event.listen(self._sync_engine, "do_connect", self._before_connect)
         with self._sync_engine.begin() as conn:
             return fn(conn)
+
+    def _empty_wal(self) -> None:
+        """Fold the WAL into the file this database opened, and empty it, through the
+        connection that still has that file open.
+
+        The WAL keeps its name when the database file is deleted or replaced, and SQLite
+        does not checkpoint a moved file on close: a file moved over the path would be
+        read with this file's pages, and corrupted by them, by the next process to open it.
+        """
+        assert self._sync_engine is not None
+        with contextlib.suppress(Exception):
+            raw = self._sync_engine.raw_connection()  # the open one: StaticPool
+            try:
+                cursor = raw.cursor()
+                cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                cursor.close()
+            finally:
+                raw.close()
 
     async def _begin_write(self) -> AsyncConnection:
         for attempt in range(_LOCKED_RETRIES):
@@ -247,6 +342,8 @@ class Database:
     @contextlib.asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
         """A read-only snapshot (deferred BEGIN on SQLite, so it never takes the write lock)."""
+        if self._gone is not None:
+            raise self._gone
         try:
             async with self._reader.connect() as conn, conn.begin():
                 yield conn
@@ -259,7 +356,7 @@ class Database:
 
     async def checkpoint(self, mode: str = "PASSIVE") -> None:
         """Fold the WAL back into the database file so that it stops growing."""
-        if not self.is_sqlite:
+        if not self.is_sqlite or self._gone is not None:
             return
 
         def run(sync_conn: sa.Connection) -> tuple[int, int, int]:
@@ -283,9 +380,10 @@ class Database:
     async def close(self) -> None:
         if self._writer_thread is not None:
             if self._sync_engine is not None:
-                await asyncio.get_running_loop().run_in_executor(
-                    self._writer_thread, self._sync_engine.dispose
-                )
+                loop = asyncio.get_running_loop()
+                if self._gone is not None:
+                    await loop.run_in_executor(self._writer_thread, self._empty_wal)
+                await loop.run_in_executor(self._writer_thread, self._sync_engine.dispose)
             self._writer_thread.shutdown()
             self._writer_thread = None
         await self.engine.dispose()

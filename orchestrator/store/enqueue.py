@@ -388,20 +388,27 @@ class _Writer:
                 continue
             if old is not None:
                 if old.digest != digest:
-                    c.reject(
-                        InputError(
-                            f"key {key!r} is already enqueued in dataset {c.info.name!r} "
-                            "with different content",
-                            path=c.path,
-                            line=line,
-                        )
-                    )
+                    c.reject(InputError(_changed(key, line, c.info.name), path=c.path, line=line))
                 else:
                     c.report.already_present += 1
                 continue
             in_batch[key] = line
             fresh.append(record)
         return fresh
+
+
+def _changed(key: str, line: int, dataset: str) -> str:
+    """Why a line is refused whose key the dataset holds with other content, and what to
+    do: a line without an ``id`` is keyed by its line number, so that key is shared by
+    every such file (a second id-less file does not fit in the same dataset)."""
+    message = f"key {key!r} is already enqueued in dataset {dataset!r} with different content"
+    if key != str(line):
+        return message
+    return (
+        f'{message}. A line without an "id" is keyed by its line number, so line {line} '
+        f'of any id-less file has key {key!r}: give every line an "id" (or '
+        '"custom_id"), or enqueue this file into a dataset of its own'
+    )
 
 
 class _SqliteWriter(_Writer):
