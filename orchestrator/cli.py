@@ -869,6 +869,7 @@ def run(
     import signal
 
     from orchestrator.client import ClientConfig, InferenceClient
+    from orchestrator.monitor import progress
     from orchestrator.servers import merge_servers, parse_servers_file
     from orchestrator.store import check_datasets, open_database
     from orchestrator.systemd import SystemdNotifier
@@ -923,9 +924,13 @@ def run(
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, worker.request_stop)
-                if metrics is None:
-                    return await worker.run()
-                return await _run_with_metrics(worker, metrics, metrics_host, metrics_port)
+                line = progress.start(database, worker)  # on a terminal only
+                try:
+                    if metrics is None:
+                        return await worker.run()
+                    return await _run_with_metrics(worker, metrics, metrics_host, metrics_port)
+                finally:
+                    await progress.stop(line)
         finally:
             await database.close()
 

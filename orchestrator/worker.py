@@ -900,13 +900,14 @@ class Worker:
             cap=self.config.backoff_cap,
             retry_after=retry_after,
         )
-        log.debug(
+        log.warning(
             "item_retry",
             item=lease.item_id,
             key=lease.key,
             attempt=lease.attempt,
             error_class=exc.error_class,
             delay_s=round(delay, 2),
+            error=str(exc)[:300],
         )
         return "retry", (Failure(exc.error_class, _where(lease) + str(exc)), time.time() + delay)
 
