@@ -250,3 +250,136 @@ async def test_a_failed_turn_fails_the_conversation_and_requeue_resumes_it(
             assert after[key][:turn] == kept.get(key, [])
     finally:
         await database.close()
+
+
+async def test_regenerate_all_asks_a_single_turn_without_its_answer(
+    database: Database, db_url: str, tmp_path: Path, sim: StartSim
+) -> None:
+    """A conversation with one assistant turn, in a dataset that regenerates every turn,
+    is asked with what comes before that turn: never with the original answer."""
+    single = {
+        "id": "c3",
+        "messages": [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "u0"},
+            {"role": "assistant", "content": "a0"},
+        ],
+    }
+    rows = [single, *(conversation(i, 2) for i in range(4))]
+    path = write_jsonl(tmp_path / "mt.jsonl", rows)
+    result = cli("enqueue", str(path), "--dataset", "mt", "--regenerate", "all", "--db", db_url)
+    assert result.returncode == 0, result.stderr
+    stats = await run_worker(database, config(await sim()))
+    assert stats.completed == 5
+    async with database.read() as conn:
+        answer = (
+            await conn.execute(
+                sa.select(outputs.c.message)
+                .join(items, items.c.id == outputs.c.item_id)
+                .where(items.c.key == "c3")
+            )
+        ).scalar_one()
+    assert answer_matches(single["messages"][:2], orjson.loads(answer))
+    assert not answer_matches(single["messages"], orjson.loads(answer))
+    exported = tmp_path / "out.jsonl"
+    assert cli("export", str(exported), "--db", db_url).returncode == 0
+    line = orjson.loads(exported.read_bytes().splitlines()[0])
+    assert line["messages"] == [*single["messages"][:2], orjson.loads(answer)]
+
+
+def tool_trace(i: int, first: str) -> dict[str, Any]:
+    """A trace whose first turn calls ``first``, then reads its result and answers."""
+    call_id = f"orig_{i}"
+    return {
+        "id": f"t{i:03d}",
+        "messages": [
+            {"role": "user", "content": f"trace {i}: what is in the box?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": first, "arguments": "{}"},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call_id, "content": "a cat"},
+            {"role": "assistant", "content": "A cat."},
+            {"role": "user", "content": "thanks"},
+        ],
+        "tools": [
+            {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+            for name in ("open_box", "weigh_box")
+        ],
+    }
+
+
+async def test_tool_results_follow_regenerated_calls_or_the_trace_stops_flagged(
+    database: Database, db_url: str, tmp_path: Path, sim: StartSim
+) -> None:
+    """The simulated server calls the first tool offered (``open_box``) or answers in
+    words. A trace whose original first turn called it too lines up when the server calls
+    it again; any other first turn ends the trace there, flagged ``tool_mismatch``."""
+    rows = [tool_trace(i, "open_box" if i % 2 else "weigh_box") for i in range(30)]
+    path = write_jsonl(tmp_path / "tools.jsonl", rows)
+    result = cli("enqueue", str(path), "--dataset", "tools", "--regenerate", "all", "--db", db_url)
+    assert result.returncode == 0, result.stderr
+    url = await sim(tool_call_rate=0.5)
+    assert (await run_worker(database, config(url))).completed == 30
+    out = tmp_path / "out.jsonl"
+    assert cli("export", str(out), "--db", db_url, "--provenance").returncode == 0
+    lines = {line["id"]: line for line in map(orjson.loads, out.read_bytes().splitlines())}
+    stopped = {key for key, line in lines.items() if "tool_mismatch" in line["flags"]}
+    renamed = 0
+    for row in rows:
+        line = lines[row["id"]]
+        first = line["messages"][1]
+        made = [c["function"]["name"] for c in first.get("tool_calls") or []]
+        asked = row["messages"][:1]
+        assert answer_matches(asked, first)
+        if made == [row["messages"][1]["tool_calls"][0]["function"]["name"]]:
+            # The same call, made again: the original result answers it, under its id.
+            result_message = line["messages"][2]
+            assert result_message == {
+                **row["messages"][2],
+                "tool_call_id": first["tool_calls"][0]["id"],
+            }
+            assert result_message["tool_call_id"] != "orig_" + row["id"][1:].lstrip("0")
+            assert answer_matches(
+                [asked[0], first_context(first), result_message], line["messages"][3]
+            )
+            renamed += 1
+            # Its second turn, an answer in words, stops the trace if it made a call.
+            called_again = bool(line["messages"][3].get("tool_calls"))
+            assert (row["id"] in stopped) == called_again
+            assert len(line["messages"]) == (4 if called_again else 6)
+        else:
+            # Another way: the trace ends with that turn, and is flagged.
+            assert row["id"] in stopped
+            assert line["messages"] == [row["messages"][0], first]
+    assert renamed > 0 and len(stopped) > 0
+    # status counts them; export leaves them out on request; requeue picks them by flag.
+    status = orjson.loads(cli("status", "--json", "--db", db_url).stdout)
+    assert status["datasets"][0]["flags"]["tool_mismatch"] == len(stopped)
+    kept = tmp_path / "kept.jsonl"
+    excluded = cli("export", str(kept), "--db", db_url, "--exclude-flag", "tool_mismatch")
+    assert excluded.returncode == 0, excluded.stderr
+    assert len(kept.read_bytes().splitlines()) == 30 - len(stopped)
+    requeued = cli("requeue", "--flag", "tool_mismatch", "--db", db_url)
+    assert requeued.returncode == 0, requeued.stderr
+    async with database.read() as conn:
+        pending = (
+            await conn.execute(sa.select(items.c.key).where(items.c.state == "pending"))
+        ).scalars()
+        assert set(pending) == stopped
+        turns_left = (
+            await conn.execute(sa.select(sa.func.count()).select_from(item_turns))
+        ).scalar()
+    assert turns_left == 3 * (30 - len(stopped))  # a whole trace has three turns
+
+
+def first_context(message: dict[str, Any]) -> dict[str, Any]:
+    """A generated turn as it is sent back: role, content and calls, no reasoning."""
+    return {k: message[k] for k in ("role", "content", "tool_calls") if k in message}
