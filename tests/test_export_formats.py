@@ -34,7 +34,13 @@ from orchestrator.formats.export import (
     messages_line,
     sharegpt_turn,
 )
-from orchestrator.quality import EMPTY_CONTENT, REASONING_ONLY, TRUNCATED, UNCLOSED_THINK
+from orchestrator.quality import (
+    ALL_FLAGS,
+    EMPTY_CONTENT,
+    REASONING_ONLY,
+    TRUNCATED,
+    UNCLOSED_THINK,
+)
 from orchestrator.store import Database, Failure, Output, Queue, iter_done, open_database
 from orchestrator.store.reader import open_reader
 from orchestrator.store.stats import snapshot, snapshot_sqlite
@@ -707,11 +713,12 @@ async def test_status_flag_counts(db: Path, database: Database, tmp_path: Path) 
         via_sqlite = snapshot_sqlite(read, now=now)
     assert via_sqlite == via_engine
     by_name = {e["name"]: e for e in via_engine["datasets"]}
-    zero = {"truncated": 0, "empty": 0, "unclosed_think": 0, "reasoning_only": 0}
+    zero = dict.fromkeys(ALL_FLAGS, 0)  # every flag is counted, unset ones as 0
     assert by_name["chat"]["flags"] == {**zero, "truncated": 1, "empty": 1, "reasoning_only": 1}
     assert by_name["multi"]["flags"] == {**zero, "unclosed_think": 1}
     assert by_name["pass"]["flags"] == zero and by_name["web/qa"]["flags"] == zero
     assert via_engine["totals"]["flags"] == {
+        **zero,
         "truncated": 1,
         "empty": 1,
         "unclosed_think": 1,
