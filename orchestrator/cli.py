@@ -1159,7 +1159,7 @@ def report(out: Path, window: float, servers: tuple[str, ...], db: str | None) -
     multiple=True,
     metavar="FLAG",
     help="Only done items whose output has this quality flag (truncated, empty, "
-    "unclosed_think, reasoning_only); implies --state done. Repeatable.",
+    "unclosed_think, reasoning_only, tool_mismatch); implies --state done. Repeatable.",
 )
 @click.option(
     "--max-tokens",
@@ -1328,7 +1328,7 @@ def resume(dataset: str, db: str | None) -> None:
     multiple=True,
     metavar="FLAG[,FLAG]",
     help="Leave out answers with this quality flag: truncated, empty, unclosed_think, "
-    "reasoning_only. Repeat or comma-separate.",
+    "reasoning_only, tool_mismatch. Repeat or comma-separate.",
 )
 @click.option(
     "--include-failed",
