@@ -6,6 +6,7 @@ from __future__ import annotations
 import email.utils
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from tests.helpers import REPO, cli, events, query, start_worker, write_jsonl
 
 FIXTURE = REPO / "tests" / "fixtures" / "bad_server.py"
 # A run that stalls never ends; one that works ends in seconds.
-RUN_TIMEOUT = 60
+RUN_TIMEOUT = 120
 
 
 class BadServer:
@@ -77,6 +78,13 @@ def run(db: str, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
         )  # fmt: skip
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"the run stalled: {str(exc.stderr)[-2000:]}") from None
+
+
+def ended(result: subprocess.CompletedProcess[str]) -> None:
+    """The run ended on its own, every write landing (some items may have failed)."""
+    assert "commit_failed" not in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode != 3, result.stderr[-2000:]
 
 
 def states(db: str) -> dict[str, str]:
@@ -135,7 +143,7 @@ def test_an_error_message_holding_a_nul_is_stored(
     server = bad_server("err500nul")
     enqueue(db_url, tmp_path, n=20)
     result = run(db_url, server.url, "--max-attempts", "1")
-    assert result.returncode == 0, result.stderr[-2000:]
+    ended(result)
     rows = query(db_url, "SELECT state, error_class, last_error FROM items")
     assert len(rows) == 20
     assert {(s, c) for s, c, _ in rows} == {("failed", "http_500")}
@@ -155,7 +163,7 @@ def test_a_restart_does_not_stall_again_on_the_same_answer(
     worker.kill()
     worker.communicate()
     result = run(db, server.url, "--max-attempts", "2", "--retry-backoff", "0.05")
-    assert result.returncode == 0, result.stderr[-2000:]
+    ended(result)
     found = states(db)
     assert "running" not in found.values() and "pending" not in found.values()
     outputs = query(db, "SELECT count(*), count(DISTINCT item_id) FROM outputs")
@@ -176,7 +184,9 @@ def test_db_copy_to_postgresql_keeps_an_answer_holding_a_nul(
     enqueue(db, tmp_path)
     assert run(db, server.url).returncode == 0
     # An answer stored by an older version, with the NUL in its text columns too.
-    query(db, "UPDATE outputs SET reasoning = 'x' || char(0) || 'y', flags = 0 WHERE flags != 0")
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE outputs SET reasoning = ?, flags = 0 WHERE flags != 0", ("x\x00y",))
+    conn.close()
     target = pg_database()  # type: ignore[operator]
     result = cli("db", "copy", "--from", db, "--to", target)
     assert result.returncode == 0, result.stderr
@@ -213,7 +223,7 @@ def test_a_malformed_answer_is_a_bad_response_not_training_data(
     server = bad_server(kind)
     enqueue(db, tmp_path, n=10)
     result = run(db, server.url, "--max-attempts", "1")
-    assert result.returncode == 0, result.stderr[-2000:]
+    ended(result)
     found = states(db)
     assert found.pop("k7") == "failed" and set(found.values()) == {"done"}
     ((error_class, message),) = query(
@@ -222,8 +232,7 @@ def test_a_malformed_answer_is_a_bad_response_not_training_data(
     assert error_class == "bad_response" and says in message, message
     assert "k7" not in exported(db, tmp_path / "out.jsonl")
     status = cli("status", "--json", "--db", db)
-    tokens = orjson.loads(status.stdout)["totals"].get("completion_tokens")
-    assert tokens in (None, 9), tokens
+    assert orjson.loads(status.stdout)["totals"]["completion_tokens"]["total"] == 9
 
 
 # -------------------------------------------------------------------- A2: stops
@@ -231,11 +240,11 @@ def test_a_malformed_answer_is_a_bad_response_not_training_data(
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 3 MB tmpfs to fill up: commits fail with 'database or disk is full'."""
+    """A small tmpfs to fill up: commits fail with "database or disk is full"."""
     mount = tmp_path / "disk"
     mount.mkdir()
     made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True
     )
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
@@ -245,17 +254,14 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def fill(disk: Path) -> Path:
-    """Fill the disk to the last byte; the file that did it."""
-    filler = disk / "filler"
-    with open(filler, "wb") as fh:
+def fill(filler: Path) -> None:
+    """Fill the disk to the last byte (the file exists: making one may need room)."""
+    with open(filler, "ab", buffering=0) as fh:
         try:
             while True:
                 fh.write(b"\0" * 4096)
-                fh.flush()
         except OSError:
             pass
-    return filler
 
 
 def wait_for(proc: subprocess.Popen[str], event: str, timeout: float) -> list[str]:
@@ -292,13 +298,15 @@ def test_a_stop_ends_a_worker_whose_commits_keep_failing(
     answers it could not write are dropped in one line, the exit is non-zero, and a
     restart does every item exactly once."""
     db = str(small_disk / "queue.db")
+    filler = small_disk / "filler"
+    filler.touch()
     server = bad_server("slow")
     enqueue(db, tmp_path, n=300)
     grace = "2" if signals == 1 else "120"
     worker = start_worker(db, server.url, "--concurrency", "4", "--grace", grace)
     wait_for(worker, "worker_started", 20)
     time.sleep(1.0)
-    filler = fill(small_disk)
+    fill(filler)
     seen = wait_for(worker, "commit_failed", 20)
     worker.send_signal(signal.SIGTERM)
     stopped = time.monotonic()
@@ -331,10 +339,11 @@ def test_retry_backoff_sets_the_first_retry_delay(
     server = bad_server("err500")
     enqueue(db, tmp_path, n=1)
     result = run(db, server.url, "--retry-backoff", "0.05", "--max-attempts", "3")
-    assert result.returncode == 0, result.stderr[-2000:]
+    ended(result)
     times = [t for (t,) in query(db, "SELECT created_at FROM attempt_errors ORDER BY id")]
     assert len(times) == 3
-    assert times[-1] - times[0] < 1.0, times  # 0.05 s, then 0.1 s (±25 %), not 2 s and 4 s
+    # 0.05 s then 0.1 s (±25 %; claims look every 0.5 s), not 2 s then 4 s: 4.5 s at least
+    assert times[-1] - times[0] < 2.5, times
     # And a long one is kept as long.
     db2 = str(tmp_path / "long.db")
     enqueue(db2, tmp_path, n=1)
