@@ -29,6 +29,7 @@ def test_bits_are_stable_and_distinct():
         "empty": 2,
         "unclosed_think": 4,
         "reasoning_only": 8,
+        "nul": 16,
         "tool_mismatch": 32,
     }
     assert (TRUNCATED, EMPTY_CONTENT, UNCLOSED_THINK, REASONING_ONLY) == (1, 2, 4, 8)
