@@ -8,6 +8,7 @@ import json
 import random
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +75,16 @@ def agentic(rng: random.Random, key: str) -> list[Row]:
     return messages
 
 
-def datasets(tmp_path: Path, seed: int) -> tuple[dict[str, Row], dict[str, str], list[Path]]:
+def datasets(
+    tmp_path: Path, seed: int, scale: int = 1
+) -> tuple[dict[str, Row], dict[str, str], list[Path]]:
     """Input files of every kind: their rows by key, each dataset's mode, the files."""
     rng = random.Random(seed)
     plan = {
-        "last": ("last", 40, plain),
-        "all": ("all", 70, plain),
-        "tools": ("all", 90, agentic),
-        "pass": ("passthrough", 20, plain),
+        "last": ("last", 40 * scale, plain),
+        "all": ("all", 70 * scale, plain),
+        "tools": ("all", 90 * scale, agentic),
+        "pass": ("passthrough", 20 * scale, plain),
     }
     inputs: dict[str, Row] = {}
     files = []
@@ -166,30 +169,22 @@ def verify_run(
     return checked
 
 
-@pytest.mark.parametrize("sim_reasoning", SIM_REASONING)
-def test_every_exported_answer_was_asked_as_the_rules_say(
-    tmp_path: Path, sim_reasoning: str, figures: dict[str, Any]
-) -> None:
+def oracle_run(
+    db: str, tmp_path: Path, sim_reasoning: str, *, scale: int = 1, kills: int = 3
+) -> dict[str, Any]:
+    """Enqueue every kind, run with SIGKILLs against a simulated server answering in
+    ``sim_reasoning`` mode, and check every export; the run's figures."""
     seed = SIM_REASONING.index(sim_reasoning)
     rng = random.Random(seed)
-    db = str(tmp_path / "q.db")
-    inputs, modes, files = datasets(tmp_path, seed)
+    inputs, modes, files = datasets(tmp_path, seed, scale)
     enqueue_all(db, files, modes)
     server = SimProcess(
-        "--latency",
-        "0.02",
-        "--per-token",
-        "0.002",
-        "--mean-tokens",
-        "12",
-        "--reasoning",
-        sim_reasoning,
-        "--seed",
-        str(seed),
+        *("--latency", "0.02", "--per-token", "0.002", "--mean-tokens", "12"),
+        *("--reasoning", sim_reasoning, "--seed", str(seed)),
     )
     server.start()
     try:
-        killed = run_with_kills(db, server.url, 3, rng)
+        killed = run_with_kills(db, server.url, kills, rng)
     finally:
         server.stop()
     verdict = verify_run(db, tmp_path, inputs, modes, sim_reasoning)
@@ -200,11 +195,33 @@ def test_every_exported_answer_was_asked_as_the_rules_say(
     assert flagged == {"last": 0, "all": 0, "tools": verdict.stopped, "pass": 0}
     kept = export(db, tmp_path / "kept.jsonl", "--exclude-flag", "tool_mismatch")
     assert len(kept) == len(inputs) - verdict.stopped
-    figures.update(
-        sim_reasoning=sim_reasoning,
-        items=len(inputs),
-        kills=killed,
-        answers_checked=verdict.answers,
-        tool_results_renamed=verdict.renamed,
-        stopped_tool_mismatch=verdict.stopped,
-    )
+    return {
+        "sim_reasoning": sim_reasoning,
+        "items": len(inputs),
+        "kills": killed,
+        "answers_checked": verdict.answers,
+        "tool_results_renamed": verdict.renamed,
+        "stopped_tool_mismatch": verdict.stopped,
+    }
+
+
+@pytest.mark.parametrize("sim_reasoning", SIM_REASONING)
+def test_every_exported_answer_was_asked_as_the_rules_say(
+    tmp_path: Path, sim_reasoning: str, figures: dict[str, Any]
+) -> None:
+    figures.update(oracle_run(str(tmp_path / "q.db"), tmp_path, sim_reasoning))
+
+
+@pytest.mark.postgresql
+def test_every_exported_answer_was_asked_as_the_rules_say_on_postgresql(
+    tmp_path: Path, pg_database: Callable[[], str], figures: dict[str, Any]
+) -> None:
+    figures.update(oracle_run(pg_database(), tmp_path, "field"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sim_reasoning", ["none", "think"])
+def test_every_exported_answer_was_asked_as_the_rules_say_at_scale(
+    tmp_path: Path, sim_reasoning: str, figures: dict[str, Any]
+) -> None:
+    figures.update(oracle_run(str(tmp_path / "q.db"), tmp_path, sim_reasoning, scale=8, kills=10))
