@@ -1,4 +1,4 @@
-"""The servers' own view in ``status``: scraped from /metrics, SGLang and vLLM names."""
+"""The servers' own view in ``status``: scraped from /metrics, SGLang, vLLM and llama.cpp names."""
 
 from __future__ import annotations
 
@@ -81,3 +81,39 @@ def test_status_shows_the_servers_view(tmp_path: Path, sim_process: Any) -> None
     assert "servers (their own /metrics):" in text
     assert f"{server.url}  (sglang)  running 0, queued 0" in text
     assert f"{down}  unreachable" in text
+
+
+# As llama.cpp's llama-server --metrics writes it (tools/server/server-task.cpp).
+LLAMACPP = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 69
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 16
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 1200
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 10729.6
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 8
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 5
+# HELP llamacpp:n_busy_slots_per_decode Average number of busy slots per llama_decode() call
+# TYPE llamacpp:n_busy_slots_per_decode gauge
+llamacpp:n_busy_slots_per_decode 7.5
+"""
+
+
+def test_llamacpp_names_are_read() -> None:
+    found = view(parse(LLAMACPP))
+    assert found["kind"] == "llamacpp"
+    assert (found["running"], found["queued"]) == (8.0, 5.0)
+    assert (found["generation_tokens_total"], found["prompt_tokens_total"]) == (1200.0, 69.0)
+    # One sequence's decode speed is not the server's throughput: that comes from the
+    # counter between two scrapes. No KV-cache gauge in this llama.cpp.
+    assert found["gen_throughput"] is None and found["kv_cache_usage"] is None

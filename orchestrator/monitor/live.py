@@ -110,7 +110,7 @@ def _servers(snap: dict[str, Any]) -> Panel | None:
         if s.get("error"):
             lines.append(f"{s['server']}  [red]unreachable[/red]: {s['error']}")
         elif s.get("kind") is None:
-            lines.append(f"{s['server']}  no SGLang or vLLM metrics")
+            lines.append(f"{s['server']}  no SGLang, vLLM or llama.cpp metrics")
         else:
             usage = s.get("kv_cache_usage")
             lines.append(

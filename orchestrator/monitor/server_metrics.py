@@ -1,10 +1,18 @@
-"""The inference server's own view, from its Prometheus ``/metrics``: SGLang or vLLM.
+"""The inference server's own view, from its Prometheus ``/metrics``: SGLang, vLLM or
+llama.cpp.
 
 ``status --server URL`` shows it beside the orchestrator's figures: how many requests the
 server runs and queues, how full its KV cache is, and how fast it generates. A worker's
 concurrency that leaves the server's queue empty and its cache half full is too low; a
 long queue with a full cache means the server is the limit. Synchronous (urllib) on
 purpose: ``status`` stays a quick read with no event loop.
+
+llama.cpp's ``llama-server --metrics`` has no KV-cache gauge (older builds had
+``llamacpp:kv_cache_usage_ratio``) and no aggregate throughput gauge: its
+``llamacpp:predicted_tokens_seconds`` is the speed of one sequence's decode steps, not
+the server's tokens/s, so generation speed comes from ``llamacpp:tokens_predicted_total``
+between two scrapes, as for vLLM. ``requests_deferred`` are requests waiting for a free
+slot (``-np``): its queue.
 """
 
 from __future__ import annotations
@@ -14,14 +22,19 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-# Our name -> the names SGLang and vLLM (newer, older) give it.
+# Our name -> the names SGLang, vLLM (newer, older) and llama.cpp give it.
 _GAUGES: dict[str, tuple[str, ...]] = {
-    "running": ("sglang:num_running_reqs", "vllm:num_requests_running"),
-    "queued": ("sglang:num_queue_reqs", "vllm:num_requests_waiting"),
+    "running": (
+        "sglang:num_running_reqs",
+        "vllm:num_requests_running",
+        "llamacpp:requests_processing",
+    ),
+    "queued": ("sglang:num_queue_reqs", "vllm:num_requests_waiting", "llamacpp:requests_deferred"),
     "kv_cache_usage": (
         "sglang:token_usage",
         "vllm:kv_cache_usage_perc",
         "vllm:gpu_cache_usage_perc",
+        "llamacpp:kv_cache_usage_ratio",  # older llama.cpp builds only
     ),
     "gen_throughput": ("sglang:gen_throughput",),
 }
@@ -29,8 +42,13 @@ _COUNTERS: dict[str, tuple[str, ...]] = {
     "generation_tokens_total": (
         "sglang:generation_tokens_total",
         "vllm:generation_tokens_total",
+        "llamacpp:tokens_predicted_total",
     ),
-    "prompt_tokens_total": ("sglang:prompt_tokens_total", "vllm:prompt_tokens_total"),
+    "prompt_tokens_total": (
+        "sglang:prompt_tokens_total",
+        "vllm:prompt_tokens_total",
+        "llamacpp:prompt_tokens_total",  # excludes tokens reused from its prompt cache
+    ),
     "preemptions_total": (
         "sglang:num_retracted_requests_total",
         "vllm:num_preemptions_total",

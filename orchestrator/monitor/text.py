@@ -138,7 +138,7 @@ def _server_lines(servers: list[dict[str, Any]]) -> list[str]:
             lines.append(f"  {s['server']}  unreachable: {s['error']}")
             continue
         if s.get("kind") is None:
-            lines.append(f"  {s['server']}  no SGLang or vLLM metrics at {s['url']}")
+            lines.append(f"  {s['server']}  no SGLang, vLLM or llama.cpp metrics at {s['url']}")
             continue
         usage = s.get("kv_cache_usage")
         speed = s.get("gen_throughput")
