@@ -17,7 +17,7 @@ from orchestrator.monitor.dashboard import SqliteSource, make_app
 from orchestrator.store import Database, samples
 from tests.browser import Browser
 from tests.conftest import StartSim
-from tests.helpers import cli
+from tests.helpers import cli, query
 from tests.test_samples import fill, truth
 
 ROWS = """Object.fromEntries([...document.querySelectorAll('#datasets tbody tr')].map(tr =>
@@ -65,6 +65,16 @@ def shown(rows: dict[str, dict[str, str]]) -> dict[str, dict[str, int]]:
         for name, row in rows.items()
         if name != "TOTAL"
     }
+
+
+def query_latest(db: Path) -> dict[str, str]:
+    """Each error class's newest attempt message."""
+    rows = query(
+        db,
+        "SELECT error_class, message FROM attempt_errors AS e WHERE id ="
+        " (SELECT max(id) FROM attempt_errors WHERE error_class = e.error_class)",
+    )
+    return dict(rows)
 
 
 def held(db: Path) -> dict[str, dict[str, int]]:
@@ -135,6 +145,14 @@ async def test_page_shows_the_database_and_follows_it(
             ".reduce((n, td) => n + Number(td.textContent), 0)"
         )
         assert failed_now == sum(v["failed"] for v in truth(db_path).values()) > 0
+        # Why: each class's latest message, as the attempts table holds it.
+        latest = await browser.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('#errors tr[data-class]')]"
+            ".map(tr => [tr.dataset.class,"
+            " tr.querySelector('[data-field=\"last-message\"] div').textContent]))"
+        )
+        for cls, message in query_latest(db_path).items():
+            assert latest[cls].endswith(message), (cls, latest[cls])
         assert await browser.evaluate("document.querySelector('#chart-rps path') !== null")
 
         # Workers go on: another dataset arrives and is done; the page follows, no reload.

@@ -31,3 +31,10 @@ def test_ruff_is_clean() -> None:
             cwd=REPO,
         )
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    readme = (REPO / "README.md").read_text()
+    assert f"```sh\n{ci}\n```" in readme
+    assert "scripts/llama_server.py" in ci  # the real-server tier is built when missing

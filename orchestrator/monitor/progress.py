@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import sys
 import time
@@ -104,6 +105,14 @@ class ProgressLine:
         return line[: max(width - 1, 10)]
 
 
+def _width() -> int:
+    """The terminal's width, from stderr itself (stdout may be a file or /dev/null)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        return shutil.get_terminal_size().columns
+
+
 async def _read_counts(database: Database, datasets: Sequence[str]) -> Counts:
     from sqlalchemy import text
 
@@ -125,7 +134,7 @@ async def show_progress(database: Database, worker: Worker) -> None:
                 took = time.monotonic() - now
                 next_count = now + max(COUNT_SECONDS, took / COUNT_SHARE)
             line.sample(time.monotonic())
-            logs.set_status_line(line.render(shutil.get_terminal_size().columns))
+            logs.set_status_line(line.render(_width()))
             await asyncio.sleep(REDRAW_SECONDS)
     finally:
         logs.set_status_line("")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+MESSAGE_WIDTH = 140  # characters of an error message shown per line
+
 
 def duration(seconds: float | None) -> str:
     if seconds is None:
@@ -104,9 +106,11 @@ def render_status(snap: dict[str, Any]) -> str:
     if errors:
         lines.append("")
         lines.append("errors by class (attempts):")
+        messages = snap["totals"].get("error_messages") or {}
         for cls, n in sorted(errors.items(), key=lambda kv: -sum(kv[1].values())):
             parts = [f"{k} {v:,}" for k, v in n.items() if v]
             lines.append(f"  {cls:<16} " + ", ".join(parts))
+            lines.extend(_message_lines(messages.get(cls), snap["generated_at"]))
     failed = snap["totals"]["failed_by_class"]
     if failed:
         lines.append("failed items by class: " + ", ".join(f"{k} {v:,}" for k, v in failed.items()))
@@ -126,6 +130,18 @@ def render_status(snap: dict[str, Any]) -> str:
             )
     lines.extend(_server_lines(snap.get("servers") or []))
     return "\n".join(lines)
+
+
+def _message_lines(entry: dict[str, Any] | None, now: float) -> list[str]:
+    """The class's latest messages, newest first, one line each: why items are retried."""
+    lines = []
+    for m in (entry or {}).get("latest", []):
+        text = " ".join((m["message"] or "(no message)").split())
+        if len(text) > MESSAGE_WIDTH:
+            text = text[: MESSAGE_WIDTH - 3] + "..."
+        where = f"{m.get('dataset')}/{m.get('item')}" if m.get("item") else ""
+        lines.append(f"    {duration(max(now - m['at'], 0.0)):>6} ago  {where}  {text}")
+    return lines
 
 
 def _server_lines(servers: list[dict[str, Any]]) -> list[str]:

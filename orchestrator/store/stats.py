@@ -99,7 +99,36 @@ _COSTS = (
     " ORDER BY created_at DESC LIMIT :limit) AS latest"
 )
 
+# The latest messages of each error class, so that why items are retried is visible
+# without SQL: per (dataset, class, outcome) group of the "errors" count, its newest rows
+# along ix_attempt_errors_class, whose entries end in the row id (a seek, not a sort),
+# each with its item's key (a primary-key lookup). Of those, the newest few distinct
+# messages are shown: a burst of one error repeats one message.
+MESSAGE_SAMPLE = 20
+MESSAGES_SHOWN = 3
+_OUTCOME = {"retry": "retried"}  # as the keys of "errors" name it
+MESSAGE_CHARS = 500
+_MESSAGES = (
+    "SELECT e.id, e.message, e.created_at, i.key FROM attempt_errors AS e"
+    " LEFT JOIN items AS i ON i.id = e.item_id WHERE e.dataset_id = :dataset"
+    " AND e.error_class = :cls AND e.outcome = :outcome ORDER BY e.id DESC LIMIT :limit"
+)
+
 Rows = dict[str, Sequence[Sequence[Any]]]
+Messages = dict[tuple[int, str], list[tuple[Any, ...]]]
+
+
+def _message_keys(rows: Rows) -> list[dict[str, Any]]:
+    return [
+        {"dataset": d, "cls": c, "outcome": o, "limit": MESSAGE_SAMPLE}
+        for d, c, o, _ in rows["errors"]
+    ]
+
+
+def _add_messages(messages: Messages, key: dict[str, Any], found: Sequence[Any]) -> None:
+    messages.setdefault((key["dataset"], key["cls"]), []).extend(
+        (row_id, text, at, key["dataset"], item, key["outcome"]) for row_id, text, at, item in found
+    )
 
 
 def _rate(count: float, seconds: float) -> float:
@@ -126,7 +155,10 @@ async def snapshot(
             lengths[dataset_id] = [n for (n,) in result.all()]
             cost = {"dataset": dataset_id, "limit": COST_SAMPLE}
             costs[dataset_id] = (await conn.execute(text(_COSTS), cost)).one()
-    return _document(rows, lengths, costs, where=database.where, now=now, window=window)
+        messages: Messages = {}
+        for key in _message_keys(rows):
+            _add_messages(messages, key, (await conn.execute(text(_MESSAGES), key)).all())
+    return _document(rows, lengths, costs, messages, where=database.where, now=now, window=window)
 
 
 def snapshot_sqlite(
@@ -147,7 +179,10 @@ def snapshot_sqlite(
         dataset_id: conn.execute(_COSTS, {"dataset": dataset_id, "limit": COST_SAMPLE}).fetchone()
         for dataset_id, *_ in rows["datasets"]
     }
-    return _document(rows, lengths, costs, where=reader.where, now=now, window=window)
+    messages: Messages = {}
+    for key in _message_keys(rows):
+        _add_messages(messages, key, conn.execute(_MESSAGES, key).fetchall())
+    return _document(rows, lengths, costs, messages, where=reader.where, now=now, window=window)
 
 
 def _percentiles(values: list[int]) -> dict[str, Any]:
@@ -166,6 +201,7 @@ def _document(
     rows: Rows,
     lengths: dict[int, list[int]],
     costs: dict[int, Sequence[Any]],
+    messages: Messages,
     *,
     where: str,
     now: float,
@@ -193,6 +229,7 @@ def _document(
             if mask & bit:
                 counts[name] += n
 
+    names = {row[0]: row[1] for row in rows["datasets"]}
     entries = []
     work: list[tuple[Any, ...]] = []
     for ds_id, name, paused, concurrency, priority, passthrough, ds_params in rows["datasets"]:
@@ -214,6 +251,11 @@ def _document(
                 "priority": priority,
                 **entry,
                 "errors": errors_by.get(ds_id, {}),
+                "error_messages": _error_messages(
+                    errors_by.get(ds_id, {}),
+                    {c: m for (d, c), m in messages.items() if d == ds_id},
+                    names,
+                ),
                 "failed_by_class": failed_by.get(ds_id, {}),
                 "flags": flags_by[ds_id],
             }
@@ -233,6 +275,10 @@ def _document(
     totals["completion_tokens"].update(
         _percentiles([n for sample in lengths.values() for n in sample])
     )
+    by_class: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+    for (_, cls), found in messages.items():
+        by_class[cls].extend(found)
+    totals["error_messages"] = _error_messages(totals["errors"], by_class, names)
     return {
         "version": STATUS_VERSION,
         "generated_at": now,
@@ -242,6 +288,36 @@ def _document(
         "datasets": entries,
         "workers": workers,
     }
+
+
+def _error_messages(
+    errors: dict[str, dict[str, int]],
+    found: dict[str, list[tuple[Any, ...]]],
+    names: dict[int, str],
+) -> dict[str, dict[str, Any]]:
+    """Per error class: its attempts, and its latest messages, newest first."""
+    out: dict[str, dict[str, Any]] = {}
+    for cls, by_outcome in errors.items():
+        shown: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        newest = sorted(found.get(cls, []), key=lambda r: r[0], reverse=True)
+        for _, text, at, dataset_id, item, o in newest:
+            message = (text or "")[:MESSAGE_CHARS]
+            if message in seen:
+                continue
+            seen.add(message)
+            outcome = _OUTCOME.get(o, o)
+            where = {"dataset": names.get(dataset_id), "item": item}
+            shown.append({"message": message, "at": at, **where, "outcome": outcome})
+            if len(shown) == MESSAGES_SHOWN:
+                break
+        out[cls] = {
+            "count": sum(by_outcome.values()),
+            "last_message": shown[0]["message"] if shown else None,
+            "last_at": shown[0]["at"] if shown else None,
+            "latest": shown,
+        }
+    return out
 
 
 def _worker(row: Sequence[Any], now: float) -> dict[str, Any]:
