@@ -17,8 +17,17 @@ from orchestrator.conversation import turn_messages
 from orchestrator.formats import iter_records
 from orchestrator.quality import ALL_FLAGS
 from orchestrator.sim import answer_matches
-from orchestrator.store import Database, DatasetSpec, Queue, enqueue, open_database
+from orchestrator.store import (
+    Database,
+    DatasetSpec,
+    Failure,
+    Output,
+    Queue,
+    enqueue,
+    open_database,
+)
 from orchestrator.store.datasets import params_hash
+from orchestrator.store.queue import Round
 from orchestrator.store.schema import item_turns, items, outputs, param_sets
 from orchestrator.worker import Worker, WorkerConfig, WorkerStats
 from tests.conftest import StartSim
@@ -383,3 +392,28 @@ async def test_tool_results_follow_regenerated_calls_or_the_trace_stops_flagged(
 def first_context(message: dict[str, Any]) -> dict[str, Any]:
     """A generated turn as it is sent back: role, content and calls, no reasoning."""
     return {k: message[k] for k in ("role", "content", "tool_calls") if k in message}
+
+
+async def test_a_conversation_resumed_past_a_turn_that_went_another_way_fails(
+    database: Database, db_url: str, tmp_path: Path, sim: StartSim
+) -> None:
+    """A conversation stored part-way with a first turn whose calls do not line up (as
+    an older version advanced it) is not asked its next turn: the original tool result
+    would answer a call never made. It fails with the reason, for requeue to redo."""
+    path = write_jsonl(tmp_path / "tools.jsonl", [tool_trace(0, "open_box")])
+    result = cli("enqueue", str(path), "--dataset", "tools", "--regenerate", "all", "--db", db_url)
+    assert result.returncode == 0, result.stderr
+    queue = Queue(database)
+    [lease] = await queue.claim("old-worker", 1, lease_seconds=60)
+    words = {"role": "assistant", "content": "no tools for me"}
+    turn = Output(words, words["content"], None, "stop", None, 0.1, None, None, None)
+    await queue.write_round(Round(advance=[(lease, turn)]))
+    await queue.release([(lease, Failure("shutdown", "stopped"), 0.0)])
+    stats = await run_worker(database, config(await sim()))
+    assert stats.failed == 1
+    async with database.read() as conn:
+        state, error_class, error = (
+            await conn.execute(sa.select(items.c.state, items.c.error_class, items.c.last_error))
+        ).one()
+    assert (state, error_class) == ("failed", "conversation")
+    assert error.startswith("turn 2 of 3: turn 0's tool calls [] do not line up"), error
