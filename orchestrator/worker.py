@@ -274,10 +274,10 @@ class Committer:
             try:
                 result = await self.queue.write_round(_round(batch, claim))
             except Exception as exc:
-                kept, error = await self._isolate(batch, exc)
-                if not kept:
+                kept, error = await self._isolate(batch, exc) if batch else ([], exc)
+                if batch and not kept:
                     delay = 0.5
-                    continue
+                    continue  # each outcome was written, or replaced, alone
                 # Keep them and try again: the fault (a full disk, a lock held too long)
                 # may be fixed, and fencing keeps a late write harmless.
                 log.error(
