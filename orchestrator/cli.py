@@ -786,7 +786,19 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     "healthy servers); 'auto' adapts each server's to what it takes, from its /metrics.",
 )
 @click.option("--dataset", "datasets", multiple=True, help="Only work on these datasets.")
-@click.option("--exit-when-done", is_flag=True, help="Exit once no item is pending or running.")
+@click.option(
+    "--exit-when-done",
+    is_flag=True,
+    help="Exit once no item is pending or running: 0 when every item is done, 6 when some "
+    "failed, 7 when items of paused datasets are left pending.",
+)
+@click.option(
+    "--give-up-after",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Stop (exit 4) when no server has answered for this long; by default a worker "
+    "waits for its servers as long as it takes.",
+)
 @click.option(
     "--request-timeout",
     type=click.FloatRange(min=1),
@@ -846,6 +858,7 @@ def run(
     concurrency: int | str,
     datasets: tuple[str, ...],
     exit_when_done: bool,
+    give_up_after: float | None,
     request_timeout: float,
     lease_seconds: float,
     max_attempts: int,
@@ -869,12 +882,14 @@ def run(
     import signal
 
     from orchestrator.client import ClientConfig, InferenceClient
+    from orchestrator.errors import ItemsFailed, ItemsLeftPending, RunStopped
     from orchestrator.monitor import progress
     from orchestrator.servers import merge_servers, parse_servers_file
     from orchestrator.store import check_datasets, open_database
     from orchestrator.systemd import SystemdNotifier
     from orchestrator.worker import Worker, WorkerConfig
 
+    servers = _checked_servers(servers)
     listed = run_sync(lambda: parse_servers_file(servers_file)) if servers_file else []
     api_key = _read_api_key(api_key_file)
     specs, basic_auth = _without_credentials(
@@ -892,6 +907,7 @@ def run(
             max_attempts=max_attempts,
             backoff_base=retry_backoff,
             grace_seconds=grace,
+            give_up_after=give_up_after,
         )
         if server_list
         else None
@@ -929,11 +945,17 @@ def run(
                     if metrics is None:
                         return await worker.run()
                     return await _run_with_metrics(worker, metrics, metrics_host, metrics_port)
+                except RunStopped as exc:
+                    stopped.append(exc)  # said after the worker's own last line
+                    return worker.stats
                 finally:
                     await progress.stop(line)
+                    if worker.unfinished is not None:
+                        stopped.append(worker.unfinished)
         finally:
             await database.close()
 
+    stopped: list[RunStopped] = []
     stats = run_async(go())
     from orchestrator import logs
 
@@ -952,6 +974,10 @@ def run(
             err=True,
         )
         sys.exit(StorageError.exit_code)
+    for reason in stopped:
+        kind = "incomplete" if isinstance(reason, (ItemsFailed, ItemsLeftPending)) else "error"
+        click.echo(f"{kind}: {reason}", err=True)
+        sys.exit(reason.exit_code)
 
 
 async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int) -> Any:
@@ -1471,7 +1497,17 @@ def _warn_mixed(report: Any, fmt: str) -> None:
     show_default=True,
     help="0 picks a free port; the listening line says which.",
 )
-@click.option("--model", default="sim-model", show_default=True)
+@click.option(
+    "--model",
+    default=None,
+    help="Serve only this model name (others get 404); by default it answers to any name.",
+)
+@click.option(
+    "--max-model-len",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Context length: a request whose prompt and max_tokens exceed it gets a 400.",
+)
 @click.option(
     "--latency",
     type=click.FloatRange(min=0),
@@ -1568,7 +1604,8 @@ def _warn_mixed(report: Any, fmt: str) -> None:
 def sim_server(
     host: str,
     port: int,
-    model: str,
+    model: str | None,
+    max_model_len: int,
     latency: float,
     per_token: float,
     mean_tokens: int,
@@ -1608,6 +1645,7 @@ def sim_server(
             step_per_request=step_per_request,
             prefill_per_token=prefill_per_token,
             time_scale=time_scale,
+            max_model_len=max_model_len,
             # From the environment, never the command line, where ps would show it.
             api_key=os.environ.get("SIM_API_KEY") or None,
         )

@@ -5,6 +5,13 @@
     ├── ConfigError              an impossible option or dataset setting
     ├── StorageError             the database cannot be used (locked, full, read-only, ...)
     │   └── SchemaError          the database schema is newer than this code, or not ours
+    ├── RunStopped               ``run`` ended with its work not done (see its subclasses)
+    │   ├── ServersUnreachable   no server answered within ``--give-up-after`` (exit 4)
+    │   ├── RunHalted            a setting is wrong for every request: the circuit breaker
+    │   │                        stopped the run and gave the items their attempts back (5)
+    │   ├── ItemsFailed          ``--exit-when-done``: finished, some items failed (6)
+    │   └── ItemsLeftPending     ``--exit-when-done``: finished, items of paused datasets
+    │                            are still pending (7)
     └── InferenceError           an inference request did not give a usable answer
         ├── PermanentError       the server rejected the request (400, 401, 403, 404, 422):
         │                        retrying cannot help, the item fails at once
@@ -49,6 +56,26 @@ class StorageError(OrchestratorError):
 
 class SchemaError(StorageError):
     pass
+
+
+class RunStopped(OrchestratorError):
+    """``run`` ended without doing all of its work; the message is its one-line summary."""
+
+
+class ServersUnreachable(RunStopped):
+    exit_code = 4
+
+
+class RunHalted(RunStopped):
+    exit_code = 5
+
+
+class ItemsFailed(RunStopped):
+    exit_code = 6
+
+
+class ItemsLeftPending(RunStopped):
+    exit_code = 7
 
 
 class InferenceError(OrchestratorError):

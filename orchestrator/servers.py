@@ -20,10 +20,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
@@ -34,6 +38,9 @@ if TYPE_CHECKING:
     from orchestrator.client import InferenceClient
 
 log = structlog.get_logger("orchestrator.servers")
+
+#: Seconds between two reports of a server that stays unreachable.
+REPORT_EVERY = 60.0
 
 #: A server's cap: a number of requests, or ``"auto"`` (adapted to what the server takes).
 Cap = int | Literal["auto"]
@@ -82,9 +89,10 @@ def parse_servers_file(path: Path) -> list[ServerSpec]:
         if not line:
             continue
         where = f"{path}:{number}"
-        url, *options = line.split()
-        if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
-            raise ConfigError(f"{where}: {url!r} is not a server URL (http://HOST:PORT)")
+        raw_url, *options = line.split()
+        url, note = check_server_url(raw_url, where)
+        if note:
+            log.info("server_url_corrected", source=where, note=note)
         cap: Cap | None = None
         for option in options:
             key, sep, value = option.partition("=")
@@ -107,6 +115,57 @@ def parse_servers_file(path: Path) -> list[ServerSpec]:
     return specs
 
 
+#: Endpoint paths pasted after a base URL: the client adds them itself.
+_ENDPOINTS = ("/chat/completions", "/completions", "/models", "/health", "/generate", "/metrics")
+
+
+def check_server_url(url: str, source: str) -> tuple[str, str | None]:
+    """A server URL as the worker uses it (``scheme://host:port[/prefix]``), and a note
+    when it was corrected; a URL that can never work is refused naming ``source``.
+
+    The one check for ``--server``, ``ORCHESTRATOR_SERVERS`` and a servers file, so each
+    refuses the same URLs with the same words.
+    """
+    given = url.strip()
+    text = given if "://" in given else "http://" + given
+    problem = f"{source}: {_masked(given)!r} is not a server URL"
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        why = "the port must be a whole number from 1 to 65535" if "ort" in str(exc) else exc
+        raise ConfigError(f"{problem}: {why} (expected http://HOST:PORT)") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise ConfigError(f"{problem}: the scheme must be http:// or https://, not {scheme}://")
+    if not parts.hostname:
+        raise ConfigError(f"{problem}: it names no host (expected http://HOST:PORT)")
+    if port == 0:
+        raise ConfigError(f"{problem}: port 0 is not a port a server listens on")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{problem}: a server URL has no ?query or #fragment")
+    path = parts.path.rstrip("/")
+    prefix = path.removesuffix("/v1")
+    fixed = urlunsplit((scheme, parts.netloc, prefix, "", ""))
+    for endpoint in _ENDPOINTS:
+        if path.endswith(endpoint):
+            trimmed = path[: -len(endpoint)].removesuffix("/v1")
+            base = _masked(urlunsplit((scheme, parts.netloc, trimmed, "", "")))
+            raise ConfigError(
+                f"{problem}: give the server's base URL, without the endpoint path "
+                f"{endpoint!r} (the client adds it): {base}"
+            )
+    if fixed == given:
+        return fixed, None
+    note = f"{_masked(given)} taken as {_masked(fixed)} (the client adds /v1 and the endpoints)"
+    return fixed, note
+
+
+def _masked(url: str) -> str:
+    """A URL fit for a message: any password in it replaced."""
+    return re.sub(r"//[^/@]*@", "//***@", url)
+
+
 def merge_servers(urls: Iterable[str], specs: Iterable[ServerSpec]) -> list[ServerSpec]:
     """``--server`` URLs and a file's servers, each once (the file's cap wins)."""
     merged: dict[str, ServerSpec] = {}
@@ -115,6 +174,13 @@ def merge_servers(urls: Iterable[str], specs: Iterable[ServerSpec]) -> list[Serv
     for spec in specs:
         merged[_same(spec.url)] = spec
     return list(merged.values())
+
+
+def _clock(epoch: float | None) -> str | None:
+    """An ISO local time for logs ("since when")."""
+    if epoch is None:
+        return None
+    return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
 
 
 def _same(url: str) -> str:
@@ -144,6 +210,8 @@ class ServerState:
     failures: int = 0  # times taken out since it last answered: paces the probes
     errors: int = 0  # server-side request failures in a row
     down_reason: str | None = None
+    down_since: float | None = None  # wall clock of the failure that took it out
+    vetted: bool = False  # its /v1/models looked at, once, before its first request
     probe: asyncio.Task[None] | None = None
     # Answers since the tuner last looked: how many, their tokens and summed latency.
     answers: int = 0
@@ -175,6 +243,9 @@ class ServerPool:
         }
         self.available = asyncio.Event()
         self._on_change = on_change or (lambda: None)
+        #: Looks at a server once, when it first answers, before any request goes to it;
+        #: False keeps it out (the worker is stopping).
+        self.vet: Callable[[str], Awaitable[bool]] | None = None
 
     def start(self) -> None:
         for server in self.states:
@@ -229,27 +300,58 @@ class ServerPool:
             self.mark_down(server, f"the health probe failed: {type(exc).__name__}: {exc}")
 
     async def _probe(self, server: str) -> None:
+        """Poll ``/health`` until the server answers. Why it does not is said at once, then
+        every ``REPORT_EVERY`` seconds and whenever the reason changes, with since when."""
+        from orchestrator import preflight
+
         state = self.states[server]
         delay = self.config.probe_min * min(2 ** max(state.failures - 2, 0), 8)
-        waited = 0.0
+        started = time.monotonic()
+        state.down_since = state.down_since or time.time()
+        reported: tuple[str, float] | None = None
+        initial = state.down_reason == "not probed yet"
         while True:
             await asyncio.sleep(delay)
-            waited += delay
-            if await self.client.health(server):
+            result = await preflight.probe(
+                self.client.session, server, self.client.config.health_timeout
+            )
+            if result.ok:
                 break
-            if waited > 30 and state.failures <= 1:
-                log.warning("server_unreachable", server=server, waited_s=round(waited))
-                state.failures += 1
+            state.down_reason = result.reason
+            now = time.monotonic()
+            if reported is None or reported[0] != result.reason or now >= reported[1]:
+                log.warning(
+                    "server_unreachable",
+                    server=server,
+                    reason=result.reason,
+                    since=_clock(state.down_since),
+                    waited_s=round(now - started),
+                )
+                reported = (result.reason, now + REPORT_EVERY)
             delay = min(delay * 2, self.config.probe_max)
-        was_reason = state.down_reason
+        if result.reason:
+            log.info("server_health_note", server=server, note=result.reason)
+        if not state.vetted:
+            state.vetted = True
+            if self.vet is not None and not await self.vet(server):
+                return  # the worker is stopping: this server is wrong for the run
         state.healthy = True
         state.down_reason = None
+        state.down_since = None
         self.available.set()
-        if was_reason != "not probed yet":
-            log.info("server_up", server=server, down_for_s=round(waited, 1))
-        else:
+        if not initial or reported is not None:
+            log.info("server_up", server=server, down_for_s=round(time.monotonic() - started, 1))
+        if initial:
             state.failures = 0
         self._on_change()
+
+    def unreachable(self) -> list[tuple[str, str, float | None]]:
+        """Each server that is down: its URL, why, and since when (epoch seconds)."""
+        return [
+            (url, st.down_reason or "not reachable", st.down_since)
+            for url, st in self.states.items()
+            if not st.healthy
+        ]
 
     def succeeded(self, server: str, tokens: int = 0, latency: float = 0.0) -> None:
         state = self.states[server]

@@ -42,11 +42,16 @@ from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.errors import (
     ConfigError,
     InferenceError,
+    ItemsFailed,
+    ItemsLeftPending,
     PermanentError,
+    RunStopped,
+    ServersUnreachable,
     ServerUnavailable,
     StorageError,
     TransientError,
 )
+from orchestrator.guard import Held, RunGuard
 from orchestrator.quality import TOOL_MISMATCH
 from orchestrator.servers import Cap, ServerPool
 from orchestrator.store import Database, Failure, Lease, Output, Queue, list_datasets
@@ -107,6 +112,12 @@ class WorkerConfig:
     progress_every: float = 30.0
     # The run's history for the dashboard (orchestrator.store.samples); 0: none.
     sample_every: float = 60.0
+    # Seconds without any reachable server after which the run stops (None: wait on).
+    give_up_after: float | None = None
+    # Different items rejected the same way in a row that stop the run (orchestrator.guard).
+    breaker_items: int = 5
+    # Seconds a dataset's trial request in flight unrefused opens it (orchestrator.guard).
+    trial_seconds: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -125,6 +136,10 @@ class WorkerConfig:
             raise ConfigError("--max-attempts must be at least 1")
         if self.grace_seconds < 0:
             raise ConfigError("--grace must not be negative")
+        if self.give_up_after is not None and self.give_up_after <= 0:
+            raise ConfigError("--give-up-after must be more than 0 seconds")
+        if self.breaker_items < 1:
+            raise ConfigError("breaker_items must be at least 1")
 
 
 class Notifier(Protocol):
@@ -530,6 +545,14 @@ class Worker:
         self._idle = asyncio.Event()
         self._grace = config.grace_seconds
         self._file_gone: StorageError | None = None
+        # Trial items, served models and the circuit breaker (orchestrator.guard).
+        self.guard = RunGuard(config.breaker_items, config.trial_seconds)
+        self.pool.vet = self._vet
+        self._trial_claim: int | None = None  # the dataset of the round's trial claim
+        #: Why the run stopped before its work was done; ``run`` raises it after cleaning up.
+        self.halted: RunStopped | None = None
+        #: With ``exit_when_done``: what was left undone at the end (failed, or paused).
+        self.unfinished: RunStopped | None = None
         if metrics is not None:
             metrics.in_flight.set_function(lambda: self._active)
             metrics.prefetched.set_function(lambda: len(self._buffer))
@@ -578,6 +601,7 @@ class Worker:
         try:
             await self._supervise()
         finally:
+            self._release_held()
             await self._drain()
             for task in (keeper, watcher, tuner):
                 if task is not None:
@@ -594,6 +618,8 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self.database.checkpoint("TRUNCATE")
             log.info("worker_stopped", **_stats_fields(self.stats))
+        if self.halted is not None:
+            raise self.halted
         if self._file_gone is not None:
             raise self._file_gone
         return self.stats
@@ -605,9 +631,7 @@ class Worker:
         ready = False
         while not self._stopping.is_set():
             if not self.pool.available.is_set():
-                log.info("waiting_for_server", servers=list(self.config.servers))
-                self.notifier.status("waiting for an inference server")
-                await _first(self.pool.available.wait(), self._stopping.wait())
+                await self._wait_for_server()
                 self.committer.poke()
                 continue
             if not ready:
@@ -623,6 +647,8 @@ class Worker:
                     await self._load_datasets()
                     if self.metrics is not None:
                         self.metrics.set_items(await self.queue.counts())
+            for entry in self.guard.quiet(bool(self._active or self._buffer), time.monotonic()):
+                self.committer.submit("fail", entry.lease, entry.failure)
             if (
                 self.config.exit_when_done
                 and not self._held
@@ -630,20 +656,72 @@ class Worker:
                 and not self._stopping.is_set()
                 and await self.queue.remaining(self.config.datasets or None) == 0
             ):
-                log.info("all_done")
+                await self._all_done()
                 return
+
+    async def _wait_for_server(self) -> None:
+        """Wait for a server to answer (the prober says why none does), at most
+        ``give_up_after`` seconds when that is set."""
+        log.info("waiting_for_server", servers=list(self.config.servers))
+        self.notifier.status("waiting for an inference server")
+        limit = self.config.give_up_after
+        waits = [self.pool.available.wait(), self._stopping.wait()]
+        await _first(*waits, *([asyncio.sleep(limit)] if limit is not None else []))
+        if self.pool.available.is_set() or self._stopping.is_set():
+            return
+        reasons = "; ".join(f"{url}: {why}" for url, why, _ in self.pool.unreachable())
+        self._halt(ServersUnreachable(f"no server answered within {limit:g}s: {reasons}"))
+
+    def _halt(self, error: RunStopped) -> None:
+        """Stop the run for a reason the operator must act on; ``run`` raises it."""
+        if self.halted is None:
+            self.halted = error
+            log.error("run_halted", reason=str(error), exit_code=error.exit_code)
+        self.request_stop()
+
+    async def _all_done(self) -> None:
+        """Nothing left to claim: done, or say what is not (failed, or paused)."""
+        counts = await self.queue.counts()
+        scope = set(self.config.datasets) or {name for name, _ in counts}
+        by_state: dict[str, int] = {}
+        for (name, state), n in counts.items():
+            if name in scope:
+                by_state[state] = by_state.get(state, 0) + n
+        left = by_state.get("pending", 0) + by_state.get("running", 0)
+        failed = by_state.get("failed", 0)
+        log.info("all_done", done=by_state.get("done", 0), failed=failed, left_pending=left)
+        summary = f"finished with {by_state.get('done', 0):,} done"
+        if failed:
+            self.unfinished = ItemsFailed(
+                f"{summary}, {failed:,} failed (see `orchestrator status`; "
+                "`orchestrator requeue` retries them)"
+                + (f", {left:,} pending in paused datasets" if left else "")
+            )
+        elif left:
+            paused = sorted(d.name for d in self._datasets.values() if d.paused and d.name in scope)
+            self.unfinished = ItemsLeftPending(
+                f"{summary}, {left:,} pending in paused datasets ({', '.join(paused)}): "
+                "`orchestrator resume NAME`, then run again"
+            )
 
     def _plan_claim(self) -> Claim | None:
         """How much to ask for in the committer's next round (None: nothing)."""
         if self._stopping.is_set() or not self.pool.available.is_set():
             return None
         now = time.monotonic()
+        concurrency = self.pool.capacity()
+        scope = self._scope()
+        trial = self.guard.trial(scope, self._held, now)
+        if trial is not None and self._active + len(self._buffer) < concurrency:
+            # One item of a dataset not yet answered in this run, before any more of it.
+            self._trial_claim = trial.id
+            return Claim(self.owner, 1, self.config.lease_seconds, (trial.name,), 0)
         if now < self._next_claim:
             return None
-        concurrency = self.pool.capacity()
         prefetch = min(concurrency // 2, int(self._rate.per_second() * 0.02))
         want = concurrency + prefetch - self._active - len(self._buffer)
-        if want <= 0:
+        names = self.guard.open_names(scope)
+        if want <= 0 or names == ():
             return None
         suspect_slots = 0
         if not self._suspects and now >= self._next_suspect_probe:
@@ -655,13 +733,27 @@ class Worker:
             self.owner,
             want,
             self.config.lease_seconds,
-            self.config.datasets or None,
+            names or self.config.datasets or None,
             suspect_slots,
             scouts=SCOUTS,
             started=self._started,
         )
 
+    def _scope(self) -> list[DatasetInfo]:
+        """The datasets this worker may claim from now, highest priority first."""
+        names = set(self.config.datasets)
+        infos = [
+            d
+            for d in self._datasets.values()
+            if not d.paused and not d.passthrough and (not names or d.name in names)
+        ]
+        return sorted(infos, key=lambda d: (-d.priority, d.id))
+
     def _deliver(self, leases: list[Lease], claim: Claim) -> None:
+        trial, self._trial_claim = self._trial_claim, None
+        if trial is not None:
+            now = time.monotonic()
+            self.guard.trial_claimed(trial, leases, now, now + self.config.poll_interval)
         for lease in leases:
             self._held[lease.item_id] = _Held(lease)
             self._suspects += lease.suspect
@@ -672,7 +764,10 @@ class Worker:
             # share): look again as soon as this one is settled.
             self._next_suspect_probe = 0.0
         self._fill()
-        if len(leases) < claim.want:
+        if trial is not None:
+            if not self._held:
+                self._idle.set()
+        elif len(leases) < claim.want:
             # The queue has nothing more for us now: ask again after a pause, or as soon
             # as one of our outcomes frees room under a dataset's cap.
             self._next_claim = time.monotonic() + self.config.poll_interval
@@ -701,6 +796,7 @@ class Worker:
         if entry.written is not None and not entry.written.done():
             entry.written.set_result(accepted)
         if entry.kind == "advance" and accepted:
+            self._answered(entry.payload.server, lease.dataset_id)
             self.stats.turns += 1
             if self.metrics is not None:
                 self._observe(entry)
@@ -756,6 +852,51 @@ class Worker:
 
     # -------------------------------------------------------------------- one item
 
+    def _outcome(self, lease: Lease, kind: str, payload: Any) -> None:
+        """Queue an item's outcome for writing, past the run guard: a rejection that may
+        be run-level is held until the breaker decides (orchestrator.guard)."""
+        if kind == "hold":
+            server, message, failure = payload
+            entry = Held(lease, failure)
+            was_tripped = self.guard.breaker.tripped is not None
+            if not self.guard.rejected(server, entry, message):
+                self.committer.submit("fail", lease, failure)
+            elif was_tripped:
+                self._release_held(entry)
+            elif self.guard.breaker.tripped is not None:
+                halted = self.guard.trip({d.id: d.name for d in self._datasets.values()})
+                if halted is not None:
+                    self._halt(halted)
+                self._release_held()
+            return
+        if kind == "complete":
+            self._answered(payload.server, lease.dataset_id)
+        else:
+            self.guard.settled(lease.dataset_id, kind)
+        self.committer.submit(kind, lease, payload)
+
+    def _answered(self, server: str, dataset_id: int) -> None:
+        for entry in self.guard.answered(server, dataset_id):
+            self.committer.submit("fail", entry.lease, entry.failure)
+
+    def _release_held(self, *extra: Held) -> None:
+        """Give the attempts back of every held rejection (tripped, or stopping)."""
+        for entry in [*self.guard.breaker.take_all(), *extra]:
+            self.committer.submit("release", entry.lease, (entry.failure, time.time()))
+
+    async def _vet(self, server: str) -> bool:
+        """A server's ``/v1/models``, once, before its first request (orchestrator.guard)."""
+        from orchestrator import preflight
+
+        found = await preflight.models(
+            self.client.session, server, self.client.config.health_timeout
+        )
+        halted = self.guard.check_models(server, found, self._scope())
+        if halted is not None:
+            self._halt(halted)
+            return False
+        return True
+
     async def _process(self, held: _Held) -> None:
         outcome: tuple[str, Any] | None = None
         try:
@@ -765,7 +906,7 @@ class Worker:
             self._active -= 1
             self._fill()
             if outcome is not None:
-                self.committer.submit(outcome[0], held.lease, outcome[1])
+                self._outcome(held.lease, *outcome)
             else:
                 self.committer.poke()
 
@@ -829,7 +970,7 @@ class Worker:
             self.pool.failed(server, exc.error_class)
             return self._retry_or_fail(lease, exc, exc.retry_after)
         except PermanentError as exc:
-            return "fail", Failure(exc.error_class, _where(lease) + str(exc))
+            return "hold", (server, str(exc), Failure(exc.error_class, _where(lease) + str(exc)))
         except InferenceError as exc:
             return self._retry_or_fail(lease, exc, None)
         except asyncio.CancelledError:

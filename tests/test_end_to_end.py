@@ -42,22 +42,25 @@ def test_enqueue_run_status_export(tmp_path: Path, sim_process: Callable[..., Si
 
 def test_pause_resume_requeue(tmp_path: Path, sim_process: Callable[..., SimProcess]) -> None:
     db = tmp_path / "q.db"
-    server = sim_process()
+    server = sim_process("--max-model-len", "4000")
     a = write_jsonl(tmp_path / "a.jsonl", prompts(20, prefix="a"))
     b = write_jsonl(tmp_path / "b.jsonl", prompts(20, prefix="b"))
     assert cli("enqueue", str(a), "-d", "a", "--db", str(db)).returncode == 0
-    assert cli("enqueue", str(b), "-d", "b", "--db", str(db), "--model", "wrong").returncode == 0
+    too_long = ("--max-tokens", "4000")  # each of b's requests exceeds the context
+    assert cli("enqueue", str(b), "-d", "b", "--db", str(db), *too_long).returncode == 0
     assert "paused" in cli("pause", "a", "--db", str(db)).stdout
     assert "(paused)" in cli("status", "--db", str(db)).stdout
     result = cli("run", "--server", server.url, "--db", str(db), "--exit-when-done")
-    assert result.returncode == 0, result.stderr
+    # Finished, not all done: failed items (exit 6) outrank paused ones (7).
+    assert result.returncode == 6, result.stderr
+    assert "20 failed" in result.stderr and "20 pending in paused datasets" in result.stderr
     rows = dict((k, s) for k, s, _ in item_rows(db))
     assert {rows[f"a{i:06d}"] for i in range(20)} == {"pending"}  # paused: untouched
-    assert {rows[f"b{i:06d}"] for i in range(20)} == {"failed"}  # 404: wrong model
+    assert {rows[f"b{i:06d}"] for i in range(20)} == {"failed"}  # 400: too long
     status = json.loads(cli("status", "--json", "--db", str(db)).stdout)
-    assert status["totals"]["failed_by_class"] == {"http_404": 20}
+    assert status["totals"]["failed_by_class"] == {"http_400": 20}
     assert cli("resume", "a", "--db", str(db)).returncode == 0
-    result = cli("requeue", "--dataset", "b", "--error-class", "http_404", "--db", str(db))
+    result = cli("requeue", "--dataset", "b", "--error-class", "http_400", "--db", str(db))
     assert result.stdout.strip() == "requeued 20 failed items"
     assert {s for k, s, n in item_rows(db) if k.startswith("b")} == {"pending"}
     assert cli("pause", "nope", "--db", str(db)).returncode == 2

@@ -168,12 +168,12 @@ def test_servers_file_lines(tmp_path: Path) -> None:
     )
     assert parse_servers_file(path) == [
         ServerSpec("http://gpu-1:30000"),
-        ServerSpec("http://gpu-2:30000/v1", 128),
+        ServerSpec("http://gpu-2:30000", 128),  # the /v1 is the client's to add
         ServerSpec("https://gpu-3:30000", "auto"),
     ]
     merged = merge_servers(["http://gpu-2:30000", "http://other:1"], parse_servers_file(path))
     assert [(s.url, s.concurrency) for s in merged] == [
-        ("http://gpu-2:30000/v1", 128),
+        ("http://gpu-2:30000", 128),
         ("http://other:1", None),
         ("http://gpu-1:30000", None),
         ("https://gpu-3:30000", "auto"),
@@ -183,7 +183,11 @@ def test_servers_file_lines(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("gpu-1:30000", "is not a server URL"),
+        ("ftp://gpu-1:30000", "the scheme must be http:// or https://"),
+        ("http://gpu-1:notaport", "the port must be a whole number from 1 to 65535"),
+        ("http://gpu-1:99999", "the port must be a whole number from 1 to 65535"),
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://gpu-1:30000/v1/chat/completions", "without the endpoint path"),
         ("http://gpu-1:30000 concurrency=0", "at least 1"),
         ("http://gpu-1:30000 concurrency=many", "whole number or 'auto'"),
         ("http://gpu-1:30000 weight=2", "unknown option 'weight=2'"),

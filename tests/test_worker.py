@@ -106,8 +106,9 @@ async def test_fault_mix_ends_all_done(database: Database, tmp_path: Path, sim: 
 async def test_rejected_request_fails_at_once(
     database: Database, tmp_path: Path, sim: StartSim
 ) -> None:
-    await load(database, tmp_path, 5, model="not-served")
-    url = await sim()
+    """A refusal of the item alone (its prompt is too long) fails it, without retries."""
+    await load(database, tmp_path, 5, max_tokens=4000)
+    url = await sim(max_model_len=4000)
     stats = await run_worker(database, config(url))
     assert stats.failed == 5 and stats.retried == 0
     async with database.read() as conn:
@@ -115,8 +116,8 @@ async def test_rejected_request_fails_at_once(
             sa.select(items.c.attempts, items.c.error_class, items.c.last_error)
         )
         rows = result.all()
-    assert {(r.attempts, r.error_class) for r in rows} == {(1, "http_404")}
-    assert all("not-served" in r.last_error for r in rows)
+    assert {(r.attempts, r.error_class) for r in rows} == {(1, "http_400")}
+    assert all("maximum context length is 4000 tokens" in r.last_error for r in rows)
 
 
 async def test_outage_pauses_without_spending_attempts(
@@ -160,7 +161,9 @@ async def test_graceful_stop_releases_in_flight(
     await load(database, tmp_path, 50)
     url = await sim(latency=5)
     async with InferenceClient(ClientConfig(request_timeout=30)) as client:
-        worker = Worker(database, client, config(url, concurrency=8, grace_seconds=0.3))
+        # A request in flight 0.1 s without a refusal opens the dataset to more.
+        settings = config(url, concurrency=8, grace_seconds=0.3, trial_seconds=0.1)
+        worker = Worker(database, client, settings)
         task = asyncio.create_task(worker.run())
         await asyncio.sleep(0.8)
         assert worker.in_flight == 8

@@ -106,12 +106,18 @@ _LATENCY_BUCKETS = (
 _JSON = "application/json"
 
 
+#: The name ``/v1/models`` lists when no model is pinned.
+DEFAULT_MODEL = "sim-model"
+
+
 @dataclass
 class SimConfig:
     """How the simulated server behaves.
 
     Attributes:
-        model: the served model name; requests naming another model get 404.
+        model: the one model name served (requests naming another get 404, and
+            ``/v1/models`` lists it); None answers to any name, as llama.cpp does, and
+            lists ``DEFAULT_MODEL``.
         latency: base seconds spent on every answer (time to first token when streaming).
         per_token: extra seconds per generated token, so long answers take longer.
         seed: seeds both the filler words and the fault draws.
@@ -149,9 +155,11 @@ class SimConfig:
             of a retracted request when it is admitted again).
         time_scale: multiplies every simulated duration of the batching model, so a
             benchmark of a slow server finishes in seconds.
+        max_model_len: the context length (0: none): a request whose prompt and
+            ``max_tokens`` exceed it gets vLLM's 400, which names its own lengths.
     """
 
-    model: str = "sim-model"
+    model: str | None = None
     latency: float = 0.0
     per_token: float = 0.0
     seed: int = 0
@@ -169,13 +177,14 @@ class SimConfig:
     step_per_request: float = 0.0002
     prefill_per_token: float = 0.00002
     time_scale: float = 1.0
+    max_model_len: int = 0
 
     @property
     def batching(self) -> bool:
         return self.kv_tokens > 0 or self.max_running > 0
 
     def __post_init__(self) -> None:
-        if not self.model:
+        if self.model is not None and not self.model:
             raise ValueError("model name must not be empty")
         if self.reasoning not in REASONING_MODES:
             raise ValueError(
@@ -188,7 +197,7 @@ class SimConfig:
             )
         if not 0.0 <= self.tool_call_rate <= 1.0:
             raise ValueError(f"tool_call_rate must be within [0, 1], got {self.tool_call_rate!r}")
-        for name in ("kv_tokens", "max_running"):
+        for name in ("kv_tokens", "max_running", "max_model_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not math.isfinite(self.time_scale) or self.time_scale <= 0:
@@ -703,7 +712,7 @@ def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             return _bad_request(f"messages[{i}] must be an object with a string 'role'")
     model = body.get("model")
-    if model is not None and model != state.config.model:
+    if model is not None and state.config.model is not None and model != state.config.model:
         return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
@@ -923,7 +932,9 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 headers={"Retry-After": f"{config.retry_after:g}"},
             )
         if fault == "400":
-            return _bad_request("simulated bad request")
+            # A refusal of this request alone: each message differs, as a real one
+            # names what in the request it refuses.
+            return _bad_request(f"simulated bad request (#{stats.faults[fault]})")
         if fault == "reset":
             if request.transport is not None:
                 request.transport.abort()
@@ -931,7 +942,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
         if fault == "hang" or (fault == "stall" and not stream):
             return await _hang(request, state)
         if fault == "nochoices":
-            doc = {"id": "chatcmpl-x", "object": "chat.completion", "model": config.model}
+            doc = {"id": "chatcmpl-x", "object": "chat.completion", "model": _served(body, config)}
             return web.Response(body=orjson.dumps({**doc, "choices": []}), content_type=_JSON)
         if fault == "html":
             page = "<html><body><h1>502 Bad Gateway</h1></body></html>"
@@ -942,6 +953,15 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
     answer = _generate(body, digest, config, empty=fault == "empty")
     n = answer.tokens
     prompt_tokens = _count_prompt_tokens(messages)
+    asked = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    if config.max_model_len and prompt_tokens + asked > config.max_model_len:
+        stats.invalid += 1
+        return _bad_request(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, "
+            f"you requested {prompt_tokens + asked} tokens ({prompt_tokens} in the messages, "
+            f"{asked} in the completion). Please reduce the length of the messages or "
+            "completion."
+        )
     batcher = state.batcher
     if batcher is not None and not batcher.fits(prompt_tokens + n):
         stats.invalid += 1
@@ -969,6 +989,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 cut=fault == "malformed",
                 stall=fault == "stall",
                 limit=limit,
+                model=_served(body, config),
             )
         else:
             if batcher is not None:
@@ -987,7 +1008,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 "id": completion_id,
                 "object": "chat.completion",
                 "created": int(time.time()),
-                "model": config.model,
+                "model": _served(body, config),
                 "choices": [
                     {
                         "index": 0,
@@ -1037,6 +1058,7 @@ async def _stream_answer(
     cut: bool,
     stall: bool = False,
     limit: int = 0,
+    model: str = "",
 ) -> web.StreamResponse:
     config = state.config
     # The batching model answers once the whole answer is generated, then streams it.
@@ -1048,7 +1070,7 @@ async def _stream_answer(
             "id": completion_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": config.model,
+            "model": model or _served({}, config),
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         }
         return b"data: " + orjson.dumps(payload) + b"\n\n"
@@ -1079,7 +1101,7 @@ async def _stream_answer(
                 "id": completion_id,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": config.model,
+                "model": model or _served({}, config),
                 "choices": [],
                 "usage": _usage(prompt_tokens, answer.tokens),
             }
@@ -1099,10 +1121,25 @@ async def _models(request: web.Request) -> web.Response:
     body = {
         "object": "list",
         "data": [
-            {"id": state.config.model, "object": "model", "created": created, "owned_by": "sim"}
+            {
+                "id": state.config.model or DEFAULT_MODEL,
+                "object": "model",
+                "created": created,
+                "owned_by": "sim",
+                **(
+                    {"max_model_len": state.config.max_model_len}
+                    if state.config.max_model_len
+                    else {}
+                ),
+            }
         ],
     }
     return web.Response(body=orjson.dumps(body), content_type=_JSON)
+
+
+def _served(body: dict[str, Any], config: SimConfig) -> str:
+    """The model name an answer carries: the pinned one, else the one asked for."""
+    return config.model or body.get("model") or DEFAULT_MODEL
 
 
 def _label(value: str) -> str:
@@ -1111,7 +1148,7 @@ def _label(value: str) -> str:
 
 def _metrics_text(state: _State) -> str:
     stats = state.stats
-    labels = f'model_name="{_label(state.config.model)}"'
+    labels = f'model_name="{_label(state.config.model or DEFAULT_MODEL)}"'
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples: Iterable[tuple[str, float]]) -> None:
@@ -1257,7 +1294,17 @@ def main(argv: list[str] | None = None) -> int:
     defaults = SimConfig()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument(
+        "--model",
+        default=defaults.model,
+        help="serve only this model name (others get 404); default: answer to any name",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=defaults.max_model_len,
+        help="context length: longer requests get a 400 (default: none)",
+    )
     parser.add_argument("--latency", type=float, default=defaults.latency)
     parser.add_argument("--per-token", type=float, default=defaults.per_token)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -1342,6 +1389,7 @@ def main(argv: list[str] | None = None) -> int:
             step_per_request=args.step_per_request,
             prefill_per_token=args.prefill_per_token,
             time_scale=args.time_scale,
+            max_model_len=args.max_model_len,
             # From the environment, never the command line, where ps would show it.
             api_key=os.environ.get("SIM_API_KEY") or None,
         )
