@@ -28,7 +28,7 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 #: Rejections that no single item can cause: the credentials, or the model or endpoint.
-ALWAYS_RUN_LEVEL = frozenset({"http_401", "http_403", "http_404", "http_405"})
+ALWAYS_RUN_LEVEL = frozenset({"http_401", "http_403", "http_404", "http_405", "redirect"})
 #: Rejections that are run-level when several items get the very same message.
 SAME_MESSAGE = frozenset({"http_400", "http_422"})
 
@@ -44,6 +44,8 @@ ADVICE = {
     "http_403": "check the API key and what it is allowed to use",
     "http_404": "check the dataset's model name and the server URL's path",
     "http_405": "check the server URL's path: it should be the server's base URL",
+    "redirect": "check the server URL: redirects are not followed, give the URL the server "
+    "answers at (the Location the redirect names, if it is the same server)",
 }
 _PARAM_ADVICE = "check the dataset's parameters (--param, [defaults] and [[dataset]] keys)"
 
