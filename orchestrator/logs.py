@@ -211,7 +211,7 @@ class RepeatSummariser:
 
     def _tick(self) -> None:
         pause = min(max(self.interval / 4, 0.05), 5.0)
-        while True:
+        while _summariser is self:  # a new configure() retires this one
             time.sleep(pause)
             self.flush(only_due=True)
 
