@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import pty
 import re
@@ -16,6 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+from orchestrator import logs
 from tests.helpers import REPO, SimProcess, cli, prompts, query, write_jsonl
 
 ORCH = (sys.executable, "-m", "orchestrator")
@@ -225,3 +229,47 @@ def test_status_shows_the_latest_messages_per_error_class(
     after_500 = text.split("http_500", 1)[1].splitlines()[1]
     assert re.fullmatch(r"\s+\S+ ago  p/p\d{6}  HTTP 500.*", after_500), text
     assert f"p/{messages['http_500']['latest'][0]['item']}" in after_500
+
+
+def test_summariser_keeps_the_first_few_per_interval_and_counts_the_rest() -> None:
+    """The interval logic on a clock of the test's own (the commands above use real time)."""
+    now = [0.0]
+    summariser = logs.RepeatSummariser(60.0, 3, json=True, clock=lambda: now[0])
+    seen: list[dict[str, Any]] = []
+
+    def keep(_logger: Any, _method: str, event_dict: Any) -> Any:
+        seen.append(dict(event_dict))
+        raise structlog.DropEvent
+
+    structlog.configure(
+        processors=[summariser, keep],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    )
+    log = structlog.get_logger()
+    for i in range(10):
+        log.warning("item_retry", item=i, error_class="timeout" if i % 3 == 0 else "http_500")
+    log.info("progress", done=5)  # about no item: passed as it is
+    assert [(e["event"], e.get("item")) for e in seen] == [
+        ("item_retry", 0), ("item_retry", 1), ("item_retry", 2), ("progress", None)
+    ]  # fmt: skip
+    now[0] = 61.0
+    log.warning("item_retry", item=99, error_class="http_500")  # the next interval
+    summary, first = seen[4:]
+    assert summary == {
+        "event": "repeated",
+        "repeated": "item_retry",
+        "count": 10,
+        "seconds": 60,
+        "by_class": {"http_500": 6, "timeout": 4},
+        "summary": "item_retry x 10 in 60 s: http_500 (6), timeout (4)",
+        "shown": 3,
+        "hint": "--log-level debug shows each",
+    }
+    assert first["item"] == 99
+    summariser.flush()  # the new interval showed all it had: nothing to tell
+    assert len(seen) == 6
+    for i in range(5):
+        log.warning("lease_lost", item=i)
+    now[0] = 70.0
+    summariser.flush()  # the end of the run: what was counted so far, classless
+    assert seen[-1]["summary"] == "lease_lost x 5 in 9 s" and seen[-1]["by_class"] == {}
