@@ -1758,6 +1758,7 @@ def deploy_systemd(
 )
 @click.option("--clock-tolerance", type=click.FloatRange(min=0), default=60.0, show_default=True)
 @api_key_file_option
+@basic_auth_file_option
 @db_option
 def doctor(
     servers: tuple[str, ...],
@@ -1765,6 +1766,7 @@ def doctor(
     bytes_per_item: int | None,
     clock_tolerance: float,
     api_key_file: Path | None,
+    basic_auth_file: Path | None,
     db: str | None,
 ) -> None:
     """Check a run can go the distance: database, servers, model, disk, clock.
@@ -1772,12 +1774,18 @@ def doctor(
     One PASS/FAIL line per check; exit code 1 when any fails. Reads only.
     """
     from orchestrator.doctor import DoctorConfig, passed, run_checks
+    from orchestrator.servers import ServerSpec
 
+    api_key = _read_api_key(api_key_file)
+    specs, basic_auth = _without_credentials(
+        [ServerSpec(s) for s in servers], api_key, basic_auth_file
+    )
     config = DoctorConfig(
         db=db,
-        servers=servers,
+        servers=tuple(spec.url for spec in specs),
         model=model,
-        api_key=_read_api_key(api_key_file),
+        api_key=api_key,
+        basic_auth=basic_auth,
         clock_tolerance=clock_tolerance,
         bytes_per_item=bytes_per_item,
     )

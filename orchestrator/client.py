@@ -253,7 +253,7 @@ def _log_redirect(server: str, status: int, headers: Any) -> None:
         )
 
 
-def _basic_auth(by_server: dict[str, aiohttp.BasicAuth]) -> Any:
+def basic_auth_middleware(by_server: dict[str, aiohttp.BasicAuth]) -> Any:
     """A session middleware adding each server's own Basic credentials to the requests
     sent to it (and to no other origin)."""
     prefixes = [
@@ -322,7 +322,9 @@ class InferenceClient:
             connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, force_close=fresh),
             json_serialize=lambda obj: orjson.dumps(obj).decode(),
             trace_configs=None if fresh else [_trace_reuse()],
-            middlewares=(_basic_auth(self.config.basic_auth),) if self.config.basic_auth else (),
+            middlewares=(basic_auth_middleware(self.config.basic_auth),)
+            if self.config.basic_auth
+            else (),
         )
 
     @property

@@ -59,6 +59,8 @@ class DoctorConfig:
     servers: tuple[str, ...] = ()
     model: str | None = None
     api_key: str | None = None
+    #: Basic credentials by server, taken out of the URLs (orchestrator.urls).
+    basic_auth: dict[str, aiohttp.BasicAuth] = field(default_factory=dict, repr=False)
     clock_tolerance: float = 60.0
     bytes_per_item: int | None = None  # None: measured from done items, else the default
     timeout: float = 10.0
@@ -286,7 +288,10 @@ async def run_checks(config: DoctorConfig) -> list[Check]:
         headers["Authorization"] = f"Bearer {config.api_key}"
     if not config.servers:
         checks.append(Check("servers", None, "none given (--server or ORCHESTRATOR_SERVERS)"))
-    async with aiohttp.ClientSession(headers=headers) as session:
+    from orchestrator.client import basic_auth_middleware
+
+    middlewares = (basic_auth_middleware(config.basic_auth),) if config.basic_auth else ()
+    async with aiohttp.ClientSession(headers=headers, middlewares=middlewares) as session:
         for server in config.servers:
             checks.extend(await check_server(session, server, wanted, config))
     checks.append(check_disk(config, facts))

@@ -164,7 +164,17 @@ def test_an_api_key_and_url_credentials_together_are_refused_at_start(
         assert result.returncode == 2, result.stderr
         assert "both set the Authorization header" in result.stderr
         assert SECRET not in result.stderr
+    doctor = cli(
+        "doctor", "--server", f"http://user:{SECRET}@127.0.0.1:{server.port}", "--db", str(db),
+        env={"ORCHESTRATOR_API_KEY": "key-1"}, timeout=30,
+    )  # fmt: skip
+    assert doctor.returncode == 2 and "both set the Authorization header" in doctor.stderr
     assert server.stats() == {}  # refused before any request
+    doctor = cli(
+        "doctor", "--server", f"http://user:{SECRET}@127.0.0.1:{server.port}", "--db", str(db)
+    )
+    assert f"PASS  server {server.url}: /health answered 200" in doctor.stdout, doctor.stdout
+    assert SECRET not in doctor.stdout + doctor.stderr
 
 
 async def test_a_prober_that_dies_says_so_and_probes_again() -> None:
