@@ -754,6 +754,8 @@ class Worker:
         if trial is not None:
             now = time.monotonic()
             self.guard.trial_claimed(trial, leases, now, now + self.config.poll_interval)
+        if leases:
+            self.guard.quiet(True, time.monotonic())  # more evidence is on its way
         for lease in leases:
             self._held[lease.item_id] = _Held(lease)
             self._suspects += lease.suspect
@@ -868,6 +870,7 @@ class Worker:
                 if halted is not None:
                     self._halt(halted)
                 self._release_held()
+            self.committer.poke()  # the slot is free: the next trial item may go
             return
         if kind == "complete":
             self._answered(payload.server, lease.dataset_id)
