@@ -9,6 +9,7 @@ import logging
 import os
 import pty
 import re
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -273,3 +274,24 @@ def test_summariser_keeps_the_first_few_per_interval_and_counts_the_rest() -> No
     now[0] = 70.0
     summariser.flush()  # the end of the run: what was counted so far, classless
     assert seen[-1]["summary"] == "lease_lost x 5 in 9 s" and seen[-1]["by_class"] == {}
+
+
+def test_watch_shows_the_latest_message_of_each_class(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    server = sim_process("--latency", "0.01", "--mean-tokens", "8", "--fault", "500=0.3")
+    db = _enqueue(tmp_path, 30)
+    worker = cli("run", "--server", server.url, "--db", db, "--exit-when-done")
+    assert worker.returncode == 0, worker.stderr
+    # A message is the server's text: rich markup in it is shown, not interpreted.
+    with sqlite3.connect(db) as conn:
+        conn.execute(
+            "UPDATE attempt_errors SET message = '[bold]x[/bold] HTTP 500: odd'"
+            " WHERE id = (SELECT max(id) FROM attempt_errors)"
+        )
+    conn.close()
+    result = cli("watch", "--db", db, "--count", "1", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if "http_500: retried" in line)
+    assert re.search(r"\S+ ago \[bold\]x\[/bold\] HTTP 500: odd", lines[at + 1]), result.stdout

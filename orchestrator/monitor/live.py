@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -72,9 +73,15 @@ def _datasets(snap: dict[str, Any]) -> Table:
 def _problems(snap: dict[str, Any]) -> Panel | None:
     totals = snap["totals"]
     lines: list[str] = []
+    messages = totals.get("error_messages") or {}
     for cls, by_outcome in sorted(totals["errors"].items()):
         parts = ", ".join(f"{k} {v:,}" for k, v in by_outcome.items() if v)
         lines.append(f"{cls}: {parts}")
+        last = (messages.get(cls) or {}).get("latest") or []
+        if last:  # why, in the server's own words (markup escaped: it is their text)
+            ago = duration(max(snap["generated_at"] - last[0]["at"], 0.0))
+            text = " ".join((last[0]["message"] or "").split())[:140]
+            lines.append(f"  [dim]{ago} ago[/dim] {escape(text)}")
     flagged = {k: v for k, v in (totals.get("flags") or {}).items() if v}
     if flagged:
         lines.append("flagged answers: " + ", ".join(f"{k} {v:,}" for k, v in flagged.items()))
