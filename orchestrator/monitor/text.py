@@ -110,7 +110,7 @@ def render_status(snap: dict[str, Any]) -> str:
         for cls, n in sorted(errors.items(), key=lambda kv: -sum(kv[1].values())):
             parts = [f"{k} {v:,}" for k, v in n.items() if v]
             lines.append(f"  {cls:<16} " + ", ".join(parts))
-            lines.extend(_message_lines(messages.get(cls), snap["generated_at"]))
+            lines.extend(_message_lines(messages.get(cls), snap.get("generated_at", 0.0)))
     failed = snap["totals"]["failed_by_class"]
     if failed:
         lines.append("failed items by class: " + ", ".join(f"{k} {v:,}" for k, v in failed.items()))
