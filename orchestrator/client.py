@@ -299,13 +299,21 @@ class InferenceClient:
 
     ``stale_resends`` counts requests sent again because their pooled connection had
     been closed by the server: a figure for benchmarks and tests, not an error.
+
+    A server that closed a pooled connection under a streamed request (llama.cpp closes
+    after every streamed answer) gets its streamed requests on new connections for the
+    next ``UNPOOLED_SECONDS``, then pooling is tried again: one resend a period instead
+    of one every other request.
     """
+
+    UNPOOLED_SECONDS = 60.0
 
     def __init__(self, config: ClientConfig | None = None):
         self.config = config or ClientConfig()
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
         self.stale_resends = 0
+        self._unpooled: dict[str, float] = {}  # server -> until when its streams go fresh
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -346,11 +354,16 @@ class InferenceClient:
                 await session.close()
         self._session = self._fresh = None
 
-    async def _send(self, method: str, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
+    async def _send(
+        self, method: str, url: str, *, stream_of: str | None = None, **kwargs: Any
+    ) -> aiohttp.ClientResponse:
         """The response, its headers read. A pooled connection that fails before any byte
         of answer arrived had been closed by the server while idle: the request never
         reached it as a request to answer, so it goes again at once, on a new connection,
-        with no attempt charged and no backoff. A new connection that fails is an error."""
+        with no attempt charged and no backoff. A new connection that fails is an error.
+        ``stream_of`` names the server of a streamed request."""
+        if stream_of is not None and self._unpooled.get(stream_of, 0.0) > time.monotonic():
+            return await self.fresh_session.request(method, url, **kwargs)
         sent = _Sent()
         try:
             return await self.session.request(method, url, trace_request_ctx=sent, **kwargs)
@@ -358,6 +371,8 @@ class InferenceClient:
             if not sent.reused or isinstance(exc, aiohttp.ClientConnectorError):
                 raise
             self.stale_resends += 1
+            if stream_of is not None:
+                self._unpooled[stream_of] = time.monotonic() + self.UNPOOLED_SECONDS
             log.debug("stale_connection_resend", url=url, error=str(exc) or type(exc).__name__)
         return await self.fresh_session.request(method, url, **kwargs)
 
@@ -401,6 +416,7 @@ class InferenceClient:
             resp = await self._send(
                 "POST",
                 url,
+                stream_of=base_url(server) if stream else None,
                 data=orjson.dumps(body),
                 headers={"Content-Type": "application/json"},
                 timeout=timeout,

@@ -103,9 +103,15 @@ async def test_request_on_a_closed_pooled_connection_is_resent(
         for _ in range(6):
             answer = await client.chat(closer.url, {"messages": MESSAGES})
             assert answer.content == "hi"
-    # Every other request found its pooled connection closed, and went again on a new one.
-    assert (closer.answered, closer.dropped, client.stale_resends) == (6, 3, 3)
-    assert closer.connections == 6
+    if stream:
+        # The first found its pooled connection closed and went again on a new one; the
+        # server's streams then get a new connection each, none is sent in vain again.
+        assert (closer.answered, closer.dropped, client.stale_resends) == (6, 1, 1)
+        assert closer.connections == 6
+    else:
+        # Every other request found its pooled connection closed, and went again.
+        assert (closer.answered, closer.dropped, client.stale_resends) == (6, 3, 3)
+        assert closer.connections == 6
 
 
 @pytest.mark.parametrize("closer", ["stale"], indirect=True)
