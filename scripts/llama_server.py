@@ -150,8 +150,12 @@ def make_model(cache: Path) -> Path:
     _run(python, HERE / "tiny_llama.py", hf)
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
     tmp = gguf.with_suffix(".tmp")
-    _run(python, src / "convert_hf_to_gguf.py", hf, "--outfile", tmp, "--outtype", "f32",
-         env=env, stdout=subprocess.DEVNULL)  # fmt: skip
+    convert = [str(python), str(src / "convert_hf_to_gguf.py"), str(hf), "--outfile", str(tmp),
+               "--outtype", "f32"]  # fmt: skip
+    done = subprocess.run(convert, env=env, capture_output=True, text=True)
+    if done.returncode != 0:  # its log is long: shown only when it failed
+        sys.stderr.write(done.stdout + done.stderr)
+        raise subprocess.CalledProcessError(done.returncode, convert)
     tmp.replace(gguf)
     _done("model", started)
     return gguf
