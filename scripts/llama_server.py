@@ -106,6 +106,12 @@ def build(cache: Path) -> Path:
     binary = binary_path(cache)
     if binary.exists():
         return binary
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(
+            f"[llama-server] {' and '.join(missing)} not found: the build needs cmake and a "
+            "C++ compiler (Debian: apt-get install cmake g++)"
+        )
     src = fetch_source(cache)
     jobs = str(os.cpu_count() or 2)
     started = _step(f"building llama-server with {jobs} jobs (about 6 min on 2 cores)")
