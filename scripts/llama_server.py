@@ -48,8 +48,13 @@ CMAKE_FLAGS = (
     "-DGGML_NATIVE=ON",
     "-DBUILD_SHARED_LIBS=OFF",
 )
-# The torch requirement alone is configurable: a CPU wheel, or one pinned on this host.
-TOOLS = (os.environ.get("ORCHESTRATOR_LLAMA_TORCH", "torch"), "transformers", "sentencepiece")
+# The torch requirement alone is configurable (ORCHESTRATOR_LLAMA_TORCH): the model needs
+# any recent CPU build, and a pinned one is not downloaded again where it is at hand.
+TOOLS = (
+    os.environ.get("ORCHESTRATOR_LLAMA_TORCH", "torch==2.13.0"),
+    "transformers",
+    "sentencepiece",
+)
 TOOLS_MORE = ("numpy", "safetensors", "pyyaml", "tqdm", "requests")
 
 
