@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +25,7 @@ import orjson
 import pytest
 
 from scripts import llama_server
-from tests.helpers import cli, events, query, start_worker, write_jsonl
+from tests.helpers import REPO, STARTED, cli, events, query, start_worker, write_jsonl
 
 pytestmark = pytest.mark.llamacpp
 MODEL = llama_server.MODEL_ALIAS
@@ -187,7 +190,6 @@ def test_auto_concurrency_reads_llamacpp_metrics(llama: str, tmp_path: Path) -> 
     enqueue(db, rows, "auto", "--max-tokens", "64")
     worker = start_worker(db, llama, "--concurrency", "auto", "--exit-when-done")
     deadline = time.monotonic() + 45
-    seen: list[dict[str, Any]] = []
     while time.monotonic() < deadline and worker.poll() is None:
         time.sleep(0.5)
     if worker.poll() is None:
@@ -216,6 +218,27 @@ def test_status_server_shows_llamacpp_view(llama: str, tmp_path: Path) -> None:
     assert view["gen_throughput"] is not None
     text = cli("status", "--db", str(db), "--server", llama).stdout
     assert "llamacpp" in text, text
+    # The dashboard's status document carries the same view.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = ["dashboard", "--port", str(port), "--db", str(db), "--server", llama]
+    dashboard = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *argv], cwd=REPO, stderr=subprocess.DEVNULL
+    )
+    STARTED.append(dashboard)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=10) as r:
+                status = orjson.loads(r.read())
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the dashboard did not answer"
+            time.sleep(0.2)
+    dashboard.terminate()
+    dashboard.wait(10)
+    assert [s["kind"] for s in status["servers"]] == ["llamacpp"], status["servers"]
 
 
 def test_doctor_passes(llama: str, tmp_path: Path) -> None:
