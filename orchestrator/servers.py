@@ -329,10 +329,10 @@ class ServerPool:
                 )
                 reported = (result.reason, now + REPORT_EVERY)
             delay = min(delay * 2, self.config.probe_max)
-        if result.reason:
-            log.info("server_health_note", server=server, note=result.reason)
         if not state.vetted:
             state.vetted = True
+            if result.reason:
+                log.info("server_health_note", server=server, note=result.reason)
             if self.vet is not None and not await self.vet(server):
                 return  # the worker is stopping: this server is wrong for the run
         state.healthy = True
