@@ -713,9 +713,10 @@ class Worker:
         scope = self._scope()
         trial = self.guard.trial(scope, self._held, now)
         if trial is not None and self._active + len(self._buffer) < concurrency:
-            # One item of a dataset not yet answered in this run, before any more of it.
+            # One item of a dataset not yet answered in this run, before any more of it:
+            # any item, a dead worker's too (its only ones left may be those).
             self._trial_claim = trial.id
-            return Claim(self.owner, 1, self.config.lease_seconds, (trial.name,), 0)
+            return Claim(self.owner, 1, self.config.lease_seconds, (trial.name,), None)
         if now < self._next_claim:
             return None
         prefetch = min(concurrency // 2, int(self._rate.per_second() * 0.02))
