@@ -329,7 +329,7 @@ class Committer:
         (a storage fault: every write fails) and the last error seen."""
         if len(batch) == 1 and not _is_data_fault(error):
             return batch, error
-        kept: list[Outcome] = []
+        failed: list[tuple[Outcome, Exception]] = []
         wrote = False
         for entry in batch:
             try:
@@ -339,19 +339,20 @@ class Committer:
                 if _is_data_fault(exc):
                     await self._replace(entry, exc)
                 else:
-                    kept.append(entry)
+                    failed.append((entry, exc))
                 continue
             wrote = True
             self._settled(entry, entry.lease.item_id in result.accepted.get(entry.kind, ()))
-        if wrote:
+        kept: list[Outcome] = []
+        for entry, exc in failed:
             # Others were written meanwhile: an outcome failing alone again and again is
-            # at fault whatever the driver calls its error.
-            for entry in kept:
+            # at fault whatever the driver calls its error; a full disk or a lock is not.
+            if wrote and not _is_fault_of(exc, _STORAGE_FAULTS):
                 entry.failures += 1
-            stubborn = [entry for entry in kept if entry.failures >= _ALONE_FAILURES]
-            kept = [entry for entry in kept if entry.failures < _ALONE_FAILURES]
-            for entry in stubborn:
-                await self._replace(entry, error)
+            if entry.failures >= _ALONE_FAILURES:
+                await self._replace(entry, exc)
+            else:
+                kept.append(entry)
         return kept, error
 
     async def _replace(self, entry: Outcome, error: Exception) -> None:
@@ -409,18 +410,30 @@ def _is_data_fault(exc: BaseException) -> bool:
     """The error is about the values written, not the database: a value the driver
     cannot bind, or the database cannot hold (a NUL in PostgreSQL text, a number out of
     range, a constraint)."""
+    return _is_fault_of(exc, _DATA_FAULTS, binding=True)
+
+
+def _is_fault_of(
+    exc: BaseException, kinds: tuple[type[BaseException], ...], *, binding: bool = False
+) -> bool:
+    """Whether ``exc`` or an error under it (its cause, the driver's own) is one of
+    ``kinds`` (or, with ``binding``, a parameter the driver could not bind)."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, _DATA_FAULTS):
+        if isinstance(current, kinds):
             return True
-        if isinstance(current, sa_exc.DBAPIError | sqlite3.Error) and "binding" in str(current):
+        driver_error = isinstance(current, sa_exc.DBAPIError | sqlite3.Error)
+        if binding and driver_error and "binding" in str(current):
             return True
         orig = getattr(current, "orig", None)
         current = orig if isinstance(orig, BaseException) else current.__cause__
     return False
 
+
+# Disk full, locks, I/O errors, a lost connection: the database's state, not the data's.
+_STORAGE_FAULTS = (sa_exc.OperationalError, sqlite3.OperationalError)
 
 _DATA_FAULTS = (
     sa_exc.DataError,

@@ -73,11 +73,12 @@ def run(db: str, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
     """``run --exit-when-done``: a worker that stalls fails the test at the timeout."""
     try:
         return cli(
-            "--log-json", "run", "--server", url, "--db", db, "--exit-when-done", *extra,
+            "--log-json", "--log-level", "info", "run", "--server", url, "--db", db,
+            "--exit-when-done", *extra,
             timeout=RUN_TIMEOUT,
         )  # fmt: skip
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"the run stalled: {str(exc.stderr)[-2000:]}") from None
+        raise AssertionError(f"the run stalled: {str(exc.stderr)[-4000:]}") from None
 
 
 def ended(result: subprocess.CompletedProcess[str]) -> None:
