@@ -53,10 +53,11 @@ def enqueue(tmp_path: Path, db: Path, n: int, *extra: str) -> list[str]:
     return [f"p{i:06d}" for i in range(n)]
 
 
-def finish(db: Path, url: str, *extra: str, timeout: float = 600) -> str:
+def finish(db: Path, url: str, *extra: str, timeout: float = 600, code: int = 0) -> str:
+    """Run to the end; ``code`` 6: some items are expected to fail."""
     worker = start_worker(db, url, "--exit-when-done", *extra)
     _, stderr = worker.communicate(timeout=timeout)
-    assert worker.returncode == 0, stderr[-3000:]
+    assert worker.returncode == code, stderr[-3000:]
     return stderr
 
 
@@ -347,7 +348,7 @@ def test_poison_item(tmp_path: Path, sim_process: SimFactory, figures: dict[str,
                 break
             time.sleep(0.02)
         worker.communicate(timeout=60)
-        if worker.returncode == 0:
+        if worker.returncode == 6:  # finished: the poison item failed, the rest done
             break
         with closing(sqlite3.connect(db)) as conn:
             history = conn.execute(
@@ -511,7 +512,7 @@ def test_bad_answers_that_never_improve_fail_with_reason(
     db = tmp_path / "q.db"
     server = sim_process("--fault", "empty=1.0")
     enqueue(tmp_path, db, 5)
-    finish(db, server.url, "--max-attempts", "2", "--retry-backoff", "0.1")
+    finish(db, server.url, "--max-attempts", "2", "--retry-backoff", "0.1", code=6)
     with closing(sqlite3.connect(db)) as conn:
         rows = conn.execute("SELECT state, error_class, last_error FROM items").fetchall()
     assert {(s, c) for s, c, _ in rows} == {("failed", "empty_content")}
@@ -529,12 +530,13 @@ def test_api_key_is_used_and_never_leaks(tmp_path: Path, figures: dict[str, Any]
     server.start()
     try:
         keys = enqueue(tmp_path, db, 30)
-        # Without the key the server refuses: a permanent error, reason kept, no secret.
+        # Without the key the server refuses /v1/models: the run stops before any item
+        # (exit 5), the reason said, no secret.
         worker = start_worker(db, server.url, "--exit-when-done", log_level="debug")
         _, stderr = worker.communicate(timeout=60)
-        assert worker.returncode == 0, stderr[-3000:]
-        assert scalar(db, "SELECT count(*) FROM items WHERE error_class = 'http_401'") == 30
-        assert cli("requeue", "--db", str(db)).returncode == 0
+        assert worker.returncode == 5, stderr[-3000:]
+        assert "HTTP 401 on /v1/models" in stderr and "API key" in stderr
+        assert scalar(db, "SELECT count(*) FROM items WHERE attempts > 0") == 0
         # From the environment...
         worker = start_worker(
             db, server.url, "--exit-when-done", env={"ORCHESTRATOR_API_KEY": secret}
@@ -544,7 +546,7 @@ def test_api_key_is_used_and_never_leaks(tmp_path: Path, figures: dict[str, Any]
         # ...or from a file; either way never on the command line.
         key_file = tmp_path / "key"
         key_file.write_text(secret + "\n")
-        assert cli("requeue", "--state", "done", "--db", str(db)).returncode == 0
+        assert cli("requeue", "--state", "done", "--all", "--db", str(db)).returncode == 0
         worker = start_worker(
             db, server.url, "--exit-when-done", "--api-key-file", str(key_file), log_level="debug"
         )
