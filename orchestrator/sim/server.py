@@ -936,9 +936,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
             # names what in the request it refuses.
             return _bad_request(f"simulated bad request (#{stats.faults[fault]})")
         if fault == "reset":
-            if request.transport is not None:
-                request.transport.abort()
-            return web.Response(status=499)
+            return await _reset(request, stream)
         if fault == "hang" or (fault == "stall" and not stream):
             return await _hang(request, state)
         if fault == "nochoices":
@@ -1032,6 +1030,18 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+async def _reset(request: web.Request, stream: bool) -> web.StreamResponse:
+    """The connection reset once the answer has begun: a request cut mid-way. (One closed
+    before any byte, on a pooled connection, is a keep-alive connection the server had
+    dropped, which a client sends again on a new one at no cost.)"""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream" if stream else _JSON})
+    await resp.prepare(request)
+    await resp.write(b"data: {" if stream else b'{"id": ')
+    if request.transport is not None:
+        request.transport.abort()
+    return resp
 
 
 async def _hang(request: web.Request, state: _State) -> web.StreamResponse:
