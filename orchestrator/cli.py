@@ -804,7 +804,8 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     type=click.FloatRange(min=1),
     default=3600.0,
     show_default=True,
-    help="Seconds a non-streaming request may take (long reasoning answers need long).",
+    help="Seconds a whole request may take, streamed or not (long reasoning answers "
+    "need long).",
 )
 @click.option(
     "--lease-seconds",
@@ -832,10 +833,14 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     "--stream/--no-stream",
     default=False,
     show_default=True,
-    help="Stream answers (then --stream-idle-timeout bounds silence instead).",
+    help="Stream answers (then --stream-idle-timeout also bounds silence).",
 )
 @click.option(
-    "--stream-idle-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True
+    "--stream-idle-timeout",
+    type=click.FloatRange(min=1),
+    default=120.0,
+    show_default=True,
+    help="Seconds a stream may go without a data event (SSE comments do not count).",
 )
 @click.option(
     "--metrics-port",

@@ -34,11 +34,12 @@ do with it is the caller's choice.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import email.utils
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,11 +61,12 @@ _RETRYABLE_4XX = {408, 409, 425}
 class ClientConfig:
     """Timeouts and credentials.
 
-    ``request_timeout`` bounds a whole non-streaming request: it must exceed the longest
-    answer (16k tokens at a few tokens/s per request is over an hour), because a client
-    that gives up throws away every token generated so far. Streaming requests are
-    bounded by ``stream_idle_timeout`` between chunks instead, which catches a stalled
-    server in minutes without cutting long answers.
+    ``request_timeout`` bounds a whole request: it must exceed the longest answer (16k
+    tokens at a few tokens/s per request is over an hour), because a client that gives
+    up throws away every token generated so far. Streaming requests are also bounded by
+    ``stream_idle_timeout`` between ``data:`` events, which catches a stalled server in
+    minutes without cutting long answers; SSE comments (``: ping``, which gateways send
+    to keep a connection open) are not progress and do not reset it.
     """
 
     request_timeout: float = 3600.0
@@ -402,7 +404,7 @@ class InferenceClient:
         if stream:
             body["stream_options"] = {"include_usage": True}
             timeout = aiohttp.ClientTimeout(
-                total=None,
+                total=self.config.request_timeout,
                 connect=self.config.connect_timeout,
                 sock_read=self.config.stream_idle_timeout,
             )
@@ -494,6 +496,34 @@ class InferenceClient:
             response_id=doc.get("id"),
         )
 
+    async def _data_events(self, resp: aiohttp.ClientResponse, server: str) -> AsyncIterator[bytes]:
+        """The payloads of a stream's ``data:`` events, each within ``stream_idle_timeout``
+        of the one before: comments (``: ping``) and blank lines are not progress."""
+        received, limit = 0, self.config.max_response_bytes
+        idle = self.config.stream_idle_timeout
+        lines = aiter(resp.content)
+        while True:
+            quiet = asyncio.timeout(idle)
+            try:
+                async with quiet:
+                    while True:
+                        raw_line = await anext(lines, None)
+                        if raw_line is None:
+                            return
+                        received += len(raw_line)
+                        if received > limit:
+                            raise _too_large(limit, "the stream kept coming")
+                        line = raw_line.strip()
+                        if line.startswith(b"data:"):
+                            break
+            except TimeoutError:
+                if not quiet.expired():
+                    raise  # the whole request's bound, not silence
+                raise TransientError(
+                    f"no data from {server} for {idle:g}s", error_class="stream_idle"
+                ) from None
+            yield line[5:].strip()
+
     async def _read_stream(
         self, resp: aiohttp.ClientResponse, server: str, started: float
     ) -> Completion:
@@ -511,15 +541,7 @@ class InferenceClient:
         model: str | None = None
         response_id: str | None = None
         done = False
-        received, limit = 0, self.config.max_response_bytes
-        async for raw_line in resp.content:
-            received += len(raw_line)
-            if received > limit:
-                raise _too_large(limit, "the stream kept coming")
-            line = raw_line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
+        async for data in self._data_events(resp, server):
             if data == b"[DONE]":
                 done = True
                 break

@@ -440,3 +440,34 @@ async def test_one_unstorable_outcome_in_a_round_stops_nobody_else(
         assert found[key]["state"] == "pending" and found[key]["error_class"] == "bad_response"
         assert "could not be stored" in found[key]["last_error"]
     assert worker.stats.completed == 4 and worker.stats.retried == 2
+
+
+# ------------------------------------------------------- D13: SSE comments are no progress
+
+
+@pytest.mark.parametrize(
+    ("bounds", "error_class"),
+    [
+        (("--stream-idle-timeout", "1"), "stream_idle"),
+        (("--stream-idle-timeout", "100", "--request-timeout", "2"), "timeout"),
+    ],
+)
+def test_a_stream_of_comments_alone_times_out(
+    tmp_path: Path, bad_server: type[BadServer], bounds: tuple[str, ...], error_class: str
+) -> None:
+    """``: ping`` every 0.2 s keeps the socket busy but brings no answer: the silence
+    bound (counting data events only) or the whole request's bound ends it."""
+    db = str(tmp_path / "queue.db")
+    server = bad_server("pingstream")
+    enqueue(db, tmp_path, n=10)
+    started = time.monotonic()
+    result = run(db, server.url, "--stream", "--max-attempts", "2", "--retry-backoff", "0.05",
+                 *bounds)  # fmt: skip
+    ended(result)
+    assert time.monotonic() - started < 30
+    assert result.returncode == 6, result.stderr[-2000:]  # one item failed
+    got = states(db)
+    assert got.pop("k7") == "failed"
+    assert set(got.values()) == {"done"}
+    classes = query(db, "SELECT DISTINCT error_class FROM attempt_errors")
+    assert classes == [(error_class,)]
