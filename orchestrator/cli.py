@@ -804,8 +804,7 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     type=click.FloatRange(min=1),
     default=3600.0,
     show_default=True,
-    help="Seconds a whole request may take, streamed or not (long reasoning answers "
-    "need long).",
+    help="Seconds a whole request may take, streamed or not (long reasoning answers need long).",
 )
 @click.option(
     "--lease-seconds",
