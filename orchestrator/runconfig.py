@@ -90,15 +90,10 @@ _BODY_KEYS = ("model", "max_tokens", "temperature", "top_p", "chat_template_kwar
 # Keys that shape requests: meaningless on a pass-through dataset.
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body")
 _REQUEST_KEYS = ("concurrency", "regenerate", "on_truncated")
-# extra_body keys that would bypass a check or fight the worker.
+# extra_body keys that would bypass a check (the rest go through orchestrator.params).
 _EXTRA_BODY_REFUSED = {
-    **{
-        key: f'set it as the key "{key}" (outside extra_body), where it is checked'
-        for key in _BODY_KEYS
-    },
-    "messages": "comes from the input rows",
-    "stream": "decided by the worker (run --stream)",
-    "n": "one answer per request: each item stores one output",
+    key: f'set it as the key "{key}" (outside extra_body), where it is checked'
+    for key in _BODY_KEYS
 }
 
 
@@ -296,6 +291,8 @@ def _extra_body(value: object) -> list[tuple[str, str]]:
         problems += [
             (f".{key}", _EXTRA_BODY_REFUSED[key]) for key in value if key in _EXTRA_BODY_REFUSED
         ]
+        rest = {k: v for k, v in value.items() if k not in _EXTRA_BODY_REFUSED}
+        problems += [(f".{key}", why) for key, why in params.problems(rest)]
     return problems
 
 

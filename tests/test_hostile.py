@@ -342,6 +342,33 @@ def test_one_limit_for_max_tokens_everywhere(tmp_path: Path) -> None:
         assert "2147483647" in result.stderr, result.stderr
 
 
+def test_several_samples_per_prompt_are_refused_everywhere(tmp_path: Path) -> None:
+    """``n`` > 1 would make the server write answers that the client throws away: refused
+    as an option, in a run file and in a batch line's body."""
+    db = tmp_path / "q.db"
+    user = [{"role": "user", "content": "q"}]
+    batch = write_jsonl(
+        tmp_path / "batch.jsonl",
+        [{"custom_id": "a", "body": {"model": "m", "messages": user, "n": 4}}],
+    )
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"messages": user}])
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        '[[dataset]]\nname = "d"\nfile = "plain.jsonl"\nmax_tokens = 8\n'
+        "[dataset.extra_body]\nn = 4\n"
+    )
+    results = {
+        "batch": cli("enqueue", str(batch), "--dataset", "d", "--db", str(db)),
+        "file": cli("enqueue", "--config", str(run_file), "--db", str(db)),
+        "option": cli("enqueue", str(plain), "-d", "d", "--param", "n=4", "--db", str(db)),
+    }
+    for where, result in results.items():
+        assert result.returncode == 2, (where, result.stderr)
+        assert "must be 1 (one answer per request)" in result.stderr, (where, result.stderr)
+    assert "batch.jsonl:1: body: n must be" in results["batch"].stderr
+    assert cli("enqueue", str(plain), "-d", "d", "--param", "n=1", "--db", str(db)).returncode == 0
+
+
 # ------------------------------------------------------------ 10: redirects
 
 

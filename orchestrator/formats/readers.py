@@ -575,6 +575,9 @@ def _batch_request(
         raise _LineError(f"body must be an object, got {_kind(body)}")
     if "messages" not in body:
         raise _LineError("body: missing messages")
+    for name, value in body.items():
+        if name in _BODY_CHECKS and value is not None:
+            _check_field(name, value, "body: ")
     request = dict(body)
     raw = body["messages"]
     request["messages"] = _chat_messages(raw) if messages is None else messages(raw)
@@ -873,14 +876,16 @@ def _add_request_fields(request: dict[str, Any], obj: dict[str, Any]) -> None:
     if _FIELD_NAMES.isdisjoint(obj):
         return
     for name, value in obj.items():
-        check = _FIELD_CHECKS.get(name)
-        if check is None or value is None:
-            continue
-        expected = check(value)
-        if expected:
-            got = repr(value) if _is_number(value) else _kind(value)
-            raise _LineError(f"{name} must be {expected}, got {got}")
-        request[name] = value
+        if name in _FIELD_NAMES and value is not None:
+            _check_field(name, value)
+            request[name] = value
+
+
+def _check_field(name: str, value: object, where: str = "") -> None:
+    expected = _BODY_CHECKS[name](value)
+    if expected:
+        got = repr(value) if _is_number(value) else _kind(value)
+        raise _LineError(f"{where}{name} must be {expected}, got {got}")
 
 
 def _is_int(value: object) -> bool:
@@ -928,3 +933,6 @@ _FIELD_CHECKS: dict[str, Callable[[object], str]] = {
     "seed": _check_seed,
 }
 _FIELD_NAMES = frozenset(_FIELD_CHECKS)
+# A batch line's body is sent as it is: its fields get the same checks, and ``n`` too (a
+# line's own ``n`` is metadata, never sent).
+_BODY_CHECKS = {**_FIELD_CHECKS, "n": lambda value: params.expected("n", value)}
