@@ -89,7 +89,7 @@ async def test_stream_faults(sim: StartSim) -> None:
 
 
 async def test_wrong_model_is_permanent_with_reason(sim: StartSim, client: InferenceClient) -> None:
-    url = await sim()
+    url = await sim(model="sim-model")  # pinned: by default it answers to any name
     with pytest.raises(PermanentError) as info:
         await client.chat(url, {"messages": MESSAGES, "model": "nope"})
     assert info.value.error_class == "http_404"

@@ -68,7 +68,7 @@ LINES: list[dict[str, Any]] = [
             }
         ],
         "temperature": 0.7,
-        "max_tokens": 12345678901,
+        "max_tokens": 2147483647,  # the most a request may ask for
     },
     {
         "id": "parts",

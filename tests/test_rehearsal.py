@@ -75,7 +75,9 @@ def test_bundled_eagle3_run(tmp_path: Path, sim_process: Callable[..., SimProces
     assert [line["messages"] for line in by_dataset["final_chats"]] == [
         row["messages"] for row in read_jsonl(source / "final_chats.jsonl")
     ]
+    # In a file of several datasets each token row also names its dataset.
     tokens = [row for row in lines if "input_ids" in row]
+    assert {row.pop("dataset") for row in tokens} == {"pretokenised"}
     assert tokens == read_jsonl(source / "pretokenised.jsonl")
 
     # The other formats hold the same items.
@@ -86,7 +88,7 @@ def test_bundled_eagle3_run(tmp_path: Path, sim_process: Callable[..., SimProces
     assert cli("export", str(batch), "--db", str(db), "--format", "openai-batch").returncode == 0
     answers = read_jsonl(batch)
     assert len(answers) == len(lines)
-    assert all(a["error"] is None for a in answers if "custom_id" in a)
+    assert all(a["error"] is None for a in answers if "input_ids" not in a)
     inline = tmp_path / "train.inline.jsonl"
     assert cli("export", str(inline), "--db", str(db), "--reasoning", "inline").returncode == 0
     thought = [

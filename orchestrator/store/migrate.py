@@ -170,6 +170,11 @@ def check_open(
                 "into it); `orchestrator enqueue` creates the schema"
             )
         return
+    if revision != SCHEMA_REVISION and not _known(revision):
+        raise SchemaError(
+            f"{where}: schema version {revision!r} is newer than this orchestrator knows "
+            f"(it knows up to {SCHEMA_REVISION!r}); upgrade orchestrator"
+        )
     if mode == "read" and revision != SCHEMA_REVISION:
         raise SchemaError(
             f"{where}: schema {revision} is not this orchestrator's ({SCHEMA_REVISION}); "
@@ -178,10 +183,20 @@ def check_open(
         )
 
 
+def _known(revision: str) -> bool:
+    """Whether ``revision`` is one of this orchestrator's migrations."""
+    from alembic.script import ScriptDirectory
+
+    try:
+        ScriptDirectory.from_config(alembic_config()).get_revision(revision)
+    except Exception:
+        return False
+    return True
+
+
 def sqlite_facts(path: str) -> tuple[str | None, list[str]] | None:
     """(schema revision, table names) of an SQLite file, read without changing it; None
     when there is no file. Plain sqlite3 in read-only mode: no WAL switch, no journal."""
-    import contextlib
     import sqlite3
     from pathlib import Path
 
@@ -189,9 +204,22 @@ def sqlite_facts(path: str) -> tuple[str | None, list[str]] | None:
         return None
     uri = Path(path).absolute().as_uri() + "?mode=ro"
     try:
-        conn = sqlite3.connect(uri, uri=True, timeout=30)
+        return _sqlite_facts(sqlite3.connect(uri, uri=True, timeout=30), path)
+    except sqlite3.OperationalError as exc:
+        if "unable to open" not in str(exc):
+            raise StorageError(f"{path}: cannot open the database file ({exc})") from exc
+    # A WAL file on a read-only file system cannot be opened without its shared-memory
+    # file: read it as immutable instead (nothing else can be writing to it there).
+    try:
+        return _sqlite_facts(sqlite3.connect(uri + "&immutable=1", uri=True), path)
     except sqlite3.Error as exc:
         raise StorageError(f"{path}: cannot open the database file ({exc})") from exc
+
+
+def _sqlite_facts(conn: Any, path: str) -> tuple[str | None, list[str]]:
+    import contextlib
+    import sqlite3
+
     try:
         tables = [
             name
@@ -205,6 +233,8 @@ def sqlite_facts(path: str) -> tuple[str | None, list[str]] | None:
             revision = rows[0][0] if rows else None
             tables.remove("alembic_version")
         return revision, tables
+    except sqlite3.OperationalError:
+        raise
     except sqlite3.DatabaseError as exc:
         raise StorageError(
             f"{path}: the file is not an orchestrator (SQLite) database ({exc})"
