@@ -8,15 +8,18 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import structlog
 
@@ -414,3 +417,24 @@ def test_an_answer_over_the_cap_fails_its_item_and_is_not_stored(
     assert query(db, "SELECT count(*) FROM outputs") == [(0,)]
     assert sum(p.stat().st_size for p in tmp_path.glob("q.db*")) < 2**20
     assert any(e.get("error_class") == "response_too_large" for e in events(result.stderr))
+
+
+def test_an_answer_is_stored_once(tmp_path: Path, hostile: Callable[..., Hostile]) -> None:
+    """Twenty answers of 1 MiB: the database holds their text once (it held it twice, in
+    ``outputs.content`` and in the message JSON), and the export has every byte."""
+    size = 2**20
+    server = hostile("--answer-bytes", str(size))
+    db = tmp_path / "q.db"
+    enqueue(db, 20)
+    result = cli(
+        "run", "--server", server.url, "--exit-when-done", "--db", str(db), timeout=120
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    with closing(sqlite3.connect(db)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    stored = sum(p.stat().st_size for p in tmp_path.glob("q.db*"))
+    assert 20 * size < stored < 1.25 * 20 * size, stored
+    out = tmp_path / "out.jsonl"
+    assert cli("export", str(out), "--db", str(db)).returncode == 0
+    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert [len(line["messages"][-1]["content"]) for line in lines] == [size] * 20

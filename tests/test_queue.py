@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 import sqlalchemy as sa
 
@@ -121,8 +122,8 @@ async def test_late_completion_after_takeover_is_fenced(database: Database, tmp_
     # The current holder completes normally; exactly one output, from the holder.
     assert await queue.complete([(fast, answer("fresh"))]) == {fast.item_id}
     async with database.read() as conn:
-        contents = (await conn.execute(sa.select(outputs.c.content))).scalars().all()
-    assert contents == ["fresh"]
+        messages = (await conn.execute(sa.select(outputs.c.message))).scalars().all()
+    assert [orjson.loads(m)["content"] for m in messages] == ["fresh"]
 
 
 async def test_renew_extends_only_held_leases(database: Database, tmp_path: Path) -> None:

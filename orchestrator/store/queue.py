@@ -488,8 +488,8 @@ def storable(text: str | None) -> str | None:
     """Text as a plain-text column can hold it on every backend: U+0000 becomes U+FFFD.
 
     PostgreSQL text cannot hold a NUL, and both backends store the same, so a ``db copy``
-    changes nothing. Only the plain-text copies (content, reasoning, error messages) lose
-    the NUL: the JSON columns (message, usage) keep it escaped, ``\\u0000``, so the answer
+    changes nothing. Only the plain-text columns (error messages, identifiers) lose the
+    NUL: the JSON columns (message, usage) keep it escaped, ``\\u0000``, so the answer
     exports exactly as the model emitted it, flagged ``nul`` (orchestrator.quality).
     """
     if text is None or "\x00" not in text:
@@ -501,7 +501,9 @@ def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
     """One ``outputs`` row, in ``_OUTPUT_COLUMNS`` order.
 
     For a multi-turn item the tokens and the latency count every turn, and the flags
-    gather theirs.
+    gather theirs. The ``content`` and ``reasoning`` columns are left empty (rows written
+    before they were kept their copies): the message JSON holds both, and an answer of
+    many megabytes would otherwise be stored twice.
     """
     usage = out.usage or {}
     completion_tokens = usage.get("completion_tokens")
@@ -510,8 +512,8 @@ def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
     return (
         lease.item_id,
         lease.dataset_id,
-        storable(out.content),
-        storable(out.reasoning),
+        None,  # content and reasoning live in ``message``: each text is stored once
+        None,
         storable(out.finish_reason),
         usage.get("prompt_tokens"),
         completion_tokens,

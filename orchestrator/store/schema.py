@@ -125,6 +125,8 @@ outputs = sa.Table(
         primary_key=True,
     ),
     sa.Column("dataset_id", sa.Integer, nullable=False),
+    # Left empty since answers are stored once, in ``message``; rows written before keep
+    # a copy of the text here.
     sa.Column("content", sa.Text, nullable=True),
     sa.Column("reasoning", sa.Text, nullable=True),
     sa.Column("finish_reason", sa.Text, nullable=True),
