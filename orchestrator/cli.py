@@ -886,7 +886,7 @@ def run(
     import signal
 
     from orchestrator.client import ClientConfig, InferenceClient
-    from orchestrator.errors import ItemsFailed, ItemsLeftPending, RunStopped
+    from orchestrator.errors import RunStopped
     from orchestrator.monitor import progress
     from orchestrator.servers import merge_servers, parse_servers_file
     from orchestrator.store import check_datasets, open_database
@@ -960,8 +960,13 @@ def run(
             await database.close()
 
     stopped: list[RunStopped] = []
-    stats = run_async(go())
+    _say_how_run_ended(run_async(go()), stopped)
+
+
+def _say_how_run_ended(stats: Any, stopped: list[Any]) -> None:
+    """The worker's last line for a person, and the exit code of how it ended."""
     from orchestrator import logs
+    from orchestrator.errors import ItemsFailed, ItemsLeftPending
 
     if not logs.json_lines():  # else the worker_stopped event says it, as JSON
         click.echo(

@@ -207,28 +207,10 @@ def _document(
     now: float,
     window: float,
 ) -> dict[str, Any]:
-    state_counts: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(STATES, 0))
-    for dataset_id, state, n in rows["counts"]:
-        state_counts[dataset_id][state] = n
+    state_counts, errors_by, failed_by, flags_by = _by_dataset(rows)
     span_by = {r[0]: tuple(r[1:]) for r in rows["span"]}
     overall_by = {r[0]: (*r[1:], *span_by.get(r[0], (None, None))) for r in rows["overall"]}
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
-    errors_by: dict[int, dict[str, dict[str, int]]] = defaultdict(dict)
-    for dataset_id, error_class, outcome, n in rows["errors"]:
-        entry = errors_by[dataset_id].setdefault(
-            error_class, {"retried": 0, "released": 0, "failed": 0}
-        )
-        entry[{"retry": "retried"}.get(outcome, outcome)] = n
-    failed_by: dict[int, dict[str, int]] = defaultdict(dict)
-    for dataset_id, error_class, n in rows["failed"]:
-        failed_by[dataset_id][error_class or "unknown"] = n
-    flags_by: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(ALL_FLAGS, 0))
-    for dataset_id, mask, n in rows["flags"]:
-        counts = flags_by[dataset_id]
-        for name, bit in ALL_FLAGS.items():
-            if mask & bit:
-                counts[name] += n
-
     names = {row[0]: row[1] for row in rows["datasets"]}
     entries = []
     work: list[tuple[Any, ...]] = []
@@ -288,6 +270,30 @@ def _document(
         "datasets": entries,
         "workers": workers,
     }
+
+
+def _by_dataset(rows: Rows) -> tuple[Any, Any, Any, Any]:
+    """The grouped counts, per dataset id: by state, by error class and outcome, failed
+    items by class, and answers by quality flag."""
+    state_counts: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(STATES, 0))
+    for dataset_id, state, n in rows["counts"]:
+        state_counts[dataset_id][state] = n
+    errors_by: dict[int, dict[str, dict[str, int]]] = defaultdict(dict)
+    for dataset_id, error_class, outcome, n in rows["errors"]:
+        entry = errors_by[dataset_id].setdefault(
+            error_class, {"retried": 0, "released": 0, "failed": 0}
+        )
+        entry[{"retry": "retried"}.get(outcome, outcome)] = n
+    failed_by: dict[int, dict[str, int]] = defaultdict(dict)
+    for dataset_id, error_class, n in rows["failed"]:
+        failed_by[dataset_id][error_class or "unknown"] = n
+    flags_by: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(ALL_FLAGS, 0))
+    for dataset_id, mask, n in rows["flags"]:
+        counts = flags_by[dataset_id]
+        for name, bit in ALL_FLAGS.items():
+            if mask & bit:
+                counts[name] += n
+    return state_counts, errors_by, failed_by, flags_by
 
 
 def _error_messages(
