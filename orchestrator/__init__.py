@@ -1,3 +1,90 @@
-"""Durable, resumable batch generation against OpenAI-compatible inference servers."""
+"""Durable, resumable batch generation against OpenAI-compatible inference servers.
+
+The Python API (docs/API.md)::
+
+    import orchestrator as orc
+
+    async with orc.open("run.db") as q:
+        await q.enqueue("prompts.jsonl", dataset="chat", model="Qwen/Qwen3-8B")
+        await q.run(servers=["http://gpu:30000"])
+        await q.export("train.jsonl")
+
+The names in ``__all__`` are the stable surface. They are loaded on first use, so that
+``import orchestrator`` (and with it every command's start) stays cheap: the read-only
+commands never load SQLAlchemy or asyncio.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from orchestrator.api import Queue, Status, SyncQueue, open, open_sync
+    from orchestrator.errors import (
+        ConfigError,
+        InputError,
+        ItemsFailed,
+        ItemsLeftPending,
+        OrchestratorError,
+        RunStopped,
+        StorageError,
+    )
+    from orchestrator.formats.export import ExportReport
+    from orchestrator.running import RunOutcome
+    from orchestrator.store.enqueue import EnqueueReport
+    from orchestrator.worker import WorkerStats
+
+_SOURCES = {
+    "open": "api",
+    "open_sync": "api",
+    "Queue": "api",
+    "SyncQueue": "api",
+    "Status": "api",
+    "RunOutcome": "running",
+    "WorkerStats": "worker",
+    "EnqueueReport": "store.enqueue",
+    "ExportReport": "formats.export",
+    "OrchestratorError": "errors",
+    "InputError": "errors",
+    "ConfigError": "errors",
+    "StorageError": "errors",
+    "RunStopped": "errors",
+    "ItemsFailed": "errors",
+    "ItemsLeftPending": "errors",
+}
+
+__all__ = [
+    "ConfigError",
+    "EnqueueReport",
+    "ExportReport",
+    "InputError",
+    "ItemsFailed",
+    "ItemsLeftPending",
+    "OrchestratorError",
+    "Queue",
+    "RunOutcome",
+    "RunStopped",
+    "Status",
+    "StorageError",
+    "SyncQueue",
+    "WorkerStats",
+    "__version__",
+    "open",
+    "open_sync",
+]
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{source}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -415,11 +415,9 @@ def enqueue(
     if dataset is None:
         raise click.UsageError("Missing option '--dataset' / '-d'.", ctx)
 
+    from orchestrator.enqueueing import EnqueueOptions, enqueue_source
     from orchestrator.errors import InputError
-    from orchestrator.formats import iter_prepared
-    from orchestrator.store import DatasetSpec, open_database
-    from orchestrator.store import enqueue as do_enqueue
-    from orchestrator.store.datasets import get_dataset
+    from orchestrator.store import open_database
 
     body = _parse_params(params)
     for name, value in (
@@ -453,39 +451,24 @@ def enqueue(
     invalid: list[InputError] = []
     on_invalid = invalid.append if skip_invalid else None
     progress = _tty_progress(f"reading {file}:")
+    options = EnqueueOptions(
+        dataset=dataset,
+        params=body,
+        concurrency=concurrency,
+        priority=priority,
+        format=fmt,
+        regenerate=regenerate,
+        on_truncated=on_truncated,
+        passthrough=passthrough,
+        update=update,
+        sampling=tuple(sampling),
+    )
 
     async def go() -> Any:
         database = await open_database(db)
         try:
-            # A file added to an existing dataset is read the way the dataset was made.
-            info = await get_dataset(database, dataset)
-            passing = passthrough or bool(info and info.passthrough)
-            if passing and sampling:
-                raise ConfigError(
-                    f"dataset {dataset!r} is pass-through: its rows are stored as done and "
-                    f"no request is sent, so {', '.join(sampling)} do not apply"
-                )
-            mode = regenerate or (info.regenerate if info else "last")
-            spec = DatasetSpec(
-                name=dataset,
-                params=body,
-                concurrency=concurrency,
-                priority=priority,
-                regenerate=mode,
-                on_truncated=on_truncated,
-                passthrough=passing,
-            )
-            records = iter_prepared(
-                file, on_invalid=on_invalid, fmt=fmt, regenerate=mode, passthrough=passing
-            )
-            return await do_enqueue(
-                database,
-                spec,
-                records,
-                path=str(file),
-                on_invalid=on_invalid,
-                progress=progress,
-                update=update,
+            return await enqueue_source(
+                database, options, file, on_invalid=on_invalid, progress=progress
             )
         finally:
             await database.close()
@@ -500,10 +483,11 @@ def enqueue(
 
 def _show_skipped(invalid: list[Any], report: Any) -> None:
     """Lines the reader rejected and lines the store rejected (duplicates), once each."""
-    errors = {(e.line, str(e)): e for e in [*invalid, *report.invalid]}
-    report.invalid = list(errors.values())
-    if errors:
-        shown = sorted(errors.values(), key=lambda e: e.line or 0)
+    from orchestrator.enqueueing import skipped
+
+    report.invalid = skipped(invalid, report)
+    if report.invalid:
+        shown = sorted(report.invalid, key=lambda e: e.line or 0)
         for err in shown[:20]:
             click.echo(f"skipped {err}", err=True)
         if len(shown) > 20:
@@ -533,81 +517,51 @@ def _enqueued(report: Any, file: str) -> str:
 
 def _enqueue_config(config: Path, *, update: bool, skip_invalid: bool, db: str | None) -> None:
     """Every dataset of a run file: checked as a whole, then one transaction per file."""
-    from orchestrator.errors import InputError
-    from orchestrator.formats import iter_prepared
+    from orchestrator.enqueueing import Enqueued, PlanFailed, enqueue_plans
     from orchestrator.runconfig import load_run
-    from orchestrator.store import DatasetSpec, open_database
-    from orchestrator.store import enqueue as do_enqueue
-    from orchestrator.store.datasets import refusals
+    from orchestrator.store import open_database
 
     plans = run_sync(lambda: load_run(config))
-    specs = [
-        DatasetSpec(
-            name=plan.name,
-            params=plan.params,
-            concurrency=plan.concurrency,
-            priority=plan.priority,
-            regenerate=plan.regenerate,
-            on_truncated=plan.on_truncated,
-            passthrough=plan.passthrough,
-        )
-        for plan in plans
-    ]
-    reports: list[Any] = []
+    shown: list[Callable[[int], None] | None] = []
 
-    async def go() -> OrchestratorError | None:
+    def progress(plan: Any) -> Callable[[int], None] | None:
+        shown.append(_tty_progress(f"reading {plan.file}:"))
+        return shown[-1]
+
+    def each(entry: Enqueued) -> None:
+        _end_progress(shown.pop())
+        _show_skipped(entry.invalid, entry.report)
+        click.echo(_enqueued(entry.report, str(entry.plan.file)))
+
+    async def go() -> list[Enqueued] | PlanFailed:
         database = await open_database(db)
         try:
-            refused = await refusals(database, specs, update=update)
-            if refused:
-                lines = "".join(f"\n  {r}" for r in refused)
-                raise ConfigError(
-                    f"{config}: nothing enqueued: {refused[0]}"
-                    if len(refused) == 1
-                    else f"{config}: nothing enqueued, {len(refused)} datasets refused:{lines}"
-                )
-            for plan, spec in zip(plans, specs, strict=True):
-                invalid: list[InputError] = []
-                on_invalid = invalid.append if skip_invalid else None
-                progress = _tty_progress(f"reading {plan.file}:")
-                try:
-                    report = await do_enqueue(
-                        database,
-                        spec,
-                        iter_prepared(
-                            plan.file,
-                            on_invalid=on_invalid,
-                            fmt=plan.format,
-                            regenerate=plan.regenerate,
-                            passthrough=plan.passthrough,
-                        ),
-                        path=str(plan.file),
-                        on_invalid=on_invalid,
-                        progress=progress,
-                        update=update,
-                    )
-                except OrchestratorError as exc:
-                    return exc
-                finally:
-                    _end_progress(progress)
-                _show_skipped(invalid, report)
-                click.echo(_enqueued(report, str(plan.file)))
-                reports.append(report)
-            return None
+            return await enqueue_plans(
+                database,
+                config,
+                plans,
+                update=update,
+                skip_invalid=skip_invalid,
+                progress=progress,
+                each=each,
+            )
         finally:
             await database.close()
 
-    failure = run_async(go())
-    if failure is not None:
-        click.echo(f"error: {failure}", err=True)
-        name = plans[len(reports)].name
-        kept = ", ".join(repr(r.dataset) for r in reports) or "none"
+    result = run_async(go())
+    while shown:
+        _end_progress(shown.pop())
+    if isinstance(result, PlanFailed):
+        click.echo(f"error: {result.error}", err=True)
+        kept = ", ".join(repr(e.report.dataset) for e in result.done) or "none"
         click.echo(
-            f"stopped at dataset {name!r} ({len(reports) + 1} of {len(plans)}): nothing of it "
-            f"was enqueued; the datasets before it stay enqueued ({kept})",
+            f"stopped at dataset {result.plan.name!r} ({len(result.done) + 1} of "
+            f"{len(plans)}): nothing of it was enqueued; the datasets before it stay "
+            f"enqueued ({kept})",
             err=True,
         )
-        sys.exit(failure.exit_code)
+        sys.exit(result.error.exit_code)
+    reports = [entry.report for entry in result]
     added = sum(r.added for r in reports)
     passed = sum(r.added for r in reports if r.mode == "passthrough")
     turns = sum(r.turns for r in reports if r.mode != "passthrough")
@@ -710,31 +664,6 @@ max_response_option = click.option(
     help="Most MiB of one answer's body; a larger one fails the item (response_too_large) "
     "before it fills memory and the database.",
 )
-
-
-def _without_credentials(
-    specs: list[Any], api_key: str | None, basic_auth_file: Path | None
-) -> tuple[list[Any], dict[str, Any]]:
-    """The servers under their URLs without userinfo, and the Basic credentials to send
-    each (orchestrator.urls): no password reaches a log line, a row or a label."""
-    import structlog
-
-    from orchestrator.servers import ServerSpec
-    from orchestrator.urls import read_basic_auth, server_credentials
-
-    shared = run_sync(lambda: read_basic_auth(basic_auth_file)) if basic_auth_file else None
-    shown, auth = run_sync(
-        lambda: server_credentials([s.url for s in specs], api_key=api_key, shared=shared)
-    )
-    in_urls = [url for url, spec in zip(shown, specs, strict=True) if url != spec.url.strip()]
-    if in_urls:
-        structlog.get_logger("orchestrator.cli").warning(
-            "credentials_in_server_url",
-            servers=in_urls,
-            hint="anyone on this machine can read process arguments: use --basic-auth-file",
-        )
-    clean = [ServerSpec(url, spec.concurrency) for url, spec in zip(shown, specs, strict=True)]
-    return clean, auth
 
 
 def _checked_servers(servers: tuple[str, ...]) -> tuple[str, ...]:
@@ -882,44 +811,34 @@ def run(
     SIGTERM or SIGINT stops claiming and lets in-flight requests finish within --grace;
     a second signal stops at once. Unfinished items go back to pending.
     """
-    import asyncio
-    import signal
-
-    from orchestrator.client import ClientConfig, InferenceClient
-    from orchestrator.errors import RunStopped
-    from orchestrator.monitor import progress
+    from orchestrator.client import ClientConfig
+    from orchestrator.running import run_worker, without_credentials
     from orchestrator.servers import merge_servers, parse_servers_file
-    from orchestrator.store import check_datasets, open_database
-    from orchestrator.systemd import SystemdNotifier
-    from orchestrator.worker import Worker, WorkerConfig
+    from orchestrator.store import open_database
+    from orchestrator.worker import WorkerConfig
 
     servers = _checked_servers(servers)
     listed = run_sync(lambda: parse_servers_file(servers_file)) if servers_file else []
     api_key = _read_api_key(api_key_file)
-    specs, basic_auth = _without_credentials(
-        merge_servers(servers, listed), api_key, basic_auth_file
+    specs, basic_auth = run_sync(
+        lambda: without_credentials(merge_servers(servers, listed), api_key, basic_auth_file)
     )
-    server_list = tuple(spec.url for spec in specs)
-    config = (
-        WorkerConfig(
-            servers=server_list,
-            concurrency=concurrency,  # type: ignore[arg-type]
-            server_caps={s.url: s.concurrency for s in specs if s.concurrency is not None},
-            datasets=datasets,
-            exit_when_done=exit_when_done,
-            lease_seconds=lease_seconds,
-            max_attempts=max_attempts,
-            backoff_base=retry_backoff,
-            grace_seconds=grace,
-            give_up_after=give_up_after,
-        )
-        if server_list
-        else None
-    )
-    if config is None:
+    if not specs:
         raise click.UsageError(
             "give at least one --server URL (or --servers-file, or ORCHESTRATOR_SERVERS)"
         )
+    config = WorkerConfig(
+        servers=tuple(spec.url for spec in specs),
+        concurrency=concurrency,  # type: ignore[arg-type]
+        server_caps={s.url: s.concurrency for s in specs if s.concurrency is not None},
+        datasets=datasets,
+        exit_when_done=exit_when_done,
+        lease_seconds=lease_seconds,
+        max_attempts=max_attempts,
+        backoff_base=retry_backoff,
+        grace_seconds=grace,
+        give_up_after=give_up_after,
+    )
     client_config = ClientConfig(
         request_timeout=request_timeout,
         stream=stream,
@@ -932,35 +851,19 @@ def run(
     async def go() -> Any:
         database = await open_database(db, mode="write")
         try:
-            await check_datasets(database, datasets)
-            # Under systemd (Type=notify): READY=1, STOPPING=1, status and watchdog pings.
-            async with InferenceClient(client_config) as client, SystemdNotifier() as notifier:
-                metrics = None
-                if metrics_port is not None:
-                    from orchestrator.metrics import WorkerMetrics
-
-                    metrics = WorkerMetrics()
-                worker = Worker(database, client, config, notifier=notifier, metrics=metrics)
-                loop = asyncio.get_running_loop()
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    loop.add_signal_handler(sig, worker.request_stop)
-                line = progress.start(database, worker)  # on a terminal only
-                try:
-                    if metrics is None:
-                        return await worker.run()
-                    return await _run_with_metrics(worker, metrics, metrics_host, metrics_port)
-                except RunStopped as exc:
-                    stopped.append(exc)  # said after the worker's own last line
-                    return worker.stats
-                finally:
-                    await progress.stop(line)
-                    if worker.unfinished is not None:
-                        stopped.append(worker.unfinished)
+            return await run_worker(
+                database,
+                config,
+                client_config,
+                metrics_port=metrics_port,
+                metrics_host=metrics_host,
+                signals=True,
+            )
         finally:
             await database.close()
 
-    stopped: list[RunStopped] = []
-    _say_how_run_ended(run_async(go()), stopped)
+    outcome = run_async(go())
+    _say_how_run_ended(outcome.stats, outcome.stopped)
 
 
 def _say_how_run_ended(stats: Any, stopped: list[Any]) -> None:
@@ -987,29 +890,6 @@ def _say_how_run_ended(stats: Any, stopped: list[Any]) -> None:
         kind = "incomplete" if isinstance(reason, (ItemsFailed, ItemsLeftPending)) else "error"
         click.echo(f"{kind}: {reason}", err=True)
         sys.exit(reason.exit_code)
-
-
-async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int) -> Any:
-    import structlog
-
-    from orchestrator.metrics import serve_metrics
-
-    def health() -> dict[str, Any]:
-        return {
-            "worker": worker.owner,
-            "in_flight": worker.in_flight,
-            "completed": worker.stats.completed,
-            "failed": worker.stats.failed,
-        }
-
-    runner, bound = await serve_metrics(metrics, health, host, port)
-    structlog.get_logger("orchestrator.cli").info(
-        "metrics_listening", url=f"http://{host}:{bound}/metrics"
-    )
-    try:
-        return await worker.run()
-    finally:
-        await runner.cleanup()
 
 
 # ---------------------------------------------------------------------------- status
@@ -1783,11 +1663,12 @@ def doctor(
     One PASS/FAIL line per check; exit code 1 when any fails. Reads only.
     """
     from orchestrator.doctor import DoctorConfig, passed, run_checks
+    from orchestrator.running import without_credentials
     from orchestrator.servers import ServerSpec
 
     api_key = _read_api_key(api_key_file)
-    specs, basic_auth = _without_credentials(
-        [ServerSpec(s) for s in servers], api_key, basic_auth_file
+    specs, basic_auth = run_sync(
+        lambda: without_credentials([ServerSpec(s) for s in servers], api_key, basic_auth_file)
     )
     config = DoctorConfig(
         db=db,

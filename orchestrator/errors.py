@@ -47,10 +47,14 @@ class InputError(OrchestratorError):
 
 
 class ConfigError(OrchestratorError):
+    """Options that cannot work together, or a setting out of range."""
+
     exit_code = 2
 
 
 class StorageError(OrchestratorError):
+    """The database refused, or cannot be opened as the command needs."""
+
     exit_code = 3
 
 
@@ -71,10 +75,14 @@ class RunHalted(RunStopped):
 
 
 class ItemsFailed(RunStopped):
+    """A run to the end left failed items (``requeue`` sends them back)."""
+
     exit_code = 6
 
 
 class ItemsLeftPending(RunStopped):
+    """A run to the end left items pending in paused datasets."""
+
     exit_code = 7
 
 

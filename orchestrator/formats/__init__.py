@@ -9,6 +9,7 @@ from orchestrator.formats.readers import (
     PreparedItem,
     Record,
     iter_prepared,
+    iter_prepared_rows,
     iter_records,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "PreparedItem",
     "Record",
     "iter_prepared",
+    "iter_prepared_rows",
     "iter_records",
 ]

@@ -61,6 +61,8 @@ from orchestrator.store.outputs import (
 from orchestrator.store.reader import Reader, open_reader
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from orchestrator.store.engine import Database
 
 FORMATS = ("messages", "sharegpt", "openai-batch")
@@ -485,6 +487,11 @@ def file_stems(names: Sequence[str]) -> dict[str, str]:
 STDOUT = Path("-")
 
 
+def _fast(options: ExportOptions, dataset: DatasetRef) -> bool:
+    """Whether the dataset's lines are written from the narrow rows (``write_lines``)."""
+    return options.plain and dataset.regenerate == "last" and not dataset.passthrough
+
+
 def _check_target(target: Path) -> None:
     if target == STDOUT:
         return
@@ -664,7 +671,7 @@ class _Job:
         self._mixed: list[tuple[Path, int, int]] = []
 
     def fast(self, dataset: DatasetRef) -> bool:
-        return self.options.plain and dataset.regenerate == "last" and not dataset.passthrough
+        return _fast(self.options, dataset)
 
     def lines(self, dataset: DatasetRef) -> _Lines:
         lines = _Lines(dataset, self.options, shared=dataset.id in self._shared)
@@ -866,6 +873,44 @@ async def export_database(
     if warn:
         warn_mixed(report, job.options.format)
     return report
+
+
+async def iter_lines(
+    database: Database,
+    *,
+    dataset_names: Sequence[str] = (),
+    options: ExportOptions | None = None,
+) -> AsyncIterator[bytes]:
+    """The done items' lines one export file would hold, in its order, without a file:
+    the same line shapes as :func:`export_database` (one read transaction throughout).
+
+    ``split`` and ``include_failed`` name files and do not apply; each line is the bytes
+    of one JSON object, without its newline.
+    """
+    chosen = options or ExportOptions()
+    if chosen.split or chosen.include_failed is not None:
+        raise ConfigError(
+            "the lines of an export are one stream: split and include_failed name files"
+        )
+    async with database.read() as conn:
+        datasets = await dataset_refs(conn, dataset_names)
+        shared = len(datasets) > 1
+        for dataset in datasets:
+            out: list[bytes] = []
+            # Both writers put a line, then its newline: every other entry is a line.
+            if _fast(chosen, dataset):
+                async for rows in done_rows(conn, dataset.id):
+                    write_lines(out.append, dataset.name, rows)
+                    for line in out[::2]:
+                        yield line
+                    out.clear()
+                continue
+            lines = _Lines(dataset, chosen, shared=shared)
+            async for batch in full_batches(conn, dataset, turns=lines.turns):
+                lines.write(out.append, batch)
+                for line in out[::2]:
+                    yield line
+                out.clear()
 
 
 async def export_jsonl(

@@ -35,10 +35,10 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple, TypeVar
+from typing import IO, Any, NamedTuple, TypeVar
 
 import orjson
 
@@ -283,44 +283,89 @@ def _iter_file(
         fh = open(name, "rb")  # noqa: SIM115 - closed by the with below
     except OSError as exc:
         raise _file_error(name, exc) from None
+    with fh:
+        lines = _read_lines(name, fh)
+        yield from _parse_lines(name, lines, on_invalid, parse, "no records in file")
+
+
+def _read_lines(name: str, fh: IO[bytes]) -> Iterator[bytes]:
+    """The file's lines. Only the read itself is guarded: an OSError from on_invalid or
+    from the consumer is theirs, not a problem with this file."""
+    readline = fh.readline
+    while True:
+        try:
+            raw = readline()
+        except OSError as exc:
+            raise _file_error(name, exc) from None
+        if not raw:
+            return
+        yield raw
+
+
+def _parse_lines(
+    name: str,
+    lines: Iterable[bytes],
+    on_invalid: Callable[[InputError], None] | None,
+    parse: Callable[[bytes, int], _T],
+    empty: str,
+) -> Iterator[_T]:
+    """Each JSONL line through ``parse``; a bad one raises or goes to ``on_invalid``."""
     yielded = 0
     invalid = 0
-    lineno = 0
-    with fh:
-        readline = fh.readline
-        while True:
-            # Only the read itself is guarded: an OSError from on_invalid or from the
-            # consumer is theirs, not a problem with this file.
-            try:
-                raw = readline()
-            except OSError as exc:
-                raise _file_error(name, exc) from None
-            if not raw:
-                break
-            lineno += 1
-            if lineno == 1 and raw.startswith(_BOM):
-                raw = raw[len(_BOM) :]
-            if raw.isspace() or not raw:
-                continue
-            try:
-                item = parse(raw, lineno)
-            except _LineError as exc:
-                reason = str(exc)
-            except orjson.JSONEncodeError:
-                # The line reads, but its request cannot be written back as JSON: orjson
-                # writes at most MAX_DEPTH levels of nesting.
-                reason = _too_deep(raw)
-            else:
-                yielded += 1
-                yield item
-                continue
-            error = InputError(reason, path=name, line=lineno)
-            if on_invalid is None:
-                raise error from None
-            invalid += 1
-            on_invalid(error)
+    for lineno, line in enumerate(lines, 1):
+        raw = line[len(_BOM) :] if lineno == 1 and line.startswith(_BOM) else line
+        if raw.isspace() or not raw:
+            continue
+        try:
+            item = parse(raw, lineno)
+        except _LineError as exc:
+            reason = str(exc)
+        except orjson.JSONEncodeError:
+            # The line reads, but its request cannot be written back as JSON: orjson
+            # writes at most MAX_DEPTH levels of nesting.
+            reason = _too_deep(raw)
+        else:
+            yielded += 1
+            yield item
+            continue
+        error = InputError(reason, path=name, line=lineno)
+        if on_invalid is None:
+            raise error from None
+        invalid += 1
+        on_invalid(error)
     if yielded == 0 and invalid == 0:
-        raise InputError("no records in file", path=name)
+        raise InputError(empty, path=name)
+
+
+def iter_prepared_rows(
+    rows: Iterable[Any],
+    *,
+    source: str = "<records>",
+    on_invalid: Callable[[InputError], None] | None = None,
+    fmt: str = "auto",
+    regenerate: str = "last",
+    passthrough: bool = False,
+) -> Iterator[Prepared] | Iterator[PreparedItem]:
+    """``iter_prepared`` over rows already in memory (the Python API's records).
+
+    Each row is read as the JSONL line it would be in a file, so it gets the same checks
+    and the same errors, naming ``source`` and the row's 1-based position as its line.
+    """
+    mode = _mode(fmt, regenerate, passthrough)
+    if mode == "last":
+        parse: Callable[[bytes, int], Any] = _only(fmt, _prepare_line)
+    else:
+        parse = _only(fmt, partial(_prepare_item, mode, _ITEM_PARSERS[mode, fmt == "tokens"]))
+    return _parse_lines(source, _encoded(source, rows), on_invalid, parse, "no records")
+
+
+def _encoded(source: str, rows: Iterable[Any]) -> Iterator[bytes]:
+    """Rows as JSON lines; a row JSON cannot hold is refused with its position."""
+    for n, row in enumerate(rows, 1):
+        try:
+            yield orjson.dumps(row)
+        except orjson.JSONEncodeError as exc:
+            raise InputError(f"not a JSON object: {exc}", path=source, line=n) from None
 
 
 def _file_error(name: str, exc: OSError) -> InputError:

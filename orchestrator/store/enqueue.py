@@ -136,6 +136,7 @@ async def enqueue(
     on_invalid: Callable[[InputError], None] | None = None,
     progress: Callable[[int], None] | None = None,
     update: bool = False,
+    hash_source: bool = True,
 ) -> EnqueueReport:
     """Insert every record of one file, or nothing.
 
@@ -146,10 +147,11 @@ async def enqueue(
     (``orchestrator.formats.iter_prepared``), read the way the dataset needs: for
     ``regenerate="all"`` or pass-through (``ConfigError`` otherwise, before anything is
     written). Pass-through rows are stored done, each with an empty output row, and are
-    never claimed. ``update``: see ``datasets.declare``.
+    never claimed. ``update``: see ``datasets.declare``. ``hash_source=False``: ``path``
+    only names the records (rows given in memory), no file is hashed.
     """
     now = time.time()
-    sha = file_sha256(path)
+    sha = file_sha256(path) if hash_source else None
     async with database.write() as conn:
         baseline = (
             await conn.execute(sa.select(sa.func.coalesce(sa.func.max(items.c.id), 0)))
