@@ -1,0 +1,201 @@
+"""Adding prompts to a dataset: the one way both ``orchestrator enqueue`` and the Python
+API (``orchestrator.api``) do it, so a file and a list of dicts get the same checks.
+
+The options a dataset is made with are settled here against what the database already
+holds (a file added to an existing dataset is read the way the dataset was made).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.errors import ConfigError, InputError, OrchestratorError
+
+if TYPE_CHECKING:
+    from orchestrator.runconfig import DatasetPlan
+    from orchestrator.store import Database, DatasetSpec, EnqueueReport
+
+#: What ``enqueue`` takes: a JSONL file's path, or rows (dicts in any input format).
+Source = str | os.PathLike[str] | Iterable[Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnqueueOptions:
+    """One dataset's settings, as the ``enqueue`` command's options give them.
+
+    ``sampling`` names the request options the caller set, in the caller's own words
+    (``--max-tokens`` or ``max_tokens``): a pass-through dataset sends no request, so
+    they are refused for it by those names.
+    """
+
+    dataset: str
+    params: dict[str, Any] = field(default_factory=dict)
+    concurrency: int | None = None
+    priority: int | None = None
+    format: str = "auto"
+    regenerate: str | None = None
+    on_truncated: str | None = None
+    passthrough: bool = False
+    update: bool = False
+    sampling: tuple[str, ...] = ()
+
+
+def is_path(source: Source) -> bool:
+    """A path names a file; anything else iterable is rows."""
+    return isinstance(source, str | os.PathLike)
+
+
+def source_name(source: Source) -> str:
+    """How errors and the report name the source: the path, or ``<records>``."""
+    return os.fsdecode(source) if is_path(source) else "<records>"  # type: ignore[arg-type]
+
+
+async def enqueue_source(
+    database: Database,
+    options: EnqueueOptions,
+    source: Source,
+    *,
+    on_invalid: Callable[[InputError], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> EnqueueReport:
+    """Read ``source`` the way its dataset is made and add its items in one transaction."""
+    from orchestrator.formats import iter_prepared, iter_prepared_rows
+    from orchestrator.store import DatasetSpec
+    from orchestrator.store import enqueue as do_enqueue
+    from orchestrator.store.datasets import get_dataset
+
+    name = options.dataset
+    info = await get_dataset(database, name)
+    passing = options.passthrough or bool(info and info.passthrough)
+    if passing and options.sampling:
+        raise ConfigError(
+            f"dataset {name!r} is pass-through: its rows are stored as done and "
+            f"no request is sent, so {', '.join(options.sampling)} do not apply"
+        )
+    mode = options.regenerate or (info.regenerate if info else "last")
+    spec = DatasetSpec(
+        name=name,
+        params=options.params,
+        concurrency=options.concurrency,
+        priority=options.priority,
+        regenerate=mode,
+        on_truncated=options.on_truncated,
+        passthrough=passing,
+    )
+    read = {"on_invalid": on_invalid, "fmt": options.format, "regenerate": mode}
+    if is_path(source):
+        records = iter_prepared(source, passthrough=passing, **read)  # type: ignore[arg-type]
+    else:
+        records = iter_prepared_rows(source, passthrough=passing, **read)  # type: ignore[arg-type]
+    return await do_enqueue(
+        database,
+        spec,
+        records,
+        path=source_name(source),
+        on_invalid=on_invalid,
+        progress=progress,
+        update=options.update,
+        hash_source=is_path(source),
+    )
+
+
+def skipped(invalid: list[InputError], report: EnqueueReport) -> list[InputError]:
+    """Rows the reader rejected and rows the store rejected (duplicates), once each."""
+    errors = {(e.line, str(e)): e for e in [*invalid, *report.invalid]}
+    return list(errors.values())
+
+
+@dataclass(slots=True)
+class Enqueued:
+    """One dataset of a run file, enqueued: its report and the rows it skipped."""
+
+    plan: DatasetPlan
+    report: EnqueueReport
+    invalid: list[InputError]
+
+
+@dataclass(slots=True)
+class PlanFailed:
+    """Why a run file's enqueue stopped: at ``plan``, after ``done`` were enqueued
+    (each in its own transaction: they stay)."""
+
+    plan: DatasetPlan
+    error: OrchestratorError
+    done: list[Enqueued]
+
+
+async def enqueue_plans(
+    database: Database,
+    config: str | os.PathLike[str],
+    plans: list[DatasetPlan],
+    *,
+    update: bool = False,
+    skip_invalid: bool = False,
+    progress: Callable[[DatasetPlan], Callable[[int], None] | None] | None = None,
+    each: Callable[[Enqueued], None] | None = None,
+) -> list[Enqueued] | PlanFailed:
+    """Every dataset of a run file (``orchestrator.runconfig.load_run``): all checked
+    against the database first (nothing enqueued when one is refused), then one
+    transaction per file, in the file's order.
+
+    ``progress(plan)`` gives a file's progress callback; ``each`` hears of every dataset
+    enqueued as it is. A dataset that fails stops there: the result says which.
+    """
+    from orchestrator.formats import iter_prepared
+    from orchestrator.store import enqueue as do_enqueue
+    from orchestrator.store.datasets import refusals
+
+    specs = [_plan_spec(plan) for plan in plans]
+    refused = await refusals(database, specs, update=update)
+    if refused:
+        lines = "".join(f"\n  {r}" for r in refused)
+        raise ConfigError(
+            f"{config}: nothing enqueued: {refused[0]}"
+            if len(refused) == 1
+            else f"{config}: nothing enqueued, {len(refused)} datasets refused:{lines}"
+        )
+    done: list[Enqueued] = []
+    for plan, spec in zip(plans, specs, strict=True):
+        invalid: list[InputError] = []
+        on_invalid = invalid.append if skip_invalid else None
+        shown = progress(plan) if progress is not None else None
+        try:
+            report = await do_enqueue(
+                database,
+                spec,
+                iter_prepared(
+                    plan.file,
+                    on_invalid=on_invalid,
+                    fmt=plan.format,
+                    regenerate=plan.regenerate,
+                    passthrough=plan.passthrough,
+                ),
+                path=str(plan.file),
+                on_invalid=on_invalid,
+                progress=shown,
+                update=update,
+            )
+        except OrchestratorError as exc:
+            return PlanFailed(plan, exc, done)
+        entry = Enqueued(plan, report, invalid)
+        done.append(entry)
+        if each is not None:
+            each(entry)
+    return done
+
+
+def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
+    from orchestrator.store import DatasetSpec
+
+    return DatasetSpec(
+        name=plan.name,
+        params=plan.params,
+        concurrency=plan.concurrency,
+        priority=plan.priority,
+        regenerate=plan.regenerate,
+        on_truncated=plan.on_truncated,
+        passthrough=plan.passthrough,
+    )

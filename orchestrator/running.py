@@ -1,0 +1,146 @@
+"""A worker put together from its parts: the one composition ``orchestrator run`` and the
+Python API (``orchestrator.api``) both use, so an embedded run behaves as the command's.
+
+The caller opens the database and says whether the process's signals are the run's (the
+command) or not (embedded: the run stops when its task is cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchestrator.client import ClientConfig
+    from orchestrator.errors import RunStopped
+    from orchestrator.servers import ServerSpec
+    from orchestrator.store import Database
+    from orchestrator.worker import WorkerConfig, WorkerStats
+
+
+@dataclass(slots=True)
+class RunOutcome:
+    """What a run did, and why it stopped short when it did (``RunStopped`` errors: a
+    halt, items failed or left pending with ``exit_when_done``)."""
+
+    stats: WorkerStats
+    stopped: list[RunStopped] = field(default_factory=list)
+
+
+def without_credentials(
+    specs: list[ServerSpec], api_key: str | None, basic_auth_file: Path | None
+) -> tuple[list[ServerSpec], dict[str, Any]]:
+    """The servers under their URLs without userinfo, and the Basic credentials to send
+    each (orchestrator.urls): no password reaches a log line, a row or a label."""
+    import structlog
+
+    from orchestrator.servers import ServerSpec
+    from orchestrator.urls import read_basic_auth, server_credentials
+
+    shared = read_basic_auth(basic_auth_file) if basic_auth_file else None
+    shown, auth = server_credentials([s.url for s in specs], api_key=api_key, shared=shared)
+    in_urls = [url for url, spec in zip(shown, specs, strict=True) if url != spec.url.strip()]
+    if in_urls:
+        structlog.get_logger("orchestrator.cli").warning(
+            "credentials_in_server_url",
+            servers=in_urls,
+            hint="anyone on this machine can read process arguments: use --basic-auth-file",
+        )
+    clean = [ServerSpec(url, spec.concurrency) for url, spec in zip(shown, specs, strict=True)]
+    return clean, auth
+
+
+async def run_worker(
+    database: Database,
+    config: WorkerConfig,
+    client_config: ClientConfig,
+    *,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    signals: bool = False,
+) -> RunOutcome:
+    """Run a worker on an open database until it stops.
+
+    ``signals``: SIGTERM/SIGINT stop it (the command; a second one forces). Cancelling
+    the task running this stops the worker at once, its leases released, and then the
+    cancellation goes on: an embedded run never leaves items running.
+    """
+    from orchestrator.client import InferenceClient
+    from orchestrator.errors import RunStopped
+    from orchestrator.monitor import progress
+    from orchestrator.store import check_datasets
+    from orchestrator.systemd import SystemdNotifier
+    from orchestrator.worker import Worker
+
+    await check_datasets(database, config.datasets)
+    outcome: RunOutcome | None = None
+    stopped: list[RunStopped] = []
+    # Under systemd (Type=notify): READY=1, STOPPING=1, status and watchdog pings.
+    async with InferenceClient(client_config) as client, SystemdNotifier() as notifier:
+        metrics = None
+        if metrics_port is not None:
+            from orchestrator.metrics import WorkerMetrics
+
+            metrics = WorkerMetrics()
+        worker = Worker(database, client, config, notifier=notifier, metrics=metrics)
+        if signals:
+            import signal
+
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, worker.request_stop)
+        line = progress.start(database, worker)  # on a terminal only
+        try:
+            run = _run_with_metrics(worker, metrics, metrics_host, metrics_port)
+            outcome = RunOutcome(await _stop_on_cancel(worker, run), stopped)
+        except RunStopped as exc:
+            stopped.append(exc)  # said after the worker's own last line
+            outcome = RunOutcome(worker.stats, stopped)
+        finally:
+            await progress.stop(line)
+            if worker.unfinished is not None:
+                stopped.append(worker.unfinished)
+    return outcome
+
+
+async def _stop_on_cancel(worker: Any, run: Any) -> WorkerStats:
+    """Await the worker's run in a task of its own; when this is cancelled, stop the
+    worker (forced: no grace), wait for it to release its leases, then re-raise."""
+    task = asyncio.ensure_future(run)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            worker.request_stop(force=True)
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await task
+        raise
+
+
+async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int | None) -> Any:
+    """The worker's run, with Prometheus metrics served beside it when asked."""
+    if metrics is None or port is None:
+        return await worker.run()
+    import structlog
+
+    from orchestrator.metrics import serve_metrics
+
+    def health() -> dict[str, Any]:
+        return {
+            "worker": worker.owner,
+            "in_flight": worker.in_flight,
+            "completed": worker.stats.completed,
+            "failed": worker.stats.failed,
+        }
+
+    runner, bound = await serve_metrics(metrics, health, host, port)
+    structlog.get_logger("orchestrator.cli").info(
+        "metrics_listening", url=f"http://{host}:{bound}/metrics"
+    )
+    try:
+        return await worker.run()
+    finally:
+        await runner.cleanup()
