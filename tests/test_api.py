@@ -88,6 +88,10 @@ async def test_a_bad_row_is_named_by_its_position(tmp_path: Path) -> None:
         assert str(caught.value).startswith("<records>:2: ")
         report = await q.enqueue(rows, dataset="d", model="m", skip_invalid=True)
         assert report.added == 2 and [e.line for e in report.invalid] == [2]
+        with pytest.raises(orc.InputError, match=r"^<records>:2: not a JSON object"):
+            await q.enqueue([{"prompt": "ok"}, {"prompt": object()}], dataset="f", model="m")
+        with pytest.raises(orc.InputError, match=r"^<records>: no records"):
+            await q.enqueue([], dataset="g", model="m")
         with pytest.raises(orc.InputError, match=r"missing\.jsonl: no such file"):
             await q.enqueue(tmp_path / "missing.jsonl", dataset="e", model="m")
 
