@@ -200,28 +200,23 @@ class Queue:
         serve, answers the database did not take) raises its ``RunStopped`` or
         ``StorageError``. Cancelled, it stops at once and releases its leases.
         """
-        from orchestrator.client import ClientConfig
+        from orchestrator.running import RunSettings
 
-        config, auth = _worker_config(
-            servers,
-            concurrency,
-            api_key,
+        settings = RunSettings(
+            concurrency=_cap(concurrency),
             datasets=tuple(datasets),
             exit_when_done=until_done,
+            give_up_after=give_up_after,
+            request_timeout=request_timeout,
             lease_seconds=lease_seconds,
             max_attempts=max_attempts,
-            backoff_base=retry_backoff,
-            grace_seconds=grace,
-            give_up_after=give_up_after,
-        )
-        client_config = ClientConfig(
-            request_timeout=request_timeout,
+            retry_backoff=retry_backoff,
+            grace=grace,
             stream=stream,
             stream_idle_timeout=stream_idle_timeout,
-            api_key=api_key,
-            basic_auth=auth,
-            max_response_bytes=int(max_response_mb * 2**20),
+            max_response_mb=max_response_mb,
         )
+        config, client_config = _configs(servers, api_key, settings)
         return _checked_outcome(await self._track(_run(self.database, config, client_config)))
 
     async def _track(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -366,27 +361,28 @@ def _export_options(
     )
 
 
-def _worker_config(
-    servers: Sequence[str], concurrency: int | str, api_key: str | None, **options: Any
-) -> tuple[Any, dict[str, Any]]:
-    """The worker's configuration from the servers as given, each through the check of
-    every server source, and the Basic credentials their URLs carried."""
-    from orchestrator.running import without_credentials
-    from orchestrator.servers import ServerSpec, check_server_url, parse_cap
-    from orchestrator.worker import WorkerConfig
+def _cap(concurrency: int | str) -> int | str:
+    from orchestrator.servers import parse_cap
+
+    try:
+        return parse_cap(str(concurrency))
+    except ValueError as exc:
+        raise ConfigError(f"concurrency: {exc}") from None
+
+
+def _configs(servers: Sequence[str], api_key: str | None, settings: Any) -> tuple[Any, Any]:
+    """The worker's and the client's configuration as the command makes them, from the
+    servers as given (each through the check of every server source)."""
+    from orchestrator.running import configs, without_credentials
+    from orchestrator.servers import ServerSpec, check_server_url
 
     if isinstance(servers, str):
         servers = [servers]
     if not servers:
         raise ConfigError("run needs at least one server URL (servers=[...])")
-    try:
-        cap = parse_cap(str(concurrency))
-    except ValueError as exc:
-        raise ConfigError(f"concurrency: {exc}") from None
     checked = [ServerSpec(check_server_url(url, "servers")[0]) for url in servers]
     specs, auth = without_credentials(checked, api_key, None)
-    urls = tuple(spec.url for spec in specs)
-    return WorkerConfig(servers=urls, concurrency=cap, **options), auth
+    return configs(specs, auth, api_key, settings)
 
 
 async def _run(database: Database, config: Any, client_config: Any) -> RunOutcome:

@@ -811,11 +811,9 @@ def run(
     SIGTERM or SIGINT stops claiming and lets in-flight requests finish within --grace;
     a second signal stops at once. Unfinished items go back to pending.
     """
-    from orchestrator.client import ClientConfig
-    from orchestrator.running import run_worker, without_credentials
+    from orchestrator.running import RunSettings, configs, run_worker, without_credentials
     from orchestrator.servers import merge_servers, parse_servers_file
     from orchestrator.store import open_database
-    from orchestrator.worker import WorkerConfig
 
     servers = _checked_servers(servers)
     listed = run_sync(lambda: parse_servers_file(servers_file)) if servers_file else []
@@ -827,26 +825,21 @@ def run(
         raise click.UsageError(
             "give at least one --server URL (or --servers-file, or ORCHESTRATOR_SERVERS)"
         )
-    config = WorkerConfig(
-        servers=tuple(spec.url for spec in specs),
-        concurrency=concurrency,  # type: ignore[arg-type]
-        server_caps={s.url: s.concurrency for s in specs if s.concurrency is not None},
+    settings = RunSettings(
+        concurrency=concurrency,
         datasets=datasets,
         exit_when_done=exit_when_done,
+        give_up_after=give_up_after,
+        request_timeout=request_timeout,
         lease_seconds=lease_seconds,
         max_attempts=max_attempts,
-        backoff_base=retry_backoff,
-        grace_seconds=grace,
-        give_up_after=give_up_after,
-    )
-    client_config = ClientConfig(
-        request_timeout=request_timeout,
+        retry_backoff=retry_backoff,
+        grace=grace,
         stream=stream,
         stream_idle_timeout=stream_idle_timeout,
-        api_key=api_key,
-        basic_auth=basic_auth,
-        max_response_bytes=int(max_response_mb * 2**20),
+        max_response_mb=max_response_mb,
     )
+    config, client_config = configs(specs, basic_auth, api_key, settings)
 
     async def go() -> Any:
         database = await open_database(db, mode="write")

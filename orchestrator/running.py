@@ -53,6 +53,57 @@ def without_credentials(
     return clean, auth
 
 
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """What ``orchestrator run`` and ``Queue.run`` take beyond the servers, with the
+    command's defaults; made into the worker's and the client's configuration in one
+    place (:func:`configs`)."""
+
+    concurrency: int | str = 64
+    datasets: tuple[str, ...] = ()
+    exit_when_done: bool = True
+    give_up_after: float | None = None
+    request_timeout: float = 3600.0
+    lease_seconds: float = 120.0
+    max_attempts: int = 8
+    retry_backoff: float = 2.0
+    grace: float = 30.0
+    stream: bool = False
+    stream_idle_timeout: float = 120.0
+    max_response_mb: float = 64.0
+
+
+def configs(
+    specs: list[ServerSpec], auth: dict[str, Any], api_key: str | None, settings: RunSettings
+) -> tuple[WorkerConfig, ClientConfig]:
+    """The worker's and the client's configuration for these servers (as
+    :func:`without_credentials` left them) and settings."""
+    from orchestrator.client import ClientConfig
+    from orchestrator.worker import WorkerConfig
+
+    worker = WorkerConfig(
+        servers=tuple(spec.url for spec in specs),
+        concurrency=settings.concurrency,  # type: ignore[arg-type]
+        server_caps={s.url: s.concurrency for s in specs if s.concurrency is not None},
+        datasets=settings.datasets,
+        exit_when_done=settings.exit_when_done,
+        lease_seconds=settings.lease_seconds,
+        max_attempts=settings.max_attempts,
+        backoff_base=settings.retry_backoff,
+        grace_seconds=settings.grace,
+        give_up_after=settings.give_up_after,
+    )
+    client = ClientConfig(
+        request_timeout=settings.request_timeout,
+        stream=settings.stream,
+        stream_idle_timeout=settings.stream_idle_timeout,
+        api_key=api_key,
+        basic_auth=auth,
+        max_response_bytes=int(settings.max_response_mb * 2**20),
+    )
+    return worker, client
+
+
 async def run_worker(
     database: Database,
     config: WorkerConfig,
