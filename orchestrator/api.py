@@ -162,7 +162,7 @@ class Queue:
         as a whole first, then one transaction per file. A file that fails raises its
         error; the datasets before it stay enqueued."""
         from orchestrator.enqueueing import PlanFailed, enqueue_plans
-        from orchestrator.runconfig import load_run
+        from orchestrator.runfile import load_run
 
         plans = load_run(config)
         result = await enqueue_plans(

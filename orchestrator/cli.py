@@ -518,7 +518,7 @@ def _enqueued(report: Any, file: str) -> str:
 def _enqueue_config(config: Path, *, update: bool, skip_invalid: bool, db: str | None) -> None:
     """Every dataset of a run file: checked as a whole, then one transaction per file."""
     from orchestrator.enqueueing import Enqueued, PlanFailed, enqueue_plans
-    from orchestrator.runconfig import load_run
+    from orchestrator.runfile import load_run
     from orchestrator.store import open_database
 
     plans = run_sync(lambda: load_run(config))
@@ -594,7 +594,7 @@ def _enqueue_config(config: Path, *, update: bool, skip_invalid: bool, db: str |
 @db_option
 def plan(config: Path | None, tokens_per_second: float, as_json: bool, db: str | None) -> None:
     """Requests, tokens to generate, time left and database size, per dataset and in total."""
-    from orchestrator.runconfig import (
+    from orchestrator.runfile import (
         done_stats,
         load_run,
         plan_json,

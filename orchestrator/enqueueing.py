@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.errors import ConfigError, InputError, OrchestratorError
 
 if TYPE_CHECKING:
-    from orchestrator.runconfig import DatasetPlan
+    from orchestrator.runfile import DatasetPlan
     from orchestrator.store import Database, DatasetSpec, EnqueueReport
 
 #: What ``enqueue`` takes: a JSONL file's path, or rows (dicts in any input format).
@@ -137,7 +137,7 @@ async def enqueue_plans(
     progress: Callable[[DatasetPlan], Callable[[int], None] | None] | None = None,
     each: Callable[[Enqueued], None] | None = None,
 ) -> list[Enqueued] | PlanFailed:
-    """Every dataset of a run file (``orchestrator.runconfig.load_run``): all checked
+    """Every dataset of a run file (``orchestrator.runfile.load_run``): all checked
     against the database first (nothing enqueued when one is refused), then one
     transaction per file, in the file's order.
 

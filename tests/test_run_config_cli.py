@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from orchestrator import cli
 from orchestrator.cli import main
 from orchestrator.formats import readers
-from orchestrator.runconfig import COMPLETION_FRACTION, load_run
+from orchestrator.runfile import COMPLETION_FRACTION, load_run
 from orchestrator.store import datasets as store_datasets
 from tests.helpers import prompts, write_jsonl
 

@@ -13,20 +13,14 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError
+from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
 from orchestrator.store.engine import Database
 from orchestrator.store.schema import datasets, param_sets
-
-REGENERATE = ("last", "all")
-ON_TRUNCATED = ("keep", "retry", "fail")
 
 
 def params_hash(params: dict[str, Any]) -> str:
     """The name of a parameter set: outputs record it, ``param_sets`` holds the values."""
     return hashlib.sha256(_dumps(params).encode()).hexdigest()
-
-
-INT_MAX = 2**31 - 1
-"""The largest concurrency or priority: what a PostgreSQL INTEGER column holds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,24 +79,16 @@ class DatasetInfo:
 
 
 def _info(row: sa.Row[Any]) -> DatasetInfo:
-    params = orjson.loads(row.params)
-    return DatasetInfo(
-        params_hash=params_hash(params),
-        regenerate=row.regenerate,
-        on_truncated=row.on_truncated,
-        passthrough=bool(row.passthrough),
-        updated_at=row.updated_at,
-        id=row.id,
-        name=row.name,
+    """The row's columns as they are, but the parameters parsed and the flags as booleans."""
+    values = dict(row._mapping)
+    params = orjson.loads(values["params"])
+    values.update(
         params=params,
-        concurrency=row.concurrency,
-        priority=row.priority,
-        paused=bool(row.paused),
-        source_path=row.source_path,
-        source_sha256=row.source_sha256,
-        input_format=row.input_format,
-        created_at=row.created_at,
+        params_hash=params_hash(params),
+        paused=bool(values["paused"]),
+        passthrough=bool(values["passthrough"]),
     )
+    return DatasetInfo(**values)
 
 
 def _dumps(params: dict[str, Any]) -> str:
@@ -137,29 +123,74 @@ async def declare(
     Concurrency, priority and the truncation policy are operational knobs and may.
     """
     row = (await conn.execute(sa.select(datasets).where(datasets.c.name == spec.name))).first()
+    source = {"source_path": source_path, "source_sha256": source_sha256}
     if row is None:
-        values = {
-            "name": spec.name,
-            "params": _dumps(spec.params),
-            "concurrency": spec.concurrency,
-            "priority": spec.priority or 0,
-            "paused": False,
-            "regenerate": spec.regenerate or "last",
-            "on_truncated": spec.on_truncated or "keep",
-            "passthrough": spec.passthrough,
-            "source_path": source_path,
-            "source_sha256": source_sha256,
-            "input_format": input_format,
-            "created_at": now,
-            "updated_at": now,
-        }
-        new_id = (
-            await conn.execute(datasets.insert().values(**values).returning(datasets.c.id))
-        ).scalar_one()
-        await _record_params(conn, spec.params, now)
-        row = (await conn.execute(sa.select(datasets).where(datasets.c.id == new_id))).one()
-        return _info(row), True
+        return await _create(conn, spec, source, input_format, now), True
     info = _info(row)
+    differences = _refusal_checked(info, spec, update=update)
+    changes: dict[str, Any] = {**source, "updated_at": now}
+    if differences:
+        changes["params"] = _dumps(spec.params)
+        await _record_params(conn, spec.params, now)
+    changes.update(
+        (key, value)
+        for key, value in (
+            ("concurrency", spec.concurrency),
+            ("priority", spec.priority),
+            ("on_truncated", spec.on_truncated),
+        )
+        if value is not None
+    )
+    if input_format and info.input_format and input_format != info.input_format:
+        changes["input_format"] = "mixed"
+    elif input_format:
+        changes["input_format"] = input_format
+    await conn.execute(datasets.update().where(datasets.c.id == info.id).values(**changes))
+    if differences:
+        info = await _read(conn, info.id)
+    return info, False
+
+
+async def _read(conn: AsyncConnection, dataset_id: int) -> DatasetInfo:
+    row = (await conn.execute(sa.select(datasets).where(datasets.c.id == dataset_id))).one()
+    return _info(row)
+
+
+async def _create(
+    conn: AsyncConnection,
+    spec: DatasetSpec,
+    source: dict[str, str | None],
+    input_format: str | None,
+    now: float,
+) -> DatasetInfo:
+    """A new dataset; the settings it leaves unset take their defaults."""
+    values = {
+        "name": spec.name,
+        "params": _dumps(spec.params),
+        "concurrency": spec.concurrency,
+        "priority": spec.priority or 0,
+        "paused": False,
+        "regenerate": spec.regenerate or "last",
+        "on_truncated": spec.on_truncated or "keep",
+        "passthrough": spec.passthrough,
+        **source,
+        "input_format": input_format,
+        "created_at": now,
+        "updated_at": now,
+    }
+    new_id = (
+        await conn.execute(datasets.insert().values(**values).returning(datasets.c.id))
+    ).scalar_one()
+    await _record_params(conn, spec.params, now)
+    return await _read(conn, new_id)
+
+
+def _refusal_checked(info: DatasetInfo, spec: DatasetSpec, *, update: bool) -> list[str]:
+    """The parameters ``spec`` changes; raises ``ConfigError`` where ``declare`` refuses.
+
+    Another kind of dataset (regenerate, passthrough) is always refused; other request
+    parameters only without ``update``.
+    """
     fixed = [
         f"{key}: {old!r} -> {new!r}"
         for key, old, new in (
@@ -174,11 +205,6 @@ async def declare(
             + "; ".join(fixed)
             + "); use another dataset name"
         )
-    changes: dict[str, Any] = {
-        "source_path": source_path,
-        "source_sha256": source_sha256,
-        "updated_at": now,
-    }
     differences = _param_differences(info.params, spec.params)
     if differences and not update:
         raise ConfigError(
@@ -187,24 +213,7 @@ async def declare(
             + "); pass --update to use the new ones for the items not done yet, "
             "or use another dataset name"
         )
-    if differences:
-        changes["params"] = _dumps(spec.params)
-        await _record_params(conn, spec.params, now)
-    if spec.concurrency is not None:
-        changes["concurrency"] = spec.concurrency
-    if spec.priority is not None:
-        changes["priority"] = spec.priority
-    if spec.on_truncated is not None:
-        changes["on_truncated"] = spec.on_truncated
-    if input_format and info.input_format and input_format != info.input_format:
-        changes["input_format"] = "mixed"
-    elif input_format:
-        changes["input_format"] = input_format
-    await conn.execute(datasets.update().where(datasets.c.id == info.id).values(**changes))
-    if differences:
-        row = (await conn.execute(sa.select(datasets).where(datasets.c.id == info.id))).one()
-        info = _info(row)
-    return info, False
+    return differences
 
 
 async def _record_params(conn: AsyncConnection, params: dict[str, Any], now: float) -> None:

@@ -1,23 +1,60 @@
 """What a database holds, per dataset, in the terms the run planner counts: requests.
 
-``orchestrator plan`` estimates the rest of a run from this (``runconfig.plan_stored``) or
-takes the answers done so far into a run file's estimate (``runconfig.done_stats``). A
+``orchestrator plan`` estimates the rest of a run from this (``runfile.plan_stored``) or
+takes the answers done so far into a run file's estimate (``runfile.done_stats``). A
 request is one assistant turn: one per item, or ``items.turns`` for a dataset that
 regenerates every turn, whose items record in ``items.turn`` how many are done.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import sqlalchemy as sa
 
-from orchestrator.runconfig import StoredDataset
 from orchestrator.store.engine import Database
 from orchestrator.store.schema import datasets, items, outputs
 
 _COUNTS = ("items", "requests", "done", "bytes", "running", "pending", "failed")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredDataset:
+    """What a database holds of one dataset, in requests (a turn each), for planning.
+
+    ``stored_datasets`` reads it. Requests add up:
+    ``requests == done + running + pending + failed``.
+    """
+
+    name: str
+    format: str | None
+    """The dataset's input format (``mixed`` for several); None when unknown."""
+    mode: str
+    """``last``, ``all`` or ``passthrough``."""
+    params: dict[str, Any]
+    items: int
+    requests: int
+    """Turns to generate over all items (0 for pass-through)."""
+    done: int
+    """Turns generated: every turn of a done item, the turns done so far of the others."""
+    running: int
+    pending: int
+    failed: int
+    """Turns still to generate of running, pending and failed items."""
+    request_bytes: int
+    answers: int
+    """Outputs that report their completion tokens."""
+    completion_tokens: int
+    """Their sum: every turn of the item each."""
+    answer_turns: int
+    """The turns those outputs cover (one each for ``last``)."""
+
+    @property
+    def mean_completion_tokens(self) -> float:
+        """Per request (turn)."""
+        return self.completion_tokens / self.answer_turns if self.answer_turns else 0.0
 
 
 async def stored_datasets(database: Database) -> list[StoredDataset]:
@@ -70,27 +107,33 @@ async def stored_datasets(database: Database) -> list[StoredDataset]:
             c[state] += int(todo or 0)
     tokens = {d: (n, int(t or 0), int(turns or 0)) for d, n, t, turns in answers}
 
-    result = []
-    for row in rows:
-        c = counts.get(row.id) or dict.fromkeys(_COUNTS, 0)
-        passthrough = bool(row.passthrough)
-        n_answers, completion, answer_turns = tokens.get(row.id, (0, 0, 0))
-        result.append(
-            StoredDataset(
-                name=row.name,
-                format=row.input_format,
-                mode="passthrough" if passthrough else row.regenerate,
-                params=orjson.loads(row.params),
-                items=c["items"],
-                requests=0 if passthrough else c["requests"],
-                done=0 if passthrough else c["done"],
-                running=0 if passthrough else c["running"],
-                pending=0 if passthrough else c["pending"],
-                failed=0 if passthrough else c["failed"],
-                request_bytes=c["bytes"],
-                answers=0 if passthrough else n_answers,
-                completion_tokens=0 if passthrough else completion,
-                answer_turns=0 if passthrough else answer_turns,
-            )
-        )
-    return result
+    return [_stored(row, counts.get(row.id), tokens.get(row.id)) for row in rows]
+
+
+def _stored(
+    row: sa.Row[Any], counts: dict[str, Any] | None, tokens: tuple[int, int, int] | None
+) -> StoredDataset:
+    """A pass-through dataset has items and their bytes, but no requests and no answers."""
+    c = dict.fromkeys(_COUNTS, 0) | (counts or {})
+    answers = tokens or (0, 0, 0)
+    passthrough = bool(row.passthrough)
+    if passthrough:
+        c = dict.fromkeys(_COUNTS, 0) | {"items": c["items"], "bytes": c["bytes"]}
+        answers = (0, 0, 0)
+    n_answers, completion, answer_turns = answers
+    return StoredDataset(
+        name=row.name,
+        format=row.input_format,
+        mode="passthrough" if passthrough else row.regenerate,
+        params=orjson.loads(row.params),
+        items=c["items"],
+        requests=c["requests"],
+        done=c["done"],
+        running=c["running"],
+        pending=c["pending"],
+        failed=c["failed"],
+        request_bytes=c["bytes"],
+        answers=n_answers,
+        completion_tokens=completion,
+        answer_turns=answer_turns,
+    )

@@ -1,4 +1,4 @@
-"""Run files (``orchestrator.runconfig``): the bundled example, refusals, merging, planning."""
+"""Run files (``orchestrator.runfile``): the bundled example, refusals, merging, planning."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ import pytest
 
 from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats import iter_records
-from orchestrator.runconfig import (
+from orchestrator.runfile import (
     BYTES_PER_TOKEN,
     COMPLETION_FRACTION,
     ITEM_OVERHEAD_BYTES,
     OUTPUT_OVERHEAD_BYTES,
     DatasetPlan,
     RunConfigError,
-    StoredDataset,
     done_stats,
     load_run,
     plan_json,
@@ -29,6 +28,7 @@ from orchestrator.runconfig import (
     plan_stored,
     render_plan,
 )
+from orchestrator.store.planning import StoredDataset
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "eagle3"

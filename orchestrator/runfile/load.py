@@ -1,0 +1,509 @@
+"""Reading a run file and checking it as a whole: every problem at once, or the plans.
+
+Format::
+
+    [defaults]                # optional; any dataset key except name and file
+    model = "Qwen/Qwen3-8B"
+    max_tokens = 10240        # integer >= 1; required (here or per dataset) unless passthrough
+    temperature = 0.6         # number >= 0
+    top_p = 0.95              # number in (0, 1]
+    concurrency = 150         # integer >= 1: most requests of the dataset in flight
+    regenerate = "last"       # last | all: the final answer, or every assistant turn
+    on_truncated = "keep"     # keep | retry | fail: what an answer cut at max_tokens does
+    chat_template_kwargs = { enable_thinking = true }
+    [defaults.extra_body]     # any other request body fields, sent as they are
+    top_k = 20
+
+    [[dataset]]
+    name = "toolcalls"              # 1 to 200 characters, unique
+    file = "data/toolcalls.jsonl"   # relative to the config file's folder
+    format = "auto"                 # auto | messages | sharegpt | prompt | openai-batch | tokens
+    priority = 0                    # higher first
+    passthrough = false             # rows already in the target model's format: stored as done
+    # plus any key of [defaults], overriding it
+
+A dataset's value replaces the default; ``chat_template_kwargs`` and ``extra_body`` tables
+merge key by key instead (the dataset's keys win). ``format = "tokens"`` (pre-tokenised
+``{"input_ids": [...], "loss_mask": [...]}`` rows) exists for pass-through datasets only.
+Pass-through datasets send no requests: they take only ``model`` from ``[defaults]`` and
+refuse sampling and request keys of their own.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import stat
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import orjson
+
+from orchestrator import params
+from orchestrator.errors import ConfigError
+from orchestrator.formats.readers import INPUT_FORMATS, PASSTHROUGH_FORMATS
+from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
+
+__all__ = ["FORMATS", "DatasetPlan", "Problem", "RunConfigError", "load_run"]
+
+FORMATS: tuple[str, ...] = INPUT_FORMATS
+"""auto, messages, sharegpt, prompt, openai-batch, tokens: ``auto`` detects each line's
+format, as ``enqueue`` does; ``tokens`` is pass-through only."""
+# Request body fields with keys of their own (checked); extra_body holds the rest.
+_BODY_KEYS = ("model", "max_tokens", "temperature", "top_p", "chat_template_kwargs")
+# Keys that shape requests: meaningless on a pass-through dataset.
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body")
+_REQUEST_KEYS = ("concurrency", "regenerate", "on_truncated")
+# extra_body keys that would bypass a check (the rest go through orchestrator.params).
+_EXTRA_BODY_REFUSED = {
+    key: f'set it as the key "{key}" (outside extra_body), where it is checked'
+    for key in _BODY_KEYS
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetPlan:
+    """One ``[[dataset]]`` of a run file, with ``[defaults]`` applied and checked.
+
+    ``params`` is the request body every item is sent with (an item's own fields win over
+    it): model, max_tokens, temperature, top_p, chat_template_kwargs and the merged
+    extra_body, without unset values; what ``DatasetSpec.params`` takes. For pass-through
+    datasets it holds at most ``model``, and ``regenerate`` / ``on_truncated`` keep their
+    defaults without meaning anything.
+    """
+
+    name: str
+    file: Path
+    """Absolute: relative paths are resolved against the config file's folder."""
+    format: str
+    """One of ``FORMATS``."""
+    params: dict[str, Any]
+    concurrency: int | None
+    """None: only the workers' own limits apply."""
+    priority: int
+    regenerate: str
+    """``last``: one request per row, for its final answer (the readers drop trailing
+    assistant turns). ``all``: one request per assistant turn of the row."""
+    on_truncated: str
+    """``keep`` the answer cut at max_tokens (finish_reason ``length``), ``retry`` it as a
+    transient failure, or ``fail`` the item."""
+    passthrough: bool
+    """The rows are stored as they are, as done; no request is sent."""
+
+
+class Problem(NamedTuple):
+    where: str
+    """Key path, e.g. ``dataset[3] "code".max_tokens``; empty for the file as a whole."""
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}" if self.where else self.reason
+
+
+class RunConfigError(ConfigError):
+    """A run file that cannot be used; ``problems`` lists every one found."""
+
+    def __init__(self, path: str | os.PathLike[str], problems: Sequence[Problem]):
+        self.path = os.fspath(path)
+        self.problems = tuple(problems)
+        if len(self.problems) == 1:
+            message = f"{self.path}: {self.problems[0]}"
+        else:
+            lines = "".join(f"\n  {p}" for p in self.problems)
+            message = f"{self.path}: {len(self.problems)} problems:{lines}"
+        super().__init__(message)
+
+
+def load_run(path: str | os.PathLike[str]) -> list[DatasetPlan]:
+    """Read and check the run file at ``path``; every problem at once, or the plans.
+
+    Raises ``RunConfigError`` (a ``ConfigError``) and has no other effect: the data files
+    are only looked up (present, a file, not empty), not read.
+    """
+    source = os.fspath(path)
+    try:
+        data = Path(source).read_bytes()
+    except FileNotFoundError:
+        raise RunConfigError(source, [Problem("", "no such file")]) from None
+    except IsADirectoryError:
+        raise RunConfigError(source, [Problem("", "is a directory, not a file")]) from None
+    except OSError as exc:
+        raise RunConfigError(source, [Problem("", f"cannot read: {exc.strerror}")]) from None
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        reason = f"not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        raise RunConfigError(source, [Problem("", reason)]) from None
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RunConfigError(source, [Problem("", f"not valid TOML: {exc}")]) from None
+    base = Path(os.path.abspath(source)).parent
+    problems: list[Problem] = []
+    plans = _Checker(base, problems).run(document)
+    if problems:
+        raise RunConfigError(source, problems)
+    return plans
+
+
+Check = Callable[[object], list[tuple[str, str]]]
+"""A key's check: (sub-path, reason) pairs, empty when the value is fine."""
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, int):
+        return f"an integer ({value})"
+    if isinstance(value, float):
+        return f"a float ({value})"
+    if isinstance(value, str):
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        return f"a string ({orjson.dumps(shown).decode()})"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return "a date or time"
+
+
+def _integer(minimum: int | None = None) -> Check:
+    """An integer from ``minimum`` up to what every database's INTEGER column holds."""
+
+    def check(value: object) -> list[tuple[str, str]]:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return [("", f"must be an integer, got {_kind(value)}")]
+        if minimum is not None and value < minimum:
+            return [("", f"must be at least {minimum}, got {value}")]
+        if abs(value) > INT_MAX:
+            low = -INT_MAX if minimum is None else minimum
+            return [("", f"must be {low} to {INT_MAX}, got {value}")]
+        return []
+
+    return check
+
+
+def _param(name: str) -> Check:
+    """``orchestrator.params``' check, the one ``enqueue`` options and input lines get."""
+
+    def check(value: object) -> list[tuple[str, str]]:
+        want = params.expected(name, value)
+        if not want:
+            return []
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return [("", f"must be {want}, got {value if number else _kind(value)}")]
+
+    return check
+
+
+def _string(value: object) -> list[tuple[str, str]]:
+    if not isinstance(value, str):
+        return [("", f"must be a string, got {_kind(value)}")]
+    if not value.strip():
+        return [("", "must not be empty")]
+    return []
+
+
+def _name(value: object) -> list[tuple[str, str]]:
+    if isinstance(value, str) and len(value) > 200:
+        return [("", f"must be at most 200 characters, got {len(value)}")]
+    return _string(value)
+
+
+def _boolean(value: object) -> list[tuple[str, str]]:
+    return [] if isinstance(value, bool) else [("", f"must be true or false, got {_kind(value)}")]
+
+
+def _choice(choices: tuple[str, ...]) -> Check:
+    def check(value: object) -> list[tuple[str, str]]:
+        if not isinstance(value, str):
+            return [("", f"must be a string, one of {' | '.join(choices)}; got {_kind(value)}")]
+        if value not in choices:
+            close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+            hint = f'; did you mean "{close[0]}"?' if close else ""
+            quoted = orjson.dumps(value).decode()
+            return [("", f"must be one of {' | '.join(choices)}, got {quoted}{hint}")]
+        return []
+
+    return check
+
+
+def _json_value(value: object, where: str) -> list[tuple[str, str]]:
+    """TOML dates and times have no JSON form: refuse them anywhere in a request table."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _json_value(v, f"{where}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _json_value(v, f"{where}[{i}]")]
+    if isinstance(value, str | int | float | bool):
+        return []
+    return [(where, "a date or time has no JSON form: write it as a string")]
+
+
+def _table(value: object) -> list[tuple[str, str]]:
+    if not isinstance(value, dict):
+        return [("", f"must be a table, got {_kind(value)}")]
+    return _json_value(value, "")
+
+
+def _extra_body(value: object) -> list[tuple[str, str]]:
+    problems = _table(value)
+    if isinstance(value, dict):
+        problems += [
+            (f".{key}", _EXTRA_BODY_REFUSED[key]) for key in value if key in _EXTRA_BODY_REFUSED
+        ]
+        rest = {k: v for k, v in value.items() if k not in _EXTRA_BODY_REFUSED}
+        problems += [(f".{key}", why) for key, why in params.problems(rest)]
+    return problems
+
+
+_CHECKS: dict[str, Check] = {
+    "name": _name,
+    "file": _string,
+    "format": _choice(FORMATS),
+    "priority": _integer(),
+    "passthrough": _boolean,
+    "model": _string,
+    "max_tokens": _param("max_tokens"),
+    "temperature": _param("temperature"),
+    "top_p": _param("top_p"),
+    "concurrency": _integer(1),
+    "regenerate": _choice(REGENERATE),
+    "on_truncated": _choice(ON_TRUNCATED),
+    "chat_template_kwargs": _table,
+    "extra_body": _extra_body,
+}
+_DATASET_KEYS = tuple(_CHECKS)
+_DEFAULT_KEYS = tuple(k for k in _CHECKS if k not in ("name", "file"))
+_TOP_KEYS = ("defaults", "dataset")
+_REQUEST_DEFAULTS = {"regenerate": "last", "on_truncated": "keep"}
+
+
+# Request body fields people reach for that belong in extra_body: a hint, not a limit.
+_EXTRA_BODY_HINTS = (
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "reasoning_effort",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "logprobs",
+    "skip_special_tokens",
+)
+
+
+def _unknown_key(key: str, known: Sequence[str], *, section: str) -> str:
+    if section == "top":
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        if close:
+            return f'unknown key; did you mean "{close[0]}"?'
+        return "unknown key (a run file has [defaults] and [[dataset]] tables only)"
+    hints = {k: f'"{k}"' for k in known} | {k: f"extra_body.{k}" for k in _EXTRA_BODY_HINTS}
+    if key in _EXTRA_BODY_HINTS:
+        return f"not a key of its own: request body fields like this go in extra_body.{key}"
+    close = difflib.get_close_matches(key, list(hints), n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean {hints[close[0]]}?"
+    return "unknown key (other request body fields go in extra_body)"
+
+
+def _is_typo_of(key: str, table: Mapping[str, Any]) -> bool:
+    """Whether ``table`` has a misspelt ``key``, already reported as an unknown key."""
+    return any(difflib.get_close_matches(key, [k], cutoff=0.6) for k in table if k != key)
+
+
+def _quote(name: str) -> str:
+    return orjson.dumps(name).decode()
+
+
+class _Checker:
+    """Walks the parsed document, collecting problems instead of stopping at the first."""
+
+    def __init__(self, base: Path, problems: list[Problem]):
+        self.base = base
+        self.problems = problems
+        self.raw_defaults: dict[str, Any] = {}
+
+    def add(self, where: str, reason: str) -> None:
+        self.problems.append(Problem(where, reason))
+
+    def checked(self, table: Mapping[str, Any], where: str, known: Sequence[str]) -> dict[str, Any]:
+        """The keys of ``table`` that passed their checks; the rest become problems."""
+        good: dict[str, Any] = {}
+        for key, value in table.items():
+            path = f"{where}.{key}"
+            if key not in known:
+                if key in ("name", "file"):
+                    self.add(path, "belongs to each [[dataset]], not to [defaults]")
+                else:
+                    self.add(path, _unknown_key(key, known, section="dataset"))
+                continue
+            found = _CHECKS[key](value)
+            for sub, reason in found:
+                self.add(path + sub, reason)
+            if not found:
+                good[key] = value
+        return good
+
+    def run(self, document: dict[str, Any]) -> list[DatasetPlan]:
+        for key in document:
+            if key not in _TOP_KEYS:
+                self.add(key, _unknown_key(key, _TOP_KEYS, section="top"))
+        defaults: dict[str, Any] = {}
+        raw_defaults = document.get("defaults", {})
+        if isinstance(raw_defaults, dict):
+            self.raw_defaults = raw_defaults
+            defaults = self.checked(raw_defaults, "defaults", _DEFAULT_KEYS)
+        else:
+            self.add("defaults", f"must be a table ([defaults]), got {_kind(raw_defaults)}")
+
+        entries = document.get("dataset")
+        if entries is None or entries == []:
+            self.add("dataset", "no datasets: add at least one [[dataset]] table")
+            return []
+        if not isinstance(entries, list):
+            self.add("dataset", f"must be an array of tables ([[dataset]]), got {_kind(entries)}")
+            return []
+        plans: list[DatasetPlan] = []
+        seen: dict[str, str] = {}
+        for index, entry in enumerate(entries, start=1):
+            plan = self.dataset(index, entry, defaults, seen)
+            if plan is not None:
+                plans.append(plan)
+        return plans
+
+    def dataset(
+        self, index: int, entry: object, defaults: dict[str, Any], seen: dict[str, str]
+    ) -> DatasetPlan | None:
+        where = f"dataset[{index}]"
+        if not isinstance(entry, dict):
+            self.add(where, f"must be a table ([[dataset]]), got {_kind(entry)}")
+            return None
+        name = entry.get("name")
+        if isinstance(name, str) and name.strip():
+            where = f"{where} {_quote(name)}"
+        before = len(self.problems)
+        own = self.checked(entry, where, _DATASET_KEYS)
+        for key in ("name", "file"):
+            if key not in entry:
+                self.add(f"{where}.{key}", "missing (required)")
+
+        if "name" in own:
+            if own["name"] in seen:
+                self.add(f"{where}.name", f"duplicate: {seen[own['name']]} has the same name")
+            else:
+                seen[own["name"]] = where
+        file = self.file(own["file"], f"{where}.file") if "file" in own else None
+
+        passthrough = own.get("passthrough", defaults.get("passthrough", False))
+        fmt = own.get("format", defaults.get("format", "auto"))
+        from_defaults = " (from [defaults])" if "format" not in own else ""
+        if passthrough:
+            for key in (*_SAMPLING_KEYS, *_REQUEST_KEYS):
+                if key in entry:
+                    self.add(f"{where}.{key}", _passthrough_refusal(key))
+            if fmt not in PASSTHROUGH_FORMATS:
+                self.add(
+                    f"{where}.format",
+                    f'"{fmt}"{from_defaults} rows hold no answer to pass through; a '
+                    f"passthrough dataset takes {' | '.join(PASSTHROUGH_FORMATS)}",
+                )
+        else:
+            if fmt == "tokens":
+                self.add(
+                    f"{where}.format",
+                    f'"tokens"{from_defaults} rows are pre-tokenised training rows, not '
+                    "prompts: they need passthrough = true",
+                )
+            # Set but invalid or misspelt (here or in [defaults]) is reported already.
+            if not any(
+                "max_tokens" in table or _is_typo_of("max_tokens", table)
+                for table in (entry, self.raw_defaults)
+            ):
+                self.add(
+                    f"{where}.max_tokens",
+                    "missing: a dataset that sends requests needs max_tokens (here or in "
+                    "[defaults]), or one runaway answer can run to the context limit",
+                )
+        if len(self.problems) > before or file is None:
+            return None
+        return _plan(own, defaults, file)
+
+    def file(self, value: str, where: str) -> Path | None:
+        path = Path(os.path.abspath(self.base / Path(value).expanduser()))
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            self.add(where, f"no such file: {path}")
+            return None
+        except OSError as exc:
+            self.add(where, f"cannot use {path}: {exc.strerror}")
+            return None
+        if stat.S_ISDIR(st.st_mode):
+            self.add(where, f"is a directory, not a file: {path}")
+            return None
+        if st.st_size == 0:
+            self.add(where, f"is empty: {path}")
+            return None
+        if not os.access(path, os.R_OK):
+            self.add(where, f"not readable: {path}")
+            return None
+        return path
+
+
+def _passthrough_refusal(key: str) -> str:
+    what = "sampling fields" if key in _SAMPLING_KEYS else f"{key}"
+    verb = "do" if key in _SAMPLING_KEYS else "does"
+    return (
+        f"not allowed on a passthrough dataset: its rows are stored as they are and no "
+        f"request is sent, so {what} {verb} not apply"
+    )
+
+
+def _plan(own: dict[str, Any], defaults: dict[str, Any], file: Path) -> DatasetPlan:
+    def value(key: str, fallback: Any = None) -> Any:
+        return own.get(key, defaults.get(key, fallback))
+
+    passthrough = bool(value("passthrough", False))
+    params: dict[str, Any] = {}
+    if value("model") is not None:
+        params["model"] = value("model")
+    if passthrough:
+        return DatasetPlan(
+            name=own["name"],
+            file=file,
+            format=value("format", "auto"),
+            params=params,
+            concurrency=None,
+            priority=value("priority", 0),
+            regenerate=_REQUEST_DEFAULTS["regenerate"],
+            on_truncated=_REQUEST_DEFAULTS["on_truncated"],
+            passthrough=True,
+        )
+    for key in ("max_tokens", "temperature", "top_p"):
+        if value(key) is not None:
+            params[key] = value(key)
+    kwargs = {**defaults.get("chat_template_kwargs", {}), **own.get("chat_template_kwargs", {})}
+    if kwargs:
+        params["chat_template_kwargs"] = kwargs
+    extra = {**defaults.get("extra_body", {}), **own.get("extra_body", {})}
+    params.update({k: v for k, v in extra.items() if v is not None})
+    return DatasetPlan(
+        name=own["name"],
+        file=file,
+        format=value("format", "auto"),
+        params=params,
+        concurrency=value("concurrency"),
+        priority=value("priority", 0),
+        regenerate=value("regenerate", _REQUEST_DEFAULTS["regenerate"]),
+        on_truncated=value("on_truncated", _REQUEST_DEFAULTS["on_truncated"]),
+        passthrough=False,
+    )

@@ -1,0 +1,164 @@
+"""A plan as people read it (a plain-text table) and as programs do (a JSON document)."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+from orchestrator.runfile.plan import DatasetEstimate, RunPlan
+
+__all__ = ["plan_json", "render_plan"]
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _rows(plan: RunPlan) -> Iterator[list[str]]:
+    stored = plan.source == "database"
+    for d in plan.datasets:
+        sending = d.mode != "passthrough"
+        per = f"{d.tokens_per_request:,.0f} {'m' if d.measured else 'a'}" if sending else "-"
+        states = [
+            f"{n:,}" if sending and n is not None else "-" for n in (d.running, d.pending, d.failed)
+        ]
+        yield [
+            d.name,
+            d.format,
+            d.mode,
+            f"{d.rows:,}",
+            f"{d.requests:,}" if sending else "-",
+            f"{d.done:,}" if sending else "-",
+            *(states if stored else []),
+            f"{d.max_tokens:,}" if d.max_tokens is not None else "-",
+            per,
+            f"{d.generated_tokens:,}" if sending else "-",
+            _duration(d.duration_seconds) if sending else "-",
+            _size(d.db_bytes),
+        ]
+    totals = [f"{sum(getattr(d, k) or 0 for d in plan.datasets):,}" for k in _STATES]
+    yield [
+        "total",
+        "",
+        "",
+        f"{plan.rows:,}",
+        f"{plan.requests:,}",
+        f"{plan.done:,}",
+        *(totals if stored else []),
+        "",
+        "",
+        f"{plan.generated_tokens:,}",
+        _duration(plan.duration_seconds),
+        _size(plan.db_bytes),
+    ]
+
+
+_STATES = ("running", "pending", "failed")
+_HEADER = (
+    "dataset",
+    "format",
+    "mode",
+    "rows",
+    "requests",
+    "done",
+    "max_tokens",
+    "tok/request",
+    "tokens",
+    "time left",
+    "database",
+)
+_LEFT = 3  # the first three columns are text, the rest numbers
+
+
+def _header(plan: RunPlan) -> list[str]:
+    if plan.source != "database":
+        return list(_HEADER)
+    done = _HEADER.index("done") + 1
+    return [*_HEADER[:done], *_STATES, *_HEADER[done:]]
+
+
+def render_plan(plan: RunPlan) -> str:
+    """A plain-text table: one line per dataset, the totals, then the assumptions.
+
+    A plan from a database (``plan_stored``) also shows the running, pending and failed
+    requests.
+    """
+    header = _header(plan)
+    table = [header, *_rows(plan)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        cells = [
+            cell.ljust(width) if i < _LEFT else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    out = [line(table[0]), rule, *(line(r) for r in table[1:-1]), rule, line(table[-1]), ""]
+    remaining = f"{plan.remaining_tokens:,} tokens still to generate"
+    out.append(
+        f"{remaining}, {_duration(plan.duration_seconds)} at {plan.tokens_per_second:,.0f} tok/s"
+    )
+    out.append("")
+    for note in plan.assumptions:
+        out.extend(textwrap.wrap(note, width=88, initial_indent="- ", subsequent_indent="  "))
+    return "\n".join(out) + "\n"
+
+
+def plan_json(plan: RunPlan) -> dict[str, Any]:
+    """The plan as a JSON-ready document: every estimate, the totals and the assumptions."""
+    stored = plan.source == "database"
+
+    def dataset(d: DatasetEstimate) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "name": d.name,
+            "format": d.format,
+            "mode": d.mode,
+            "rows": d.rows,
+            "requests": d.requests,
+            "done": d.done,
+        }
+        if stored:
+            doc.update(running=d.running, pending=d.pending, failed=d.failed)
+        doc.update(
+            max_tokens=d.max_tokens,
+            tokens_per_request=round(d.tokens_per_request, 1),
+            measured=d.measured,
+            generated_tokens=d.generated_tokens,
+            remaining_tokens=d.remaining_tokens,
+            duration_seconds=round(d.duration_seconds, 1),
+            db_bytes=d.db_bytes,
+        )
+        return doc
+
+    return {
+        "source": plan.source,
+        "tokens_per_second": plan.tokens_per_second,
+        "completion_fraction": plan.completion_fraction,
+        "datasets": [dataset(d) for d in plan.datasets],
+        "total": {
+            "rows": plan.rows,
+            "requests": plan.requests,
+            "done": plan.done,
+            "generated_tokens": plan.generated_tokens,
+            "remaining_tokens": plan.remaining_tokens,
+            "duration_seconds": round(plan.duration_seconds, 1),
+            "db_bytes": plan.db_bytes,
+        },
+        "assumptions": list(plan.assumptions),
+    }

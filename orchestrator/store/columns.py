@@ -1,0 +1,14 @@
+"""What a dataset's columns may hold, without SQLAlchemy.
+
+The run file is checked against these before any database is opened (``orchestrator plan
+--config`` may never open one), so they live apart from the engine that ``datasets`` pulls in.
+"""
+
+from __future__ import annotations
+
+REGENERATE: tuple[str, ...] = ("last", "all")
+"""``last``: one request per row, for its final answer; ``all``: one per assistant turn."""
+ON_TRUNCATED: tuple[str, ...] = ("keep", "retry", "fail")
+"""What an answer cut at max_tokens becomes: kept, retried, or the item failed."""
+INT_MAX = 2**31 - 1
+"""The largest concurrency or priority: what a PostgreSQL INTEGER column holds."""
