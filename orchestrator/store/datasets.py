@@ -127,7 +127,7 @@ async def declare(
     if row is None:
         return await _create(conn, spec, source, input_format, now), True
     info = _info(row)
-    differences = _refusal_checked(info, spec, update=update)
+    differences = _checked_differences(info, spec, update=update)
     changes: dict[str, Any] = {**source, "updated_at": now}
     if differences:
         changes["params"] = _dumps(spec.params)
@@ -185,7 +185,7 @@ async def _create(
     return await _read(conn, new_id)
 
 
-def _refusal_checked(info: DatasetInfo, spec: DatasetSpec, *, update: bool) -> list[str]:
+def _checked_differences(info: DatasetInfo, spec: DatasetSpec, *, update: bool) -> list[str]:
     """The parameters ``spec`` changes; raises ``ConfigError`` where ``declare`` refuses.
 
     Another kind of dataset (regenerate, passthrough) is always refused; other request
