@@ -90,6 +90,18 @@ def _run(*cmd: str | Path, **kwargs: object) -> None:
     subprocess.run([str(c) for c in cmd], check=True, **kwargs)  # type: ignore[call-overload]
 
 
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+    """SIGTERM, and SIGKILL if it has not gone within ``timeout`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def fetch_source(cache: Path) -> Path:
     """The sdist, downloaded with pip and unpacked (pip's cache makes a rerun quick)."""
     src = _source(cache)
@@ -212,13 +224,7 @@ class LlamaServer:
         raise RuntimeError(f"llama-server did not answer /health within {timeout:g}s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def tail(self, size: int = 4000) -> str:
         """The end of the server's log."""
