@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import fcntl
 import hashlib
 import itertools
 import json
 import os
+import pty
 import re
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
+import termios
 import urllib.request
 from contextlib import closing
 from pathlib import Path
@@ -75,6 +79,27 @@ class SimProcess:
                 self.proc.wait()
 
 
+class ServerScript:
+    """A test's own HTTP server script as a process: the first line it prints is
+    ``listening on URL``, and ``/stats`` counts what it served."""
+
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        assert line.startswith("listening on "), line
+        self.url = line.rsplit(" ", 1)[-1]
+        self.port = int(self.url.rsplit(":", 1)[-1])
+
+    def stats(self) -> dict[str, int]:
+        with urllib.request.urlopen(self.url + "/stats", timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
     with open(path, "wb") as fh:
         for row in rows:
@@ -129,6 +154,36 @@ def start_worker(
     )
     STARTED.append(proc)
     return proc
+
+
+def run_on_a_terminal(
+    argv: list[str], env: dict[str, str], *, timeout: float = 120, columns: int | None = None
+) -> tuple[int, str]:
+    """``argv`` with stderr a real pty (``columns`` wide if given); its exit code and
+    everything it wrote there, raw."""
+    leader, follower = pty.openpty()
+    if columns is not None:
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=follower,
+        cwd=REPO,
+        env=env,
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    return proc.wait(timeout), b"".join(chunks).decode(errors="replace")
 
 
 def events(stderr: str) -> list[dict[str, Any]]:

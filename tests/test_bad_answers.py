@@ -19,34 +19,18 @@ import pytest
 
 from orchestrator.client import _retry_after
 from orchestrator.store import Database
-from tests.helpers import REPO, cli, events, query, start_worker, write_jsonl
+from tests.helpers import REPO, ServerScript, cli, events, query, start_worker, write_jsonl
 
 FIXTURE = REPO / "tests" / "fixtures" / "bad_server.py"
 # A run that stalls never ends; one that works ends in seconds.
 RUN_TIMEOUT = 120
 
 
-class BadServer:
+class BadServer(ServerScript):
     """``bad_server.py`` as a process on a free port."""
 
     def __init__(self, kind: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, str(FIXTURE), "0", kind], stdout=subprocess.PIPE, text=True
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        assert line.startswith("listening on "), line
-        self.url = line.rsplit(" ", 1)[-1]
-
-    def stats(self) -> dict[str, int]:
-        import urllib.request
-
-        with urllib.request.urlopen(self.url + "/stats", timeout=10) as resp:
-            return orjson.loads(resp.read())
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        super().__init__([sys.executable, str(FIXTURE), "0", kind])
 
 
 @pytest.fixture
