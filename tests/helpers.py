@@ -28,6 +28,15 @@ from orchestrator.sim import answer_matches
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Turns of a conversation: an answer, and a tool call with its result.
+ANSWER = {"role": "assistant", "content": "a"}
+CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
+RESULT = {"role": "tool", "tool_call_id": "c1", "content": "r"}
+
 
 class SimProcess:
     """The simulated server as a separate process, as in a real deployment.
@@ -112,6 +121,16 @@ def prompts(n: int, prefix: str = "p") -> list[dict[str, Any]]:
     return [
         {"id": f"{prefix}{i:06d}", "messages": [{"role": "user", "content": f"question {i}"}]}
         for i in range(n)
+    ]
+
+
+def dialogue(*turns: str, system: str | None = None) -> list[dict[str, str]]:
+    """A conversation from its texts alone: user and assistant by turns, after the
+    system message if there is one."""
+    head = [{"role": "system", "content": system}] if system else []
+    roles = itertools.cycle(("user", "assistant"))
+    return head + [
+        {"role": role, "content": text} for role, text in zip(roles, turns, strict=False)
     ]
 
 
