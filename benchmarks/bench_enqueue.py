@@ -35,6 +35,7 @@ from common import (
     enqueue_argv,
     fmt_mb,
     print_machine,
+    print_profile,
     print_table,
     python_startup_seconds,
     run_measured,
@@ -231,10 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{verdict(seconds, TARGET_SECONDS)}; peak RSS {fmt_mb(rss)}, "
         f"target ≤ {TARGET_MB:.0f} MB: {verdict(rss, TARGET_MB)}"
     )
-    if args.profile:
-        print(
-            f"profile (collapsed stacks, first pass): {args.profile}; timings above include py-spy"
-        )
+    print_profile(
+        args.profile, "; timings above include py-spy", what="collapsed stacks, first pass"
+    )
     return 0
 
 

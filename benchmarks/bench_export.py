@@ -10,19 +10,17 @@ pay its migration in the first one). Targets: ≤ 20 s and ≤ 200 MB for 1,000,
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 from common import (
-    ORCH,
-    add_common_args,
     export_argv,
     fmt_mb,
-    prepared_db,
-    print_machine,
+    items_args,
+    print_profile,
     print_table,
     python_startup_seconds,
     run_measured,
+    upgraded_db,
     verdict,
     workdir,
 )
@@ -32,17 +30,10 @@ TARGET_MB = 200.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=1_000_000)
-    parser.add_argument("--repeat", type=int, default=3, help="measured runs (median shown)")
-    add_common_args(parser, pinning=False)
-    args = parser.parse_args(argv)
-    print_machine()
+    args = items_args(argv, __doc__, repeat=3, repeat_help="measured runs (median shown)")
 
     with workdir(args.workdir) as work:
-        db = prepared_db(work, args.items, "done")
-        upgrade = run_measured([*ORCH, "db", "upgrade", "--db", str(db)]).check()
-        print(f"{upgrade.stdout.strip()} ({upgrade.seconds:.1f} s, not measured below)")
+        db = upgraded_db(work, args.items, "done")
         out = work / "export.jsonl"
         startup = python_startup_seconds()
         runs = []
@@ -84,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if lines != args.items:
         print(f"WARNING: {lines:,} lines exported for {args.items:,} done items")
-    if args.profile:
-        print(f"profile (collapsed stacks): {args.profile}; from one extra run under py-spy")
+    print_profile(args.profile, "; from one extra run under py-spy")
     return 0
 
 

@@ -27,6 +27,7 @@ from common import (
     fmt_mb,
     placement,
     print_machine,
+    print_profile,
     print_table,
     python_startup_seconds,
     run_argv,
@@ -231,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"worker peak RSS: {fmt_mb(worker.measured.peak_rss_mb)}")
     if worker.requests != args.items:
         print(f"WARNING: {worker.requests:,} of {args.items:,} items have an output")
-    if args.profile:
-        print(f"profile (collapsed stacks): {args.profile}; timings above include py-spy")
+    print_profile(args.profile, "; timings above include py-spy")
     return 0
 
 

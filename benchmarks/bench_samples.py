@@ -13,7 +13,6 @@ history, the completion-length histogram).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
@@ -21,14 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    ORCH,
-    add_common_args,
-    connect,
-    prepared_db,
-    print_machine,
+    items_args,
+    print_states,
     print_table,
-    run_measured,
     timed,
+    upgraded_db,
     verdict,
     workdir,
 )
@@ -93,20 +89,10 @@ async def measure(db: Path, repeat: int) -> list[tuple[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=1_000_000)
-    parser.add_argument("--repeat", type=int, default=5, help="later samples to time")
-    add_common_args(parser, pinning=False)
-    args = parser.parse_args(argv)
-    print_machine()
+    args = items_args(argv, __doc__, repeat=5, repeat_help="later samples to time")
     with workdir(args.workdir) as work:
-        db = prepared_db(work, args.items, "mixed")
-        upgrade = run_measured([*ORCH, "db", "upgrade", "--db", str(db)]).check()
-        print(f"{upgrade.stdout.strip()} ({upgrade.seconds:.1f} s, not measured below)")
-        conn = connect(db)
-        states = dict(conn.execute("SELECT state, count(*) FROM items GROUP BY state"))
-        conn.close()
-        print("items by state: " + ", ".join(f"{k} {v:,}" for k, v in sorted(states.items())))
+        db = upgraded_db(work, args.items, "mixed")
+        print_states(db)
         rows = asyncio.run(measure(db, args.repeat))
     print_table(
         ["what", "ms"],

@@ -13,8 +13,6 @@ older version would otherwise pay its migration in the first measured run).
 
 from __future__ import annotations
 
-import argparse
-import sqlite3
 import statistics
 from pathlib import Path
 from typing import Any
@@ -22,13 +20,14 @@ from typing import Any
 from common import (
     ORCH,
     PYTHON,
-    add_common_args,
     connect,
-    prepared_db,
-    print_machine,
+    items_args,
+    print_profile,
+    print_states,
     print_table,
     run_measured,
     timed,
+    upgraded_db,
     verdict,
     workdir,
 )
@@ -83,21 +82,11 @@ def one_line(sql: str, width: int = 150) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=1_000_000)
-    parser.add_argument("--repeat", type=int, default=5, help="runs of each command")
-    add_common_args(parser, pinning=False)
-    args = parser.parse_args(argv)
-    print_machine()
+    args = items_args(argv, __doc__, repeat=5, repeat_help="runs of each command")
 
     with workdir(args.workdir) as work:
-        db = prepared_db(work, args.items, "mixed")
-        conn = sqlite3.connect(db)
-        states = dict(conn.execute("SELECT state, count(*) FROM items GROUP BY state"))
-        conn.close()
-        print("items by state: " + ", ".join(f"{k} {v:,}" for k, v in sorted(states.items())))
-        upgrade = run_measured([*ORCH, "db", "upgrade", "--db", str(db)]).check()
-        print(f"{upgrade.stdout.strip()} ({upgrade.seconds:.1f} s, not measured below)")
+        db = upgraded_db(work, args.items, "mixed")
+        print_states(db)
         startup = min(
             run_measured([PYTHON, "-c", STATUS_IMPORTS]).seconds for _ in range(args.repeat)
         )
@@ -139,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{label}: median {seconds:.2f} s, target ≤ {TARGET_SECONDS} s: "
             f"{verdict(seconds, TARGET_SECONDS)}"
         )
-    if args.profile:
-        print(f"profile (collapsed stacks): {args.profile}")
+    print_profile(args.profile)
     return 0
 
 

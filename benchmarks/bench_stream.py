@@ -29,7 +29,6 @@ import orjson
 from common import (
     ORCH,
     PYTHON,
-    REPO,
     add_common_args,
     print_machine,
     print_table,
@@ -39,7 +38,6 @@ from common import (
     write_prompts,
 )
 
-sys.path.insert(0, str(REPO))
 from scripts import llama_server
 
 TARGET_RATIO = 0.8

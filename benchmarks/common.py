@@ -31,6 +31,9 @@ from typing import Any
 import orjson
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from scripts.llama_server import stop_process  # noqa: E402 (stdlib only)
+
 BENCH_DIR = Path(__file__).resolve().parent
 PYTHON = sys.executable
 ORCH: tuple[str, ...] = (PYTHON, "-m", "orchestrator")
@@ -337,14 +340,7 @@ class SimServer:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            if self.proc is None or self.proc.poll() is not None:
-                return
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc)
         finally:
             if self.log is not None:
                 self.log.close()
@@ -539,6 +535,12 @@ def verdict(value: float, target: float, *, higher_is_better: bool = False) -> s
     return "met" if ok else "MISSED"
 
 
+def print_profile(path: Path | None, note: str = "", *, what: str = "collapsed stacks") -> None:
+    """Where the py-spy stacks went, when ``--profile`` asked for them."""
+    if path:
+        print(f"profile ({what}): {path}{note}")
+
+
 def add_common_args(parser: argparse.ArgumentParser, *, pinning: bool = True) -> None:
     parser.add_argument(
         "--workdir",
@@ -557,6 +559,22 @@ def add_common_args(parser: argparse.ArgumentParser, *, pinning: bool = True) ->
         help="also run the measured command under py-spy; collapsed stacks go to this "
         "file (see benchmarks/profile_summary.py)",
     )
+
+
+def items_args(
+    argv: list[str] | None, doc: str, *, repeat: int, repeat_help: str
+) -> argparse.Namespace:
+    """``--items`` and ``--repeat`` over the common options, unpinned; prints the machine.
+
+    For the benchmarks that read one prepared database rather than run a server.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--items", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=repeat, help=repeat_help)
+    add_common_args(parser, pinning=False)
+    args = parser.parse_args(argv)
+    print_machine()
+    return args
 
 
 @contextlib.contextmanager
@@ -601,3 +619,21 @@ def prepared_db(work: Path, n: int, kind: str) -> Path:
             mix_states(db)
     print(f"built {db.name} ({n:,} items, {kind}) in {watch.seconds:.1f} s")
     return db
+
+
+def upgraded_db(work: Path, n: int, kind: str) -> Path:
+    """:func:`prepared_db`, brought to the current schema by ``db upgrade`` (not measured)."""
+    db = prepared_db(work, n, kind)
+    upgrade = run_measured([*ORCH, "db", "upgrade", "--db", str(db)]).check()
+    print(f"{upgrade.stdout.strip()} ({upgrade.seconds:.1f} s, not measured below)")
+    return db
+
+
+def print_states(db: Path) -> None:
+    """How many items stand in each state: the mix the figures were taken on."""
+    conn = connect(db)
+    try:
+        states = dict(conn.execute("SELECT state, count(*) FROM items GROUP BY state"))
+    finally:
+        conn.close()
+    print("items by state: " + ", ".join(f"{k} {v:,}" for k, v in sorted(states.items())))

@@ -23,6 +23,7 @@ built with ``-DGGML_NATIVE=ON``: it fits the CPU it was built on only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -33,6 +34,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist carries llama.cpp's sources
@@ -77,12 +79,12 @@ def _source(cache: Path) -> Path:
     return cache / "src" / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
 
 
-def _step(name: str) -> float:
-    print(f"[llama-server] {name}", flush=True)
-    return time.monotonic()
-
-
-def _done(name: str, started: float) -> None:
+@contextlib.contextmanager
+def _step(what: str, name: str) -> Iterator[None]:
+    """Say what a long step is doing, and how long it took once it is done."""
+    print(f"[llama-server] {what}", flush=True)
+    started = time.monotonic()
+    yield
     print(f"[llama-server] {name}: done in {time.monotonic() - started:.1f}s", flush=True)
 
 
@@ -90,19 +92,30 @@ def _run(*cmd: str | Path, **kwargs: object) -> None:
     subprocess.run([str(c) for c in cmd], check=True, **kwargs)  # type: ignore[call-overload]
 
 
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+    """SIGTERM, and SIGKILL if it has not gone within ``timeout`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def fetch_source(cache: Path) -> Path:
     """The sdist, downloaded with pip and unpacked (pip's cache makes a rerun quick)."""
     src = _source(cache)
     if (src / "CMakeLists.txt").exists():
         return src
-    started = _step(f"downloading the llama-cpp-python {VERSION} sdist")
-    sdist = cache / "sdist"
-    _run(sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-         "-d", sdist, f"llama-cpp-python=={VERSION}")  # fmt: skip
-    archive = next(sdist.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
-    with tarfile.open(archive) as tar:
-        tar.extractall(cache / "src", filter="data")
-    _done("sdist", started)
+    with _step(f"downloading the llama-cpp-python {VERSION} sdist", "sdist"):
+        sdist = cache / "sdist"
+        _run(sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             "-d", sdist, f"llama-cpp-python=={VERSION}")  # fmt: skip
+        archive = next(sdist.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(cache / "src", filter="data")
     return src
 
 
@@ -119,15 +132,14 @@ def build(cache: Path) -> Path:
         )
     src = fetch_source(cache)
     jobs = str(os.cpu_count() or 2)
-    started = _step(f"building llama-server with {jobs} jobs (about 6 min on 2 cores)")
-    if not (src / "build" / "CMakeCache.txt").exists():
-        _run("cmake", "-S", src, "-B", src / "build", *CMAKE_FLAGS)
-    _run("cmake", "--build", src / "build", "--target", "llama-server", "-j", jobs)
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    tmp = binary.with_suffix(".tmp")
-    shutil.copy2(src / "build" / "bin" / "llama-server", tmp)
-    tmp.replace(binary)
-    _done("build", started)
+    with _step(f"building llama-server with {jobs} jobs (about 6 min on 2 cores)", "build"):
+        if not (src / "build" / "CMakeCache.txt").exists():
+            _run("cmake", "-S", src, "-B", src / "build", *CMAKE_FLAGS)
+        _run("cmake", "--build", src / "build", "--target", "llama-server", "-j", jobs)
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        tmp = binary.with_suffix(".tmp")
+        shutil.copy2(src / "build" / "bin" / "llama-server", tmp)
+        tmp.replace(binary)
     return binary
 
 
@@ -138,12 +150,11 @@ def tools_python(cache: Path) -> Path:
     marker = venv / ".complete"
     if marker.exists():
         return python
-    started = _step("creating the tools venv (torch, transformers, sentencepiece)")
-    if not python.exists():
-        _run(sys.executable, "-m", "venv", venv)
-    _run(python, "-m", "pip", "install", "-q", *TOOLS, *TOOLS_MORE)
-    marker.write_text("ok\n")
-    _done("tools venv", started)
+    with _step("creating the tools venv (torch, transformers, sentencepiece)", "tools venv"):
+        if not python.exists():
+            _run(sys.executable, "-m", "venv", venv)
+        _run(python, "-m", "pip", "install", "-q", *TOOLS, *TOOLS_MORE)
+        marker.write_text("ok\n")
     return python
 
 
@@ -154,21 +165,20 @@ def make_model(cache: Path) -> Path:
         return gguf
     src = fetch_source(cache)
     python = tools_python(cache)
-    started = _step("making the tiny model and converting it to GGUF")
-    hf = gguf.parent / "hf"
-    if hf.exists():
-        shutil.rmtree(hf)
-    _run(python, HERE / "tiny_llama.py", hf)
-    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
-    tmp = gguf.with_suffix(".tmp")
-    convert = [str(python), str(src / "convert_hf_to_gguf.py"), str(hf), "--outfile", str(tmp),
-               "--outtype", "f32"]  # fmt: skip
-    done = subprocess.run(convert, env=env, capture_output=True, text=True)
-    if done.returncode != 0:  # its log is long: shown only when it failed
-        sys.stderr.write(done.stdout + done.stderr)
-        raise subprocess.CalledProcessError(done.returncode, convert)
-    tmp.replace(gguf)
-    _done("model", started)
+    with _step("making the tiny model and converting it to GGUF", "model"):
+        hf = gguf.parent / "hf"
+        if hf.exists():
+            shutil.rmtree(hf)
+        _run(python, HERE / "tiny_llama.py", hf)
+        env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+        tmp = gguf.with_suffix(".tmp")
+        convert = [str(python), str(src / "convert_hf_to_gguf.py"), str(hf), "--outfile", str(tmp),
+                   "--outtype", "f32"]  # fmt: skip
+        done = subprocess.run(convert, env=env, capture_output=True, text=True)
+        if done.returncode != 0:  # its log is long: shown only when it failed
+            sys.stderr.write(done.stdout + done.stderr)
+            raise subprocess.CalledProcessError(done.returncode, convert)
+        tmp.replace(gguf)
     return gguf
 
 
@@ -212,13 +222,7 @@ class LlamaServer:
         raise RuntimeError(f"llama-server did not answer /health within {timeout:g}s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def tail(self, size: int = 4000) -> str:
         """The end of the server's log."""

@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import os
 import secrets
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,30 @@ def _no_stray_workers() -> Iterator[None]:
 
 
 StartSim = Callable[..., Awaitable[str]]
+Mount = Callable[..., Path]
+
+
+@pytest.fixture
+def mounted(tmp_path: Path) -> Iterator[Mount]:
+    """Mount small tmpfs or bind mounts under ``tmp_path``; unmounted afterwards.
+
+    Root only: the test is skipped where mounting is refused. ``mounted("-t", "tmpfs",
+    "-o", "size=4m")`` is a 4 MiB disk to fill; ``source`` names what else to mount.
+    """
+    mounts: list[Path] = []
+
+    def mount(*options: str, source: str = "tmpfs", name: str = "mnt") -> Path:
+        target = tmp_path / name
+        target.mkdir(exist_ok=True)
+        result = subprocess.run(["mount", *options, source, str(target)], capture_output=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount here: {result.stderr.decode().strip()}")
+        mounts.append(target)
+        return target
+
+    yield mount
+    for target in reversed(mounts):
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
 
 
 @pytest.fixture

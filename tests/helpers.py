@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import fcntl
 import hashlib
 import itertools
 import json
 import os
+import pty
 import re
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
+import termios
 import urllib.request
 from contextlib import closing
 from pathlib import Path
@@ -23,6 +27,15 @@ import orjson
 from orchestrator.sim import answer_matches
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Turns of a conversation: an answer, and a tool call with its result.
+ANSWER = {"role": "assistant", "content": "a"}
+CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
+RESULT = {"role": "tool", "tool_call_id": "c1", "content": "r"}
 
 
 class SimProcess:
@@ -75,6 +88,27 @@ class SimProcess:
                 self.proc.wait()
 
 
+class ServerScript:
+    """A test's own HTTP server script as a process: the first line it prints is
+    ``listening on URL``, and ``/stats`` counts what it served."""
+
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        assert line.startswith("listening on "), line
+        self.url = line.rsplit(" ", 1)[-1]
+        self.port = int(self.url.rsplit(":", 1)[-1])
+
+    def stats(self) -> dict[str, int]:
+        with urllib.request.urlopen(self.url + "/stats", timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
     with open(path, "wb") as fh:
         for row in rows:
@@ -87,6 +121,16 @@ def prompts(n: int, prefix: str = "p") -> list[dict[str, Any]]:
     return [
         {"id": f"{prefix}{i:06d}", "messages": [{"role": "user", "content": f"question {i}"}]}
         for i in range(n)
+    ]
+
+
+def dialogue(*turns: str, system: str | None = None) -> list[dict[str, str]]:
+    """A conversation from its texts alone: user and assistant by turns, after the
+    system message if there is one."""
+    head = [{"role": "system", "content": system}] if system else []
+    roles = itertools.cycle(("user", "assistant"))
+    return head + [
+        {"role": role, "content": text} for role, text in zip(roles, turns, strict=False)
     ]
 
 
@@ -129,6 +173,36 @@ def start_worker(
     )
     STARTED.append(proc)
     return proc
+
+
+def run_on_a_terminal(
+    argv: list[str], env: dict[str, str], *, timeout: float = 120, columns: int | None = None
+) -> tuple[int, str]:
+    """``argv`` with stderr a real pty (``columns`` wide if given); its exit code and
+    everything it wrote there, raw."""
+    leader, follower = pty.openpty()
+    if columns is not None:
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=follower,
+        cwd=REPO,
+        env=env,
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    return proc.wait(timeout), b"".join(chunks).decode(errors="replace")
 
 
 def events(stderr: str) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,34 +19,18 @@ import pytest
 
 from orchestrator.client import _retry_after
 from orchestrator.store import Database
-from tests.helpers import REPO, cli, events, query, start_worker, write_jsonl
+from tests.helpers import REPO, ServerScript, cli, events, query, start_worker, write_jsonl
 
 FIXTURE = REPO / "tests" / "fixtures" / "bad_server.py"
 # A run that stalls never ends; one that works ends in seconds.
 RUN_TIMEOUT = 120
 
 
-class BadServer:
+class BadServer(ServerScript):
     """``bad_server.py`` as a process on a free port."""
 
     def __init__(self, kind: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, str(FIXTURE), "0", kind], stdout=subprocess.PIPE, text=True
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        assert line.startswith("listening on "), line
-        self.url = line.rsplit(" ", 1)[-1]
-
-    def stats(self) -> dict[str, int]:
-        import urllib.request
-
-        with urllib.request.urlopen(self.url + "/stats", timeout=10) as resp:
-            return orjson.loads(resp.read())
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        super().__init__([sys.executable, str(FIXTURE), "0", kind])
 
 
 @pytest.fixture
@@ -67,6 +51,13 @@ def enqueue(db: str, tmp_path: Path, n: int = 50) -> None:
     source = write_jsonl(tmp_path / "in.jsonl", rows)
     result = cli("enqueue", str(source), "--dataset", "d", "--model", "m", "--db", db)
     assert result.returncode == 0, result.stderr
+
+
+def enqueued(tmp_path: Path, n: int = 50) -> str:
+    """A new SQLite queue in ``tmp_path`` holding ``n`` prompts; its path."""
+    db = str(tmp_path / "queue.db")
+    enqueue(db, tmp_path, n)
+    return db
 
 
 def run(db: str, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -159,9 +150,8 @@ def test_a_restart_does_not_stall_again_on_the_same_answer(
     kind: str, tmp_path: Path, bad_server: type[BadServer]
 ) -> None:
     """The same prompt gets the same answer after a SIGKILL: the run still finishes."""
-    db = str(tmp_path / "queue.db")
     server = bad_server(kind)
-    enqueue(db, tmp_path)
+    db = enqueued(tmp_path)
     worker = start_worker(db, server.url, "--concurrency", "4")
     time.sleep(1.5)
     worker.kill()
@@ -183,9 +173,8 @@ def test_db_copy_to_postgresql_keeps_an_answer_holding_a_nul(
     tmp_path: Path, pg_database: object, bad_server: type[BadServer]
 ) -> None:
     """A run made on SQLite copies to PostgreSQL and exports the same bytes there."""
-    db = str(tmp_path / "queue.db")
     server = bad_server("nul")
-    enqueue(db, tmp_path)
+    db = enqueued(tmp_path)
     assert run(db, server.url).returncode == 0
     # An answer stored by an older version, with the NUL in its text columns too.
     with sqlite3.connect(db) as conn:
@@ -223,9 +212,8 @@ def test_db_copy_to_postgresql_keeps_an_answer_holding_a_nul(
 def test_a_malformed_answer_is_a_bad_response_not_training_data(
     kind: str, says: str, tmp_path: Path, bad_server: type[BadServer]
 ) -> None:
-    db = str(tmp_path / "queue.db")
     server = bad_server(kind)
-    enqueue(db, tmp_path, n=10)
+    db = enqueued(tmp_path, n=10)
     result = run(db, server.url, "--max-attempts", "1")
     ended(result)
     found = states(db)
@@ -243,19 +231,9 @@ def test_a_malformed_answer_is_a_bad_response_not_training_data(
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
+def small_disk(mounted: Callable[..., Path]) -> Path:
     """A small tmpfs to fill up: commits fail with "database or disk is full"."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    return mounted("-t", "tmpfs", "-o", "size=16m", name="disk")
 
 
 def fill(filler: Path) -> None:
@@ -339,9 +317,8 @@ def test_a_stop_ends_a_worker_whose_commits_keep_failing(
 def test_retry_backoff_sets_the_first_retry_delay(
     tmp_path: Path, bad_server: type[BadServer]
 ) -> None:
-    db = str(tmp_path / "queue.db")
     server = bad_server("err500")
-    enqueue(db, tmp_path, n=1)
+    db = enqueued(tmp_path, n=1)
     result = run(db, server.url, "--retry-backoff", "0.05", "--max-attempts", "3")
     ended(result)
     times = [t for (t,) in query(db, "SELECT created_at FROM attempt_errors ORDER BY id")]
@@ -368,9 +345,8 @@ def test_a_rate_limit_with_retry_after_does_not_use_up_attempts(
 ) -> None:
     """Four 429s (Retry-After: 1) per prompt, three attempts allowed: a patient client
     finishes every item."""
-    db = str(tmp_path / "queue.db")
     server = bad_server("429")
-    enqueue(db, tmp_path, n=10)
+    db = enqueued(tmp_path, n=10)
     result = run(db, server.url, "--max-attempts", "3", "--retry-backoff", "0.05")
     assert result.returncode == 0, result.stderr[-2000:]
     assert set(states(db).values()) == {"done"}
@@ -386,9 +362,8 @@ def test_a_rate_limit_with_retry_after_does_not_use_up_attempts(
 def test_retry_after_as_an_http_date_is_honoured(
     tmp_path: Path, bad_server: type[BadServer]
 ) -> None:
-    db = str(tmp_path / "queue.db")
     server = bad_server("429date")
-    enqueue(db, tmp_path, n=3)
+    db = enqueued(tmp_path, n=3)
     result = run(db, server.url, "--max-attempts", "1", "--retry-backoff", "0.05")
     assert result.returncode == 0, result.stderr[-2000:]
     assert set(states(db).values()) == {"done"}  # waited for the date, not one attempt
@@ -460,9 +435,8 @@ def test_a_stream_of_comments_alone_times_out(
 ) -> None:
     """``: ping`` every 0.2 s keeps the socket busy but brings no answer: the silence
     bound (counting data events only) or the whole request's bound ends it."""
-    db = str(tmp_path / "queue.db")
     server = bad_server("pingstream")
-    enqueue(db, tmp_path, n=10)
+    db = enqueued(tmp_path, n=10)
     started = time.monotonic()
     result = run(db, server.url, "--stream", "--max-attempts", "2", "--retry-backoff", "0.05",
                  *bounds)  # fmt: skip

@@ -5,9 +5,8 @@ from __future__ import annotations
 import email.utils
 import socket
 import sqlite3
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -138,16 +137,8 @@ async def test_no_disk_headroom_for_the_projection(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    target = tmp_path / "mnt"
-    target.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(target)], capture_output=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount here: {result.stderr.decode().strip()}")
-    yield target
-    subprocess.run(["umount", "-l", str(target)], capture_output=True)
+def small_disk(mounted: Callable[..., Path]) -> Path:
+    return mounted("-t", "tmpfs", "-o", "size=4m")
 
 
 async def test_no_disk_headroom_on_a_small_disk(tmp_path: Path, small_disk: Path) -> None:

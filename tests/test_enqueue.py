@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from orchestrator.cli import main
-from tests.helpers import db_snapshot, prompts, query, write_jsonl
+from tests.helpers import ANSWER, CALL, RESULT, db_snapshot, prompts, query, write_jsonl
 
 
 def invoke(*args: str) -> tuple[int, str, str]:
@@ -339,13 +339,6 @@ async def test_records_and_prepared_lines_store_the_same(
 # --- regenerate, pass-through, token rows, --update ------------------------------------------
 
 USER = {"role": "user", "content": "q"}
-ANSWER = {"role": "assistant", "content": "a"}
-CALL = {
-    "role": "assistant",
-    "content": None,
-    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-}
-RESULT = {"role": "tool", "tool_call_id": "c1", "content": "r"}
 
 
 def rows(db: Path | str, sql: str, *params: object) -> list[tuple[Any, ...]]:

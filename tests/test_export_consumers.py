@@ -17,8 +17,9 @@ from typing import Any
 import orjson
 import pytest
 
-from orchestrator.store import Output, Queue, open_database
+from orchestrator.store import Queue, open_database
 from tests.helpers import cli, events, write_jsonl
+from tests.test_queue import answer
 
 datasets = pytest.importorskip("datasets")
 
@@ -46,21 +47,7 @@ async def _answer_all(db: Path, names: list[str]) -> None:
     try:
         queue = Queue(database)
         leases = await queue.claim("w", 10_000, lease_seconds=600, dataset_names=names, now=T0)
-        done = []
-        for lease in leases:
-            message = {"role": "assistant", "content": f"answer {lease.key}"}
-            output = Output(
-                message=message,
-                content=message["content"],
-                reasoning=None,
-                finish_reason="stop",
-                usage={"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
-                latency=0.1,
-                server="http://127.0.0.1:1",
-                model="m",
-                response_id=None,
-            )
-            done.append((lease, output))
+        done = [(lease, answer(f"answer {lease.key}")) for lease in leases]
         assert len(await queue.complete(done, now=T0 + 1)) == len(leases)
     finally:
         await database.close()

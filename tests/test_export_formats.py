@@ -11,6 +11,7 @@ them. Each format and option is exported through the CLI (plain sqlite3), in pro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import sqlite3
@@ -171,14 +172,20 @@ async def _answer(db: Path) -> None:
         await database.close()
 
 
+def _row_id(conn: sqlite3.Connection, insert: str, params: tuple[Any, ...]) -> int:
+    """One INSERT; the id of the row it made."""
+    cur = conn.execute(insert, params)
+    assert cur.lastrowid is not None
+    return cur.lastrowid
+
+
 def _dataset(conn: sqlite3.Connection, name: str, *, regenerate: str, passthrough: bool) -> int:
-    cur = conn.execute(
+    return _row_id(
+        conn,
         "INSERT INTO datasets (name, params, regenerate, passthrough, created_at, updated_at)"
         " VALUES (?, '{}', ?, ?, ?, ?)",
         (name, regenerate, passthrough, T0, T0),
     )
-    assert cur.lastrowid is not None
-    return cur.lastrowid
 
 
 def _item(
@@ -193,7 +200,8 @@ def _item(
     turns: int = 1,
     error: tuple[str, str] | None = None,
 ) -> int:
-    cur = conn.execute(
+    return _row_id(
+        conn,
         "INSERT INTO items (dataset_id, key, position, request, digest, state, attempts,"
         " error_class, last_error, created_at, updated_at, finished_at, turn, turns)"
         " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -214,8 +222,6 @@ def _item(
             turns,
         ),
     )
-    assert cur.lastrowid is not None
-    return cur.lastrowid
 
 
 def _stored_output(
@@ -343,14 +349,7 @@ async def _library_export(
 ) -> dict[str, bytes]:
     root.mkdir()
     if options.include_failed is not None:
-        options = ExportOptions(
-            format=options.format,
-            reasoning=options.reasoning,
-            exclude_flags=options.exclude_flags,
-            provenance=options.provenance,
-            split=options.split,
-            include_failed=root / "failed.jsonl",
-        )
+        options = dataclasses.replace(options, include_failed=root / "failed.jsonl")
     out = root / ("split" if options.split else "train.jsonl")
     database.is_sqlite = not stream
     try:

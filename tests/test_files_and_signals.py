@@ -13,7 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -29,27 +29,6 @@ def _no_traceback(result: subprocess.CompletedProcess[str]) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     return lines[0]
-
-
-@pytest.fixture
-def mounted(tmp_path: Path) -> Iterator[Callable[..., Path]]:
-    """Mount a small tmpfs (root only); unmounted afterwards."""
-    mounts: list[Path] = []
-
-    def mount(*options: str, name: str = "mnt") -> Path:
-        target = tmp_path / name
-        target.mkdir(exist_ok=True)
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", *options, "tmpfs", str(target)], capture_output=True
-        )
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount here: {result.stderr.decode().strip()}")
-        mounts.append(target)
-        return target
-
-    yield mount
-    for target in reversed(mounts):
-        subprocess.run(["umount", "-l", str(target)], capture_output=True)
 
 
 def _done(db: Path) -> int:
@@ -263,7 +242,7 @@ def test_a_request_nested_too_deep_is_a_bad_line(tmp_path: Path) -> None:
 def test_export_onto_a_full_disk(
     big_db: Path, tmp_path: Path, mounted: Callable[..., Path]
 ) -> None:
-    disk = mounted("-o", "size=2m")
+    disk = mounted("-t", "tmpfs", "-o", "size=2m")
     out = disk / "out.jsonl"
     result = cli("export", str(out), "--db", str(big_db))
     assert result.returncode == 2
@@ -284,7 +263,7 @@ def test_export_under_a_path_through_a_file(big_db: Path, tmp_path: Path) -> Non
 def test_new_database_in_a_read_only_directory(
     tmp_path: Path, mounted: Callable[..., Path]
 ) -> None:
-    ro = mounted("-o", "ro,size=1m")
+    ro = mounted("-t", "tmpfs", "-o", "ro,size=1m")
     data = write_jsonl(tmp_path / "in.jsonl", prompts(2))
     result = cli("enqueue", str(data), "-d", "d", "--db", str(ro / "new.db"))
     assert result.returncode == 3  # a storage error, as for an existing read-only database

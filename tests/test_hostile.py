@@ -27,6 +27,7 @@ from orchestrator.servers import ServerPool
 from tests.helpers import (
     REPO,
     STARTED,
+    ServerScript,
     SimProcess,
     cli,
     db_snapshot,
@@ -40,29 +41,11 @@ from tests.helpers import (
 SECRET = "s3cret-Pa55"
 
 
-class Hostile:
+class Hostile(ServerScript):
     """``tests.hostile_server`` as its own process."""
 
     def __init__(self, *args: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.hostile_server", *args],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        assert "listening on" in line, line
-        self.url = line.rsplit(" ", 1)[-1]
-        self.port = int(self.url.rsplit(":", 1)[-1])
-
-    def stats(self) -> dict[str, int]:
-        with urllib.request.urlopen(self.url + "/stats", timeout=10) as resp:
-            return json.loads(resp.read())
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        super().__init__([sys.executable, "-m", "tests.hostile_server", *args])
 
 
 @pytest.fixture

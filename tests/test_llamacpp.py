@@ -25,7 +25,7 @@ import orjson
 import pytest
 
 from scripts import llama_server
-from tests.helpers import REPO, STARTED, cli, events, query, start_worker, write_jsonl
+from tests.helpers import REPO, STARTED, cli, dialogue, events, query, start_worker, write_jsonl
 
 pytestmark = pytest.mark.llamacpp
 MODEL = llama_server.MODEL_ALIAS
@@ -122,24 +122,17 @@ def test_killed_run_resumes_and_exports_each_item_once(
 
 
 CONVERSATIONS = [
-    [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Name a river."},
-        {"role": "assistant", "content": "ORIGINAL ANSWER ONE about the river"},
-        {"role": "user", "content": "And a stone?"},
-        {"role": "assistant", "content": "ORIGINAL ANSWER TWO about the stone"},
-        {"role": "user", "content": "Now a cloud."},
-        {"role": "assistant", "content": "ORIGINAL ANSWER THREE about the cloud"},
-    ],
-    [
-        {"role": "user", "content": "Say something about light."},
-        {"role": "assistant", "content": "ORIGINAL SINGLE ANSWER about light"},
-    ],
-    [
-        {"role": "user", "content": "Signal one?"},
-        {"role": "assistant", "content": "ORIGINAL FIRST about signals"},
-        {"role": "user", "content": "Signal two?"},
-    ],
+    dialogue(
+        "Name a river.",
+        "ORIGINAL ANSWER ONE about the river",
+        "And a stone?",
+        "ORIGINAL ANSWER TWO about the stone",
+        "Now a cloud.",
+        "ORIGINAL ANSWER THREE about the cloud",
+        system="You are terse.",
+    ),
+    dialogue("Say something about light.", "ORIGINAL SINGLE ANSWER about light"),
+    dialogue("Signal one?", "ORIGINAL FIRST about signals", "Signal two?"),
 ]
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.helpers import REPO, SimProcess, cli, prompts, write_jsonl
+from tests.helpers import REPO, SimProcess, cli, prompts, run_on_a_terminal, write_jsonl
 
 ORCH = (sys.executable, "-m", "orchestrator")
 
@@ -67,28 +66,13 @@ def test_readable_console_on_a_terminal(
     data = write_jsonl(tmp_path / "p.jsonl", prompts(3))
     db = str(tmp_path / "t.db")
     assert cli("enqueue", str(data), "--dataset", "p", "--db", db).returncode == 0
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(
+    code, raw = run_on_a_terminal(
         [*ORCH, "run", "--server", server.url, "--db", db, "--exit-when-done"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=follower,
-        cwd=REPO,
-        env={**os.environ, "ORCHESTRATOR_LOG_LEVEL": "debug"},
+        {**os.environ, "ORCHESTRATOR_LOG_LEVEL": "debug"},
+        timeout=60,
     )
-    os.close(follower)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the child closed the terminal
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(leader)
-    assert proc.wait(60) == 0
-    text = re.sub(r"\x1b\[[0-9;]*m", "", b"".join(chunks).decode(errors="replace"))
+    assert code == 0
+    text = re.sub(r"\x1b\[[0-9;]*m", "", raw)
     lines = [line for line in text.splitlines() if line.strip()]
     assert any("all_done" in line for line in lines), text
     assert any("answered" in line and "key=p000000" in line for line in lines), text

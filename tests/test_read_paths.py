@@ -12,8 +12,8 @@ import json
 import sqlite3
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import closing
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
@@ -117,25 +117,42 @@ def _enqueue(tmp_path: Path, db: Path | str, name: str, rows: list[dict[str, Any
     assert result.returncode == 0, result.stderr
 
 
-async def _done(tmp_path: Path, db: Path | str) -> Database:
-    """Two datasets; every line of "mixed" done with a varied answer, half of "zeta"."""
-    _enqueue(tmp_path, db, "mixed", LINES)
-    _enqueue(tmp_path, db, "zeta", [{"id": f"z{i}", "prompt": f"z {i}"} for i in range(6)])
+@asynccontextmanager
+async def _built(
+    tmp_path: Path,
+    db: Path | str,
+    datasets: dict[str, list[dict[str, Any]]],
+    fill: Callable[[Database], Awaitable[None]],
+) -> AsyncIterator[Database]:
+    """The datasets enqueued into ``db`` by the real command, then ``fill`` on it; open."""
+    for name, rows in datasets.items():
+        _enqueue(tmp_path, db, name, rows)
     database = await open_database(str(db))
+    try:
+        await fill(database)
+        yield database
+    finally:
+        await database.close()
+
+
+# Two datasets; _done finishes every line of "mixed" and half of "zeta".
+DONE_SETS = {"mixed": LINES, "zeta": [{"id": f"z{i}", "prompt": f"z {i}"} for i in range(6)]}
+
+
+async def _done(database: Database) -> None:
+    """Every line of "mixed" done with a varied answer, half of "zeta"."""
     queue = Queue(database)
     leases = await queue.claim("w", 10, lease_seconds=600, dataset_names=["mixed"])
     assert await queue.complete([(lease, _answer(i)) for i, lease in enumerate(leases)])
     leases = await queue.claim("w", 3, lease_seconds=600, dataset_names=["zeta"])
     assert await queue.complete([(lease, _answer(i)) for i, lease in enumerate(leases)])
-    return database
 
 
 @pytest.fixture
 async def done_db(tmp_path: Path) -> AsyncIterator[tuple[Path, Database]]:
     db = tmp_path / "q.db"
-    database = await _done(tmp_path, db)
-    yield db, database
-    await database.close()
+    async with _built(tmp_path, db, DONE_SETS, _done) as database:
+        yield db, database
 
 
 async def _reference(database: Database, names: list[str] | None = None) -> bytes:
@@ -220,20 +237,17 @@ async def _mixed(database: Database) -> None:
     assert len(await queue.complete([(x, _answer(0)) for x in b], now=T0 + 20)) == 2
 
 
-async def _mixed_db(tmp_path: Path, db: Path | str) -> Database:
-    _enqueue(tmp_path, db, "a", [{"id": f"a{i:02d}", "prompt": f"a {i}"} for i in range(20)])
-    _enqueue(tmp_path, db, "b", [{"id": f"b{i:02d}", "prompt": f"b {i}"} for i in range(6)])
-    database = await open_database(str(db))
-    await _mixed(database)
-    return database
+MIXED_SETS = {
+    "a": [{"id": f"a{i:02d}", "prompt": f"a {i}"} for i in range(20)],
+    "b": [{"id": f"b{i:02d}", "prompt": f"b {i}"} for i in range(6)],
+}
 
 
 @pytest.fixture
 async def mixed_db(tmp_path: Path) -> AsyncIterator[tuple[Path, Database]]:
     db = tmp_path / "mixed.db"
-    database = await _mixed_db(tmp_path, db)
-    yield db, database
-    await database.close()
+    async with _built(tmp_path, db, MIXED_SETS, _mixed) as database:
+        yield db, database
 
 
 async def test_status_numbers_on_mixed_states(mixed_db: tuple[Path, Database]) -> None:
@@ -290,11 +304,8 @@ async def test_postgresql_export_is_byte_identical_to_sqlite(
 ) -> None:
     db, _ = done_db
     url = pg_database()
-    database = await _done(tmp_path, url)
-    try:
+    async with _built(tmp_path, url, DONE_SETS, _done) as database:
         expected = await _reference(database)
-    finally:
-        await database.close()
     # (openai-batch lines carry the time each answer was made: not comparable here.)
     for fmt in ("messages", "sharegpt"):
         outs = []
@@ -310,7 +321,6 @@ async def test_postgresql_export_is_byte_identical_to_sqlite(
     assert result.returncode == 2 and "no such dataset: nope" in result.stderr
 
 
-@pytest.mark.postgresql
 def _without_attempt_times(document: dict[str, Any]) -> dict[str, Any]:
     """The status document less the wall-clock times its attempts were logged at: the
     two databases are built one after the other, and a failed attempt is logged when
@@ -323,21 +333,19 @@ def _without_attempt_times(document: dict[str, Any]) -> dict[str, Any]:
     return document
 
 
+@pytest.mark.postgresql
 async def test_postgresql_status_matches_sqlite(
     mixed_db: tuple[Path, Database], pg_database: Callable[[], str], tmp_path: Path
 ) -> None:
     _, lite = mixed_db
     url = pg_database()
-    database = await _mixed_db(tmp_path, url)
-    try:
+    async with _built(tmp_path, url, MIXED_SETS, _mixed) as database:
         now = T0 + 600
         on_pg = await snapshot(database, now=now)
         on_sqlite = await snapshot(lite, now=now)
         assert on_pg.pop("database") == database.where
         on_sqlite.pop("database")
         assert _without_attempt_times(on_pg) == _without_attempt_times(on_sqlite)
-    finally:
-        await database.close()
     result = run_cli("status", "--json", "--db", url)
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)

@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats import FORMATS, Record, iter_prepared, iter_records, readers
+from tests.helpers import ANSWER, CALL, RESULT
 
 USER = {"role": "user", "content": "hi"}
 
@@ -72,29 +73,7 @@ def test_request_fields_all_checked() -> None:
 
 def test_messages_format_keeps_request_fields_only(tmp_path: Path) -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    rec = one(
-        tmp_path,
-        {
-            "id": "a1",
-            "messages": [{"role": "system", "content": "be brief"}, USER],
-            "tools": tools,
-            "tool_choice": "auto",
-            "response_format": {"type": "json_object"},
-            "chat_template_kwargs": {"enable_thinking": False},
-            "max_tokens": 64,
-            "temperature": 0.2,
-            "top_p": 0.9,
-            "stop": ["\n\n"],
-            "seed": 7,
-            "source": "web",
-            "category": "qa",
-            "model": "ignored",
-        },
-    )
-    assert rec.fmt == "messages"
-    assert rec.key == "a1"
-    assert rec.line == 1
-    assert rec.request == {
+    request = {
         "messages": [{"role": "system", "content": "be brief"}, USER],
         "tools": tools,
         "tool_choice": "auto",
@@ -106,6 +85,13 @@ def test_messages_format_keeps_request_fields_only(tmp_path: Path) -> None:
         "stop": ["\n\n"],
         "seed": 7,
     }
+    # The line is the request plus its id, extra columns and a model, which are dropped.
+    line = {"id": "a1", **request, "source": "web", "category": "qa", "model": "ignored"}
+    rec = one(tmp_path, line)
+    assert rec.fmt == "messages"
+    assert rec.key == "a1"
+    assert rec.line == 1
+    assert rec.request == request
     assert rec.digest == canonical_digest(rec.request)
 
 
@@ -695,14 +681,6 @@ def test_prepared_memory_stays_flat(tmp_path: Path) -> None:
 
 
 # --- regenerate="all", pass-through and token rows ---------------------------------------------
-
-ANSWER = {"role": "assistant", "content": "a"}
-CALL = {
-    "role": "assistant",
-    "content": None,
-    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-}
-RESULT = {"role": "tool", "tool_call_id": "c1", "content": "r"}
 
 
 def read_as(path: Path, **options: Any) -> list[Record]:

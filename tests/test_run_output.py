@@ -3,17 +3,13 @@ and why items were retried in ``status`` (text and JSON), all through the real c
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
-import pty
 import re
 import sqlite3
-import struct
 import subprocess
 import sys
-import termios
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +17,7 @@ from typing import Any
 import structlog
 
 from orchestrator import logs
-from tests.helpers import REPO, SimProcess, cli, prompts, query, write_jsonl
+from tests.helpers import REPO, SimProcess, cli, prompts, query, run_on_a_terminal, write_jsonl
 
 ORCH = (sys.executable, "-m", "orchestrator")
 PROGRESS = re.compile(
@@ -45,32 +41,6 @@ def _enqueue(tmp_path: Path, n: int, db: str | None = None) -> str:
     return db
 
 
-def _run_on_a_terminal(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
-    """``argv`` with stderr a real pty 200 columns wide; everything it wrote, raw."""
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=follower,
-        cwd=REPO,
-        env=env,
-    )
-    os.close(follower)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the child closed the terminal
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(leader)
-    return proc.wait(120), b"".join(chunks).decode(errors="replace")
-
-
 def _run_piped(argv: list[str], env: dict[str, str]) -> tuple[int, list[dict[str, Any]]]:
     result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
     lines = result.stderr.splitlines()
@@ -87,7 +57,7 @@ def test_progress_line_on_a_terminal_with_logs_above_it(
     db = _enqueue(tmp_path, 60)
     argv = [*ORCH, "run", "--server", server.url, "--db", db, "--exit-when-done"]
     argv += ["--concurrency", "4", "--retry-backoff", "0.05"]
-    code, raw = _run_on_a_terminal(argv, _env())
+    code, raw = run_on_a_terminal(argv, _env(), columns=200)
     assert code == 0, raw
     text = ANSI_COLOUR.sub("", raw)
     # Every write of the line starts by wiping the line it stands on; a log line wipes it

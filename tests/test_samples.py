@@ -10,12 +10,13 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from orchestrator.client import ClientConfig, InferenceClient
+from orchestrator.client import ClientConfig
 from orchestrator.formats import iter_records
 from orchestrator.store import Database, DatasetSpec, enqueue, open_database, samples
-from orchestrator.worker import Worker, WorkerConfig
 from tests.conftest import StartSim
 from tests.helpers import prompts, write_jsonl
+from tests.test_worker import config as worker_config
+from tests.test_worker import run_worker
 
 
 async def fill(
@@ -27,21 +28,9 @@ async def fill(
         path = write_jsonl(tmp_path / f"{name}.jsonl", prompts(12, prefix=name))
         spec = DatasetSpec(name, {"max_tokens": max_tokens})
         await enqueue(database, spec, iter_records(path), path=str(path))
-    config = WorkerConfig(
-        servers=(url,),
-        concurrency=4,
-        exit_when_done=True,
-        max_attempts=2,
-        backoff_base=0.01,
-        backoff_cap=0.02,
-        poll_interval=0.05,
-        probe_min=0.05,
-        probe_max=0.2,
-        lease_seconds=2,
-        **cfg,
-    )
-    async with InferenceClient(ClientConfig(request_timeout=5)) as client:
-        await asyncio.wait_for(Worker(database, client, config).run(), 60)
+    quick = {"backoff_base": 0.01, "backoff_cap": 0.02, "max_attempts": 2, "lease_seconds": 2}
+    config = worker_config(url, **{"concurrency": 4, **quick, **cfg})
+    await run_worker(database, config, ClientConfig(request_timeout=5))
 
 
 def truth(db: Path) -> dict[str, dict[str, Any]]:

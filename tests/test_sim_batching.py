@@ -36,7 +36,8 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 
 
 async def _run_all(url: str, n: int, **body: Any) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Send ``n`` requests at once; sample /metrics and /sim/stats until they are answered."""
+    """Send ``n`` requests at once; sample /metrics and /sim/stats until they are answered,
+    each answer made for its own prompt."""
     snapshots: list[Any] = []
     async with aiohttp.ClientSession() as session:
         tasks = [asyncio.create_task(_ask(session, url, i, **body)) for i in range(n)]
@@ -44,22 +45,22 @@ async def _run_all(url: str, n: int, **body: Any) -> tuple[list[dict[str, Any]],
             snapshots.append((await _metrics(session, url), await _json(session, url)))
             await asyncio.sleep(0.01)
         answers = [t.result() for t in tasks]
+    for i, doc in enumerate(answers):
+        assert answer_matches(_messages(i), doc["choices"][0]["message"]["content"])
     return answers, snapshots
 
 
-def _check_answers(answers: list[dict[str, Any]]) -> None:
-    for i, doc in enumerate(answers):
-        assert answer_matches(_messages(i), doc["choices"][0]["message"]["content"])
+async def _final(url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """/sim/stats and /metrics once every request is answered."""
+    async with aiohttp.ClientSession() as session:
+        return await _json(session, url), await _metrics(session, url)
 
 
 async def test_requests_queue_when_the_cache_is_full(sim: StartSim) -> None:
     # Answers of 20-60 tokens; 400 tokens of cache hold only a handful at once.
     url = await sim(mean_tokens=40, kv_tokens=400, step_time=0.0005, step_per_request=0.0)
     answers, snapshots = await _run_all(url, 40, max_tokens=60)
-    _check_answers(answers)
-    async with aiohttp.ClientSession() as session:
-        stats = await _json(session, url)
-        final = await _metrics(session, url)
+    stats, final = await _final(url)
     batch = stats["batch"]
     assert batch["peak_queued"] > 0
     assert 0 < batch["peak_running"] < 40
@@ -83,11 +84,8 @@ async def test_requests_queue_when_the_cache_is_full(sim: StartSim) -> None:
 async def test_overflow_retracts_the_newest_and_counts_it(sim: StartSim) -> None:
     # The admission estimate grows bolder each step; long answers then outgrow the cache.
     url = await sim(mean_tokens=400, kv_tokens=3000, step_time=0.0001, step_per_request=0.0)
-    answers, _ = await _run_all(url, 30, max_tokens=600)
-    _check_answers(answers)
-    async with aiohttp.ClientSession() as session:
-        stats = await _json(session, url)
-        final = await _metrics(session, url)
+    await _run_all(url, 30, max_tokens=600)
+    stats, final = await _final(url)
     batch = stats["batch"]
     assert batch["retracted"] > 0
     assert final["preemptions_total"] == batch["retracted"]
@@ -99,10 +97,8 @@ async def test_overflow_retracts_the_newest_and_counts_it(sim: StartSim) -> None
 
 async def test_max_running_caps_the_batch(sim: StartSim) -> None:
     url = await sim(mean_tokens=20, max_running=4, step_time=0.0005)
-    answers, snapshots = await _run_all(url, 20, stream=False)
-    _check_answers(answers)
-    async with aiohttp.ClientSession() as session:
-        stats = await _json(session, url)
+    _, snapshots = await _run_all(url, 20, stream=False)
+    stats, _ = await _final(url)
     assert stats["batch"]["peak_running"] == 4
     assert stats["batch"]["peak_queued"] > 0
     assert all(m["running"] <= 4 for m, _ in snapshots)

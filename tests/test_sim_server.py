@@ -499,26 +499,26 @@ def test_config_validation(options: dict[str, Any]):
         SimConfig(**options)
 
 
-async def test_run_forever_announces_port_and_stops_on_sigterm():
+async def _sim_command(*args: str) -> asyncio.subprocess.Process:
+    """``python -m orchestrator.sim.server`` with ``args``, stdout and stderr piped."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    proc = await asyncio.create_subprocess_exec(
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "orchestrator.sim.server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--model",
-        "cli-model",
-        "--fault",
-        "500=0",
+        *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=env,
+    )
+
+
+async def test_run_forever_announces_port_and_stops_on_sigterm():
+    proc = await _sim_command(
+        "--host", "127.0.0.1", "--port", "0", "--model", "cli-model", "--fault", "500=0"
     )
     try:
         assert proc.stdout is not None
@@ -544,17 +544,7 @@ async def test_run_forever_announces_port_and_stops_on_sigterm():
 
 
 async def test_cli_rejects_bad_fault_spec():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "orchestrator.sim.server",
-        "--fault",
-        "boom=1",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
+    proc = await _sim_command("--fault", "boom=1")
     stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout=10)
     assert proc.returncode == 2
     assert b"unknown kind 'boom'" in stderr

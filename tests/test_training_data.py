@@ -32,23 +32,16 @@ from orchestrator.store.schema import item_turns, items, outputs, param_sets
 from orchestrator.worker import Worker, WorkerConfig, WorkerStats
 from tests.conftest import StartSim
 from tests.helpers import cli, prompts, write_jsonl
+from tests.test_worker import config as worker_config
 
 TRUNCATED = ALL_FLAGS["truncated"]
 
 
 def config(url: str, **overrides: Any) -> WorkerConfig:
-    base: dict[str, Any] = {
-        "servers": (url,),
-        "concurrency": 8,
-        "exit_when_done": True,
-        "backoff_base": 0.01,
-        "backoff_cap": 0.05,
-        "poll_interval": 0.05,
-        "probe_min": 0.05,
-        "max_attempts": 3,
-    }
-    base.update(overrides)
-    return WorkerConfig(**base)
+    """The worker tests' settings, with quicker retries, a third attempt and the default
+    probe ceiling."""
+    quick = {"backoff_base": 0.01, "backoff_cap": 0.05, "probe_max": 5.0, "max_attempts": 3}
+    return worker_config(url, **{"concurrency": 8, **quick, **overrides})
 
 
 async def run_worker(database: Database, cfg: WorkerConfig) -> WorkerStats:

@@ -406,25 +406,6 @@ def test_newer_schema_is_refused(tmp_path: Path, figures: dict[str, Any]) -> Non
     figures.update(exit_code=3, message=result.stderr.strip())
 
 
-@pytest.fixture
-def mounted(tmp_path: Path) -> Callable[..., Path]:
-    """Mount small tmpfs or read-only bind mounts (root only); unmounted afterwards."""
-    mounts: list[Path] = []
-
-    def mount(*options: str, source: str = "tmpfs", name: str = "mnt") -> Path:
-        target = tmp_path / name
-        target.mkdir(exist_ok=True)
-        result = subprocess.run(["mount", *options, source, str(target)], capture_output=True)
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount here: {result.stderr.decode().strip()}")
-        mounts.append(target)
-        return target
-
-    yield mount
-    for target in reversed(mounts):
-        subprocess.run(["umount", "-l", str(target)], capture_output=True)
-
-
 def test_full_disk_then_fixed(
     tmp_path: Path, sim_process: SimFactory, mounted: Callable[..., Path], figures: dict[str, Any]
 ) -> None:
