@@ -15,7 +15,7 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from orchestrator import cli
+from orchestrator.cli import enqueue as cli_enqueue
 from orchestrator.cli import main
 from orchestrator.formats import readers
 from orchestrator.runconfig import COMPLETION_FRACTION, load_run
@@ -46,9 +46,9 @@ def rows(db: Path, sql: str, *params: object) -> list[tuple[Any, ...]]:
 
 
 def test_cli_choices_match_the_library() -> None:
-    assert cli.INPUT_FORMATS == readers.INPUT_FORMATS
-    assert cli.REGENERATE == store_datasets.REGENERATE
-    assert cli.ON_TRUNCATED == store_datasets.ON_TRUNCATED
+    assert cli_enqueue.INPUT_FORMATS == readers.INPUT_FORMATS
+    assert cli_enqueue.REGENERATE == store_datasets.REGENERATE
+    assert cli_enqueue.ON_TRUNCATED == store_datasets.ON_TRUNCATED
 
 
 # --- enqueue --config ----------------------------------------------------------------------

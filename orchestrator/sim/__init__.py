@@ -10,21 +10,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from orchestrator.sim.sample import write_sample
-    from orchestrator.sim.server import (
+    from orchestrator.sim.config import (
+        FAULT_KINDS,
         REASONING_FIELDS,
         REASONING_MODES,
         SimConfig,
-        answer_matches,
-        build_app,
         parse_fault,
         parse_outage,
+    )
+    from orchestrator.sim.sample import write_sample
+    from orchestrator.sim.server import (
+        answer_matches,
+        build_app,
         request_digest,
         run_forever,
         serve,
     )
 
 __all__ = [
+    "FAULT_KINDS",
     "REASONING_FIELDS",
     "REASONING_MODES",
     "SimConfig",
@@ -40,6 +44,9 @@ __all__ = [
 
 _HOMES = {name: "orchestrator.sim.server" for name in __all__}
 _HOMES["write_sample"] = "orchestrator.sim.sample"
+for _name in ("FAULT_KINDS", "REASONING_FIELDS", "REASONING_MODES", "SimConfig"):
+    _HOMES[_name] = "orchestrator.sim.config"
+_HOMES["parse_fault"] = _HOMES["parse_outage"] = "orchestrator.sim.config"
 
 
 def __getattr__(name: str) -> Any:
