@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -32,12 +33,10 @@ from orchestrator.cli.common import (
 @db_option
 def doctor(
     servers: tuple[str, ...],
-    model: str | None,
-    bytes_per_item: int | None,
-    clock_tolerance: float,
     api_key_file: Path | None,
     basic_auth_file: Path | None,
     db: str | None,
+    **expected: Any,
 ) -> None:
     """Check a run can go the distance: database, servers, model, disk, clock.
 
@@ -51,15 +50,8 @@ def doctor(
     specs, basic_auth = run_sync(
         lambda: without_credentials([ServerSpec(s) for s in servers], api_key, basic_auth_file)
     )
-    config = DoctorConfig(
-        db=db,
-        servers=tuple(spec.url for spec in specs),
-        model=model,
-        api_key=api_key,
-        basic_auth=basic_auth,
-        clock_tolerance=clock_tolerance,
-        bytes_per_item=bytes_per_item,
-    )
+    urls = tuple(spec.url for spec in specs)
+    config = DoctorConfig(db=db, servers=urls, api_key=api_key, basic_auth=basic_auth, **expected)
     checks = run_async(run_checks(config))
     for check in checks:
         click.echo(check.line)

@@ -125,15 +125,7 @@ _SAMPLING = (
 )
 @db_option
 @click.pass_context
-def enqueue(
-    ctx: click.Context,
-    file: Path | None,
-    config: Path | None,
-    update: bool,
-    skip_invalid: bool,
-    db: str | None,
-    **settings: Any,
-) -> None:
+def enqueue(ctx: click.Context, file: Path | None, config: Path | None, **options: Any) -> None:
     """Add the prompts of a JSONL FILE to a dataset (all of them, or none on a bad line).
 
     Lines may be OpenAI chat ({"messages": [...]}), ShareGPT ({"conversations": [...]}),
@@ -144,30 +136,32 @@ def enqueue(
     With --config RUN.toml, every dataset of the run file instead, each file in its own
     transaction, in the file's order.
     """
-    if config is not None:
-        given = (["FILE"] if file is not None else []) + _given(settings)
-        if given:
-            raise click.UsageError(
-                f"--config takes every dataset setting from the run file: drop {', '.join(given)}",
-                ctx,
-            )
-        _enqueue_config(config, update=update, skip_invalid=skip_invalid, db=db)
-        return
-    if file is None:
-        raise click.UsageError("Missing argument 'FILE' (or --config RUN.toml).", ctx)
-    if settings["dataset"] is None:
-        raise click.UsageError("Missing option '--dataset' / '-d'.", ctx)
     from orchestrator.enqueueing import enqueue_source
 
-    options = _options(ctx, settings, update=update)
+    db, update, skip_invalid = (options.pop(k) for k in ("db", "update", "skip_invalid"))
+    if config is not None:
+        _config_alone(ctx, file, options)
+        _enqueue_config(config, update=update, skip_invalid=skip_invalid, db=db)
+        return
+    chosen = _options(ctx, file, options, update=update)
     invalid: list[InputError] = []
     on_invalid = invalid.append if skip_invalid else None
     with progress_shown(f"reading {file}:") as progress:
         report = on_database(
-            db, lambda d: enqueue_source(d, options, file, on_invalid=on_invalid, progress=progress)
+            db, lambda d: enqueue_source(d, chosen, file, on_invalid=on_invalid, progress=progress)
         )
     _show_skipped(invalid, report)
     click.echo(_enqueued(report, str(file)))
+
+
+def _config_alone(ctx: click.Context, file: Path | None, settings: dict[str, Any]) -> None:
+    """With --config, every dataset setting comes from the run file: none may be given."""
+    given = (["FILE"] if file is not None else []) + _given(settings)
+    if given:
+        raise click.UsageError(
+            f"--config takes every dataset setting from the run file: drop {', '.join(given)}",
+            ctx,
+        )
 
 
 def _given(settings: dict[str, Any], among: tuple[str, ...] | None = None) -> list[str]:
@@ -180,10 +174,16 @@ def _given(settings: dict[str, Any], among: tuple[str, ...] | None = None) -> li
     ]
 
 
-def _options(ctx: click.Context, settings: dict[str, Any], *, update: bool) -> EnqueueOptions:
+def _options(
+    ctx: click.Context, file: Path | None, settings: dict[str, Any], *, update: bool
+) -> EnqueueOptions:
     """The dataset's settings from the options, checked as the library checks any source's."""
     from orchestrator.enqueueing import EnqueueOptions, request_body
 
+    if file is None:
+        raise click.UsageError("Missing argument 'FILE' (or --config RUN.toml).", ctx)
+    if settings["dataset"] is None:
+        raise click.UsageError("Missing option '--dataset' / '-d'.", ctx)
     named = {k: settings[k] for k in ("max_tokens", "temperature", "top_p")}
     body = request_body(_parse_params(settings["params"]), model=settings["model"], **named)
     _check_params(body, named)

@@ -63,22 +63,26 @@ def requeue(
     Done items need a filter (--dataset, --flag, --error-class) or --all; their answers
     are kept aside, and `requeue --undo` puts them back until the items run again.
     """
-    from orchestrator.store import check_datasets
-    from orchestrator.store import requeue as requeues
-
     if undo:
         _undo(db, dry_run=dry_run)
         return
     selection = _selection(state, datasets, error_class, flag_names, everything)
-
-    async def go(database: Any) -> int | dict[tuple[str, str], int]:
-        await check_datasets(database, datasets)
-        if dry_run:
-            return await requeues.preview(database, selection)
-        return await requeues.requeue(database, selection, max_tokens=max_tokens)
-
-    result = on_database(db, go, mode="read" if dry_run else "write")
+    result = on_database(
+        db, lambda d: _requeue(d, selection, dry_run, max_tokens), "read" if dry_run else "write"
+    )
     _say_requeued(result, selection.state)
+
+
+async def _requeue(
+    database: Any, selection: Any, dry_run: bool, max_tokens: int | None
+) -> int | dict[tuple[str, str], int]:
+    from orchestrator.store import check_datasets
+    from orchestrator.store import requeue as requeues
+
+    await check_datasets(database, selection.dataset_names)
+    if dry_run:
+        return await requeues.preview(database, selection)
+    return await requeues.requeue(database, selection, max_tokens=max_tokens)
 
 
 def _selection(
