@@ -730,53 +730,19 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
     fault = state.draw_fault()
     if fault is not None:
         stats.faults[fault] += 1
-        if fault == "500":
-            return _error(500, "simulated internal server error", "InternalServerError")
-        if fault == "503":
-            return _error(503, "simulated overload: server unavailable", "ServiceUnavailableError")
-        if fault == "429":
-            return _error(
-                429,
-                "simulated rate limit: too many requests",
-                "RateLimitError",
-                headers={"Retry-After": f"{config.retry_after:g}"},
-            )
-        if fault == "400":
-            # A refusal of this request alone: each message differs, as a real one
-            # names what in the request it refuses.
-            return _bad_request(f"simulated bad request (#{stats.faults[fault]})")
-        if fault == "reset":
-            return await _reset(request, stream)
-        if fault == "hang" or (fault == "stall" and not stream):
-            return await _hang(request, state)
-        if fault == "nochoices":
-            doc = {"id": "chatcmpl-x", "object": "chat.completion", "model": _served(body, config)}
-            return web.Response(body=orjson.dumps({**doc, "choices": []}), content_type=_JSON)
-        if fault == "html":
-            page = "<html><body><h1>502 Bad Gateway</h1></body></html>"
-            return web.Response(status=200, text=page, content_type="text/html")
+        faulty = await _fault_response(request, state, fault, body, stream)
+        if faulty is not None:
+            return faulty
 
     messages: list[Any] = body["messages"]
     digest = request_digest(messages)
     answer = _generate(body, digest, config, empty=fault == "empty")
     n = answer.tokens
     prompt_tokens = _count_prompt_tokens(messages)
-    asked = body.get("max_completion_tokens") or body.get("max_tokens") or 0
-    if config.max_model_len and prompt_tokens + asked > config.max_model_len:
+    refused = _refusal(state, body, prompt_tokens, n)
+    if refused is not None:
         stats.invalid += 1
-        return _bad_request(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, "
-            f"you requested {prompt_tokens + asked} tokens ({prompt_tokens} in the messages, "
-            f"{asked} in the completion). Please reduce the length of the messages or "
-            "completion."
-        )
-    batcher = state.batcher
-    if batcher is not None and not batcher.fits(prompt_tokens + n):
-        stats.invalid += 1
-        return _bad_request(
-            f"the prompt and answer ({prompt_tokens + n} tokens) do not fit in the KV cache "
-            f"({config.kv_tokens} tokens)"
-        )
+        return refused
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or 2 * config.mean_tokens
     state.next_id += 1
     completion_id = f"chatcmpl-{digest}{state.next_id:08x}"
@@ -800,38 +766,108 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 model=_served(body, config),
             )
         else:
-            if batcher is not None:
-                await batcher.generate(prompt_tokens, n, limit)
-            else:
-                await _sleep(config.latency + config.per_token * n)
-            if _client_gone(request):
-                stats.aborted += 1
-                return web.Response(status=499)
-            if fault == "malformed":
-                truncated = (
-                    f'{{"id": "{completion_id}", "object": "chat.completion", "choices": [{{'
-                )
-                return web.Response(status=200, body=truncated.encode(), content_type=_JSON)
-            doc = {
-                "id": completion_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": _served(body, config),
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": _message(answer, config),
-                        "finish_reason": answer.finish_reason,
-                    }
-                ],
-                "usage": _usage(prompt_tokens, n),
-            }
-            response = web.Response(body=orjson.dumps(doc), content_type=_JSON)
+            response = await _whole_answer(
+                request, state, body, answer, completion_id, prompt_tokens, limit, fault
+            )
     finally:
         stats.running_tokens -= prompt_tokens + n
-    if fault is None:
+    if fault is None and response.status != 499:  # 499: the client left before the answer
         stats.record_completion(prompt_tokens, n, time.monotonic() - begun)
     return response
+
+
+async def _fault_response(
+    request: web.Request, state: _State, fault: str, body: dict[str, Any], stream: bool
+) -> web.StreamResponse | None:
+    """The answer a drawn fault gives before any generation; None for the faults that
+    show in the answer itself (malformed, stall when streaming, empty)."""
+    config = state.config
+    if fault == "500":
+        return _error(500, "simulated internal server error", "InternalServerError")
+    if fault == "503":
+        return _error(503, "simulated overload: server unavailable", "ServiceUnavailableError")
+    if fault == "429":
+        return _error(
+            429,
+            "simulated rate limit: too many requests",
+            "RateLimitError",
+            headers={"Retry-After": f"{config.retry_after:g}"},
+        )
+    if fault == "400":
+        # A refusal of this request alone: each message differs, as a real one
+        # names what in the request it refuses.
+        return _bad_request(f"simulated bad request (#{state.stats.faults[fault]})")
+    if fault == "reset":
+        return await _reset(request, stream)
+    if fault == "hang" or (fault == "stall" and not stream):
+        return await _hang(request, state)
+    if fault == "nochoices":
+        doc = {"id": "chatcmpl-x", "object": "chat.completion", "model": _served(body, config)}
+        return web.Response(body=orjson.dumps({**doc, "choices": []}), content_type=_JSON)
+    if fault == "html":
+        page = "<html><body><h1>502 Bad Gateway</h1></body></html>"
+        return web.Response(status=200, text=page, content_type="text/html")
+    return None
+
+
+def _refusal(
+    state: _State, body: dict[str, Any], prompt_tokens: int, n: int
+) -> web.Response | None:
+    """vLLM's 400 for a request longer than the context, or one too big for the cache."""
+    config = state.config
+    asked = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    if config.max_model_len and prompt_tokens + asked > config.max_model_len:
+        return _bad_request(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, "
+            f"you requested {prompt_tokens + asked} tokens ({prompt_tokens} in the messages, "
+            f"{asked} in the completion). Please reduce the length of the messages or "
+            "completion."
+        )
+    if state.batcher is not None and not state.batcher.fits(prompt_tokens + n):
+        return _bad_request(
+            f"the prompt and answer ({prompt_tokens + n} tokens) do not fit in the KV cache "
+            f"({config.kv_tokens} tokens)"
+        )
+    return None
+
+
+async def _whole_answer(
+    request: web.Request,
+    state: _State,
+    body: dict[str, Any],
+    answer: _Answer,
+    completion_id: str,
+    prompt_tokens: int,
+    limit: int,
+    fault: str | None,
+) -> web.StreamResponse:
+    """The answer in one body, once the time it takes to generate has passed."""
+    config, n = state.config, answer.tokens
+    if state.batcher is not None:
+        await state.batcher.generate(prompt_tokens, n, limit)
+    else:
+        await _sleep(config.latency + config.per_token * n)
+    if _client_gone(request):
+        state.stats.aborted += 1
+        return web.Response(status=499)
+    if fault == "malformed":
+        truncated = f'{{"id": "{completion_id}", "object": "chat.completion", "choices": [{{'
+        return web.Response(status=200, body=truncated.encode(), content_type=_JSON)
+    doc = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": _served(body, config),
+        "choices": [
+            {
+                "index": 0,
+                "message": _message(answer, config),
+                "finish_reason": answer.finish_reason,
+            }
+        ],
+        "usage": _usage(prompt_tokens, n),
+    }
+    return web.Response(body=orjson.dumps(doc), content_type=_JSON)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
