@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from orchestrator.sim.config import (
-        FAULT_KINDS,
         REASONING_FIELDS,
         REASONING_MODES,
         SimConfig,
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "FAULT_KINDS",
     "REASONING_FIELDS",
     "REASONING_MODES",
     "SimConfig",
@@ -44,9 +42,8 @@ __all__ = [
 
 _HOMES = {name: "orchestrator.sim.server" for name in __all__}
 _HOMES["write_sample"] = "orchestrator.sim.sample"
-for _name in ("FAULT_KINDS", "REASONING_FIELDS", "REASONING_MODES", "SimConfig"):
-    _HOMES[_name] = "orchestrator.sim.config"
-_HOMES["parse_fault"] = _HOMES["parse_outage"] = "orchestrator.sim.config"
+_CONFIG = ("REASONING_FIELDS", "REASONING_MODES", "SimConfig", "parse_fault", "parse_outage")
+_HOMES.update(dict.fromkeys(_CONFIG, "orchestrator.sim.config"))
 
 
 def __getattr__(name: str) -> Any:
