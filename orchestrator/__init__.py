@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from orchestrator.formats.export import ExportReport
     from orchestrator.running import RunOutcome
     from orchestrator.store.enqueue import EnqueueReport
+    from orchestrator.store.requeue import UndoReport
     from orchestrator.worker import WorkerStats
 
 _SOURCES = {
@@ -46,6 +47,7 @@ _SOURCES = {
     "RunOutcome": "running",
     "WorkerStats": "worker",
     "EnqueueReport": "store.enqueue",
+    "UndoReport": "store.requeue",
     "ExportReport": "formats.export",
     "OrchestratorError": "errors",
     "InputError": "errors",
@@ -70,6 +72,7 @@ __all__ = [
     "Status",
     "StorageError",
     "SyncQueue",
+    "UndoReport",
     "WorkerStats",
     "__version__",
     "open",

@@ -23,13 +23,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
-from orchestrator.enqueueing import EnqueueOptions, Source, enqueue_source, skipped
+from orchestrator.enqueueing import (
+    EnqueueOptions,
+    Source,
+    enqueue_source,
+    request_body,
+    skipped,
+)
 from orchestrator.errors import ConfigError, InputError, ItemsFailed, ItemsLeftPending
 from orchestrator.running import RunOutcome
 
 if TYPE_CHECKING:
     from orchestrator.formats.export import ExportOptions, ExportReport
     from orchestrator.store import Database, EnqueueReport
+    from orchestrator.store.requeue import UndoReport
 
 T = TypeVar("T")
 
@@ -132,8 +139,7 @@ class Queue:
         ``skip_invalid``: then bad rows are left out and listed in the report's ``invalid``.
         """
         named = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
-        body = {**(params or {}), "model": model, **named}
-        body = {k: v for k, v in body.items() if v is not None}
+        body = request_body(params, model=model, **named)
         _check_body(body)
         given = {**named, "params": params or None, "concurrency": concurrency}
         given |= {"regenerate": regenerate, "on_truncated": on_truncated}
@@ -297,22 +303,23 @@ class Queue:
         from orchestrator.store import requeue as requeues
 
         names = _names(datasets)
-        mask = _flags(flags)
-        state = "done" if mask else state
-        if state not in ("failed", "done"):
-            raise ConfigError(f"requeue state must be failed or done, not {state!r}")
-        if state == "done" and not (names or mask or error_class or all):
-            raise ConfigError(
-                "requeue state='done' sends answers back to be generated again: name which "
-                "(datasets, flags, error_class), or say all=True"
-            )
-        selection = requeues.Selection(
-            state=state, dataset_names=names, error_class=error_class, flags=mask
+        selection = requeues.checked_selection(
+            state, dataset_names=names, error_class=error_class, flags=_flags(flags), everything=all
         )
         await check_datasets(self.database, names)
         if dry_run:
             return await requeues.preview(self.database, selection)
         return await requeues.requeue(self.database, selection, max_tokens=max_tokens)
+
+    async def undo_requeue(self, *, dry_run: bool = False) -> UndoReport:
+        """Take back the latest requeue, as ``orchestrator requeue --undo``: its items not
+        claimed since get their state and answers back. ``requeue_id`` is None when there
+        is no requeue to undo; with ``dry_run`` the report says what would be put back."""
+        from orchestrator.store import requeue as requeues
+
+        if dry_run:
+            return await requeues.undo_preview(self.database)
+        return await requeues.undo(self.database)
 
     async def pause(self, dataset: str) -> None:
         """Stop claiming items of ``dataset`` (in-flight ones finish)."""
@@ -501,6 +508,10 @@ class SyncQueue:
     def requeue(self, **options: Any) -> int | dict[tuple[str, str], int]:
         """``Queue.requeue``."""
         return self._call(self._queue.requeue(**options))
+
+    def undo_requeue(self, **options: Any) -> UndoReport:
+        """``Queue.undo_requeue``."""
+        return self._call(self._queue.undo_requeue(**options))
 
     def pause(self, dataset: str) -> None:
         """``Queue.pause``."""

@@ -102,6 +102,20 @@ async def enqueue_source(
     )
 
 
+def request_body(
+    params: dict[str, Any] | None,
+    *,
+    model: str | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+) -> dict[str, Any]:
+    """The request body every item of a dataset is sent with: ``params`` and the named
+    fields given (a named field wins over the same key in ``params``)."""
+    named = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
+    return {**(params or {}), **{k: v for k, v in named.items() if v is not None}}
+
+
 def skipped(invalid: list[InputError], report: EnqueueReport) -> list[InputError]:
     """Rows the reader rejected and rows the store rejected (duplicates), once each."""
     errors = {(e.line, str(e)): e for e in [*invalid, *report.invalid]}

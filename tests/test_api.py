@@ -247,3 +247,38 @@ async def test_a_refused_run_file_enqueues_nothing(tmp_path: Path) -> None:
         with pytest.raises(orc.ConfigError, match="nothing enqueued"):
             await q.enqueue_config(config)
         assert len(await q.enqueue_config(config, update=True)) == 1
+
+
+async def test_undo_requeue_puts_back_what_requeue_took(tmp_path: Path, sim: StartSim) -> None:
+    """``requeue --undo`` from the API: a dry run says what would come back, then the done
+    items get their answers back; with nothing left to undo the report says so."""
+    url = await sim()
+    async with orc.open(str(tmp_path / "q.db")) as q:
+        assert (await q.undo_requeue()).requeue_id is None
+        await q.enqueue(prompts(3), dataset="d", model="m")
+        await q.run(servers=[url])
+        before = [row async for row in q.results(dataset="d")]
+        assert await q.requeue(state="done", datasets="d") == 3
+        assert (await q.status()).counts["pending"] == 3
+        preview = await q.undo_requeue(dry_run=True)
+        assert isinstance(preview, orc.UndoReport)
+        assert (preview.restored, preview.kept) == (3, 0)
+        assert (await q.status()).counts["pending"] == 3
+        undone = await q.undo_requeue()
+        assert (undone.requeue_id, undone.restored, undone.kept) == (preview.requeue_id, 3, 0)
+        assert (await q.status()).counts["done"] == 3
+        assert [row async for row in q.results(dataset="d")] == before
+        assert (await q.undo_requeue()).requeue_id is None
+
+
+def test_the_sync_facade_undoes_a_requeue(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    server = sim_process()
+    with orc.open_sync(str(tmp_path / "q.db")) as q:
+        q.enqueue(prompts(2), dataset="d", model="m")
+        q.run(servers=[server.url])
+        assert q.requeue(state="done", all=True) == 2
+        assert q.undo_requeue(dry_run=True).restored == 2
+        assert q.undo_requeue().restored == 2
+        assert q.status().counts["done"] == 2

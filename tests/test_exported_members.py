@@ -22,6 +22,7 @@ EXPORTED = {
     "Status",
     "StorageError",
     "SyncQueue",
+    "UndoReport",
     "WorkerStats",
     "__version__",
     "open",

@@ -1006,7 +1006,7 @@ async def test_command_lines_take_reasoning_and_tool_flags(command: list[str]):
 
 
 def test_cli_choices_match_the_server():
-    from orchestrator.cli import sim_server
+    from orchestrator.cli.sim import sim_server
     from orchestrator.sim import REASONING_FIELDS, REASONING_MODES
 
     params = {p.name: p for p in sim_server.params}

@@ -10,15 +10,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from orchestrator.sim.sample import write_sample
-    from orchestrator.sim.server import (
+    from orchestrator.sim.config import (
         REASONING_FIELDS,
         REASONING_MODES,
         SimConfig,
-        answer_matches,
-        build_app,
         parse_fault,
         parse_outage,
+    )
+    from orchestrator.sim.sample import write_sample
+    from orchestrator.sim.server import (
+        answer_matches,
+        build_app,
         request_digest,
         run_forever,
         serve,
@@ -40,6 +42,8 @@ __all__ = [
 
 _HOMES = {name: "orchestrator.sim.server" for name in __all__}
 _HOMES["write_sample"] = "orchestrator.sim.sample"
+_CONFIG = ("REASONING_FIELDS", "REASONING_MODES", "SimConfig", "parse_fault", "parse_outage")
+_HOMES.update(dict.fromkeys(_CONFIG, "orchestrator.sim.config"))
 
 
 def __getattr__(name: str) -> Any:

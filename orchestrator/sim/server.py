@@ -16,63 +16,34 @@ Run it with ``python -m orchestrator.sim.server --port 30000 --fault 500=0.05``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
 import math
-import os
 import random
 import signal
-import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import click
 import orjson
 from aiohttp import web
 
 from orchestrator.quality import split_think
+from orchestrator.sim.config import DEFAULT_MODEL, FAULT_KINDS, SimConfig
+from orchestrator.sim.options import sim_config, sim_options
 
 __all__ = [
-    "FAULT_KINDS",
-    "REASONING_FIELDS",
-    "REASONING_MODES",
-    "SimConfig",
     "answer_matches",
     "build_app",
     "main",
-    "parse_fault",
-    "parse_outage",
     "request_digest",
     "run_forever",
     "serve",
 ]
-
-#: Fault kinds in the order their probability ranges are laid out on ``[0, 1)``.
-FAULT_KINDS: tuple[str, ...] = (
-    "500",
-    "503",
-    "429",
-    "400",
-    "reset",
-    "hang",
-    "malformed",
-    "stall",
-    "empty",
-    "nochoices",
-    "html",
-)
-
-#: How reasoning is answered: not at all; in a separate message field; in the content
-#: between ``<think>`` tags; in the content ending with ``</think>`` alone, as from chat
-#: templates that open the block in the prompt.
-REASONING_MODES: tuple[str, ...] = ("none", "field", "think", "think-end")
-
-#: Names of the separate reasoning field: SGLang and older vLLM, newer vLLM.
-REASONING_FIELDS: tuple[str, ...] = ("reasoning_content", "reasoning")
 
 #: How thinking is wrapped in the content, as chat templates do; tags count as no tokens.
 _THINK_OPEN = "<think>\n"
@@ -104,167 +75,6 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 _JSON = "application/json"
-
-
-#: The name ``/v1/models`` lists when no model is pinned.
-DEFAULT_MODEL = "sim-model"
-
-
-@dataclass
-class SimConfig:
-    """How the simulated server behaves.
-
-    Attributes:
-        model: the one model name served (requests naming another get 404, and
-            ``/v1/models`` lists it); None answers to any name, as llama.cpp does, and
-            lists ``DEFAULT_MODEL``.
-        latency: base seconds spent on every answer (time to first token when streaming).
-        per_token: extra seconds per generated token, so long answers take longer.
-        seed: seeds both the filler words and the fault draws.
-        mean_tokens: mean completion length; each request's length is fixed by its digest,
-            spread about uniformly over ``[mean/2, 3*mean/2]``, at least 1.
-        faults: fault kind -> fraction of (valid) chat requests that get it. Kinds are
-            ``FAULT_KINDS``; fractions in ``[0, 1]`` and at most 1 in total.
-        outages: ``(start, duration)`` windows, in seconds since the server started, during
-            which every endpoint answers 503, like a server that is restarting.
-        retry_after: value of the ``Retry-After`` header sent with 429.
-        api_key: when set, ``/v1/*`` requests without ``Authorization: Bearer <key>`` get
-            401, as from a server started with ``--api-key``.
-        reasoning: one of ``REASONING_MODES``. With reasoning, each answer starts with a
-            deterministic thinking text about as long as the answer, counted in
-            ``completion_tokens`` and against ``max_tokens``; a request sending
-            ``chat_template_kwargs`` ``{"enable_thinking": false}`` or ``{"thinking": false}``
-            gets none.
-        reasoning_field: the message field of ``reasoning="field"``, one of
-            ``REASONING_FIELDS``.
-        tool_call_rate: fraction of requests offering ``tools`` (with ``tool_choice`` auto
-            or absent) that are answered with a call of the first tool; which ones is fixed
-            by the request's digest. ``tool_choice`` "required" or naming a function always
-            calls, "none" never.
-        kv_tokens: KV-cache size in tokens. With it (or ``max_running``) the server batches
-            as SGLang does (``latency`` and ``per_token`` then do not apply): requests wait
-            in a queue until they fit, are decoded together one token per step, and when
-            the cache overflows as sequences grow the newest are retracted (re-queued, to
-            be prefilled again). 0: no cache limit.
-        max_running: most requests decoded together (0: as many as fit in the cache).
-        step_time: seconds of one decode step, plus ``step_per_request`` per request in
-            the batch: the larger the batch, the slower each request and the higher the
-            total throughput, up to ``1 / step_per_request`` tokens/s.
-        step_per_request: see ``step_time``.
-        prefill_per_token: seconds per token prefilled (prompts, and the generated tokens
-            of a retracted request when it is admitted again).
-        time_scale: multiplies every simulated duration of the batching model, so a
-            benchmark of a slow server finishes in seconds.
-        max_model_len: the context length (0: none): a request whose prompt and
-            ``max_tokens`` exceed it gets vLLM's 400, which names its own lengths.
-    """
-
-    model: str | None = None
-    latency: float = 0.0
-    per_token: float = 0.0
-    seed: int = 0
-    mean_tokens: int = 64
-    faults: dict[str, float] = field(default_factory=dict)
-    outages: list[tuple[float, float]] = field(default_factory=list)
-    retry_after: float = 1.0
-    api_key: str | None = field(default=None, repr=False)
-    reasoning: str = "none"
-    reasoning_field: str = "reasoning_content"
-    tool_call_rate: float = 0.5
-    kv_tokens: int = 0
-    max_running: int = 0
-    step_time: float = 0.01
-    step_per_request: float = 0.0002
-    prefill_per_token: float = 0.00002
-    time_scale: float = 1.0
-    max_model_len: int = 0
-
-    @property
-    def batching(self) -> bool:
-        return self.kv_tokens > 0 or self.max_running > 0
-
-    def __post_init__(self) -> None:
-        if self.model is not None and not self.model:
-            raise ValueError("model name must not be empty")
-        if self.reasoning not in REASONING_MODES:
-            raise ValueError(
-                f"unknown reasoning mode {self.reasoning!r}; known: {', '.join(REASONING_MODES)}"
-            )
-        if self.reasoning_field not in REASONING_FIELDS:
-            raise ValueError(
-                f"unknown reasoning field {self.reasoning_field!r}; "
-                f"known: {', '.join(REASONING_FIELDS)}"
-            )
-        if not 0.0 <= self.tool_call_rate <= 1.0:
-            raise ValueError(f"tool_call_rate must be within [0, 1], got {self.tool_call_rate!r}")
-        for name in ("kv_tokens", "max_running", "max_model_len"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not math.isfinite(self.time_scale) or self.time_scale <= 0:
-            raise ValueError(f"time_scale must be a finite number > 0, got {self.time_scale!r}")
-        for name in (
-            "latency",
-            "per_token",
-            "retry_after",
-            "step_time",
-            "step_per_request",
-            "prefill_per_token",
-        ):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.mean_tokens < 1:
-            raise ValueError(f"mean_tokens must be >= 1, got {self.mean_tokens!r}")
-        for kind, rate in self.faults.items():
-            if kind not in FAULT_KINDS:
-                raise ValueError(
-                    f"unknown fault kind {kind!r}; known kinds: {', '.join(FAULT_KINDS)}"
-                )
-            if not 0.0 <= rate <= 1.0:
-                raise ValueError(f"fault rate for {kind!r} must be within [0, 1], got {rate!r}")
-        total = sum(self.faults.values())
-        if total > 1.0 + 1e-9:
-            raise ValueError(f"fault rates add up to {total:g}, more than 1")
-        for start, duration in self.outages:
-            if start < 0 or duration <= 0:
-                raise ValueError(
-                    f"outage ({start!r}, {duration!r}) needs start >= 0 and duration > 0"
-                )
-
-
-def parse_fault(spec: str) -> tuple[str, float]:
-    """Parse a CLI fault spec such as ``500=0.05`` or ``reset=0.02``."""
-    kind, sep, rate_text = spec.partition("=")
-    kind = kind.strip().lower()
-    if not sep or not kind or not rate_text.strip():
-        raise ValueError(f"bad fault spec {spec!r}: expected KIND=RATE, e.g. 500=0.05")
-    if kind not in FAULT_KINDS:
-        raise ValueError(
-            f"bad fault spec {spec!r}: unknown kind {kind!r}; known kinds: {', '.join(FAULT_KINDS)}"
-        )
-    try:
-        rate = float(rate_text)
-    except ValueError:
-        raise ValueError(f"bad fault spec {spec!r}: rate {rate_text!r} is not a number") from None
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"bad fault spec {spec!r}: rate must be within [0, 1]")
-    return kind, rate
-
-
-def parse_outage(spec: str) -> tuple[float, float]:
-    """Parse a CLI outage spec ``START:DURATION`` (seconds since the server started)."""
-    start_text, sep, duration_text = spec.partition(":")
-    if not sep:
-        raise ValueError(f"bad outage spec {spec!r}: expected START:DURATION, e.g. 30:10")
-    try:
-        start, duration = float(start_text), float(duration_text)
-    except ValueError:
-        raise ValueError(
-            f"bad outage spec {spec!r}: START and DURATION must be numbers of seconds"
-        ) from None
-    if not (math.isfinite(start) and math.isfinite(duration)) or start < 0 or duration <= 0:
-        raise ValueError(f"bad outage spec {spec!r}: needs START >= 0 and DURATION > 0")
-    return start, duration
 
 
 def request_digest(messages: Any) -> str:
@@ -920,53 +730,19 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
     fault = state.draw_fault()
     if fault is not None:
         stats.faults[fault] += 1
-        if fault == "500":
-            return _error(500, "simulated internal server error", "InternalServerError")
-        if fault == "503":
-            return _error(503, "simulated overload: server unavailable", "ServiceUnavailableError")
-        if fault == "429":
-            return _error(
-                429,
-                "simulated rate limit: too many requests",
-                "RateLimitError",
-                headers={"Retry-After": f"{config.retry_after:g}"},
-            )
-        if fault == "400":
-            # A refusal of this request alone: each message differs, as a real one
-            # names what in the request it refuses.
-            return _bad_request(f"simulated bad request (#{stats.faults[fault]})")
-        if fault == "reset":
-            return await _reset(request, stream)
-        if fault == "hang" or (fault == "stall" and not stream):
-            return await _hang(request, state)
-        if fault == "nochoices":
-            doc = {"id": "chatcmpl-x", "object": "chat.completion", "model": _served(body, config)}
-            return web.Response(body=orjson.dumps({**doc, "choices": []}), content_type=_JSON)
-        if fault == "html":
-            page = "<html><body><h1>502 Bad Gateway</h1></body></html>"
-            return web.Response(status=200, text=page, content_type="text/html")
+        faulty = await _fault_response(request, state, fault, body, stream)
+        if faulty is not None:
+            return faulty
 
     messages: list[Any] = body["messages"]
     digest = request_digest(messages)
     answer = _generate(body, digest, config, empty=fault == "empty")
     n = answer.tokens
     prompt_tokens = _count_prompt_tokens(messages)
-    asked = body.get("max_completion_tokens") or body.get("max_tokens") or 0
-    if config.max_model_len and prompt_tokens + asked > config.max_model_len:
+    refused = _refusal(state, body, prompt_tokens, n)
+    if refused is not None:
         stats.invalid += 1
-        return _bad_request(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, "
-            f"you requested {prompt_tokens + asked} tokens ({prompt_tokens} in the messages, "
-            f"{asked} in the completion). Please reduce the length of the messages or "
-            "completion."
-        )
-    batcher = state.batcher
-    if batcher is not None and not batcher.fits(prompt_tokens + n):
-        stats.invalid += 1
-        return _bad_request(
-            f"the prompt and answer ({prompt_tokens + n} tokens) do not fit in the KV cache "
-            f"({config.kv_tokens} tokens)"
-        )
+        return refused
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or 2 * config.mean_tokens
     state.next_id += 1
     completion_id = f"chatcmpl-{digest}{state.next_id:08x}"
@@ -990,38 +766,108 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 model=_served(body, config),
             )
         else:
-            if batcher is not None:
-                await batcher.generate(prompt_tokens, n, limit)
-            else:
-                await _sleep(config.latency + config.per_token * n)
-            if _client_gone(request):
-                stats.aborted += 1
-                return web.Response(status=499)
-            if fault == "malformed":
-                truncated = (
-                    f'{{"id": "{completion_id}", "object": "chat.completion", "choices": [{{'
-                )
-                return web.Response(status=200, body=truncated.encode(), content_type=_JSON)
-            doc = {
-                "id": completion_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": _served(body, config),
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": _message(answer, config),
-                        "finish_reason": answer.finish_reason,
-                    }
-                ],
-                "usage": _usage(prompt_tokens, n),
-            }
-            response = web.Response(body=orjson.dumps(doc), content_type=_JSON)
+            response = await _whole_answer(
+                request, state, body, answer, completion_id, prompt_tokens, limit, fault
+            )
     finally:
         stats.running_tokens -= prompt_tokens + n
-    if fault is None:
+    if fault is None and response.status != 499:  # 499: the client left before the answer
         stats.record_completion(prompt_tokens, n, time.monotonic() - begun)
     return response
+
+
+async def _fault_response(
+    request: web.Request, state: _State, fault: str, body: dict[str, Any], stream: bool
+) -> web.StreamResponse | None:
+    """The answer a drawn fault gives before any generation; None for the faults that
+    show in the answer itself (malformed, stall when streaming, empty)."""
+    config = state.config
+    if fault == "500":
+        return _error(500, "simulated internal server error", "InternalServerError")
+    if fault == "503":
+        return _error(503, "simulated overload: server unavailable", "ServiceUnavailableError")
+    if fault == "429":
+        return _error(
+            429,
+            "simulated rate limit: too many requests",
+            "RateLimitError",
+            headers={"Retry-After": f"{config.retry_after:g}"},
+        )
+    if fault == "400":
+        # A refusal of this request alone: each message differs, as a real one
+        # names what in the request it refuses.
+        return _bad_request(f"simulated bad request (#{state.stats.faults[fault]})")
+    if fault == "reset":
+        return await _reset(request, stream)
+    if fault == "hang" or (fault == "stall" and not stream):
+        return await _hang(request, state)
+    if fault == "nochoices":
+        doc = {"id": "chatcmpl-x", "object": "chat.completion", "model": _served(body, config)}
+        return web.Response(body=orjson.dumps({**doc, "choices": []}), content_type=_JSON)
+    if fault == "html":
+        page = "<html><body><h1>502 Bad Gateway</h1></body></html>"
+        return web.Response(status=200, text=page, content_type="text/html")
+    return None
+
+
+def _refusal(
+    state: _State, body: dict[str, Any], prompt_tokens: int, n: int
+) -> web.Response | None:
+    """vLLM's 400 for a request longer than the context, or one too big for the cache."""
+    config = state.config
+    asked = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    if config.max_model_len and prompt_tokens + asked > config.max_model_len:
+        return _bad_request(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, "
+            f"you requested {prompt_tokens + asked} tokens ({prompt_tokens} in the messages, "
+            f"{asked} in the completion). Please reduce the length of the messages or "
+            "completion."
+        )
+    if state.batcher is not None and not state.batcher.fits(prompt_tokens + n):
+        return _bad_request(
+            f"the prompt and answer ({prompt_tokens + n} tokens) do not fit in the KV cache "
+            f"({config.kv_tokens} tokens)"
+        )
+    return None
+
+
+async def _whole_answer(
+    request: web.Request,
+    state: _State,
+    body: dict[str, Any],
+    answer: _Answer,
+    completion_id: str,
+    prompt_tokens: int,
+    limit: int,
+    fault: str | None,
+) -> web.StreamResponse:
+    """The answer in one body, once the time it takes to generate has passed."""
+    config, n = state.config, answer.tokens
+    if state.batcher is not None:
+        await state.batcher.generate(prompt_tokens, n, limit)
+    else:
+        await _sleep(config.latency + config.per_token * n)
+    if _client_gone(request):
+        state.stats.aborted += 1
+        return web.Response(status=499)
+    if fault == "malformed":
+        truncated = f'{{"id": "{completion_id}", "object": "chat.completion", "choices": [{{'
+        return web.Response(status=200, body=truncated.encode(), content_type=_JSON)
+    doc = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": _served(body, config),
+        "choices": [
+            {
+                "index": 0,
+                "message": _message(answer, config),
+                "finish_reason": answer.finish_reason,
+            }
+        ],
+        "usage": _usage(prompt_tokens, n),
+    }
+    return web.Response(body=orjson.dumps(doc), content_type=_JSON)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -1295,119 +1141,18 @@ def run_forever(config: SimConfig, host: str = "127.0.0.1", port: int = 0) -> No
     asyncio.run(run())
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line of ``python -m orchestrator.sim.server``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m orchestrator.sim.server",
-        description="Simulated OpenAI-compatible inference server.",
-    )
-    defaults = SimConfig()
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument(
-        "--model",
-        default=defaults.model,
-        help="serve only this model name (others get 404); default: answer to any name",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=defaults.max_model_len,
-        help="context length: longer requests get a 400 (default: none)",
-    )
-    parser.add_argument("--latency", type=float, default=defaults.latency)
-    parser.add_argument("--per-token", type=float, default=defaults.per_token)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--mean-tokens", type=int, default=defaults.mean_tokens)
-    parser.add_argument("--retry-after", type=float, default=defaults.retry_after)
-    parser.add_argument(
-        "--fault", action="append", default=[], metavar="KIND=RATE", help="e.g. 500=0.05"
-    )
-    parser.add_argument(
-        "--outage", action="append", default=[], metavar="START:DURATION", help="e.g. 30:10"
-    )
-    parser.add_argument(
-        "--reasoning",
-        choices=REASONING_MODES,
-        default=defaults.reasoning,
-        help="answer with thinking: in a separate field, in the content between <think> "
-        "tags, or in the content ending with </think> alone",
-    )
-    parser.add_argument(
-        "--reasoning-field", choices=REASONING_FIELDS, default=defaults.reasoning_field
-    )
-    parser.add_argument(
-        "--tool-call-rate",
-        type=float,
-        default=defaults.tool_call_rate,
-        help="fraction of requests offering tools (tool_choice auto) answered with a call",
-    )
-    batching = parser.add_argument_group(
-        "continuous batching", "a server that batches as SGLang does (off unless given)"
-    )
-    batching.add_argument(
-        "--kv-tokens", type=int, default=defaults.kv_tokens, help="KV-cache size in tokens"
-    )
-    batching.add_argument(
-        "--max-running", type=int, default=defaults.max_running, help="most requests per batch"
-    )
-    batching.add_argument(
-        "--step-time",
-        type=float,
-        default=defaults.step_time,
-        help="seconds of a decode step (default %(default)s)",
-    )
-    batching.add_argument(
-        "--step-per-request",
-        type=float,
-        default=defaults.step_per_request,
-        help="seconds a decode step takes more per request in the batch (default %(default)s)",
-    )
-    batching.add_argument(
-        "--prefill-per-token",
-        type=float,
-        default=defaults.prefill_per_token,
-        help="seconds per prompt token prefilled (default %(default)s)",
-    )
-    batching.add_argument(
-        "--time-scale",
-        type=float,
-        default=defaults.time_scale,
-        help="multiplies simulated durations; 0.1 runs ten times faster (default %(default)s)",
-    )
-    args = parser.parse_args(argv)
-    try:
-        faults: dict[str, float] = {}
-        for spec in args.fault:
-            kind, rate = parse_fault(spec)
-            faults[kind] = rate
-        config = SimConfig(
-            model=args.model,
-            latency=args.latency,
-            per_token=args.per_token,
-            seed=args.seed,
-            mean_tokens=args.mean_tokens,
-            faults=faults,
-            outages=[parse_outage(spec) for spec in args.outage],
-            retry_after=args.retry_after,
-            reasoning=args.reasoning,
-            reasoning_field=args.reasoning_field,
-            tool_call_rate=args.tool_call_rate,
-            kv_tokens=args.kv_tokens,
-            max_running=args.max_running,
-            step_time=args.step_time,
-            step_per_request=args.step_per_request,
-            prefill_per_token=args.prefill_per_token,
-            time_scale=args.time_scale,
-            max_model_len=args.max_model_len,
-            # From the environment, never the command line, where ps would show it.
-            api_key=os.environ.get("SIM_API_KEY") or None,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
-    run_forever(config, args.host, args.port)
-    return 0
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@sim_options(module=True)
+def _command(host: str, port: int, **options: Any) -> None:
+    """Simulated OpenAI-compatible inference server."""
+    run_forever(sim_config(options), host, port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line of ``python -m orchestrator.sim.server``: the options of
+    ``orchestrator sim-server`` (``orchestrator.sim.options``); exits when it stops."""
+    _command.main(argv, prog_name="python -m orchestrator.sim.server")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

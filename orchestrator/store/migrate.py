@@ -255,3 +255,26 @@ async def database_facts(database: Database) -> tuple[str | None, list[str]]:
 
     async with database.read() as conn:
         return await conn.run_sync(facts)
+
+
+async def upgrade_database(db: str | None, *, adopt: bool = False) -> tuple[str | None, str, str]:
+    """``orchestrator db upgrade``: the checks an open for ``create`` makes (``adopt``: into
+    a database that holds another application's tables), then the schema brought to head.
+    Returns (revision before, revision after, where)."""
+    from orchestrator.store.engine import create_database, resolve_url
+
+    url = resolve_url(db)
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        facts = sqlite_facts(str(url.database))
+        if facts is not None:
+            revision, tables = facts
+            check_open("create", str(url.database), revision=revision, tables=tables, adopt=adopt)
+    database = create_database(url)
+    try:
+        if not database.is_sqlite:
+            revision, tables = await database_facts(database)
+            check_open("create", database.where, revision=revision, tables=tables, adopt=adopt)
+        before, after = await upgrade(database)
+        return before, after, database.where
+    finally:
+        await database.close()

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
+from orchestrator.errors import ConfigError
 from orchestrator.store.engine import Database
 from orchestrator.store.schema import (
     datasets,
@@ -75,6 +76,50 @@ class Selection:
                 "flags": self.flags,
             }
         ).decode()
+
+
+@dataclass(frozen=True, slots=True)
+class Spelling:
+    """How a caller names requeue's options in the guard's message: the command's flags
+    or the API's keywords."""
+
+    state_done: str
+    filters: str
+    everything: str
+    hint: str = ""
+
+
+COMMAND = Spelling(
+    "--state done",
+    "--dataset, --flag, --error-class",
+    "--all",
+    "; --dry-run shows what would move",
+)
+API = Spelling("state='done'", "datasets, flags, error_class", "all=True")
+
+
+def checked_selection(
+    state: str,
+    *,
+    dataset_names: Sequence[str] = (),
+    error_class: str | None = None,
+    flags: int = 0,
+    everything: bool = False,
+    spelling: Spelling = API,
+) -> Selection:
+    """The items a requeue may move, or ConfigError: quality flags imply done items, and
+    done items (whose answers would be generated again) need a filter or ``everything``."""
+    state = "done" if flags else state
+    if state not in ("failed", "done"):
+        raise ConfigError(f"requeue state must be failed or done, not {state!r}")
+    if state == "done" and not (dataset_names or flags or error_class or everything):
+        raise ConfigError(
+            f"requeue {spelling.state_done} sends answers back to be generated again: name "
+            f"which ({spelling.filters}), or say {spelling.everything}{spelling.hint}"
+        )
+    return Selection(
+        state=state, dataset_names=tuple(dataset_names), error_class=error_class, flags=flags
+    )
 
 
 async def preview(database: Database, selection: Selection) -> dict[tuple[str, str], int]:
@@ -185,6 +230,10 @@ async def requeue(
 
 @dataclass(frozen=True, slots=True)
 class UndoReport:
+    """What ``requeue --undo`` took back (or, in a dry run, would): the requeue's id
+    (None: no requeue since the last undo), its items given their state and answers back,
+    and those claimed since, left as they are."""
+
     requeue_id: int | None
     restored: int = 0
     # Items claimed since the requeue: generated again (or being), so left as they are.

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from orchestrator.formats.export import FORMATS, REASONING_MODES
-from orchestrator.sim.server import REASONING_MODES as SIM_REASONING
+from orchestrator.sim.config import REASONING_MODES as SIM_REASONING
 from tests import oracle
 from tests.helpers import SimProcess, cli, query, start_worker, write_jsonl
 

@@ -1,0 +1,326 @@
+"""``orchestrator enqueue``: a JSONL file, or every dataset of a run file, into the queue."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+from orchestrator.cli.common import (
+    db_option,
+    end_progress,
+    on_database,
+    progress_shown,
+    run_sync,
+    tty_progress,
+)
+from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
+
+if TYPE_CHECKING:
+    from orchestrator.enqueueing import Enqueued, EnqueueOptions, PlanFailed
+    from orchestrator.errors import InputError
+    from orchestrator.store import EnqueueReport
+
+# orchestrator.formats.readers.INPUT_FORMATS, spelled out: importing that module loads
+# orjson before any command runs. A test keeps them equal.
+INPUT_FORMATS = ("auto", "messages", "sharegpt", "prompt", "openai-batch", "tokens")
+
+# The dataset settings, by option: all of them come from the run file with --config;
+# the sampling ones do not apply to pass-through rows.
+_SETTINGS = (
+    ("--dataset", "dataset"),
+    ("--model", "model"),
+    ("--max-tokens", "max_tokens"),
+    ("--temperature", "temperature"),
+    ("--top-p", "top_p"),
+    ("--param", "params"),
+    ("--concurrency", "concurrency"),
+    ("--priority", "priority"),
+    ("--format", "fmt"),
+    ("--regenerate", "regenerate"),
+    ("--on-truncated", "on_truncated"),
+    ("--passthrough", "passthrough"),
+)
+_SAMPLING = (
+    "--max-tokens",
+    "--temperature",
+    "--top-p",
+    "--param",
+    "--concurrency",
+    "--regenerate",
+    "--on-truncated",
+)
+
+
+@click.command()
+@click.argument("file", required=False, type=click.Path(path_type=Path))
+@click.option(
+    "--config",
+    type=click.Path(path_type=Path),
+    help="Enqueue every dataset of a run file (docs/CONFIG.md) instead of one FILE; the "
+    "file is checked as a whole first.",
+)
+@click.option("--dataset", "-d", help="Dataset name (created on first use).")
+@click.option("--model", help="Model name sent with every request of the dataset.")
+@click.option("--max-tokens", type=click.IntRange(min=1), help="max_tokens of each request.")
+@click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1), help="Nucleus sampling top_p.")
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="KEY=JSON",
+    help="Any other request body field, e.g. --param 'chat_template_kwargs={\"thinking\":true}'.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1, max=INT_MAX),
+    help="Most requests of this dataset in flight at once, across all workers.",
+)
+@click.option(
+    "--priority",
+    type=click.IntRange(min=-INT_MAX, max=INT_MAX),
+    help="Higher priority datasets are worked on first.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(INPUT_FORMATS),
+    default="auto",
+    show_default=True,
+    help="Every line must be in this format (auto: any mix). tokens: pre-tokenised "
+    "input_ids/loss_mask rows, with --passthrough only.",
+)
+@click.option(
+    "--regenerate",
+    type=click.Choice(REGENERATE),
+    help="last: generate each conversation's final answer; all: every assistant turn, in "
+    "order. Fixed when the dataset is created (default: the dataset's, else last).",
+)
+@click.option(
+    "--on-truncated",
+    type=click.Choice(ON_TRUNCATED),
+    help="What an answer cut at max_tokens does: keep it, retry it, or fail the item "
+    "(default: the dataset's, else keep).",
+)
+@click.option(
+    "--passthrough",
+    is_flag=True,
+    help="The rows already hold the answer (conversations ending with it, or tokens rows): "
+    "stored as done, no request sent. Fixed when the dataset is created.",
+)
+@click.option(
+    "--update",
+    is_flag=True,
+    help="Accept new request parameters for an existing dataset: its items not done yet "
+    "are sent with them (each output records the parameters it was made with).",
+)
+@click.option(
+    "--skip-invalid", is_flag=True, help="Skip bad lines (listed and counted) instead of failing."
+)
+@db_option
+@click.pass_context
+def enqueue(ctx: click.Context, file: Path | None, config: Path | None, **options: Any) -> None:
+    """Add the prompts of a JSONL FILE to a dataset (all of them, or none on a bad line).
+
+    Lines may be OpenAI chat ({"messages": [...]}), ShareGPT ({"conversations": [...]}),
+    {"prompt": "..."} or OpenAI batch request lines ({"custom_id", "body": {...}}). The
+    item key is the line's "id" or "custom_id", else its line number. Enqueuing the same
+    file again adds nothing.
+
+    With --config RUN.toml, every dataset of the run file instead, each file in its own
+    transaction, in the file's order.
+    """
+    from orchestrator.enqueueing import enqueue_source
+
+    db, update, skip_invalid = (options.pop(k) for k in ("db", "update", "skip_invalid"))
+    if config is not None:
+        _config_alone(ctx, file, options)
+        _enqueue_config(config, update=update, skip_invalid=skip_invalid, db=db)
+        return
+    chosen = _options(ctx, file, options, update=update)
+    invalid: list[InputError] = []
+    on_invalid = invalid.append if skip_invalid else None
+    with progress_shown(f"reading {file}:") as progress:
+        report = on_database(
+            db, lambda d: enqueue_source(d, chosen, file, on_invalid=on_invalid, progress=progress)
+        )
+    _show_skipped(invalid, report)
+    click.echo(_enqueued(report, str(file)))
+
+
+def _config_alone(ctx: click.Context, file: Path | None, settings: dict[str, Any]) -> None:
+    """With --config, every dataset setting comes from the run file: none may be given."""
+    given = (["FILE"] if file is not None else []) + _given(settings)
+    if given:
+        raise click.UsageError(
+            f"--config takes every dataset setting from the run file: drop {', '.join(given)}",
+            ctx,
+        )
+
+
+def _given(settings: dict[str, Any], among: tuple[str, ...] | None = None) -> list[str]:
+    """The dataset settings given on the command line, by option name."""
+    unset = {"fmt": "auto", "params": (), "passthrough": False}
+    return [
+        option
+        for option, name in _SETTINGS
+        if settings[name] not in (None, unset.get(name)) and (among is None or option in among)
+    ]
+
+
+def _options(
+    ctx: click.Context, file: Path | None, settings: dict[str, Any], *, update: bool
+) -> EnqueueOptions:
+    """The dataset's settings from the options, checked as the library checks any source's."""
+    from orchestrator.enqueueing import EnqueueOptions, request_body
+
+    if file is None:
+        raise click.UsageError("Missing argument 'FILE' (or --config RUN.toml).", ctx)
+    if settings["dataset"] is None:
+        raise click.UsageError("Missing option '--dataset' / '-d'.", ctx)
+    named = {k: settings[k] for k in ("max_tokens", "temperature", "top_p")}
+    body = request_body(_parse_params(settings["params"]), model=settings["model"], **named)
+    _check_params(body, named)
+    sampling = _given(settings, _SAMPLING)
+    if settings["passthrough"] and sampling:
+        raise click.UsageError(
+            f"--passthrough stores the rows as done and sends no request: "
+            f"{', '.join(sampling)} do not apply",
+            ctx,
+        )
+    return EnqueueOptions(
+        dataset=settings["dataset"],
+        params=body,
+        concurrency=settings["concurrency"],
+        priority=settings["priority"],
+        format=settings["fmt"],
+        regenerate=settings["regenerate"],
+        on_truncated=settings["on_truncated"],
+        passthrough=settings["passthrough"],
+        update=update,
+        sampling=tuple(sampling),
+    )
+
+
+def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
+    import orjson
+
+    params: dict[str, Any] = {}
+    for value in values:
+        key, sep, raw = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{value!r} is not KEY=VALUE", param_hint="--param")
+        try:
+            params[key] = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            params[key] = raw
+    return params
+
+
+def _check_params(body: dict[str, Any], options: dict[str, Any]) -> None:
+    """The request body through the check run files and input lines get
+    (``orchestrator.params``): a NaN or a negative temperature stops here."""
+    from orchestrator.params import problems
+
+    found = problems(body)
+    if found:
+        named = [
+            (f"--{name.replace('_', '-')}" if options.get(name) is not None else f"--param {name}")
+            for name, _ in found
+        ]
+        raise click.UsageError(
+            "; ".join(f"{option}: {why}" for option, (_, why) in zip(named, found, strict=True))
+        )
+
+
+def _show_skipped(invalid: list[InputError], report: EnqueueReport) -> None:
+    """Lines the reader rejected and lines the store rejected (duplicates), once each."""
+    from orchestrator.enqueueing import skipped
+
+    report.invalid = skipped(invalid, report)
+    if report.invalid:
+        shown = sorted(report.invalid, key=lambda e: e.line or 0)
+        for err in shown[:20]:
+            click.echo(f"skipped {err}", err=True)
+        if len(shown) > 20:
+            click.echo(f"... and {len(shown) - 20} more", err=True)
+
+
+def _enqueued(report: EnqueueReport, file: str) -> str:
+    """The line ``enqueue`` prints for one file."""
+    name = report.dataset
+    if report.added == 0 and report.already_present:
+        return (
+            f"nothing new: all {report.already_present:,} items of {file} are already in "
+            f"dataset {name!r}"
+        )
+    verb = "created" if report.created else "into existing"
+    details = f"{report.already_present:,} already present"
+    if report.invalid:
+        details += f", {len(report.invalid):,} invalid lines skipped"
+    if report.mode == "passthrough":
+        return (
+            f"stored {report.added:,} rows as done {verb} pass-through dataset {name!r} ({details})"
+        )
+    if report.mode == "all":
+        details += f"; {report.turns:,} turns to generate"
+    return f"enqueued {report.added:,} items {verb} dataset {name!r} ({details})"
+
+
+def _enqueue_config(config: Path, *, update: bool, skip_invalid: bool, db: str | None) -> None:
+    """Every dataset of a run file: checked as a whole, then one transaction per file."""
+    from orchestrator.enqueueing import PlanFailed, enqueue_plans
+    from orchestrator.runfile import load_run
+
+    plans = run_sync(lambda: load_run(config))
+    shown: list[Callable[[int], None] | None] = []
+
+    def progress(plan: Any) -> Callable[[int], None] | None:
+        shown.append(tty_progress(f"reading {plan.file}:"))
+        return shown[-1]
+
+    def each(entry: Enqueued) -> None:
+        end_progress(shown.pop())
+        _show_skipped(entry.invalid, entry.report)
+        click.echo(_enqueued(entry.report, str(entry.plan.file)))
+
+    result = on_database(
+        db,
+        lambda d: enqueue_plans(
+            d, config, plans, update=update, skip_invalid=skip_invalid, progress=progress, each=each
+        ),
+    )
+    while shown:
+        end_progress(shown.pop())
+    if isinstance(result, PlanFailed):
+        _stopped(result, len(plans))
+    _total([entry.report for entry in result])
+
+
+def _stopped(result: PlanFailed, planned: int) -> NoReturn:
+    """Where a run file's enqueue stopped, and what stays; exits with the error's code."""
+    import sys
+
+    click.echo(f"error: {result.error}", err=True)
+    kept = ", ".join(repr(e.report.dataset) for e in result.done) or "none"
+    click.echo(
+        f"stopped at dataset {result.plan.name!r} ({len(result.done) + 1} of "
+        f"{planned}): nothing of it was enqueued; the datasets before it stay "
+        f"enqueued ({kept})",
+        err=True,
+    )
+    sys.exit(result.error.exit_code)
+
+
+def _total(reports: list[EnqueueReport]) -> None:
+    added = sum(r.added for r in reports)
+    passed = sum(r.added for r in reports if r.mode == "passthrough")
+    turns = sum(r.turns for r in reports if r.mode != "passthrough")
+    already = sum(r.already_present for r in reports)
+    click.echo(
+        f"total: {added:,} items added to {len(reports)} datasets ({turns:,} requests to "
+        f"generate, {passed:,} rows stored as done, {already:,} already present)"
+    )

@@ -1,0 +1,187 @@
+"""``orchestrator export``: done items as training data, all files or none.
+
+An SQLite file at the current schema is read through plain sqlite3, so that the export
+loads neither SQLAlchemy nor asyncio; anything else goes through the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from orchestrator.cli.common import (
+    configure_logs,
+    db_option,
+    on_database,
+    progress_shown,
+    run_sync,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.formats.export import ExportOptions, ExportReport
+
+# orchestrator.formats.export.FORMATS and REASONING_MODES, spelled out: importing that
+# module loads more than the command's start needs. A test keeps them equal.
+EXPORT_FORMATS = ("messages", "sharegpt", "openai-batch")
+REASONING_MODES = ("separate", "inline", "drop")
+
+
+@click.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--dataset", "datasets", multiple=True, help="Only these datasets.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(EXPORT_FORMATS),
+    default="messages",
+    show_default=True,
+    help="Line format: OpenAI messages, ShareGPT (SpecForge / EAGLE-3 trainers) or the "
+    "OpenAI Batch API output (failed items in OUT.errors.jsonl).",
+)
+@click.option(
+    "--reasoning",
+    type=click.Choice(REASONING_MODES),
+    default="separate",
+    show_default=True,
+    help="Generated reasoning: in reasoning_content, inline in the content as "
+    "<think>...</think>, or dropped.",
+)
+@click.option(
+    "--split", is_flag=True, help="OUT is a directory: one OUT/<dataset>.jsonl per dataset."
+)
+@click.option(
+    "--exclude-flag",
+    "exclude_flags",
+    multiple=True,
+    metavar="FLAG[,FLAG]",
+    help="Leave out answers with this quality flag: truncated, empty, unclosed_think, "
+    "reasoning_only, tool_mismatch. Repeat or comma-separate.",
+)
+@click.option(
+    "--include-failed",
+    type=click.Path(path_type=Path, dir_okay=False),
+    metavar="FILE",
+    help="Also write the failed items (key, dataset, error, attempts) to FILE as JSONL.",
+)
+@click.option(
+    "--provenance",
+    is_flag=True,
+    help="Add model, params, params_hash, server, created_at, started_at and flags.",
+)
+@db_option
+def export(
+    out: Path,
+    datasets: tuple[str, ...],
+    fmt: str,
+    reasoning: str,
+    split: bool,
+    exclude_flags: tuple[str, ...],
+    include_failed: Path | None,
+    provenance: bool,
+    db: str | None,
+) -> None:
+    """Write done items to OUT as JSONL, by dataset then input order.
+
+    The default line: {"id", "dataset", "messages": [...input, assistant answer],
+    "finish_reason", "usage"}; the README shows every format. Each file is written under
+    a temporary name and renamed once all are complete: never half a file.
+    """
+    chosen = run_sync(
+        lambda: _options(fmt, reasoning, exclude_flags, provenance, split, include_failed)
+    )
+    with progress_shown(f"writing {out}:") as progress:
+        report = _export_any(db, out, datasets, chosen, progress)
+    _say_exported(report, out, chosen)
+    if report.mixed:
+        _warn_mixed(report, fmt)
+
+
+def _options(
+    fmt: str,
+    reasoning: str,
+    exclude_flags: tuple[str, ...],
+    provenance: bool,
+    split: bool,
+    include_failed: Path | None,
+) -> ExportOptions:
+    from orchestrator.formats.export import ExportOptions
+    from orchestrator.quality import parse_flags
+
+    mask = 0
+    for spec in exclude_flags:
+        mask |= parse_flags(spec)
+    return ExportOptions(
+        format=fmt,
+        reasoning=reasoning,
+        exclude_flags=mask,
+        provenance=provenance,
+        split=split,
+        include_failed=include_failed,
+    )
+
+
+def _export_any(
+    db: str | None,
+    out: Path,
+    datasets: tuple[str, ...],
+    chosen: ExportOptions,
+    progress: Callable[[int], None] | None,
+) -> ExportReport:
+    """The export through plain sqlite3 when it can, else through the store."""
+    import sqlite3
+
+    from orchestrator.formats.export import export_database, export_sqlite
+    from orchestrator.store.reader import open_reader, sqlite_path
+
+    # An SQLite file at the current schema is read through plain sqlite3 in this thread;
+    # anything else is opened (created, upgraded) by the store first, and so is a file
+    # the quick read fails on, so that the error is reported the store's way.
+    report: ExportReport | None = None
+    path = sqlite_path(db)
+    reader = open_reader(path) if path else None
+    read = {"dataset_names": datasets, "progress": progress, "options": chosen, "warn": False}
+    if reader is not None:
+        with reader, contextlib.suppress(sqlite3.Error):
+            report = run_sync(functools.partial(export_sqlite, reader, out, **read))
+    if report is None:
+        configure_logs()
+        report = on_database(db, lambda d: export_database(d, out, **read), mode="read")
+    return report
+
+
+def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> None:
+    from orchestrator.quality import flag_names
+
+    # `export -`: the lines are standard output, so the summary goes to stderr.
+    piped = str(out) == "-"
+    where = f"{len(report.files):,} files in {out}" if chosen.split else str(out)
+    where = "standard output" if piped else where
+    click.echo(f"exported {report.lines:,} items to {where}", err=piped)
+    if chosen.exclude_flags:
+        names = ", ".join(flag_names(chosen.exclude_flags))
+        click.echo(f"left out {report.excluded:,} answers flagged {names}", err=piped)
+    if report.failed_files:
+        files = report.failed_files
+        into = str(files[0]) if len(files) == 1 else f"{len(files):,} files in {out}"
+        click.echo(f"wrote {report.failed:,} failed items to {into}", err=piped)
+
+
+def _warn_mixed(report: Any, fmt: str) -> None:
+    """The export's warning event, and in a terminal's text logs a line of its own."""
+    from orchestrator import logs
+    from orchestrator.formats.export import MIXED_TOKEN_ROWS, warn_mixed
+
+    configure_logs()
+    warn_mixed(report, fmt)
+    if not logs.json_lines():  # else the export_mixed_token_rows event says it, as JSON
+        for path, tokens, others in report.mixed:
+            click.echo(
+                f"warning: {path}: {tokens:,} pre-tokenised rows among {others:,} other "
+                f"lines; {MIXED_TOKEN_ROWS}",
+                err=True,
+            )

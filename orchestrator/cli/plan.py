@@ -1,0 +1,70 @@
+"""``orchestrator plan``: what a run will take, before or while it runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from orchestrator.cli.common import db_option, echo_json, fail, on_database, run_sync
+from orchestrator.errors import ConfigError
+
+DEFAULT_TOKENS_PER_SECOND = 850.0
+"""``plan``'s default rate: the total tokens per second of a typical single-GPU reasoning
+run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md."""
+
+
+@click.command()
+@click.option(
+    "--config",
+    type=click.Path(path_type=Path),
+    help="Plan the datasets of a run file (docs/CONFIG.md), counting the answers the "
+    "database already holds; without it, plan what the database holds.",
+)
+@click.option(
+    "--tokens-per-second",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_TOKENS_PER_SECOND,
+    show_default=True,
+    help="The servers' total generation rate. The default is a typical single-GPU "
+    "reasoning run; `status` shows a running run's.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable.")
+@db_option
+def plan(config: Path | None, tokens_per_second: float, as_json: bool, db: str | None) -> None:
+    """Requests, tokens to generate, time left and database size, per dataset and in total."""
+    from orchestrator import runfile
+    from orchestrator.store.reader import sqlite_path
+
+    plans = run_sync(lambda: runfile.load_run(config)) if config is not None else None
+    path = sqlite_path(db)
+    exists = path is None or os.path.exists(path)
+    if plans is None and not exists:
+        fail(
+            f"no database at {path}: nothing to plan (plan a run file with --config)",
+            ConfigError.exit_code,
+        )
+    held = _stored(db) if exists else []
+    if plans is not None:
+        stats = runfile.done_stats(held)
+        result = run_sync(
+            lambda: runfile.plan_run(plans, tokens_per_second=tokens_per_second, done_stats=stats)
+        )
+    elif not held:
+        click.echo(f"no datasets in {path or db}: nothing to plan (plan a run file with --config)")
+        return
+    else:
+        result = runfile.plan_stored(held, tokens_per_second=tokens_per_second)
+    if as_json:
+        echo_json(runfile.plan_json(result))
+    else:
+        click.echo(runfile.render_plan(result), nl=False)
+
+
+def _stored(db: str | None) -> list[Any]:
+    """The datasets the database holds, with what is done of each."""
+    from orchestrator.store.planning import stored_datasets
+
+    return on_database(db, stored_datasets, mode="read")

@@ -1,0 +1,223 @@
+"""``orchestrator run``: a worker on the queue until it is stopped or the work is done."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from orchestrator.cli.common import (
+    api_key_file_option,
+    basic_auth_file_option,
+    db_option,
+    on_database,
+    read_api_key,
+    run_sync,
+    servers_option,
+)
+from orchestrator.errors import StorageError
+
+max_response_option = click.option(
+    "--max-response-mb",
+    type=click.FloatRange(min=0.001),
+    default=64.0,
+    show_default=True,
+    help="Most MiB of one answer's body; a larger one fails the item (response_too_large) "
+    "before it fills memory and the database.",
+)
+
+
+def _servers(
+    servers: tuple[str, ...],
+    servers_file: Path | None,
+    key_file: Path | None,
+    auth_file: Path | None,
+) -> tuple[list[Any], dict[str, Any], str | None]:
+    """The servers of --server and --servers-file, checked, their Basic credentials
+    and the API key."""
+    from orchestrator.running import without_credentials
+    from orchestrator.servers import merge_servers, parse_servers_file
+
+    checked = _checked_servers(servers)
+    listed = run_sync(lambda: parse_servers_file(servers_file)) if servers_file else []
+    api_key = read_api_key(key_file)
+    merged = merge_servers(checked, listed)
+    specs, basic_auth = run_sync(lambda: without_credentials(merged, api_key, auth_file))
+    if not specs:
+        raise click.UsageError(
+            "give at least one --server URL (or --servers-file, or ORCHESTRATOR_SERVERS)"
+        )
+    return specs, basic_auth, api_key
+
+
+def _checked_servers(servers: tuple[str, ...]) -> tuple[str, ...]:
+    """``--server`` / ORCHESTRATOR_SERVERS URLs through the one URL check of every server
+    source (a servers file's lines get the same): refused with the source named, or
+    corrected (a ``/v1``, a trailing slash) with a note."""
+    import structlog
+
+    from orchestrator.servers import check_server_url
+
+    ctx = click.get_current_context()
+    from_env = ctx.get_parameter_source("servers") == click.core.ParameterSource.ENVIRONMENT
+    source = "ORCHESTRATOR_SERVERS" if from_env else "--server"
+    checked = []
+    for url in servers:
+        fixed, note = run_sync(lambda url=url: check_server_url(url, source))
+        if note:
+            structlog.get_logger("orchestrator.cli").info(
+                "server_url_corrected", source=source, note=note
+            )
+        checked.append(fixed)
+    return tuple(checked)
+
+
+def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
+    from orchestrator.servers import parse_cap
+
+    try:
+        return parse_cap(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command()
+@servers_option
+@click.option(
+    "--servers-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="More servers, one URL a line, each optionally with its own concurrency=N|auto "
+    "('#' starts a comment).",
+)
+@click.option(
+    "--concurrency",
+    default="64",
+    show_default=True,
+    metavar="N|auto",
+    callback=_concurrency,
+    help="Most requests in flight per server (the worker's total is the sum over the "
+    "healthy servers); 'auto' adapts each server's to what it takes, from its /metrics.",
+)
+@click.option("--dataset", "datasets", multiple=True, help="Only work on these datasets.")
+@click.option(
+    "--exit-when-done",
+    is_flag=True,
+    help="Exit once no item is pending or running: 0 when every item is done, 6 when some "
+    "failed, 7 when items of paused datasets are left pending.",
+)
+@click.option(
+    "--give-up-after",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Stop (exit 4) when no server has answered for this long; by default a worker "
+    "waits for its servers as long as it takes.",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(min=1),
+    default=3600.0,
+    show_default=True,
+    help="Seconds a whole request may take, streamed or not (long reasoning answers need long).",
+)
+@click.option(
+    "--lease-seconds",
+    type=click.FloatRange(min=2),
+    default=120.0,
+    show_default=True,
+    help="Lease length; renewed every quarter of it while a request is in flight.",
+)
+@click.option("--max-attempts", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option(
+    "--retry-backoff",
+    type=click.FloatRange(min=0.01),
+    default=2.0,
+    show_default=True,
+    help="First retry delay in seconds; doubles per attempt (±25 %), capped at 300.",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="Seconds in-flight requests get to finish after SIGTERM/SIGINT.",
+)
+@click.option(
+    "--stream/--no-stream",
+    default=False,
+    show_default=True,
+    help="Stream answers (then --stream-idle-timeout also bounds silence).",
+)
+@click.option(
+    "--stream-idle-timeout",
+    type=click.FloatRange(min=1),
+    default=120.0,
+    show_default=True,
+    help="Seconds a stream may go without a data event (SSE comments do not count).",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    help="Serve Prometheus metrics at /metrics (and /health) on this port (0: any free one).",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the metrics server binds; another than loopback exposes it to the network.",
+)
+@api_key_file_option
+@basic_auth_file_option
+@max_response_option
+@db_option
+def run(
+    servers: tuple[str, ...],
+    servers_file: Path | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    api_key_file: Path | None,
+    basic_auth_file: Path | None,
+    db: str | None,
+    **settings: Any,
+) -> None:
+    """Work on the queue: claim items, call the servers, commit each answer once.
+
+    SIGTERM or SIGINT stops claiming and lets in-flight requests finish within --grace;
+    a second signal stops at once. Unfinished items go back to pending.
+    """
+    from orchestrator.running import RunSettings, configs, run_worker
+
+    specs, basic_auth, api_key = _servers(servers, servers_file, api_key_file, basic_auth_file)
+    config, client_config = configs(specs, basic_auth, api_key, RunSettings(**settings))
+    metrics = {"metrics_port": metrics_port, "metrics_host": metrics_host}
+    outcome = on_database(
+        db, lambda d: run_worker(d, config, client_config, signals=True, **metrics), mode="write"
+    )
+    _say_how_run_ended(outcome.stats, outcome.stopped)
+
+
+def _say_how_run_ended(stats: Any, stopped: list[Any]) -> None:
+    """The worker's last line for a person, and the exit code of how it ended."""
+    from orchestrator import logs
+    from orchestrator.errors import ItemsFailed, ItemsLeftPending
+
+    if not logs.json_lines():  # else the worker_stopped event says it, as JSON
+        click.echo(
+            f"worker stopped: {stats.completed:,} done, {stats.failed:,} failed, "
+            f"{stats.retried:,} retried, {stats.released:,} released",
+            err=True,
+        )
+    if stats.dropped:
+        # The database refused them until the stop deadline: their leases expire and
+        # the items run again, but this worker did not finish cleanly.
+        click.echo(
+            f"error: {stats.dropped:,} answers could not be written before the stop and were "
+            "dropped (their items run again once their leases expire)",
+            err=True,
+        )
+        sys.exit(StorageError.exit_code)
+    for reason in stopped:
+        kind = "incomplete" if isinstance(reason, (ItemsFailed, ItemsLeftPending)) else "error"
+        click.echo(f"{kind}: {reason}", err=True)
+        sys.exit(reason.exit_code)

@@ -1,0 +1,177 @@
+"""``orchestrator status``, ``watch``, ``dashboard`` and ``report``: the run as it goes.
+
+``status`` reads an SQLite file at the current schema through plain sqlite3, so that it
+loads neither SQLAlchemy nor asyncio; anything else goes through the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import click
+
+from orchestrator.cli.common import (
+    configure_logs,
+    db_option,
+    echo_json,
+    on_database,
+    run_async,
+    run_sync,
+    servers_option,
+    window_option,
+)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable (docs/STATUS.md).")
+@window_option
+@servers_option
+@db_option
+def status(as_json: bool, window: float, servers: tuple[str, ...], db: str | None) -> None:
+    """Progress, rates, errors and ETA per dataset and in total.
+
+    With --server (or ORCHESTRATOR_SERVERS), each server's own view from its /metrics
+    (SGLang or vLLM names) is shown beside them.
+    """
+    from orchestrator.monitor.text import render_status
+
+    snap = _status_snapshot(db, window, servers)
+    if as_json:
+        echo_json(snap)
+    else:
+        click.echo(render_status(snap))
+
+
+def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) -> dict[str, Any]:
+    """The status document (docs/STATUS.md), with the servers' own view when asked."""
+    import sqlite3
+
+    from orchestrator.store.reader import open_reader, sqlite_path
+    from orchestrator.store.stats import snapshot_sqlite
+
+    snap: dict[str, Any] | None = None
+    # An SQLite file at the current schema is read through plain sqlite3, without
+    # loading SQLAlchemy; anything else (or any error) goes the full way below.
+    path = sqlite_path(db)
+    reader = open_reader(path) if path else None
+    if reader is not None:
+        with reader, contextlib.suppress(sqlite3.Error):
+            snap = snapshot_sqlite(reader, window=window)
+    if snap is None:
+        configure_logs()
+        from orchestrator.store import snapshot
+
+        snap = on_database(db, lambda d: snapshot(d, window=window), mode="read")
+    if servers:
+        from orchestrator.monitor.server_metrics import scrape
+
+        snap["servers"] = [scrape(server) for server in servers]
+    return snap
+
+
+@click.command()
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes.",
+)
+@window_option
+@click.option(
+    "--count", type=click.IntRange(min=0), default=0, help="Stop after this many views (0: never)."
+)
+@servers_option
+@db_option
+def watch(
+    interval: float, window: float, count: int, servers: tuple[str, ...], db: str | None
+) -> None:
+    """A live view of status: a progress bar per dataset, rates, ETA, errors, servers.
+
+    Redrawn in place (over ssh too); Ctrl-C leaves it.
+    """
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from orchestrator.monitor.live import render
+
+    console = Console()
+    shown = 0
+    try:
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            while True:
+                live.update(render(_status_snapshot(db, window, servers)), refresh=True)
+                shown += 1
+                if count and shown >= count:
+                    break
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
+@click.command()
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (the dashboard has no authentication).",
+)
+@click.option(
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="Another name the page may be reached by (a proxy's, a DNS name): requests whose "
+    "Host header is none of loopback, an IP address, --host or these are refused.",
+)
+@window_option
+@servers_option
+@db_option
+def dashboard(
+    port: int,
+    host: str,
+    allow_hosts: tuple[str, ...],
+    window: float,
+    servers: tuple[str, ...],
+    db: str | None,
+) -> None:
+    """A web page of the run that updates itself: progress, throughput and errors over
+    the whole run, completion lengths, servers, ETA. Only reads the database."""
+    configure_logs()
+    from orchestrator.monitor.dashboard import serve
+
+    def ready(url: str) -> None:
+        click.echo(f"dashboard on {url} (Ctrl-C stops it)", err=True)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        run_async(
+            serve(
+                db,
+                host=host,
+                port=port,
+                servers=servers,
+                window=window,
+                ready=ready,
+                allow_hosts=allow_hosts,
+            )
+        )
+
+
+@click.command()
+@click.argument("out", type=click.Path(path_type=Path, dir_okay=False))
+@window_option
+@servers_option
+@db_option
+def report(out: Path, window: float, servers: tuple[str, ...], db: str | None) -> None:
+    """The dashboard's page as one static HTML file, data included (no network needed)."""
+    configure_logs()
+    from orchestrator.monitor.dashboard import gather_report, write_report
+
+    data = run_async(gather_report(db, servers=servers, window=window))
+    run_sync(lambda: write_report(out, data))
+    click.echo(f"wrote {out}")

@@ -1,0 +1,193 @@
+"""How the simulated server behaves (``SimConfig``) and the command-line specs it takes.
+
+Kept apart from the server, which loads aiohttp: the ``sim-server`` command's options
+(``orchestrator.sim.options``) are built from these at every ``orchestrator`` start.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+#: Fault kinds in the order their probability ranges are laid out on ``[0, 1)``.
+FAULT_KINDS: tuple[str, ...] = (
+    "500",
+    "503",
+    "429",
+    "400",
+    "reset",
+    "hang",
+    "malformed",
+    "stall",
+    "empty",
+    "nochoices",
+    "html",
+)
+
+#: How reasoning is answered: not at all; in a separate message field; in the content
+#: between ``<think>`` tags; in the content ending with ``</think>`` alone, as from chat
+#: templates that open the block in the prompt.
+REASONING_MODES: tuple[str, ...] = ("none", "field", "think", "think-end")
+
+#: Names of the separate reasoning field: SGLang and older vLLM, newer vLLM.
+REASONING_FIELDS: tuple[str, ...] = ("reasoning_content", "reasoning")
+
+#: The name ``/v1/models`` lists when no model is pinned.
+DEFAULT_MODEL = "sim-model"
+
+
+@dataclass
+class SimConfig:
+    """How the simulated server behaves.
+
+    Attributes:
+        model: the one model name served (requests naming another get 404, and
+            ``/v1/models`` lists it); None answers to any name, as llama.cpp does, and
+            lists ``DEFAULT_MODEL``.
+        latency: base seconds spent on every answer (time to first token when streaming).
+        per_token: extra seconds per generated token, so long answers take longer.
+        seed: seeds both the filler words and the fault draws.
+        mean_tokens: mean completion length; each request's length is fixed by its digest,
+            spread about uniformly over ``[mean/2, 3*mean/2]``, at least 1.
+        faults: fault kind -> fraction of (valid) chat requests that get it. Kinds are
+            ``FAULT_KINDS``; fractions in ``[0, 1]`` and at most 1 in total.
+        outages: ``(start, duration)`` windows, in seconds since the server started, during
+            which every endpoint answers 503, like a server that is restarting.
+        retry_after: value of the ``Retry-After`` header sent with 429.
+        api_key: when set, ``/v1/*`` requests without ``Authorization: Bearer <key>`` get
+            401, as from a server started with ``--api-key``.
+        reasoning: one of ``REASONING_MODES``. With reasoning, each answer starts with a
+            deterministic thinking text about as long as the answer, counted in
+            ``completion_tokens`` and against ``max_tokens``; a request sending
+            ``chat_template_kwargs`` ``{"enable_thinking": false}`` or ``{"thinking": false}``
+            gets none.
+        reasoning_field: the message field of ``reasoning="field"``, one of
+            ``REASONING_FIELDS``.
+        tool_call_rate: fraction of requests offering ``tools`` (with ``tool_choice`` auto
+            or absent) that are answered with a call of the first tool; which ones is fixed
+            by the request's digest. ``tool_choice`` "required" or naming a function always
+            calls, "none" never.
+        kv_tokens: KV-cache size in tokens. With it (or ``max_running``) the server batches
+            as SGLang does (``latency`` and ``per_token`` then do not apply): requests wait
+            in a queue until they fit, are decoded together one token per step, and when
+            the cache overflows as sequences grow the newest are retracted (re-queued, to
+            be prefilled again). 0: no cache limit.
+        max_running: most requests decoded together (0: as many as fit in the cache).
+        step_time: seconds of one decode step, plus ``step_per_request`` per request in
+            the batch: the larger the batch, the slower each request and the higher the
+            total throughput, up to ``1 / step_per_request`` tokens/s.
+        step_per_request: see ``step_time``.
+        prefill_per_token: seconds per token prefilled (prompts, and the generated tokens
+            of a retracted request when it is admitted again).
+        time_scale: multiplies every simulated duration of the batching model, so a
+            benchmark of a slow server finishes in seconds.
+        max_model_len: the context length (0: none): a request whose prompt and
+            ``max_tokens`` exceed it gets vLLM's 400, which names its own lengths.
+    """
+
+    model: str | None = None
+    latency: float = 0.0
+    per_token: float = 0.0
+    seed: int = 0
+    mean_tokens: int = 64
+    faults: dict[str, float] = field(default_factory=dict)
+    outages: list[tuple[float, float]] = field(default_factory=list)
+    retry_after: float = 1.0
+    api_key: str | None = field(default=None, repr=False)
+    reasoning: str = "none"
+    reasoning_field: str = "reasoning_content"
+    tool_call_rate: float = 0.5
+    kv_tokens: int = 0
+    max_running: int = 0
+    step_time: float = 0.01
+    step_per_request: float = 0.0002
+    prefill_per_token: float = 0.00002
+    time_scale: float = 1.0
+    max_model_len: int = 0
+
+    @property
+    def batching(self) -> bool:
+        return self.kv_tokens > 0 or self.max_running > 0
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not self.model:
+            raise ValueError("model name must not be empty")
+        if self.reasoning not in REASONING_MODES:
+            raise ValueError(
+                f"unknown reasoning mode {self.reasoning!r}; known: {', '.join(REASONING_MODES)}"
+            )
+        if self.reasoning_field not in REASONING_FIELDS:
+            raise ValueError(
+                f"unknown reasoning field {self.reasoning_field!r}; "
+                f"known: {', '.join(REASONING_FIELDS)}"
+            )
+        if not 0.0 <= self.tool_call_rate <= 1.0:
+            raise ValueError(f"tool_call_rate must be within [0, 1], got {self.tool_call_rate!r}")
+        for name in ("kv_tokens", "max_running", "max_model_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not math.isfinite(self.time_scale) or self.time_scale <= 0:
+            raise ValueError(f"time_scale must be a finite number > 0, got {self.time_scale!r}")
+        for name in (
+            "latency",
+            "per_token",
+            "retry_after",
+            "step_time",
+            "step_per_request",
+            "prefill_per_token",
+        ):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.mean_tokens < 1:
+            raise ValueError(f"mean_tokens must be >= 1, got {self.mean_tokens!r}")
+        for kind, rate in self.faults.items():
+            if kind not in FAULT_KINDS:
+                raise ValueError(
+                    f"unknown fault kind {kind!r}; known kinds: {', '.join(FAULT_KINDS)}"
+                )
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"fault rate for {kind!r} must be within [0, 1], got {rate!r}")
+        total = sum(self.faults.values())
+        if total > 1.0 + 1e-9:
+            raise ValueError(f"fault rates add up to {total:g}, more than 1")
+        for start, duration in self.outages:
+            if start < 0 or duration <= 0:
+                raise ValueError(
+                    f"outage ({start!r}, {duration!r}) needs start >= 0 and duration > 0"
+                )
+
+
+def parse_fault(spec: str) -> tuple[str, float]:
+    """Parse a CLI fault spec such as ``500=0.05`` or ``reset=0.02``."""
+    kind, sep, rate_text = spec.partition("=")
+    kind = kind.strip().lower()
+    if not sep or not kind or not rate_text.strip():
+        raise ValueError(f"bad fault spec {spec!r}: expected KIND=RATE, e.g. 500=0.05")
+    if kind not in FAULT_KINDS:
+        raise ValueError(
+            f"bad fault spec {spec!r}: unknown kind {kind!r}; known kinds: {', '.join(FAULT_KINDS)}"
+        )
+    try:
+        rate = float(rate_text)
+    except ValueError:
+        raise ValueError(f"bad fault spec {spec!r}: rate {rate_text!r} is not a number") from None
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"bad fault spec {spec!r}: rate must be within [0, 1]")
+    return kind, rate
+
+
+def parse_outage(spec: str) -> tuple[float, float]:
+    """Parse a CLI outage spec ``START:DURATION`` (seconds since the server started)."""
+    start_text, sep, duration_text = spec.partition(":")
+    if not sep:
+        raise ValueError(f"bad outage spec {spec!r}: expected START:DURATION, e.g. 30:10")
+    try:
+        start, duration = float(start_text), float(duration_text)
+    except ValueError:
+        raise ValueError(
+            f"bad outage spec {spec!r}: START and DURATION must be numbers of seconds"
+        ) from None
+    if not (math.isfinite(start) and math.isfinite(duration)) or start < 0 or duration <= 0:
+        raise ValueError(f"bad outage spec {spec!r}: needs START >= 0 and DURATION > 0")
+    return start, duration

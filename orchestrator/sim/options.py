@@ -1,0 +1,210 @@
+"""The simulated server's command-line options, defined once.
+
+``orchestrator sim-server`` and ``python -m orchestrator.sim.server`` are built from this
+table: the same options, defaults (``SimConfig``'s) and help. The module form also takes
+``--fault`` for ``--error-rate`` (the name tests and benchmarks use) and leaves the
+checking of values to ``SimConfig``, whose messages name the field.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+import click
+
+from orchestrator.sim.config import (
+    REASONING_FIELDS,
+    REASONING_MODES,
+    SimConfig,
+    parse_fault,
+    parse_outage,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_DEFAULTS = {f.name: f.default for f in fields(SimConfig) if f.init}
+
+
+@dataclass(frozen=True, slots=True)
+class SimOption:
+    """One option: its flag, the SimConfig field it fills (or the listening address's
+    ``host``/``port``), and how click parses it."""
+
+    flag: str
+    name: str
+    type: Any = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    help: str | None = None
+    metavar: str | None = None
+    multiple: bool = False
+    show_default: bool = True
+    default: Any = None
+    module_flags: tuple[str, ...] = ()
+    module_default: Any = None
+
+    def click_type(self, checked: bool) -> Any:
+        """The click type; with ``checked``, bounded as SimConfig bounds the field."""
+        if isinstance(self.type, tuple):
+            return click.Choice(self.type)
+        if not checked or (self.low is None and self.high is None):
+            return self.type
+        bounded = click.IntRange if self.type is int else click.FloatRange
+        return bounded(min=self.low, max=self.high, min_open=self.low_open)
+
+    def click_option(self, *, module: bool) -> Callable[[F], F]:
+        default = self.default if self.name in ("host", "port") else _DEFAULTS.get(self.name)
+        if module and self.module_default is not None:
+            default = self.module_default
+        flags = (self.flag, *(self.module_flags if module else ()))
+        return click.option(
+            *flags,
+            self.name,
+            type=self.click_type(checked=not module),
+            default=() if self.multiple else default,
+            show_default=self.show_default,
+            multiple=self.multiple,
+            metavar=self.metavar,
+            help=self.help,
+        )
+
+
+OPTIONS: tuple[SimOption, ...] = (
+    SimOption("--host", "host", default="127.0.0.1"),
+    SimOption(
+        "--port",
+        "port",
+        int,
+        0,
+        65535,
+        default=30000,
+        module_default=0,
+        help="0 picks a free port; the listening line says which.",
+    ),
+    SimOption(
+        "--model",
+        "model",
+        show_default=False,
+        help="Serve only this model name (others get 404); by default it answers to any name.",
+    ),
+    SimOption(
+        "--max-model-len",
+        "max_model_len",
+        int,
+        0,
+        show_default=False,
+        help="Context length: a request whose prompt and max_tokens exceed it gets a 400.",
+    ),
+    SimOption("--latency", "latency", float, 0, help="Seconds per request."),
+    SimOption("--per-token", "per_token", float, 0, help="Seconds per generated token."),
+    SimOption("--mean-tokens", "mean_tokens", int, 1),
+    SimOption("--seed", "seed", int),
+    SimOption(
+        "--error-rate",
+        "faults",
+        metavar="KIND=RATE",
+        multiple=True,
+        show_default=False,
+        module_flags=("--fault",),
+        help="Inject faults: 500, 503, 429, 400, reset, hang, malformed (e.g. 500=0.05).",
+    ),
+    SimOption(
+        "--outage",
+        "outages",
+        metavar="START:DURATION",
+        multiple=True,
+        show_default=False,
+        help="Answer 503 everywhere from START for DURATION seconds.",
+    ),
+    SimOption("--retry-after", "retry_after", float, 0),
+    SimOption(
+        "--reasoning",
+        "reasoning",
+        REASONING_MODES,
+        help="Answer with thinking: in a separate field (a server with a reasoning parser), "
+        "in the content between <think> tags (one without), or ending with </think> alone.",
+    ),
+    SimOption(
+        "--reasoning-field",
+        "reasoning_field",
+        REASONING_FIELDS,
+        help="Field of --reasoning field: SGLang and older vLLM, or newer vLLM.",
+    ),
+    SimOption(
+        "--tool-call-rate",
+        "tool_call_rate",
+        float,
+        0,
+        1,
+        help="Fraction of requests offering tools (tool_choice auto) answered with a tool call.",
+    ),
+    SimOption(
+        "--kv-tokens",
+        "kv_tokens",
+        int,
+        0,
+        show_default=False,
+        help="Batch continuously, as SGLang does, with a KV cache of this many tokens.",
+    ),
+    SimOption(
+        "--max-running",
+        "max_running",
+        int,
+        0,
+        show_default=False,
+        help="Batch continuously, at most this many requests decoded together.",
+    ),
+    SimOption(
+        "--step-time", "step_time", float, 0, help="Batching: seconds of one decode step ..."
+    ),
+    SimOption(
+        "--step-per-request",
+        "step_per_request",
+        float,
+        0,
+        help="... plus this much per request in the batch.",
+    ),
+    SimOption(
+        "--prefill-per-token",
+        "prefill_per_token",
+        float,
+        0,
+        help="Batching: seconds per prompt token prefilled.",
+    ),
+    SimOption(
+        "--time-scale",
+        "time_scale",
+        float,
+        0,
+        low_open=True,
+        help="Batching: multiplies every simulated duration (0.1 runs ten times faster).",
+    ),
+)
+
+
+def sim_options(*, module: bool = False) -> Callable[[F], F]:
+    """Every option of the table on a click command (``module``: the module's form)."""
+
+    def add(command: F) -> F:
+        for option in reversed(OPTIONS):
+            command = option.click_option(module=module)(command)
+        return command
+
+    return add
+
+
+def sim_config(values: dict[str, Any]) -> SimConfig:
+    """The server's configuration from the parsed options (host and port left out);
+    a value SimConfig refuses is a bad parameter (exit 2)."""
+    given = {k: v for k, v in values.items() if k not in ("host", "port")}
+    try:
+        given["faults"] = dict(parse_fault(f) for f in given.get("faults", ()))
+        given["outages"] = [parse_outage(o) for o in given.get("outages", ())]
+        # From the environment, never the command line, where ps would show it.
+        return SimConfig(**given, api_key=os.environ.get("SIM_API_KEY") or None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
