@@ -910,22 +910,15 @@ def status(as_json: bool, window: float, servers: tuple[str, ...], db: str | Non
 
 def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) -> dict[str, Any]:
     """The status document (docs/STATUS.md), with the servers' own view when asked."""
-    import sqlite3
+    from orchestrator.monitor.status import snapshot_fast
 
-    from orchestrator.store.reader import open_reader, sqlite_path
-    from orchestrator.store.stats import snapshot_sqlite
-
-    snap: dict[str, Any] | None = None
     # An SQLite file at the current schema is read through plain sqlite3, without
     # loading SQLAlchemy; anything else (or any error) goes the full way below.
-    path = sqlite_path(db)
-    reader = open_reader(path) if path else None
-    if reader is not None:
-        with reader, contextlib.suppress(sqlite3.Error):
-            snap = snapshot_sqlite(reader, window=window)
+    snap = snapshot_fast(db, window=window)
     if snap is None:
         _configure_logs()
-        from orchestrator.store import open_database, snapshot
+        from orchestrator.monitor.status import snapshot
+        from orchestrator.store import open_database
 
         async def go() -> dict[str, Any]:
             database = await open_database(db, mode="read")
@@ -1267,16 +1260,13 @@ def export(
     "finish_reason", "usage"}; the README shows every format. Each file is written under
     a temporary name and renamed once all are complete: never half a file.
     """
-    import sqlite3
-
     from orchestrator.formats.export import (
         ExportOptions,
         ExportReport,
         export_database,
-        export_sqlite,
+        export_fast,
     )
     from orchestrator.quality import flag_names, parse_flags
-    from orchestrator.store.reader import open_reader, sqlite_path
 
     def options() -> ExportOptions:
         mask = 0
@@ -1314,22 +1304,18 @@ def export(
     # anything else is opened (created, upgraded) by the store first, and so is a file
     # the quick read fails on, so that the error is reported the store's way.
     report: ExportReport | None = None
-    path = sqlite_path(db)
-    reader = open_reader(path) if path else None
     try:
-        if reader is not None:
-            with reader, contextlib.suppress(sqlite3.Error):
-                report = run_sync(
-                    functools.partial(
-                        export_sqlite,
-                        reader,
-                        out,
-                        dataset_names=datasets,
-                        progress=progress,
-                        options=chosen,
-                        warn=False,
-                    )
-                )
+        report = run_sync(
+            functools.partial(
+                export_fast,
+                db,
+                out,
+                dataset_names=datasets,
+                progress=progress,
+                options=chosen,
+                warn=False,
+            )
+        )
         if report is None:
             _configure_logs()
             report = run_async(go())

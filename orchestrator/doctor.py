@@ -21,7 +21,8 @@ from alembic.script import ScriptDirectory
 
 from orchestrator.client import base_url
 from orchestrator.errors import OrchestratorError
-from orchestrator.store import Database, create_database, list_datasets, resolve_url, snapshot
+from orchestrator.monitor.status import snapshot
+from orchestrator.store import Database, create_database, list_datasets, resolve_url
 from orchestrator.store.migrate import alembic_config, current_revision, head_revision
 from orchestrator.store.schema import outputs
 
