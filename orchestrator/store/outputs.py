@@ -73,6 +73,12 @@ _DONE_FULL = (
 )
 # The generated turns of a batch of multi-turn items: primary-key lookups.
 _TURNS = "SELECT item_id, message FROM item_turns WHERE item_id IN {ids} ORDER BY item_id, turn"
+# What the latest answers take in the database, for doctor's disk estimate.
+_BYTES = (
+    "SELECT avg(n) FROM (SELECT coalesce(length(content), 0) + coalesce(length(reasoning), 0)"
+    " + length(message) + coalesce(length(usage), 0) AS n FROM outputs"
+    " ORDER BY item_id DESC LIMIT :limit) AS recent"
+)
 _FAILED = (
     "SELECT key, error_class, last_error, attempts, turn, turns FROM items"
     " WHERE dataset_id = :dataset_id AND state = 'failed' ORDER BY id"
@@ -179,6 +185,12 @@ def full_batches(
 def failed_rows(rows: Rows, dataset_id: int) -> list[FailedRow]:
     """A dataset's failed items in input order (few: they are read at once)."""
     return rows.fetch(_FAILED, {"dataset_id": dataset_id})  # type: ignore[return-value]
+
+
+async def output_bytes(database: Database, sample: int) -> float:
+    """The mean stored size of the latest ``sample`` answers (0 with none)."""
+    found = await access.read(database, lambda rows: rows.fetch(_BYTES, {"limit": sample}))
+    return float(found[0][0] or 0)
 
 
 async def iter_done(
