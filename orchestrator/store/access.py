@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator
 from typing import TYPE_CHECKING, TypeVar
 
 from orchestrator.store.reader import EngineRows, Reader, Rows, open_reader, sqlite_path
@@ -61,6 +61,7 @@ async def read(database: Database, fn: Callable[[Rows], T]) -> T:
     import asyncio
 
     def fast() -> tuple[bool, T | None]:
+        database.check_file()  # a file deleted or replaced is not read, as on the engine
         reader = fast_reader(database, check_same_thread=False)
         if reader is None:
             return False, None
@@ -78,17 +79,22 @@ async def read(database: Database, fn: Callable[[Rows], T]) -> T:
         return await conn.run_sync(lambda c: fn(EngineRows(c, database.where)))
 
 
-async def read_batches(database: Database, fn: Callable[[Rows], Iterator[T]]) -> AsyncIterator[T]:
+async def read_batches(
+    database: Database, fn: Callable[[Rows], Generator[T, None, None]]
+) -> AsyncIterator[T]:
     """What ``fn`` yields over one read transaction, handed over as it comes.
 
-    Each ``next`` runs where the adapter needs it: on the sqlite3 reader's own thread, or
-    inside ``run_sync`` on the engine's connection (its server-side cursor stays open
-    between them).
+    Each ``next`` runs where the adapter needs it: on a worker thread for the sqlite3
+    reader, or inside ``run_sync`` on the engine's connection (its server-side cursor
+    stays open between them).
     """
     import asyncio
 
     end = object()
-    reader = fast_reader(database, check_same_thread=False) if database.is_sqlite else None
+    reader = None
+    if database.is_sqlite:
+        database.check_file()
+        reader = fast_reader(database, check_same_thread=False)
     if reader is not None:
         with reader:
             produced = fn(reader)
@@ -98,7 +104,7 @@ async def read_batches(database: Database, fn: Callable[[Rows], Iterator[T]]) ->
             except sqlite3.Error as exc:
                 raise _storage_error(exc, database) from exc
             finally:
-                produced.close()  # type: ignore[attr-defined]
+                produced.close()
         return
     async with database.read() as conn:
         produced = await conn.run_sync(lambda c: fn(EngineRows(c, database.where)))
@@ -106,7 +112,7 @@ async def read_batches(database: Database, fn: Callable[[Rows], Iterator[T]]) ->
             while (item := await conn.run_sync(lambda _c: next(produced, end))) is not end:
                 yield item  # type: ignore[misc]
         finally:
-            await conn.run_sync(lambda _c: produced.close())  # type: ignore[attr-defined]
+            await conn.run_sync(lambda _c: produced.close())
 
 
 def _storage_error(exc: sqlite3.Error, database: Database) -> Exception:
