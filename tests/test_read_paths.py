@@ -565,3 +565,14 @@ async def _via_engine(database: Database, now: float) -> dict[str, Any]:
         return await conn.run_sync(
             lambda c: status_view.read(EngineRows(c, database.where), now=now)
         )
+
+
+def test_read_seam_loads_neither_sqlalchemy_nor_asyncio_nor_the_forecast() -> None:
+    """The sqlite3 adapter and its chooser stay light, and the store stays below the ETA."""
+    code = (
+        "import sys\n"
+        "import orchestrator.store.access, orchestrator.store.outputs, orchestrator.store.stats\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sqlalchemy', 'asyncio')"
+        " or m == 'orchestrator.eta'))\n"
+    )
+    assert _python(code).stdout.strip() == "[]"
