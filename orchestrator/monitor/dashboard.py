@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import orjson
 import structlog
@@ -36,8 +36,11 @@ from orchestrator.errors import ConfigError, SchemaError
 from orchestrator.monitor import status as status_view
 from orchestrator.store import access, samples
 from orchestrator.store.migrate import SCHEMA_REVISION
-from orchestrator.store.reader import Rows, sqlite_path
+from orchestrator.store.reader import sqlite_path
 from orchestrator.store.stats import WINDOW_SECONDS
+
+if TYPE_CHECKING:
+    from orchestrator.store.reader import Rows
 
 log = structlog.get_logger("orchestrator.dashboard")
 

@@ -17,10 +17,11 @@ import sqlite3
 from collections.abc import AsyncIterator, Callable, Generator
 from typing import TYPE_CHECKING, TypeVar
 
-from orchestrator.store.reader import EngineRows, Reader, Rows, open_reader, sqlite_path
+from orchestrator.store.reader import EngineRows, Reader, open_reader, sqlite_path
 
 if TYPE_CHECKING:
     from orchestrator.store.engine import Database
+    from orchestrator.store.reader import Rows
 
 T = TypeVar("T")
 

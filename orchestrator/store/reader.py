@@ -21,9 +21,11 @@ import sqlite3
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from typing import Protocol
+
     import sqlalchemy as sa
 
 from orchestrator.store.migrate import SCHEMA_REVISION
@@ -54,22 +56,23 @@ def sqlite_path(db: str | os.PathLike[str] | None) -> str | None:
 Params = Mapping[str, Any]
 _NONE: Params = {}
 
+if TYPE_CHECKING:
+    # For type checkers only: building a Protocol class costs status a share of its time.
+    class Rows(Protocol):
+        """One read transaction, whichever driver: the seam every read query is written over.
 
-class Rows(Protocol):
-    """One read transaction, whichever driver: the seam every read query is written over.
+        The SQL is plain text that SQLite and PostgreSQL read alike, with ``:name`` parameters.
+        """
 
-    The SQL is plain text that SQLite and PostgreSQL read alike, with ``:name`` parameters.
-    """
+        where: str
 
-    where: str
+        def fetch(self, sql: str, params: Params = _NONE) -> list[tuple[Any, ...]]:
+            """Every row of ``sql``."""
+            ...
 
-    def fetch(self, sql: str, params: Params = _NONE) -> list[tuple[Any, ...]]:
-        """Every row of ``sql``."""
-        ...
-
-    def stream(self, sql: str, params: Params, batch: int) -> Iterator[list[tuple[Any, ...]]]:
-        """The rows of ``sql``, ``batch`` at a time, without holding them all."""
-        ...
+        def stream(self, sql: str, params: Params, batch: int) -> Iterator[list[tuple[Any, ...]]]:
+            """The rows of ``sql``, ``batch`` at a time, without holding them all."""
+            ...
 
 
 class Reader:
