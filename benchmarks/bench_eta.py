@@ -21,8 +21,8 @@ from typing import Any
 import orjson
 from common import ORCH, REPO, SimServer, add_common_args, print_machine, print_table, workdir
 
+from orchestrator.monitor.status import read as read_status
 from orchestrator.store.reader import open_reader
-from orchestrator.store.stats import snapshot_sqlite
 
 # name, items (at --scale 1), max_tokens, concurrency cap. Claimed in this order: the
 # short chat answers go first, which is what fools an extrapolation of the early pace.
@@ -62,7 +62,7 @@ def observe(db: Path, worker: subprocess.Popen[bytes], every: float) -> list[dic
         if reader is None:
             continue
         with reader:
-            doc = snapshot_sqlite(reader)
+            doc = read_status(reader)
         totals = doc["totals"]
         left = totals["counts"]["pending"] + totals["counts"]["running"]
         rate = totals["overall"]["requests_per_s"]
@@ -83,7 +83,7 @@ def finish_time(db: Path) -> tuple[float, float]:
     reader = open_reader(str(db))
     assert reader is not None
     with reader:
-        doc = snapshot_sqlite(reader)
+        doc = read_status(reader)
     totals = doc["totals"]["overall"]
     return float(totals["started_at"]), float(totals["last_done_at"])
 

@@ -71,11 +71,11 @@ async def measure(db: Path, repeat: int) -> list[tuple[str, float]]:
     reader = open_reader(str(db))
     assert reader is not None
     with reader, timed() as hist:
-        samples.history_sqlite(reader.conn)
+        samples.read_history(reader)
     reader = open_reader(str(db))
     assert reader is not None
     with reader, timed() as lengths:
-        samples.lengths_sqlite(reader.conn)
+        samples.read_lengths(reader)
     return [
         ("first sample (sums every answer once)", first.seconds),
         (f"later sample (median of {repeat})", statistics.median(later)),

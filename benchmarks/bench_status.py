@@ -3,7 +3,7 @@
 Status is what an operator runs every few minutes during a 30-hour run, often in a loop
 (``watch``), so it must stay cheap however many rows are done. Target: ≤ 0.5 s for
 1,000,000 items. The SQL is captured from the code path the command takes on an SQLite
-file at the current schema (``snapshot_sqlite`` through ``store.reader``, with sqlite3's
+file at the current schema (``monitor.status.read`` over ``store.reader``, with sqlite3's
 trace callback), so the plans shown are those of the code as it is. The database is
 brought to the current schema first, outside the measurement (a database built by an
 older version would otherwise pay its migration in the first measured run).
@@ -36,14 +36,14 @@ TARGET_SECONDS = 0.5
 # What the status command imports on its fast path (no SQLAlchemy, no alembic).
 STATUS_IMPORTS = (
     "import orchestrator.cli, orchestrator.store.reader, orchestrator.store.stats, "
-    "orchestrator.monitor.text"
+    "orchestrator.monitor.status, orchestrator.monitor.text"
 )
 
 
 def capture_snapshot(db: Path) -> tuple[float, list[tuple[str, Any]]]:
-    """Seconds of one in-process ``snapshot_sqlite()`` and the SELECTs it ran."""
+    """Seconds of one in-process status read (``monitor.status.read``) and its SELECTs."""
+    from orchestrator.monitor.status import read
     from orchestrator.store.reader import open_reader
-    from orchestrator.store.stats import snapshot_sqlite
 
     reader = open_reader(str(db))
     if reader is None:
@@ -57,7 +57,7 @@ def capture_snapshot(db: Path) -> tuple[float, list[tuple[str, Any]]]:
 
     reader.conn.set_trace_callback(grab)
     with reader, timed() as watch:
-        snapshot_sqlite(reader)
+        read(reader)
     return watch.seconds, statements
 
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         snap_s, statements = capture_snapshot(db)
         plans = explain(db, statements)
 
-    print("\nquery plans of snapshot_sqlite() (orchestrator/store/stats.py), each timed alone:")
+    print("\nquery plans of the status read (orchestrator/store/stats.py), each timed alone:")
     for sql, seconds, plan in plans:
         print(f"\n  [{seconds * 1000:7.1f} ms] {one_line(sql)}")
         for step in plan:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["command", "min s", "median s", "peak RSS"], rows)
     print()
     print(
-        f"in-process snapshot_sqlite(): {snap_s:.3f} s (queries alone: "
+        f"in-process status read: {snap_s:.3f} s (queries alone: "
         f"{sum(p[1] for p in plans):.3f} s); interpreter start-up and the fast path's "
         f"imports: ~{startup:.2f} s of each command"
     )

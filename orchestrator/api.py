@@ -240,7 +240,7 @@ class Queue:
 
     async def status(self, *, window: float = 300.0) -> Status:
         """Progress, rates, errors and ETA: the figures of ``orchestrator status --json``."""
-        from orchestrator.store import snapshot
+        from orchestrator.monitor.status import snapshot
 
         document = await snapshot(self.database, window=window)
         by_name = {d["name"]: d for d in document.get("datasets", [])}

@@ -21,9 +21,10 @@ from orchestrator.client import ClientConfig, InferenceClient
 from orchestrator.errors import StorageError
 from orchestrator.formats import iter_records
 from orchestrator.formats.export import export_jsonl
+from orchestrator.monitor.status import snapshot
 from orchestrator.monitor.text import duration
 from orchestrator.sim import answer_matches, write_sample
-from orchestrator.store import DatasetSpec, enqueue, open_database, snapshot
+from orchestrator.store import DatasetSpec, enqueue, open_database
 from orchestrator.worker import Worker, WorkerConfig
 
 DATASET = "demo"

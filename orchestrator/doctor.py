@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import sqlalchemy as sa
 import structlog
 from alembic.script import ScriptDirectory
 
 from orchestrator.client import base_url
 from orchestrator.errors import OrchestratorError
-from orchestrator.store import Database, create_database, list_datasets, resolve_url, snapshot
+from orchestrator.monitor.status import snapshot
+from orchestrator.store import Database, create_database, list_datasets, resolve_url
 from orchestrator.store.migrate import alembic_config, current_revision, head_revision
-from orchestrator.store.schema import outputs
+from orchestrator.store.outputs import output_bytes
 
 log = structlog.get_logger("orchestrator.doctor")
 
@@ -151,22 +151,7 @@ async def _learn(database: Database, facts: _DbFacts) -> None:
     facts.models = sorted({m for d in datasets if isinstance(m := d.params.get("model"), str)})
     facts.counts = dict((await snapshot(database))["totals"]["counts"])
     if facts.counts.get("done"):
-        recent = (
-            sa.select(
-                (
-                    sa.func.coalesce(sa.func.length(outputs.c.content), 0)
-                    + sa.func.coalesce(sa.func.length(outputs.c.reasoning), 0)
-                    + sa.func.length(outputs.c.message)
-                    + sa.func.coalesce(sa.func.length(outputs.c.usage), 0)
-                ).label("n")
-            )
-            .order_by(outputs.c.item_id.desc())
-            .limit(SAMPLE_OUTPUTS)
-            .subquery()
-        )
-        async with database.read() as conn:
-            mean = (await conn.execute(sa.select(sa.func.avg(recent.c.n)))).scalar()
-        facts.output_bytes = float(mean or 0)
+        facts.output_bytes = await output_bytes(database, SAMPLE_OUTPUTS)
     facts.readable = True
 
 

@@ -89,13 +89,13 @@ def watch_svg(db: Path, out: Path, server: str) -> None:
 
     from orchestrator.monitor.live import render
     from orchestrator.monitor.server_metrics import scrape
+    from orchestrator.monitor.status import read as read_status
     from orchestrator.store.reader import open_reader
-    from orchestrator.store.stats import snapshot_sqlite
 
     reader = open_reader(str(db))
     assert reader is not None
     with reader:
-        snap = snapshot_sqlite(reader)
+        snap = read_status(reader)
     snap["database"] = "run.db"
     snap["servers"] = [scrape(server)]
     console = Console(record=True, width=130, file=open("/dev/null", "w"))  # noqa: SIM115

@@ -35,6 +35,7 @@ from orchestrator.formats.export import (
     messages_line,
     sharegpt_turn,
 )
+from orchestrator.monitor import status as status_view
 from orchestrator.quality import (
     ALL_FLAGS,
     EMPTY_CONTENT,
@@ -43,8 +44,7 @@ from orchestrator.quality import (
     UNCLOSED_THINK,
 )
 from orchestrator.store import Database, Failure, Output, Queue, iter_done, open_database
-from orchestrator.store.reader import open_reader
-from orchestrator.store.stats import snapshot, snapshot_sqlite
+from orchestrator.store.reader import EngineRows, open_reader
 from tests.helpers import REPO, write_jsonl
 from tests.helpers import cli as run_cli
 
@@ -707,9 +707,9 @@ def test_reasoning_edge_cases() -> None:
 
 async def test_status_flag_counts(db: Path, database: Database, tmp_path: Path) -> None:
     now = T0 + 600
-    via_engine = await snapshot(database, now=now)
+    via_engine = await _via_engine(database, now)
     with open_reader(str(db)) as read:  # type: ignore[union-attr]
-        via_sqlite = snapshot_sqlite(read, now=now)
+        via_sqlite = status_view.read(read, now=now)
     assert via_sqlite == via_engine
     by_name = {e["name"]: e for e in via_engine["datasets"]}
     zero = dict.fromkeys(ALL_FLAGS, 0)  # every flag is counted, unset ones as 0
@@ -772,3 +772,11 @@ def test_options_keep_the_plain_sqlite_path(db: Path, tmp_path: Path) -> None:
     assert warning["file"].endswith("pass.jsonl")
     assert "exported 8 items to 4 files in" in result.stdout
     assert len(_lines((tmp_path / "failed.jsonl").read_bytes())) == 2
+
+
+async def _via_engine(database: Database, now: float) -> dict[str, Any]:
+    """The status document through the SQLAlchemy adapter, on SQLite too."""
+    async with database.read() as conn:
+        return await conn.run_sync(
+            lambda c: status_view.read(EngineRows(c, database.where), now=now)
+        )

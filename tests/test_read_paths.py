@@ -23,6 +23,8 @@ import sqlalchemy as sa
 
 from orchestrator import cli, logs
 from orchestrator.formats.export import export_jsonl, messages_line
+from orchestrator.monitor import status as status_view
+from orchestrator.monitor.status import snapshot
 from orchestrator.store import (
     Database,
     Failure,
@@ -37,8 +39,7 @@ from orchestrator.store import (
     stats,
 )
 from orchestrator.store.migrate import SCHEMA_REVISION, alembic_config, head_revision
-from orchestrator.store.reader import open_reader, sqlite_path
-from orchestrator.store.stats import snapshot, snapshot_sqlite
+from orchestrator.store.reader import EngineRows, open_reader, sqlite_path
 from tests.helpers import REPO, write_jsonl
 from tests.helpers import cli as run_cli
 
@@ -253,9 +254,9 @@ async def mixed_db(tmp_path: Path) -> AsyncIterator[tuple[Path, Database]]:
 async def test_status_numbers_on_mixed_states(mixed_db: tuple[Path, Database]) -> None:
     db, database = mixed_db
     now = T0 + 600
-    via_engine = await snapshot(database, now=now)
+    via_engine = await _via_engine(database, now)
     with open_reader(str(db)) as read:  # type: ignore[union-attr]
-        via_sqlite = snapshot_sqlite(read, now=now)
+        via_sqlite = status_view.read(read, now=now)
     assert via_sqlite == via_engine
 
     a, b = via_engine["datasets"]
@@ -433,7 +434,7 @@ async def test_0001_database_is_not_upgraded_by_status(mixed_db: tuple[Path, Dat
     assert {"ix_items_failed", "ix_outputs_totals", "ix_outputs_started"} <= names
     assert {"ix_attempt_errors_class", "ix_outputs_flagged"} <= names
     with open_reader(str(db)) as read:  # type: ignore[union-attr]
-        assert snapshot_sqlite(read, now=now) == expected
+        assert status_view.read(read, now=now) == expected
 
 
 async def test_fresh_0001_database_upgrades_to_head(tmp_path: Path) -> None:
@@ -556,7 +557,7 @@ def test_store_exports_survive_lazy_loading() -> None:
     """``enqueue`` stays the function even when its module is imported first."""
     code = (
         "import orchestrator.store.enqueue, orchestrator.store.queue\n"
-        "from orchestrator.store import enqueue, Queue, snapshot\n"
+        "from orchestrator.store import enqueue, Queue, iter_done\n"
         "import orchestrator.store as store\n"
         "assert callable(enqueue) and not isinstance(enqueue, type(store)), enqueue\n"
         "assert store.enqueue is enqueue and Queue.__name__ == 'Queue'\n"
@@ -564,3 +565,22 @@ def test_store_exports_survive_lazy_loading() -> None:
         "assert queue.__name__ == 'orchestrator.store.queue'\n"
     )
     _python(code)
+
+
+async def _via_engine(database: Database, now: float) -> dict[str, Any]:
+    """The status document through the SQLAlchemy adapter, on SQLite too."""
+    async with database.read() as conn:
+        return await conn.run_sync(
+            lambda c: status_view.read(EngineRows(c, database.where), now=now)
+        )
+
+
+def test_read_seam_loads_neither_sqlalchemy_nor_asyncio_nor_the_forecast() -> None:
+    """The sqlite3 adapter and its chooser stay light, and the store stays below the ETA."""
+    code = (
+        "import sys\n"
+        "import orchestrator.store.access, orchestrator.store.outputs, orchestrator.store.stats\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sqlalchemy', 'asyncio')"
+        " or m == 'orchestrator.eta'))\n"
+    )
+    assert _python(code).stdout.strip() == "[]"

@@ -156,4 +156,4 @@ async def _history_sqlite(db: Path, since: float) -> dict[str, Any]:
     reader = open_reader(str(db))
     assert reader is not None
     with reader:
-        return samples.history_sqlite(reader.conn, since=since)
+        return samples.read_history(reader, since=since)

@@ -9,8 +9,9 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from orchestrator.formats import iter_records
+from orchestrator.monitor.status import snapshot
 from orchestrator.monitor.text import render_status
-from orchestrator.store import Database, DatasetSpec, enqueue, snapshot
+from orchestrator.store import Database, DatasetSpec, enqueue
 from orchestrator.store import workers as worker_rows
 from orchestrator.store.schema import workers
 from tests.helpers import prompts, write_jsonl

@@ -6,7 +6,6 @@ loads neither SQLAlchemy nor asyncio; anything else goes through the store.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -133,21 +132,13 @@ def _export_any(
     progress: Callable[[int], None] | None,
 ) -> ExportReport:
     """The export through plain sqlite3 when it can, else through the store."""
-    import sqlite3
-
-    from orchestrator.formats.export import export_database, export_sqlite
-    from orchestrator.store.reader import open_reader, sqlite_path
+    from orchestrator.formats.export import export_database, export_fast
 
     # An SQLite file at the current schema is read through plain sqlite3 in this thread;
     # anything else is opened (created, upgraded) by the store first, and so is a file
     # the quick read fails on, so that the error is reported the store's way.
-    report: ExportReport | None = None
-    path = sqlite_path(db)
-    reader = open_reader(path) if path else None
     read = {"dataset_names": datasets, "progress": progress, "options": chosen, "warn": False}
-    if reader is not None:
-        with reader, contextlib.suppress(sqlite3.Error):
-            report = run_sync(functools.partial(export_sqlite, reader, out, **read))
+    report = run_sync(functools.partial(export_fast, db, out, **read))
     if report is None:
         configure_logs()
         report = on_database(db, lambda d: export_database(d, out, **read), mode="read")

@@ -46,22 +46,14 @@ def status(as_json: bool, window: float, servers: tuple[str, ...], db: str | Non
 
 def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) -> dict[str, Any]:
     """The status document (docs/STATUS.md), with the servers' own view when asked."""
-    import sqlite3
+    from orchestrator.monitor.status import snapshot_fast
 
-    from orchestrator.store.reader import open_reader, sqlite_path
-    from orchestrator.store.stats import snapshot_sqlite
-
-    snap: dict[str, Any] | None = None
     # An SQLite file at the current schema is read through plain sqlite3, without
     # loading SQLAlchemy; anything else (or any error) goes the full way below.
-    path = sqlite_path(db)
-    reader = open_reader(path) if path else None
-    if reader is not None:
-        with reader, contextlib.suppress(sqlite3.Error):
-            snap = snapshot_sqlite(reader, window=window)
+    snap = snapshot_fast(db, window=window)
     if snap is None:
         configure_logs()
-        from orchestrator.store import snapshot
+        from orchestrator.monitor.status import snapshot
 
         snap = on_database(db, lambda d: snapshot(d, window=window), mode="read")
     if servers:

@@ -20,14 +20,13 @@ an error file beside it).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import re
 import signal
-import sqlite3
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -42,6 +41,7 @@ from orchestrator import atomicfile
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
 from orchestrator.quality import TOOL_MISMATCH, flag_names
+from orchestrator.store import access
 from orchestrator.store.outputs import (
     DatasetRef,
     DoneItem,
@@ -50,20 +50,16 @@ from orchestrator.store.outputs import (
     FullBatch,
     FullRow,
     dataset_refs,
-    dataset_refs_sqlite,
     done_rows,
-    done_rows_sqlite,
     failed_rows,
-    failed_rows_sqlite,
     full_batches,
-    full_batches_sqlite,
 )
-from orchestrator.store.reader import Reader, open_reader
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from orchestrator.store.engine import Database
+    from orchestrator.store.reader import Rows
 
 FORMATS = ("messages", "sharegpt", "openai-batch")
 REASONING_MODES = ("separate", "inline", "drop")
@@ -612,7 +608,7 @@ class _Counter:
 class _Job:
     """One export: which files get which datasets, the line shapes, the tally.
 
-    Both read paths drive it the same way, so they write the same bytes. Used as a
+    Either read adapter drives it the same way, so both write the same bytes. Used as a
     context manager: every file is renamed into place on success, none on failure.
     """
 
@@ -728,7 +724,7 @@ class _Job:
         )
 
 
-# ---------------------------------------------------------------------- the two paths
+# ---------------------------------------------------------------------- writing
 
 
 MIXED_TOKEN_ROWS = (
@@ -760,8 +756,8 @@ def warn_mixed(report: ExportReport, fmt: str) -> None:
         )
 
 
-def export_sqlite(
-    reader: Reader,
+def export_rows(
+    rows: Rows,
     out: str | os.PathLike[str],
     *,
     dataset_names: Sequence[str] = (),
@@ -769,57 +765,40 @@ def export_sqlite(
     options: ExportOptions | None = None,
     warn: bool = True,
 ) -> ExportReport:
-    """Write the export from an SQLite read transaction.
+    """Write the export from one read transaction, through either adapter.
 
-    Synchronous: the driver's ``fetchmany`` hands over 2,000 rows at a time, with no
-    event loop or second thread to pass each row across. ``warn``: log
-    :func:`warn_mixed`'s events (the CLI does it itself, once its logging is set up).
+    ``warn``: log :func:`warn_mixed`'s events (the CLI does it itself, once its logging
+    is set up).
     """
-    job = _Job(
-        out, options or ExportOptions(), dataset_refs_sqlite(reader, dataset_names), progress
-    )
+    job = _Job(out, options or ExportOptions(), dataset_refs(rows, dataset_names), progress)
     with job:
         for target, group in job.outputs:
             with job.output(target) as fh:
                 for dataset in group:
                     if job.fast(dataset):
-                        for rows in done_rows_sqlite(reader, dataset.id):
-                            write_lines(fh.write, dataset.name, rows)
-                            job.counter.add(len(rows))
+                        for part in done_rows(rows, dataset.id):
+                            write_lines(fh.write, dataset.name, part)
+                            job.counter.add(len(part))
                         continue
                     lines = job.lines(dataset)
-                    for batch in full_batches_sqlite(reader, dataset, turns=lines.turns):
+                    for batch in full_batches(rows, dataset, turns=lines.turns):
                         job.counter.add(lines.write(fh.write, batch))
         for target, group in job.failures:
             with job.staged.open(target) as fh:
                 for dataset in group:
-                    job.write_failed(fh.write, dataset, failed_rows_sqlite(reader, dataset.id))
+                    job.write_failed(fh.write, dataset, failed_rows(rows, dataset.id))
     report = job.report()
     if warn:
         warn_mixed(report, job.options.format)
     return report
 
 
-def _export_sqlite_file(
-    path: str,
-    out: str | os.PathLike[str],
-    dataset_names: Sequence[str],
-    progress: Progress | None,
-    options: ExportOptions | None,
-    warn: bool = True,
+def export_fast(
+    db: str | os.PathLike[str] | None, out: str | os.PathLike[str], **how: Any
 ) -> ExportReport | None:
-    reader = open_reader(path)
-    if reader is None:
-        return None
-    with reader:
-        return export_sqlite(
-            reader,
-            out,
-            dataset_names=dataset_names,
-            progress=progress,
-            options=options,
-            warn=warn,
-        )
+    """:func:`export_rows` through plain sqlite3 in this thread, or None where that path
+    does not apply (``how``: its keyword arguments)."""
+    return access.read_fast(db, lambda rows: export_rows(rows, out, **how))
 
 
 async def export_database(
@@ -831,48 +810,31 @@ async def export_database(
     options: ExportOptions | None = None,
     warn: bool = True,
 ) -> ExportReport:
-    """Write the export from any database.
+    """Write the export from any database, in one read transaction: a consistent
+    snapshot even while workers commit (``store.access`` picks the adapter)."""
+    how = {"dataset_names": dataset_names, "progress": progress, "options": options}
+    return await access.read(database, lambda rows: export_rows(rows, out, **how, warn=warn))
 
-    On an SQLite file the rows are read through plain sqlite3 in a worker thread (the
-    event loop stays free); on other databases they stream through the async engine, in
-    one read transaction: a consistent snapshot even while workers commit.
-    """
-    path = database.url.database if database.is_sqlite else None
-    if path and path != ":memory:":
-        try:
-            report = await asyncio.to_thread(
-                _export_sqlite_file, path, out, dataset_names, progress, options, warn
-            )
-        except sqlite3.Error as exc:
-            from orchestrator.store.engine import storage_error
 
-            raise storage_error(exc, database.url) from exc
-        if report is not None:
-            return report
-    async with database.read() as conn:
-        job = _Job(
-            out, options or ExportOptions(), await dataset_refs(conn, dataset_names), progress
-        )
-        with job:
-            for target, group in job.outputs:
-                with job.output(target) as fh:
-                    for dataset in group:
-                        if job.fast(dataset):
-                            async for rows in done_rows(conn, dataset.id):
-                                write_lines(fh.write, dataset.name, rows)
-                                job.counter.add(len(rows))
-                            continue
-                        lines = job.lines(dataset)
-                        async for batch in full_batches(conn, dataset, turns=lines.turns):
-                            job.counter.add(lines.write(fh.write, batch))
-            for target, group in job.failures:
-                with job.staged.open(target) as fh:
-                    for dataset in group:
-                        job.write_failed(fh.write, dataset, await failed_rows(conn, dataset.id))
-    report = job.report()
-    if warn:
-        warn_mixed(report, job.options.format)
-    return report
+def _line_batches(
+    rows: Rows, dataset_names: Sequence[str], options: ExportOptions
+) -> Iterator[list[bytes]]:
+    datasets = dataset_refs(rows, dataset_names)
+    shared = len(datasets) > 1
+    for dataset in datasets:
+        out: list[bytes] = []
+        # Both writers put a line, then its newline: every other entry is a line.
+        if _fast(options, dataset):
+            for part in done_rows(rows, dataset.id):
+                write_lines(out.append, dataset.name, part)
+                yield out[::2]
+                out.clear()
+            continue
+        lines = _Lines(dataset, options, shared=shared)
+        for batch in full_batches(rows, dataset, turns=lines.turns):
+            lines.write(out.append, batch)
+            yield out[::2]
+            out.clear()
 
 
 async def iter_lines(
@@ -892,25 +854,10 @@ async def iter_lines(
         raise ConfigError(
             "the lines of an export are one stream: split and include_failed name files"
         )
-    async with database.read() as conn:
-        datasets = await dataset_refs(conn, dataset_names)
-        shared = len(datasets) > 1
-        for dataset in datasets:
-            out: list[bytes] = []
-            # Both writers put a line, then its newline: every other entry is a line.
-            if _fast(chosen, dataset):
-                async for rows in done_rows(conn, dataset.id):
-                    write_lines(out.append, dataset.name, rows)
-                    for line in out[::2]:
-                        yield line
-                    out.clear()
-                continue
-            lines = _Lines(dataset, chosen, shared=shared)
-            async for batch in full_batches(conn, dataset, turns=lines.turns):
-                lines.write(out.append, batch)
-                for line in out[::2]:
-                    yield line
-                out.clear()
+    produce = functools.partial(_line_batches, dataset_names=dataset_names, options=chosen)
+    async for lines in access.read_batches(database, produce):
+        for line in lines:
+            yield line
 
 
 async def export_jsonl(

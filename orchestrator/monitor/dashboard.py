@@ -7,9 +7,10 @@ the workers write (``store.samples``) and the completion lengths. The dashboard 
 it with three JSON endpoints the page polls; the report is the same page with the data
 embedded, one file to keep or share.
 
-Read-only: an SQLite file is read through ``store.reader`` (``query_only``, a WAL
-reader, so workers writing meanwhile are neither blocked nor disturbed); any other
-database through the store's engine, without creating or upgrading anything.
+Read-only: an SQLite file is read through the store's sqlite3 adapter (``query_only``,
+a WAL reader, so workers writing meanwhile are neither blocked nor disturbed); any other
+database through the store's engine, without creating or upgrading anything
+(``store.access`` chooses; the queries are the same either way).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import orjson
 import structlog
@@ -32,10 +33,14 @@ from aiohttp import web
 
 from orchestrator import atomicfile
 from orchestrator.errors import ConfigError, SchemaError
-from orchestrator.store import samples
+from orchestrator.monitor import status as status_view
+from orchestrator.store import access, samples
 from orchestrator.store.migrate import SCHEMA_REVISION
-from orchestrator.store.reader import Reader, open_reader, sqlite_path
-from orchestrator.store.stats import WINDOW_SECONDS, snapshot_sqlite
+from orchestrator.store.reader import sqlite_path
+from orchestrator.store.stats import WINDOW_SECONDS
+
+if TYPE_CHECKING:
+    from orchestrator.store.reader import Rows
 
 log = structlog.get_logger("orchestrator.dashboard")
 
@@ -81,7 +86,7 @@ class SqliteSource:
     def check(self) -> None:
         if not os.path.exists(self.path):
             raise ConfigError(f"{self.path}: no such database")
-        reader = open_reader(self.path)
+        reader = access.fast_reader(self.path)
         if reader is None:
             raise SchemaError(
                 f"{self.path}: not an orchestrator database at schema {SCHEMA_REVISION} "
@@ -89,9 +94,9 @@ class SqliteSource:
             )
         reader.close()
 
-    async def _read(self, fn: Callable[[Reader], T]) -> T:
+    async def _read(self, fn: Callable[[Rows], T]) -> T:
         def run() -> T:
-            reader = open_reader(self.path, check_same_thread=False)
+            reader = access.fast_reader(self.path, check_same_thread=False)
             if reader is None:
                 raise SchemaError(f"{self.path}: cannot be read as a current database")
             with reader:
@@ -100,13 +105,13 @@ class SqliteSource:
         return await asyncio.to_thread(run)
 
     async def status(self, window: float) -> dict[str, Any]:
-        return await self._read(lambda r: snapshot_sqlite(r, window=window))
+        return await self._read(lambda r: status_view.read(r, window=window))
 
     async def history(self, since: float) -> dict[str, Any]:
-        return await self._read(lambda r: samples.history_sqlite(r.conn, since=since))
+        return await self._read(lambda r: samples.read_history(r, since=since))
 
     async def lengths(self) -> dict[str, Any]:
-        return await self._read(lambda r: samples.lengths_sqlite(r.conn))
+        return await self._read(samples.read_lengths)
 
     async def close(self) -> None:
         return None
@@ -131,9 +136,7 @@ class EngineSource:
             )
 
     async def status(self, window: float) -> dict[str, Any]:
-        from orchestrator.store.stats import snapshot
-
-        return await snapshot(self.database, window=window)
+        return await status_view.snapshot(self.database, window=window)
 
     async def history(self, since: float) -> dict[str, Any]:
         return await samples.history(self.database, since=since)

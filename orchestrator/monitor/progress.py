@@ -30,11 +30,6 @@ COUNT_SECONDS = 2.0  # the least time between two reads of the queue's counts
 COUNT_SHARE = 0.05  # ... and the most of the time those reads may take
 RATE_WINDOW = 30.0  # seconds over which req/s and tok/s are averaged
 
-_COUNTS = (
-    "SELECT d.name, i.state, count(*) FROM items AS i JOIN datasets AS d"
-    " ON d.id = i.dataset_id GROUP BY d.name, i.state"
-)
-
 
 @dataclass
 class Counts:
@@ -114,11 +109,10 @@ def _width() -> int:
 
 
 async def _read_counts(database: Database, datasets: Sequence[str]) -> Counts:
-    from sqlalchemy import text
+    from orchestrator.store.queue import Queue
 
-    async with database.read() as conn:
-        rows = (await conn.execute(text(_COUNTS))).all()
-    return tally(rows, datasets)
+    counts = await Queue(database).counts()
+    return tally([(name, state, n) for (name, state), n in counts.items()], datasets)
 
 
 async def show_progress(database: Database, worker: Worker) -> None:

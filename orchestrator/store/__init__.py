@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from orchestrator.store.migrate import ensure_schema, upgrade
     from orchestrator.store.outputs import DoneItem, check_datasets, iter_done
     from orchestrator.store.queue import Failure, Lease, Output, Queue
-    from orchestrator.store.stats import snapshot
 
 _SOURCES = {
     "DatasetInfo": "datasets",
@@ -42,7 +41,6 @@ _SOURCES = {
     "Lease": "queue",
     "Output": "queue",
     "Queue": "queue",
-    "snapshot": "stats",
 }
 
 
@@ -129,6 +127,5 @@ __all__ = [
     "open_database",
     "resolve_url",
     "set_paused",
-    "snapshot",
     "upgrade",
 ]

@@ -37,7 +37,7 @@ from orchestrator.errors import ConfigError, SchemaError
 from orchestrator.quality import NUL_CHAR
 from orchestrator.store.engine import Database, create_database, describe, insert_many, resolve_url
 from orchestrator.store.migrate import current_revision, head_revision, upgrade
-from orchestrator.store.queue import storable
+from orchestrator.store.queue import put_back, storable
 
 log = structlog.get_logger("orchestrator.store.copy")
 
@@ -249,19 +249,17 @@ def _row_fix(
 
         return outputs_fix
     if table.name == "items" and {"state", "lease_token", "attempts"} <= at.keys():
-        clear = [at[c] for c in ("lease_token", "lease_owner", "lease_expires_at") if c in at]
+        columns = table.columns
 
         def items_fix(rows: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], int]:
             n = 0
             for i, row in enumerate(rows):
                 if row[at["state"]] != "running":
                     continue
-                fixed = list(row)
-                fixed[at["state"]] = "pending"
-                fixed[at["attempts"]] = max((fixed[at["attempts"]] or 0) - 1, 0)
-                for c in clear:
-                    fixed[c] = None
-                rows[i] = tuple(fixed)
+                # No worker on the target holds the lease: the queue's release rule.
+                fixed = dict(zip(columns, row, strict=True))
+                fixed.update((c, v) for c, v in put_back(fixed).items() if c in at)
+                rows[i] = tuple(fixed.values())
                 n += 1
             return rows, n
 

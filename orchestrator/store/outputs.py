@@ -2,9 +2,9 @@
 
 Rows come back as the stored JSON text (request, message, usage), not parsed: export
 writes them out again, and a parse and a re-encode per row cost more than reading it.
-Every reader comes twice, with the same SQL: through plain sqlite3 (``store.reader``,
-the ``*_sqlite`` functions) and through the store's async engine, which works on every
-backend. Both give the same rows, so both give the same export bytes.
+Every reader is written once, over ``store.reader.Rows``: plain sqlite3 on an SQLite
+file, the store's engine elsewhere (``store.access`` chooses). Both give the same rows,
+so both give the same export bytes.
 
 Two shapes of done row: :data:`DoneRow`, the five columns the default export needs (its
 fast path), and :data:`FullRow`, with what the other formats, quality filters and
@@ -13,6 +13,7 @@ provenance need on top.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,12 +21,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from orchestrator.errors import ConfigError
-from orchestrator.store.reader import Reader
+from orchestrator.store import access
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncConnection
-
     from orchestrator.store.engine import Database
+    from orchestrator.store.reader import Rows
 
 # key, request JSON, message JSON, finish_reason, usage JSON (or None)
 DoneRow = tuple[str, str, str, str | None, str | None]
@@ -73,6 +73,12 @@ _DONE_FULL = (
 )
 # The generated turns of a batch of multi-turn items: primary-key lookups.
 _TURNS = "SELECT item_id, message FROM item_turns WHERE item_id IN {ids} ORDER BY item_id, turn"
+# What the latest answers take in the database, for doctor's disk estimate.
+_BYTES = (
+    "SELECT avg(n) FROM (SELECT coalesce(length(content), 0) + coalesce(length(reasoning), 0)"
+    " + length(message) + coalesce(length(usage), 0) AS n FROM outputs"
+    " ORDER BY item_id DESC LIMIT :limit) AS recent"
+)
 _FAILED = (
     "SELECT key, error_class, last_error, attempts, turn, turns FROM items"
     " WHERE dataset_id = :dataset_id AND state = 'failed' ORDER BY id"
@@ -132,142 +138,70 @@ def _group_turns(rows: Sequence[Sequence[Any]]) -> dict[int, list[str]]:
     return turns
 
 
-async def check_datasets(database: Database, names: Sequence[str]) -> None:
-    if not names:
-        return
-    from sqlalchemy import text
-
-    async with database.read() as conn:
-        rows = (await conn.execute(text(_DATASETS))).all()
-    _missing(names, [(r[0], r[1]) for r in rows])
-
-
-def check_datasets_sqlite(reader: Reader, names: Sequence[str]) -> None:
+def check_names(rows: Rows, names: Sequence[str]) -> None:
+    """An unknown dataset name is an error."""
     if names:
-        _missing(names, reader.conn.execute(_DATASETS).fetchall())
+        _missing(names, rows.fetch(_DATASETS))
 
 
-# ------------------------------------------------------------------ plain sqlite3
+async def check_datasets(database: Database, names: Sequence[str]) -> None:
+    """:func:`check_names` on an open database."""
+    if names:
+        await access.read(database, lambda rows: check_names(rows, names))
 
 
-def dataset_refs_sqlite(reader: Reader, names: Sequence[str] = ()) -> list[DatasetRef]:
+def dataset_refs(rows: Rows, names: Sequence[str] = ()) -> list[DatasetRef]:
     """The datasets to export, by name; an unknown name is an error."""
-    return _refs(reader.conn.execute(_DATASET_REFS).fetchall(), names)
+    return _refs(rows.fetch(_DATASET_REFS), names)
 
 
-def done_rows_sqlite(
-    reader: Reader, dataset_id: int, *, batch: int = BATCH
-) -> Iterator[list[DoneRow]]:
+def done_rows(rows: Rows, dataset_id: int, *, batch: int = BATCH) -> Iterator[list[DoneRow]]:
     """One dataset's done rows in input order, ``batch`` at a time."""
-    cursor = reader.conn.execute(_DONE, {"dataset_id": dataset_id})
-    try:
-        while rows := cursor.fetchmany(batch):
-            yield rows
-    finally:
-        cursor.close()
+    return rows.stream(_DONE, {"dataset_id": dataset_id}, batch)  # type: ignore[return-value]
 
 
-def done_batches_sqlite(
-    reader: Reader, dataset_names: Sequence[str] | None = None, *, batch: int = BATCH
+def done_batches(
+    rows: Rows, dataset_names: Sequence[str] | None = None, *, batch: int = BATCH
 ) -> Iterator[tuple[str, list[DoneRow]]]:
-    """(dataset name, rows) in export order, from the reader's one read transaction."""
-    conn = reader.conn
-    for dataset_id, name in _chosen(conn.execute(_DATASETS).fetchall(), dataset_names):
-        for rows in done_rows_sqlite(reader, dataset_id, batch=batch):
-            yield name, rows
+    """(dataset name, rows) in export order, from one read transaction."""
+    for dataset_id, name in _chosen(rows.fetch(_DATASETS), dataset_names):
+        for part in done_rows(rows, dataset_id, batch=batch):
+            yield name, part
 
 
-def full_batches_sqlite(
-    reader: Reader, dataset: DatasetRef, *, turns: bool = False, batch: int = BATCH
+def full_batches(
+    rows: Rows, dataset: DatasetRef, *, turns: bool = False, batch: int = BATCH
 ) -> Iterator[FullBatch]:
     """A dataset's done rows as :data:`FullRow`, with their turns when ``turns``."""
-    conn = reader.conn
-    cursor = conn.execute(_DONE_FULL, {"dataset_id": dataset.id})
-    try:
-        while rows := cursor.fetchmany(batch):
-            by_item: dict[int, list[str]] = {}
-            if turns:
-                marks = ", ".join("?" * len(rows))
-                sql = _TURNS.format(ids=f"({marks})")
-                by_item = _group_turns(conn.execute(sql, [r[0] for r in rows]).fetchall())
-            yield rows, by_item
-    finally:
-        cursor.close()
-
-
-def failed_rows_sqlite(reader: Reader, dataset_id: int) -> list[FailedRow]:
-    """A dataset's failed items in input order (few: they are read at once)."""
-    return reader.conn.execute(_FAILED, {"dataset_id": dataset_id}).fetchall()
-
-
-# ------------------------------------------------------------------ async engine
-
-
-async def dataset_refs(conn: AsyncConnection, names: Sequence[str] = ()) -> list[DatasetRef]:
-    from sqlalchemy import text
-
-    return _refs((await conn.execute(text(_DATASET_REFS))).all(), names)
-
-
-async def done_rows(
-    conn: AsyncConnection, dataset_id: int, *, batch: int = BATCH
-) -> AsyncIterator[list[DoneRow]]:
-    from sqlalchemy import text
-
-    result = await conn.stream(
-        text(_DONE).execution_options(yield_per=batch), {"dataset_id": dataset_id}
-    )
-    async for part in result.partitions(batch):
-        yield [tuple(r) for r in part]  # type: ignore[misc]
-
-
-async def done_batches(
-    database: Database, dataset_names: Sequence[str] | None = None, *, batch: int = BATCH
-) -> AsyncIterator[tuple[str, list[DoneRow]]]:
-    """The same batches through the async engine: one read transaction, streamed.
-
-    The export is a consistent snapshot even while workers commit.
-    """
-    from sqlalchemy import text
-
-    async with database.read() as conn:
-        datasets = [(r[0], r[1]) for r in (await conn.execute(text(_DATASETS))).all()]
-        for dataset_id, name in _chosen(datasets, dataset_names):
-            async for rows in done_rows(conn, dataset_id, batch=batch):
-                yield name, rows
-
-
-async def full_batches(
-    conn: AsyncConnection, dataset: DatasetRef, *, turns: bool = False, batch: int = BATCH
-) -> AsyncIterator[FullBatch]:
-    """:func:`full_batches_sqlite` through the async engine."""
-    from sqlalchemy import bindparam, text
-
-    turns_sql = text(_TURNS.format(ids=":ids")).bindparams(bindparam("ids", expanding=True))
-    result = await conn.stream(
-        text(_DONE_FULL).execution_options(yield_per=batch), {"dataset_id": dataset.id}
-    )
-    async for part in result.partitions(batch):
-        rows: list[FullRow] = [tuple(r) for r in part]  # type: ignore[misc]
+    for part in rows.stream(_DONE_FULL, {"dataset_id": dataset.id}, batch):
         by_item: dict[int, list[str]] = {}
         if turns:
-            found = await conn.execute(turns_sql, {"ids": [r[0] for r in rows]})
-            by_item = _group_turns(found.all())
-        yield rows, by_item
+            ids = {f"i{n}": row[0] for n, row in enumerate(part)}
+            sql = _TURNS.format(ids="(" + ", ".join(f":{k}" for k in ids) + ")")
+            by_item = _group_turns(rows.fetch(sql, ids))
+        yield part, by_item  # type: ignore[misc]
 
 
-async def failed_rows(conn: AsyncConnection, dataset_id: int) -> list[FailedRow]:
-    from sqlalchemy import text
+def failed_rows(rows: Rows, dataset_id: int) -> list[FailedRow]:
+    """A dataset's failed items in input order (few: they are read at once)."""
+    return rows.fetch(_FAILED, {"dataset_id": dataset_id})  # type: ignore[return-value]
 
-    result = await conn.execute(text(_FAILED), {"dataset_id": dataset_id})
-    return [tuple(r) for r in result.all()]  # type: ignore[misc]
+
+async def output_bytes(database: Database, sample: int) -> float:
+    """The mean stored size of the latest ``sample`` answers (0 with none)."""
+    found = await access.read(database, lambda rows: rows.fetch(_BYTES, {"limit": sample}))
+    return float(found[0][0] or 0)
 
 
 async def iter_done(
     database: Database, dataset_names: Sequence[str] | None = None, *, batch: int = BATCH
 ) -> AsyncIterator[DoneItem]:
-    """Done items with their outputs parsed, by dataset name then input position."""
-    async for name, rows in done_batches(database, dataset_names, batch=batch):
+    """Done items with their outputs parsed, by dataset name then input position.
+
+    One read transaction throughout: a consistent snapshot even while workers commit.
+    """
+    produce = functools.partial(done_batches, dataset_names=dataset_names, batch=batch)
+    async for name, rows in access.read_batches(database, produce):
         for key, request, message, finish_reason, usage in rows:
             yield DoneItem(
                 dataset=name,

@@ -24,7 +24,7 @@ import functools
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,66 +94,107 @@ def _chunks(seq: Sequence[Any], size: int = _CHUNK) -> Iterable[Sequence[Any]]:
         yield seq[start : start + size]
 
 
-def _fence(pairs: Sequence[tuple[int, str]]) -> sa.ColumnElement[bool]:
-    """The fence: these rows, still running, each under its own lease token.
+class _Statements:
+    """Plain SQL, written once, in a write transaction the caller holds.
 
-    ``id IN (…)`` makes the lookup a primary-key search; the ``(id, token)`` row values
-    then keep only the rows whose lease is still the one the caller holds.
+    On SQLite through pysqlite the worker's rounds (claim, complete, renew) run on the
+    sqlite3 connection under ``conn``: for statements this small, binding them through
+    the SQL layer costs more than SQLite takes to run them. Every other backend runs the
+    same text through SQLAlchemy. Parameters are ``:name``, which both take.
     """
-    return sa.and_(
-        items.c.id.in_([item_id for item_id, _ in pairs]),
-        sa.tuple_(items.c.id, items.c.lease_token).in_([tuple(p) for p in pairs]),
-        items.c.state == "running",
-    )
 
+    def __init__(self, conn: sa.Connection):
+        self.conn = conn
+        self.raw = _sqlite_driver(conn)
+        self.postgres = conn.dialect.name == "postgresql"
 
-def _fenced_update(
-    conn: sa.Connection, pairs: Sequence[tuple[int, str]], values: dict[str, Any]
-) -> set[int]:
-    """Apply ``values`` to the rows still held under these leases; return their ids."""
-    changed: set[int] = set()
-    raw = _sqlite_driver(conn)
-    if raw is not None and not any(isinstance(v, sa.ColumnElement) for v in values.values()):
-        assignments = ", ".join(f"{column} = ?" for column in values)
-        for chunk in _chunks(pairs, _CHUNK // 2):
-            n = len(chunk)
-            sql = (
-                f"UPDATE items SET {assignments} WHERE id IN ({_marks(n)})"
-                f" AND (id, lease_token) IN (VALUES {', '.join(['(?, ?)'] * n)})"
-                " AND state = 'running' RETURNING id"
-            )
-            params = [*values.values(), *(i for i, _ in chunk), *(x for p in chunk for x in p)]
-            changed.update(row[0] for row in raw.execute(sql, params).fetchall())
-        return changed
-    for chunk in _chunks(pairs, _CHUNK // 2):
-        result = conn.execute(
-            items.update().where(_fence(chunk)).values(**values).returning(items.c.id)
-        )
-        changed.update(result.scalars())
-    return changed
+    def rows(self, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        if self.raw is not None:
+            return self.raw.execute(sql, params).fetchall()
+        result = self.conn.execute(sa.text(sql), params)
+        return [tuple(r) for r in result] if result.returns_rows else []
 
 
 def _sqlite_driver(conn: sa.Connection) -> sqlite3.Connection | None:
-    """The sqlite3 connection under ``conn``, when there is one.
-
-    The worker's rounds (claim, complete, renew) run their statements as plain SQL on it:
-    for statements this small, building and binding them through the SQL layer costs
-    more than SQLite takes to run them. Every other backend gets the same statements
-    from SQLAlchemy's constructs.
-    """
+    """The sqlite3 connection under ``conn``, when there is one."""
     if conn.dialect.name == "sqlite" and conn.dialect.driver == "pysqlite":
         return conn.connection.driver_connection  # type: ignore[return-value]
     return None
 
 
-def _marks(n: int) -> str:
-    return ", ".join("?" * n)
+def _names(prefix: str, values: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+    """``:p0, :p1, …`` for a list of values, and their parameters."""
+    params = {f"{prefix}{n}": v for n, v in enumerate(values)}
+    return ", ".join(f":{k}" for k in params), params
+
+
+@dataclass(frozen=True, slots=True)
+class _Expr:
+    """A value computed from the row: its SQL, and the same rule applied to a row read
+    out of the database (``db copy`` puts items back with it)."""
+
+    sql: str
+    apply: Callable[[Mapping[str, Any]], Any]
+
+
+def _fence(st: _Statements, pairs: Sequence[tuple[int, str]]) -> tuple[str, dict[str, Any]]:
+    """The fence: these rows, still running, each under its own lease token.
+
+    ``id IN (…)`` makes the lookup a primary-key search; the ``(id, token)`` row values
+    then keep only the rows whose lease is still the one the caller holds (SQLite takes
+    a row-value list as VALUES, PostgreSQL as a list of rows).
+    """
+    ids, params = _names("i", [item_id for item_id, _ in pairs])
+    tokens = {f"t{n}": token for n, (_, token) in enumerate(pairs)}
+    rows = ", ".join(f"(:i{n}, :t{n})" for n in range(len(pairs)))
+    listed = rows if st.postgres else f"VALUES {rows}"
+    where = f"id IN ({ids}) AND (id, lease_token) IN ({listed}) AND state = 'running'"
+    return where, params | tokens
+
+
+def _fenced_update(
+    conn: sa.Connection, pairs: Sequence[tuple[int, str]], values: Mapping[str, Any]
+) -> set[int]:
+    """Apply ``values`` to the rows still held under these leases; return their ids.
+
+    Every transition of a leased item goes through here: the state machine's one gate.
+    """
+    st = _Statements(conn)
+    assignments = ", ".join(
+        f"{column} = {v.sql}" if isinstance(v, _Expr) else f"{column} = :v_{column}"
+        for column, v in values.items()
+    )
+    bound = {f"v_{c}": v for c, v in values.items() if not isinstance(v, _Expr)}
+    changed: set[int] = set()
+    for chunk in _chunks(pairs, _CHUNK // 2):
+        where, params = _fence(st, chunk)
+        sql = f"UPDATE items SET {assignments} WHERE {where} RETURNING id"
+        changed.update(row[0] for row in st.rows(sql, bound | params))
+    return changed
 
 
 # The error class of items taken back from a worker that died or stopped renewing.
 LEASE_LOST = "lease_lost"
 
 _CLEAR_LEASE = {"lease_token": None, "lease_owner": None, "lease_expires_at": None}
+# How a running item is put back when it was not at fault (release, and ``db copy`` of
+# an item that was running): pending, its lease cleared and its attempt given back.
+_PUT_BACK: dict[str, Any] = {
+    "state": "pending",
+    **_CLEAR_LEASE,
+    "attempts": _Expr(
+        "CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END",
+        lambda row: max((row["attempts"] or 0) - 1, 0),
+    ),
+}
+
+
+def put_back(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The columns of a running item (as read, by name) once put back by the release rule."""
+    return {
+        column: value.apply(row) if isinstance(value, _Expr) else value
+        for column, value in _PUT_BACK.items()
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -619,61 +660,62 @@ _TAKEN = (
 def _taken(conn: sa.Connection, dataset_id: int, most: int) -> int:
     """How many of the dataset's items were claimed (or stored done), counting up to
     ``most``: a bounded read of the (dataset, state) index."""
-    params = {"dataset": dataset_id, "most": most}
-    raw = _sqlite_driver(conn)
-    if raw is not None:
-        return int(raw.execute(_TAKEN, params).fetchone()[0])
-    return int(conn.execute(sa.text(_TAKEN), params).scalar_one())
+    return int(_Statements(conn).rows(_TAKEN, {"dataset": dataset_id, "most": most})[0][0])
+
+
+_RUNNING = "SELECT count(*) FROM items WHERE dataset_id = :dataset AND state = 'running'"
 
 
 def _claimable_datasets(
     conn: sa.Connection, names: Sequence[str] | None
 ) -> tuple[list[tuple[int, int | None]], dict[int, int]]:
     """Datasets to claim from, best first, and the running count of each capped one."""
-    raw = _sqlite_driver(conn)
-    if raw is not None:
-        sql = "SELECT id, concurrency FROM datasets WHERE paused = 0 AND passthrough = 0"
-        if names:
-            sql += f" AND name IN ({_marks(len(names))})"
-        candidates = raw.execute(sql + " ORDER BY priority DESC, id", names or ()).fetchall()
-        count = "SELECT count(*) FROM items WHERE dataset_id = ? AND state = 'running'"
-        running = {
-            dataset_id: raw.execute(count, (dataset_id,)).fetchone()[0]
-            for dataset_id, concurrency in candidates
-            if concurrency is not None
-        }
-        return candidates, running
-    query = (
-        sa.select(datasets.c.id, datasets.c.concurrency)
-        .where(datasets.c.paused == sa.false(), datasets.c.passthrough == sa.false())
-        .order_by(datasets.c.priority.desc(), datasets.c.id)
-    )
+    st = _Statements(conn)
+    sql = "SELECT id, concurrency FROM datasets WHERE NOT paused AND NOT passthrough"
+    listed, params = _names("n", list(names or ()))
     if names:
-        query = query.where(datasets.c.name.in_(list(names)))
-    rows = [(r[0], r[1]) for r in conn.execute(query)]
-    capped = [dataset_id for dataset_id, concurrency in rows if concurrency is not None]
-    if capped and conn.dialect.name == "postgresql":
+        sql += f" AND name IN ({listed})"
+    candidates = [(r[0], r[1]) for r in st.rows(sql + " ORDER BY priority DESC, id", params)]
+    capped = sorted(dataset_id for dataset_id, cap in candidates if cap is not None)
+    if capped and st.postgres:
         # Claims from many processes at once: a capped dataset's count and its claim
         # happen under a lock on its row, so that two claims cannot both see room for
         # the same slot. FOR NO KEY UPDATE: enqueue's inserts (a key share, for the
         # foreign key) go on meanwhile. Taken in id order, so claims never deadlock.
-        conn.execute(
-            sa.select(datasets.c.id)
-            .where(datasets.c.id.in_(sorted(capped)))
-            .order_by(datasets.c.id)
-            .with_for_update(key_share=True)
+        ids, locked = _names("c", capped)
+        st.rows(
+            f"SELECT id FROM datasets WHERE id IN ({ids}) ORDER BY id FOR NO KEY UPDATE", locked
         )
     # Count running items only for capped datasets, one index range each.
     running = {
-        dataset_id: conn.execute(
-            sa.select(sa.func.count()).where(
-                items.c.dataset_id == dataset_id, items.c.state == "running"
-            )
-        ).scalar_one()
-        for dataset_id, concurrency in rows
-        if concurrency is not None
+        dataset_id: st.rows(_RUNNING, {"dataset": dataset_id})[0][0] for dataset_id in capped
     }
-    return rows, running
+    return candidates, running
+
+
+def _claim_sql(suspects: bool | None, postgres: bool) -> str:
+    """Take up to :n pending items of a dataset in input order: suspects only, none, or
+    (None) any.
+
+    On PostgreSQL rows another claim has locked are skipped, not waited for; a row
+    claimed and committed since this statement's snapshot is re-checked under the lock
+    and dropped (it is no longer pending).
+    """
+    only = ""
+    if suspects is not None:
+        only = (
+            " AND error_class = :lost"
+            if suspects
+            else " AND (error_class IS NULL OR error_class != :lost)"
+        )
+    lock = " FOR UPDATE SKIP LOCKED" if postgres else ""
+    return (
+        "UPDATE items SET state = 'running', attempts = attempts + 1, lease_token = :token,"
+        " lease_owner = :owner, lease_expires_at = :expires, updated_at = :now"
+        " WHERE id IN (SELECT id FROM items WHERE dataset_id = :dataset AND state = 'pending'"
+        f" AND not_before <= :now{only} ORDER BY position LIMIT :n{lock})"
+        " RETURNING id, key, position, request, attempts, error_class, turn, turns"
+    )
 
 
 def _claim_from(
@@ -690,29 +732,18 @@ def _claim_from(
     """Claim ``n`` of a dataset's items: suspects only, none, or (None) any."""
     if n <= 0:
         return []
-    raw = _sqlite_driver(conn)
-    if raw is not None:
-        only = ""
-        if suspects is not None:
-            only = (
-                " AND error_class = ?"
-                if suspects
-                else " AND (error_class IS NULL OR error_class != ?)"
-            )
-        sql = (
-            "UPDATE items SET state = 'running', attempts = attempts + 1, lease_token = ?,"
-            " lease_owner = ?, lease_expires_at = ?, updated_at = ?"
-            " WHERE id IN (SELECT id FROM items WHERE dataset_id = ? AND state = 'pending'"
-            f" AND not_before <= ?{only} ORDER BY position LIMIT ?)"
-            " RETURNING id, key, position, request, attempts, error_class, turn, turns"
-        )
-        params: list[Any] = [token, owner, expires, now, dataset_id, now]
-        if suspects is not None:
-            params.append(LEASE_LOST)
-        params.append(n)
-        rows: list[Any] = raw.execute(sql, params).fetchall()
-    else:
-        rows = _claim_rows(conn, dataset_id, n, suspects, token, owner, expires, now)
+    st = _Statements(conn)
+    params: dict[str, Any] = {
+        "token": token,
+        "owner": owner,
+        "expires": expires,
+        "now": now,
+        "dataset": dataset_id,
+        "n": n,
+    }
+    if suspects is not None:
+        params["lost"] = LEASE_LOST
+    rows = st.rows(_claim_sql(suspects, st.postgres), params)
     rows.sort(key=lambda r: r[2])
     resumed = _generated_turns(conn, [r[0] for r in rows if r[6] > 0])
     leases = []
@@ -737,61 +768,6 @@ def _claim_from(
             )
         )
     return leases
-
-
-def _claim_rows(
-    conn: sa.Connection,
-    dataset_id: int,
-    n: int,
-    suspects: bool | None,
-    token: str,
-    owner: str,
-    expires: float,
-    now: float,
-) -> list[Any]:
-    suspect = items.c.error_class == LEASE_LOST
-    picked = (
-        sa.select(items.c.id)
-        .where(
-            items.c.dataset_id == dataset_id,
-            items.c.state == "pending",
-            items.c.not_before <= now,
-        )
-        .order_by(items.c.position)
-        .limit(n)
-    )
-    if suspects is not None:
-        picked = picked.where(
-            suspect if suspects else sa.or_(items.c.error_class.is_(None), ~suspect)
-        )
-    if conn.dialect.name == "postgresql":
-        # Rows another claim has locked are skipped, not waited for; a row claimed and
-        # committed since this statement's snapshot is re-checked under the lock and
-        # dropped (it is no longer pending).
-        picked = picked.with_for_update(skip_locked=True)
-    result = conn.execute(
-        items.update()
-        .where(items.c.id.in_(picked.scalar_subquery()))
-        .values(
-            state="running",
-            attempts=items.c.attempts + 1,
-            lease_token=token,
-            lease_owner=owner,
-            lease_expires_at=expires,
-            updated_at=now,
-        )
-        .returning(
-            items.c.id,
-            items.c.key,
-            items.c.position,
-            items.c.request,
-            items.c.attempts,
-            items.c.error_class,
-            items.c.turn,
-            items.c.turns,
-        )
-    )
-    return [tuple(r) for r in result.all()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -893,10 +869,10 @@ def _settle(
         }
         if outcome == "failed":
             values.update(state="failed", finished_at=now)
+        elif outcome == "released":
+            values.update(_PUT_BACK, not_before=not_before)
         else:
             values.update(state="pending", not_before=not_before)
-        if outcome == "released":
-            values["attempts"] = sa.case((items.c.attempts > 0, items.c.attempts - 1), else_=0)
         changed |= _fenced_update(conn, [(lease.item_id, lease.token)], values)
     log_rows = [
         {

@@ -7,6 +7,10 @@ the async layer costs more than SQLite spends reading them. Anything this module
 vouch for (a URL for another database, a missing file, a schema that is behind, newer or
 absent, a file that is not a database) is left to the full store, which creates,
 upgrades or explains as it always has.
+
+Every read query of the store is written once, over :class:`Rows`: :class:`Reader` is
+its sqlite3 adapter, :class:`EngineRows` its SQLAlchemy one (a synchronous connection,
+as ``run_sync`` hands it over). ``store.access`` chooses between them.
 """
 
 from __future__ import annotations
@@ -14,8 +18,15 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    import sqlalchemy as sa
 
 from orchestrator.store.migrate import SCHEMA_REVISION
 
@@ -42,12 +53,46 @@ def sqlite_path(db: str | os.PathLike[str] | None) -> str | None:
     return path if path not in ("", ":memory:") else None
 
 
+Params = Mapping[str, Any]
+_NONE: Params = {}
+
+if TYPE_CHECKING:
+    # For type checkers only: building a Protocol class costs status a share of its time.
+    class Rows(Protocol):
+        """One read transaction, whichever driver: the seam every read query is written over.
+
+        The SQL is plain text that SQLite and PostgreSQL read alike, with ``:name`` parameters.
+        """
+
+        where: str
+
+        def fetch(self, sql: str, params: Params = _NONE) -> list[tuple[Any, ...]]:
+            """Every row of ``sql``."""
+            ...
+
+        def stream(self, sql: str, params: Params, batch: int) -> Iterator[list[tuple[Any, ...]]]:
+            """The rows of ``sql``, ``batch`` at a time, without holding them all."""
+            ...
+
+
 class Reader:
     """One deferred read transaction: every query sees the same committed state."""
 
     def __init__(self, conn: sqlite3.Connection, where: str):
         self.conn = conn
         self.where = where
+
+    def fetch(self, sql: str, params: Params = _NONE) -> list[tuple[Any, ...]]:
+        return self.conn.execute(sql, params).fetchall()
+
+    def stream(self, sql: str, params: Params, batch: int) -> Iterator[list[tuple[Any, ...]]]:
+        # The driver's fetchmany: no event loop or second thread to pass each row across.
+        cursor = self.conn.execute(sql, params)
+        try:
+            while rows := cursor.fetchmany(batch):
+                yield rows
+        finally:
+            cursor.close()
 
     def close(self) -> None:
         with contextlib.suppress(sqlite3.Error):
@@ -96,3 +141,27 @@ def open_reader(path: str, *, check_same_thread: bool = True) -> Reader | None:
         conn.close()
         return None
     return Reader(conn, path)
+
+
+class EngineRows:
+    """:class:`Rows` over a synchronous SQLAlchemy connection (any backend)."""
+
+    def __init__(self, conn: sa.Connection, where: str):
+        from sqlalchemy import text
+
+        self.conn = conn
+        self.where = where
+        self._text = text
+
+    def fetch(self, sql: str, params: Params = _NONE) -> list[tuple[Any, ...]]:
+        result = self.conn.execute(self._text(sql), dict(params))
+        return [tuple(r) for r in result.all()] if result.returns_rows else []
+
+    def stream(self, sql: str, params: Params, batch: int) -> Iterator[list[tuple[Any, ...]]]:
+        statement = self._text(sql).execution_options(yield_per=batch)
+        result = self.conn.execute(statement, dict(params))
+        try:
+            for part in result.partitions(batch):
+                yield [tuple(r) for r in part]
+        finally:
+            result.close()

@@ -14,23 +14,27 @@ whose transaction was still waiting for the write lock when the sample was taken
 counted by the next one rather than never. The table stays small (30 hours × 60 an
 hour × 8 datasets is about 14,000 rows), so it is kept whole.
 
-The SQL is plain text that SQLite and PostgreSQL read alike, run through SQLAlchemy by
-the worker and the dashboard, or through ``sqlite3`` on the dashboard's read-only path.
+The SQL is plain text that SQLite and PostgreSQL read alike, run over either of the
+store's adapters (``store.reader.Rows``): SQLAlchemy for the worker's writes, whichever
+``store.access`` chooses for reading.
 """
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from orchestrator.store import access
+from orchestrator.store.reader import EngineRows
+
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
     from orchestrator.store.engine import Database
+    from orchestrator.store.reader import Rows
 
 DEFAULT_INTERVAL = 60.0
 # Answers and errors younger than this are left to the next sample (see above). An
@@ -221,24 +225,23 @@ def _record(
 
 
 async def history(database: Database, *, since: float = 0.0) -> dict[str, Any]:
-    """The samples taken after ``since``, through the store's engine."""
-    async with database.read() as conn:
-        return await conn.run_sync(lambda c: _history(_sa_fetch(c), since))
-
-
-def history_sqlite(conn: sqlite3.Connection, *, since: float = 0.0) -> dict[str, Any]:
-    """The same from a plain ``sqlite3`` read transaction (``store.reader``)."""
-    return _history(_sqlite_fetch(conn), since)
+    """The samples taken after ``since`` (see :func:`read_history`)."""
+    return await access.read(database, lambda rows: read_history(rows, since=since))
 
 
 async def lengths(database: Database) -> dict[str, Any]:
     """Completion lengths of every answer, bucketed per dataset."""
-    async with database.read() as conn:
-        return await conn.run_sync(lambda c: _lengths(_sa_fetch(c)))
+    return await access.read(database, read_lengths)
 
 
-def lengths_sqlite(conn: sqlite3.Connection) -> dict[str, Any]:
-    return _lengths(_sqlite_fetch(conn))
+def read_history(rows: Rows, *, since: float = 0.0) -> dict[str, Any]:
+    """The samples taken after ``since``, from one read transaction (either adapter)."""
+    return _history(rows.fetch, since)
+
+
+def read_lengths(rows: Rows) -> dict[str, Any]:
+    """:func:`lengths` from one read transaction (either adapter)."""
+    return _lengths(rows.fetch)
 
 
 def _history(fetch: Fetch, since: float) -> dict[str, Any]:
@@ -310,14 +313,4 @@ def _merge(fine: dict[int, int]) -> dict[str, Any]:
 
 
 def _sa_fetch(conn: sa.Connection) -> Fetch:
-    from sqlalchemy import text
-
-    def fetch(sql: str, params: Mapping[str, Any]) -> Sequence[Sequence[Any]]:
-        result = conn.execute(text(sql), dict(params))
-        return result.all() if result.returns_rows else []
-
-    return fetch
-
-
-def _sqlite_fetch(conn: sqlite3.Connection) -> Fetch:
-    return lambda sql, params: conn.execute(sql, dict(params)).fetchall()
+    return EngineRows(conn, "").fetch

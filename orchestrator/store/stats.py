@@ -1,25 +1,24 @@
-"""The figures behind ``status``: counts, rates, token lengths, errors, ETA, workers.
+"""The figures behind ``status``: counts, rates, token lengths, errors, workers.
 
 Everything is computed from committed rows, so every process sees the same numbers and
-they survive restarts. The shape of :func:`snapshot`'s result is the documented
-``status --json`` format (see ``docs/STATUS.md``); fields are only ever added.
+they survive restarts. :func:`snapshot`'s document is the documented ``status --json``
+format (see ``docs/STATUS.md``; fields are only ever added) with its ETA left for
+``monitor.status`` to forecast from the facts it hands over.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.eta import Work, forecast
 from orchestrator.quality import ALL_FLAGS
-from orchestrator.store.reader import Reader
 
 if TYPE_CHECKING:
-    from orchestrator.store.engine import Database
+    from orchestrator.store.reader import Rows
 
 STATUS_VERSION = 1
 WINDOW_SECONDS = 300.0
@@ -114,11 +113,11 @@ _MESSAGES = (
     " AND e.error_class = :cls AND e.outcome = :outcome ORDER BY e.id DESC LIMIT :limit"
 )
 
-Rows = dict[str, Sequence[Sequence[Any]]]
+Found = dict[str, Sequence[Sequence[Any]]]
 Messages = dict[tuple[int, str], list[tuple[Any, ...]]]
 
 
-def _message_keys(rows: Rows) -> list[dict[str, Any]]:
+def _message_keys(rows: Found) -> list[dict[str, Any]]:
     return [
         {"dataset": d, "cls": c, "outcome": o, "limit": MESSAGE_SAMPLE}
         for d, c, o, _ in rows["errors"]
@@ -135,54 +134,36 @@ def _rate(count: float, seconds: float) -> float:
     return round(count / seconds, 4) if seconds > 0 else 0.0
 
 
-async def snapshot(
-    database: Database, *, now: float | None = None, window: float = WINDOW_SECONDS
-) -> dict[str, Any]:
-    """The status document, read in one transaction through the store's engine."""
-    from sqlalchemy import text
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The status document with its ETA left blank, and what a forecast needs to fill it.
 
+    ``work`` holds, per dataset that has answers to learn from, the keyword arguments of
+    ``orchestrator.eta.Work``; ``ids`` are the dataset ids in the document's order. The
+    forecast is made above the store (``monitor.status``), from these facts alone.
+    """
+
+    document: dict[str, Any]
+    ids: list[int]
+    work: list[dict[str, Any]]
+    live_in_flight: int
+
+
+def snapshot(rows: Rows, *, now: float | None = None, window: float = WINDOW_SECONDS) -> Snapshot:
+    """The status figures, read in one transaction through either adapter (``store.access``)."""
     now = time.time() if now is None else now
     params = {"since": now - window}
-    rows: Rows = {}
+    found: Found = {name: rows.fetch(sql, params) for name, sql in _QUERIES.items()}
     lengths: dict[int, list[int]] = {}
     costs: dict[int, Sequence[Any]] = {}
-    async with database.read() as conn:
-        for name, sql in _QUERIES.items():
-            rows[name] = (await conn.execute(text(sql), params)).all()
-        for dataset_id, *_ in rows["datasets"]:
-            sample = {"dataset": dataset_id, "limit": LENGTH_SAMPLE}
-            result = await conn.execute(text(_LENGTHS), sample)
-            lengths[dataset_id] = [n for (n,) in result.all()]
-            cost = {"dataset": dataset_id, "limit": COST_SAMPLE}
-            costs[dataset_id] = (await conn.execute(text(_COSTS), cost)).one()
-        messages: Messages = {}
-        for key in _message_keys(rows):
-            _add_messages(messages, key, (await conn.execute(text(_MESSAGES), key)).all())
-    return _document(rows, lengths, costs, messages, where=database.where, now=now, window=window)
-
-
-def snapshot_sqlite(
-    reader: Reader, *, now: float | None = None, window: float = WINDOW_SECONDS
-) -> dict[str, Any]:
-    """The same document from a plain sqlite3 read transaction (see ``store.reader``)."""
-    now = time.time() if now is None else now
-    params = {"since": now - window}
-    conn: sqlite3.Connection = reader.conn
-    rows: Rows = {name: conn.execute(sql, params).fetchall() for name, sql in _QUERIES.items()}
-    lengths = {
-        dataset_id: [
-            n for (n,) in conn.execute(_LENGTHS, {"dataset": dataset_id, "limit": LENGTH_SAMPLE})
-        ]
-        for dataset_id, *_ in rows["datasets"]
-    }
-    costs = {
-        dataset_id: conn.execute(_COSTS, {"dataset": dataset_id, "limit": COST_SAMPLE}).fetchone()
-        for dataset_id, *_ in rows["datasets"]
-    }
+    for dataset_id, *_ in found["datasets"]:
+        sample = {"dataset": dataset_id, "limit": LENGTH_SAMPLE}
+        lengths[dataset_id] = [n for (n,) in rows.fetch(_LENGTHS, sample)]
+        costs[dataset_id] = rows.fetch(_COSTS, {"dataset": dataset_id, "limit": COST_SAMPLE})[0]
     messages: Messages = {}
-    for key in _message_keys(rows):
-        _add_messages(messages, key, conn.execute(_MESSAGES, key).fetchall())
-    return _document(rows, lengths, costs, messages, where=reader.where, now=now, window=window)
+    for key in _message_keys(found):
+        _add_messages(messages, key, rows.fetch(_MESSAGES, key))
+    return _document(found, lengths, costs, messages, where=rows.where, now=now, window=window)
 
 
 def _percentiles(values: list[int]) -> dict[str, Any]:
@@ -198,7 +179,7 @@ def _percentiles(values: list[int]) -> dict[str, Any]:
 
 
 def _document(
-    rows: Rows,
+    rows: Found,
     lengths: dict[int, list[int]],
     costs: dict[int, Sequence[Any]],
     messages: Messages,
@@ -206,14 +187,14 @@ def _document(
     where: str,
     now: float,
     window: float,
-) -> dict[str, Any]:
+) -> Snapshot:
     state_counts, errors_by, failed_by, flags_by = _by_dataset(rows)
     span_by = {r[0]: tuple(r[1:]) for r in rows["span"]}
     overall_by = {r[0]: (*r[1:], *span_by.get(r[0], (None, None))) for r in rows["overall"]}
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
     names = {row[0]: row[1] for row in rows["datasets"]}
     entries = []
-    work: list[tuple[Any, ...]] = []
+    work: list[dict[str, Any]] = []
     for ds_id, name, paused, concurrency, priority, passthrough, ds_params in rows["datasets"]:
         entry = _dataset_figures(
             state_counts[ds_id],
@@ -224,7 +205,10 @@ def _document(
         )
         entry["completion_tokens"].update(_percentiles(lengths.get(ds_id, [])))
         if not passthrough:  # stored done at enqueue: no answer time to learn from
-            work.append((ds_id, entry, costs.get(ds_id), ds_params, paused, concurrency, priority))
+            work.append(
+                {"dataset_id": ds_id, "entry": entry, "cost": costs.get(ds_id), "params": ds_params}
+                | {"paused": paused, "cap": concurrency, "priority": priority}
+            )
         entries.append(
             {
                 "name": name,
@@ -248,12 +232,8 @@ def _document(
     # averaged over these, finished datasets included (they held slots too).
     starts = [e["overall"]["started_at"] for e in entries if e["overall"]["started_at"]]
     busy = _span(min(starts), now, now, window) if starts else 0.0
-    outlook = forecast([_work(*args, busy=busy) for args in work], live_in_flight=live)
-    for (ds_id, *_), entry in zip(rows["datasets"], entries, strict=True):
-        entry["eta_seconds"] = _round(outlook.datasets.get(ds_id, 0.0))
     totals = _totals(entries, now=now, window=window)
-    totals["eta_seconds"] = _round(outlook.total)
-    totals["eta_slots"] = round(outlook.slots, 1)
+    totals["eta_slots"] = None  # with eta_seconds, filled by the forecast
     totals["completion_tokens"].update(
         _percentiles([n for sample in lengths.values() for n in sample])
     )
@@ -261,7 +241,7 @@ def _document(
     for (_, cls), found in messages.items():
         by_class[cls].extend(found)
     totals["error_messages"] = _error_messages(totals["errors"], by_class, names)
-    return {
+    document = {
         "version": STATUS_VERSION,
         "generated_at": now,
         "database": where,
@@ -270,9 +250,11 @@ def _document(
         "datasets": entries,
         "workers": workers,
     }
+    ids = [row[0] for row in rows["datasets"]]
+    return Snapshot(document, ids, [_work(**w, busy=busy) for w in work], live)
 
 
-def _by_dataset(rows: Rows) -> tuple[Any, Any, Any, Any]:
+def _by_dataset(rows: Found) -> tuple[Any, Any, Any, Any]:
     """The grouped counts, per dataset id: by state, by error class and outcome, failed
     items by class, and answers by quality flag."""
     state_counts: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(STATES, 0))
@@ -368,7 +350,7 @@ def _work(
     priority: int,
     *,
     busy: float,
-) -> Work:
+) -> dict[str, Any]:
     """What the ETA needs of a dataset: items left, its latest answers' cost, its cap."""
     sample, seconds, tokens = cost or (0, 0.0, 0)
     mean_seconds = seconds / sample if sample else None
@@ -376,24 +358,20 @@ def _work(
         max_tokens = json.loads(params or "{}").get("max_tokens")
     except (ValueError, AttributeError):
         max_tokens = None
-    return Work(
-        dataset_id,
-        pending=entry["counts"]["pending"],
-        running=entry["counts"]["running"],
-        priority=priority,
-        cap=cap,
-        paused=bool(paused),
-        seconds=mean_seconds,
-        tokens=tokens / sample if sample else None,
-        sample=sample,
-        max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
+    return {
+        "dataset_id": dataset_id,
+        "pending": entry["counts"]["pending"],
+        "running": entry["counts"]["running"],
+        "priority": priority,
+        "cap": cap,
+        "paused": bool(paused),
+        "seconds": mean_seconds,
+        "tokens": tokens / sample if sample else None,
+        "sample": sample,
+        "max_tokens": max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
         # Little's law: requests in flight = answer rate x time in the system.
-        in_flight=_rate(entry["recent"]["done"], busy) * (mean_seconds or 0.0),
-    )
-
-
-def _round(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds, 1)
+        "in_flight": _rate(entry["recent"]["done"], busy) * (mean_seconds or 0.0),
+    }
 
 
 def _span(start: float | None, end: float, now: float, window: float) -> float:
