@@ -936,7 +936,7 @@ def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) ->
 
         snap = run_async(go())
     if servers:
-        from orchestrator.monitor.server_metrics import scrape
+        from orchestrator.server_metrics import scrape
 
         snap["servers"] = [scrape(server) for server in servers]
     return snap

@@ -1,6 +1,9 @@
 """The OpenAI-compatible inference client: send a chat request, classify what comes back.
 
-It knows nothing of the queue. Every failure leaves as one of the errors in
+Every HTTP request to an inference server is made here: the chat requests, and the
+looks beside them (``/health``, ``/v1/models``, ``/metrics``) that the pool's prober,
+the run guard, ``doctor``, ``status --server`` and the tuner make. It knows nothing of
+the queue. Every failure leaves as one of the errors in
 ``orchestrator.errors`` with a stable ``error_class``:
 
     ServerUnavailable  connect       connection refused, DNS failure, connect timeout
@@ -38,7 +41,9 @@ import asyncio
 import datetime
 import email.utils
 import math
+import ssl
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -734,3 +739,164 @@ def _assistant_message(
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message
+
+
+# ------------------------------------------------------------------------ other looks
+# What a server says beside the requests: whether it is up and why not (the pool's
+# prober, ``doctor``), what it serves (the run guard, ``doctor``), its ``/metrics`` (the
+# tuner, ``status --server``, the run's samples). Each takes the session to use.
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One look at ``/health``: up, or the reason it is not."""
+
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Models:
+    """What ``/v1/models`` said: the model names served, or a status and the reason."""
+
+    status: int | None
+    names: tuple[str, ...] = ()
+    reason: str = ""
+
+
+def _connect_reason(server: str, exc: aiohttp.ClientConnectorError) -> str:
+    """Connection failures in the words an operator acts on."""
+    where = f"{exc.host}:{exc.port}"
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return f"DNS lookup of {exc.host!r} failed ({exc.os_error}): check the host name"
+    if isinstance(exc, aiohttp.ClientSSLError) or isinstance(exc.os_error, ssl.SSLError):
+        hint = (
+            "; the port may speak plain HTTP: try http://" if server.startswith("https://") else ""
+        )
+        return f"TLS handshake with {where} failed ({exc.os_error}){hint}"
+    if isinstance(exc.os_error, ConnectionRefusedError):
+        return f"connection refused by {where}: nothing listens there (is the server up?)"
+    return f"cannot connect to {where}: {exc.os_error or exc}"
+
+
+async def probe(session: aiohttp.ClientSession, server: str, seconds: float) -> Probe:
+    """``/health`` answers 200; else why not. A server without ``/health`` (a proxy, a
+    hosted API) counts as up when its ``/v1/models`` answers."""
+    base = base_url(server)
+    limit = aiohttp.ClientTimeout(total=seconds)
+    try:
+        async with session.get(base + "/health", timeout=limit) as resp:
+            await resp.read()
+            if resp.status == 200:
+                return Probe(True)
+            status = resp.status
+        if status == 404:
+            async with session.get(base + "/v1/models", timeout=limit) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    return Probe(True, "no /health; /v1/models answers")
+            return Probe(
+                False,
+                f"HTTP 404 on {base}/health and {base}/v1/models: the URL's path is wrong; "
+                "give the server's base URL (scheme://host:port, and a proxy's path prefix "
+                "if it has one)",
+            )
+        if status == 503:
+            return Probe(False, f"{base}/health answers 503: the server is starting or stopping")
+        return Probe(False, f"{base}/health answers HTTP {status}")
+    except aiohttp.ClientConnectorError as exc:
+        return Probe(False, _connect_reason(server, exc))
+    except TimeoutError:
+        return Probe(False, f"no answer from {base}/health within {seconds:g}s")
+    except aiohttp.ServerDisconnectedError:
+        return Probe(False, f"{base} closed the connection without answering (TLS expected?)")
+    except (aiohttp.ClientError, OSError) as exc:
+        return Probe(False, f"{base}/health failed: {type(exc).__name__}: {exc}")
+
+
+async def models(session: aiohttp.ClientSession, server: str, seconds: float) -> Models:
+    """The names ``/v1/models`` lists, or its status and the server's reason."""
+    url = base_url(server) + "/v1/models"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=seconds)) as resp:
+            body = await resp.read()
+            status = resp.status
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        return Models(None, reason=f"{type(exc).__name__}: {exc}")
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        doc = None
+    if status != 200:
+        return Models(status, reason=_models_reason(doc, body))
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        return Models(status, reason="no model list in the answer")
+    names = tuple(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+    return Models(status, names)
+
+
+def _models_reason(doc: object, body: bytes) -> str:
+    if isinstance(doc, dict):
+        err = doc.get("error", doc)
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(doc.get("detail"), str):
+            return doc["detail"]
+    return body[:300].decode("utf-8", "replace").strip()
+
+
+async def metrics_text(session: aiohttp.ClientSession, server: str, seconds: float) -> str | None:
+    """The server's Prometheus ``/metrics`` text; None when it has none to give."""
+    try:
+        url = base_url(server) + "/metrics"
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=seconds)) as resp:
+            if resp.status != 200:
+                return None
+            return await resp.text()
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        return None
+
+
+def read_metrics(url: str, timeout: float, authorization: str | None = None) -> str:
+    """``/metrics`` at ``url`` without an event loop (``status`` stays a quick read);
+    raises ``OSError`` (``urllib.error.URLError``) or ``ValueError`` when it cannot."""
+    request = urllib.request.Request(url)
+    if authorization:
+        request.add_header("Authorization", authorization)
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        return resp.read().decode("utf-8", "replace")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A plain GET's answer, read whole."""
+
+    status: int
+    body: bytes
+    date: str | None  # the server's Date header
+
+
+class RequestFailed(Exception):
+    """A GET that got no answer; the message says why."""
+
+
+def plain_session(
+    user_agent: str, api_key: str | None, basic_auth: dict[str, aiohttp.BasicAuth]
+) -> aiohttp.ClientSession:
+    """A session for a few plain GETs, with the worker's credentials."""
+    headers = {"User-Agent": user_agent}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    middlewares = (basic_auth_middleware(basic_auth),) if basic_auth else ()
+    return aiohttp.ClientSession(headers=headers, middlewares=middlewares)
+
+
+async def get(session: aiohttp.ClientSession, url: str, seconds: float) -> Reply:
+    """GET ``url`` within ``seconds``; ``RequestFailed`` when nothing answered."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=seconds)) as resp:
+            body = await resp.read()
+            return Reply(resp.status, body, resp.headers.get("Date"))
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise RequestFailed(str(exc) or type(exc).__name__) from exc

@@ -88,7 +88,7 @@ def watch_svg(db: Path, out: Path, server: str) -> None:
     from rich.console import Console
 
     from orchestrator.monitor.live import render
-    from orchestrator.monitor.server_metrics import scrape
+    from orchestrator.server_metrics import scrape
     from orchestrator.store.reader import open_reader
     from orchestrator.store.stats import snapshot_sqlite
 
