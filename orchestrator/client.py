@@ -53,6 +53,7 @@ import orjson
 import structlog
 import yarl
 
+from orchestrator import error_classes as ec
 from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
 from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
 
@@ -168,7 +169,7 @@ def _raise_for_status(status: int, body: bytes, headers: Any) -> None:
         raise _redirected(status, headers)
     reason = _error_reason(status, body)
     if status == 429:
-        raise TransientError(reason, error_class="rate_limited", retry_after=_retry_after(headers))
+        raise TransientError(reason, error_class=ec.RATE_LIMITED, retry_after=_retry_after(headers))
     if status in _UNAVAILABLE:
         raise ServerUnavailable(
             reason, error_class=f"http_{status}", retry_after=_retry_after(headers)
@@ -186,7 +187,7 @@ def _redirected(status: int, headers: Any) -> PermanentError:
     return PermanentError(
         f"HTTP {status} redirect to {location}: redirects are not followed; give the "
         "server's own URL (--server / --servers-file)",
-        error_class="redirect",
+        error_class=ec.REDIRECT,
     )
 
 
@@ -219,7 +220,7 @@ def _too_large(limit: int, detail: str) -> PermanentError:
     return PermanentError(
         f"the answer is over {limit:,} bytes ({detail}); raise --max-response-mb if such "
         "answers are meant",
-        error_class="response_too_large",
+        error_class=ec.RESPONSE_TOO_LARGE,
     )
 
 
@@ -235,11 +236,11 @@ def _check_finished(
     content: str | None, reasoning: str | None, tool_calls: Any, finish_reason: str | None
 ) -> None:
     if finish_reason == "abort":
-        raise TransientError("the server aborted the request", error_class="aborted")
+        raise TransientError("the server aborted the request", error_class=ec.ABORTED)
     if not content and not reasoning and not tool_calls:
         raise TransientError(
             f"the answer has no content (finish_reason={finish_reason!r})",
-            error_class="empty_content",
+            error_class=ec.EMPTY_CONTENT,
         )
 
 
@@ -438,34 +439,34 @@ class InferenceClient:
                 return self._parse(await _read_capped(resp, limit), resp, server, started)
         except aiohttp.ClientConnectorError as exc:
             raise ServerUnavailable(
-                f"cannot connect to {server}: {exc}", error_class="connect"
+                f"cannot connect to {server}: {exc}", error_class=ec.CONNECT
             ) from exc
         except aiohttp.ConnectionTimeoutError as exc:
             raise ServerUnavailable(
-                f"connect to {server} timed out", error_class="connect"
+                f"connect to {server} timed out", error_class=ec.CONNECT
             ) from exc
         except aiohttp.SocketTimeoutError as exc:
             if stream:
                 raise TransientError(
                     f"no data from {server} for {self.config.stream_idle_timeout:g}s",
-                    error_class="stream_idle",
+                    error_class=ec.STREAM_IDLE,
                 ) from exc
             raise TransientError(
                 f"no answer from {server} within {self.config.request_timeout:g}s",
-                error_class="timeout",
+                error_class=ec.TIMEOUT,
             ) from exc
         except TimeoutError as exc:
             raise TransientError(
                 f"no answer from {server} within {self.config.request_timeout:g}s",
-                error_class="timeout",
+                error_class=ec.TIMEOUT,
             ) from exc
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
             raise TransientError(
-                f"{server} closed the connection mid-request: {exc}", error_class="disconnect"
+                f"{server} closed the connection mid-request: {exc}", error_class=ec.DISCONNECT
             ) from exc
         except (aiohttp.ClientOSError, aiohttp.ClientResponseError) as exc:
             raise TransientError(
-                f"{server} connection error: {exc}", error_class="disconnect"
+                f"{server} connection error: {exc}", error_class=ec.DISCONNECT
             ) from exc
 
     def _parse(
@@ -475,19 +476,19 @@ class InferenceClient:
         ctype = resp.headers.get("Content-Type", "")
         if "json" not in ctype:
             raise TransientError(
-                f"expected a JSON answer, got content type {ctype!r}", error_class="bad_response"
+                f"expected a JSON answer, got content type {ctype!r}", error_class=ec.BAD_RESPONSE
             )
         try:
             doc = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise TransientError(f"unparsable answer: {exc}", error_class="bad_response") from exc
+            raise TransientError(f"unparsable answer: {exc}", error_class=ec.BAD_RESPONSE) from exc
         choices = doc.get("choices") if isinstance(doc, dict) else None
         if not choices or not isinstance(choices[0], dict):
-            raise TransientError("the answer has no choices", error_class="bad_response")
+            raise TransientError("the answer has no choices", error_class=ec.BAD_RESPONSE)
         choice = choices[0]
         message = choice.get("message")
         if not isinstance(message, dict):
-            raise TransientError("the answer's choice has no message", error_class="bad_response")
+            raise TransientError("the answer's choice has no message", error_class=ec.BAD_RESPONSE)
         usage = doc.get("usage")
         return _completion(
             message.get("content"),
@@ -525,7 +526,7 @@ class InferenceClient:
                 if not quiet.expired():
                     raise  # the whole request's bound, not silence
                 raise TransientError(
-                    f"no data from {server} for {idle:g}s", error_class="stream_idle"
+                    f"no data from {server} for {idle:g}s", error_class=ec.STREAM_IDLE
                 ) from None
             yield line[5:].strip()
 
@@ -536,7 +537,7 @@ class InferenceClient:
         if "event-stream" not in ctype:
             raise TransientError(
                 f"expected an event stream, got content type {ctype!r}",
-                error_class="bad_response",
+                error_class=ec.BAD_RESPONSE,
             )
         content: list[str] = []
         reasoning: list[str] = []
@@ -554,10 +555,10 @@ class InferenceClient:
                 chunk = orjson.loads(data)
             except orjson.JSONDecodeError as exc:
                 raise TransientError(
-                    f"unparsable stream chunk: {exc}", error_class="bad_response"
+                    f"unparsable stream chunk: {exc}", error_class=ec.BAD_RESPONSE
                 ) from exc
             if not isinstance(chunk, dict):
-                raise TransientError("stream chunk is not an object", error_class="bad_response")
+                raise TransientError("stream chunk is not an object", error_class=ec.BAD_RESPONSE)
             model = chunk.get("model") or model
             response_id = chunk.get("id") or response_id
             if isinstance(chunk.get("usage"), dict):
@@ -575,7 +576,7 @@ class InferenceClient:
                     finish_reason = choice["finish_reason"]
         if finish_reason is None or not done:
             raise TransientError(
-                "the stream ended before the answer was complete", error_class="stream_cut"
+                "the stream ended before the answer was complete", error_class=ec.STREAM_CUT
             )
         return _completion(
             "".join(content),
@@ -646,7 +647,7 @@ _USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 def _bad(message: str) -> TransientError:
-    return TransientError(message, error_class="bad_response")
+    return TransientError(message, error_class=ec.BAD_RESPONSE)
 
 
 def _checked_answer(

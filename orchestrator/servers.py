@@ -31,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
+from orchestrator import error_classes as ec
 from orchestrator.autoconcurrency import Sample
 from orchestrator.errors import ConfigError
 
@@ -49,7 +50,7 @@ Cap = int | Literal["auto"]
 #: Failures that say something about the server rather than the request: enough of them
 #: in a row take a server out of rotation while another one answers.
 SERVER_FAULTS = frozenset(
-    {"disconnect", "timeout", "stream_idle", "stream_cut", "bad_response", "aborted"}
+    {ec.DISCONNECT, ec.TIMEOUT, ec.STREAM_IDLE, ec.STREAM_CUT, ec.BAD_RESPONSE, ec.ABORTED}
 )
 
 

@@ -28,8 +28,6 @@ from orchestrator.client import InferenceClient
 from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.errors import (
     InferenceError,
-    ItemsFailed,
-    ItemsLeftPending,
     PermanentError,
     RunStopped,
     ServersUnreachable,
@@ -57,6 +55,7 @@ from orchestrator.worker.outcomes import (
     Release,
     Retry,
 )
+from orchestrator.worker.summary import left_undone
 
 if TYPE_CHECKING:
     from orchestrator.metrics import WorkerMetrics
@@ -308,27 +307,7 @@ class Worker:
     async def _all_done(self) -> None:
         """Nothing left to claim: done, or say what is not (failed, or paused)."""
         counts = await self.queue.counts()
-        scope = set(self.config.datasets) or {name for name, _ in counts}
-        by_state: dict[str, int] = {}
-        for (name, state), n in counts.items():
-            if name in scope:
-                by_state[state] = by_state.get(state, 0) + n
-        left = by_state.get("pending", 0) + by_state.get("running", 0)
-        failed = by_state.get("failed", 0)
-        log.info("all_done", done=by_state.get("done", 0), failed=failed, left_pending=left)
-        summary = f"finished with {by_state.get('done', 0):,} done"
-        if failed:
-            self.unfinished = ItemsFailed(
-                f"{summary}, {failed:,} failed (see `orchestrator status`; "
-                "`orchestrator requeue` retries them)"
-                + (f", {left:,} pending in paused datasets" if left else "")
-            )
-        elif left:
-            paused = sorted(d.name for d in self._datasets.values() if d.paused and d.name in scope)
-            self.unfinished = ItemsLeftPending(
-                f"{summary}, {left:,} pending in paused datasets ({', '.join(paused)}): "
-                "`orchestrator resume NAME`, then run again"
-            )
+        self.unfinished = left_undone(counts, self.config.datasets, self._datasets.values())
 
     def _plan_claim(self) -> Claim | None:
         """How much to ask for in the committer's next round (None: nothing)."""
