@@ -226,7 +226,12 @@ class ServerState:
 
 
 class ServerPool:
-    """The servers a worker may use: least-loaded healthy one first, the rest probed."""
+    """The servers a worker may use: least-loaded healthy one first, the rest probed.
+
+    It keeps each server's accounting (requests in flight, health, failures in a row,
+    the answers the tuner looks at): the worker tells it what happened through its
+    methods and reads ``states`` only.
+    """
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ import contextlib
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -101,7 +102,9 @@ class _Held:
     cancel_reason: str | None = None
 
 
-def _pool(config: WorkerConfig, client: InferenceClient, on_change: Any) -> ServerPool:
+def _pool(
+    config: WorkerConfig, client: InferenceClient, on_change: Callable[[], None]
+) -> ServerPool:
     """The servers, each with its cap; an ``auto`` cap gets its controller."""
     caps: dict[str, int] = {}
     controllers: dict[str, Controller] = {}
