@@ -42,7 +42,7 @@ from orchestrator.store import Database, Failure, Lease, Output, Queue, list_dat
 from orchestrator.store import workers as worker_rows
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.store.queue import Claim
-from orchestrator.worker import classify, keeper
+from orchestrator.worker import classify, keeper, summary
 from orchestrator.worker.classify import where
 from orchestrator.worker.committer import Committer
 from orchestrator.worker.config import Notifier, Silent, WorkerConfig, WorkerStats, stats_fields
@@ -50,13 +50,10 @@ from orchestrator.worker.outcomes import (
     Advance,
     Done,
     Failed,
-    Failing,
     Outcome,
     Rejected,
     Release,
-    Retry,
 )
-from orchestrator.worker.summary import left_undone
 
 if TYPE_CHECKING:
     from orchestrator.metrics import WorkerMetrics
@@ -310,7 +307,7 @@ class Worker:
     async def _all_done(self) -> None:
         """Nothing left to claim: done, or say what is not (failed, or paused)."""
         counts = await self.queue.counts()
-        self.unfinished = left_undone(counts, self.config.datasets, self._datasets.values())
+        self.unfinished = summary.left_undone(counts, self.config.datasets, self._datasets.values())
 
     def _plan_claim(self) -> Claim | None:
         """How much to ask for in the committer's next round (None: nothing)."""
@@ -432,36 +429,14 @@ class Worker:
             return
         if self.metrics is not None:
             self._observe(entry)
-        self._count(entry)
-
-    def _count(self, entry: Outcome) -> None:
-        stats = self.stats
-        if isinstance(entry, Done):
-            stats.completed += 1
-            stats.completion_tokens += (entry.output.usage or {}).get("completion_tokens") or 0
+        if summary.count(self.stats, entry):
             self._rate.add()
-        elif isinstance(entry, Retry):
-            stats.retried += 1
-        elif isinstance(entry, Failed):
-            stats.failed += 1
-            log.warning(
-                "item_failed",
-                item=entry.lease.item_id,
-                key=entry.lease.key,
-                error_class=entry.failure.error_class,
-                error=entry.failure.message[:500],
-            )
-        else:
-            stats.released += 1
 
     def _observe(self, entry: Outcome) -> None:
         assert self.metrics is not None
         info = self._datasets.get(entry.lease.dataset_id)
         name = info.name if info is not None else str(entry.lease.dataset_id)
-        if isinstance(entry, Done | Advance):
-            self.metrics.settled(name, entry.kind, None, entry.output.usage, entry.output.latency)
-        elif isinstance(entry, Failing):
-            self.metrics.settled(name, entry.kind, entry.failure.error_class, None, None)
+        summary.observe(self.metrics, name, entry)
 
     def _hand_over(self, outcome: Outcome) -> None:
         """Queue an item's outcome for writing, past the run guard."""

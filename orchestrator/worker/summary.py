@@ -1,13 +1,20 @@
-"""What a worker says when nothing is left for it to claim (``exit_when_done``)."""
+"""A worker's accounts of what it wrote: its counts, its metrics, and what it says when
+nothing is left for it to claim (``exit_when_done``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import structlog
 
 from orchestrator.errors import ItemsFailed, ItemsLeftPending, RunStopped
 from orchestrator.store.datasets import DatasetInfo
+from orchestrator.worker.config import WorkerStats
+from orchestrator.worker.outcomes import Advance, Done, Failed, Failing, Outcome, Retry
+
+if TYPE_CHECKING:
+    from orchestrator.metrics import WorkerMetrics
 
 log = structlog.get_logger("orchestrator.worker")
 
@@ -39,3 +46,33 @@ def left_undone(
             "`orchestrator resume NAME`, then run again"
         )
     return None
+
+
+def count(stats: WorkerStats, entry: Outcome) -> bool:
+    """Count an outcome the database took; True for an answer (it sizes the prefetch)."""
+    if isinstance(entry, Done):
+        stats.completed += 1
+        stats.completion_tokens += (entry.output.usage or {}).get("completion_tokens") or 0
+        return True
+    if isinstance(entry, Retry):
+        stats.retried += 1
+    elif isinstance(entry, Failed):
+        stats.failed += 1
+        log.warning(
+            "item_failed",
+            item=entry.lease.item_id,
+            key=entry.lease.key,
+            error_class=entry.failure.error_class,
+            error=entry.failure.message[:500],
+        )
+    else:
+        stats.released += 1
+    return False
+
+
+def observe(metrics: WorkerMetrics, dataset: str, entry: Outcome) -> None:
+    """An outcome written, in the worker's Prometheus metrics."""
+    if isinstance(entry, Done | Advance):
+        metrics.settled(dataset, entry.kind, None, entry.output.usage, entry.output.latency)
+    elif isinstance(entry, Failing):
+        metrics.settled(dataset, entry.kind, entry.failure.error_class, None, None)
