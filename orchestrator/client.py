@@ -1,6 +1,9 @@
 """The OpenAI-compatible inference client: send a chat request, classify what comes back.
 
-It knows nothing of the queue. Every failure leaves as one of the errors in
+Every HTTP request to an inference server is made here: the chat requests, and the
+looks beside them (``/health``, ``/v1/models``, ``/metrics``) that the pool's prober,
+the run guard, ``doctor``, ``status --server`` and the tuner make. It knows nothing of
+the queue. Every failure leaves as one of the errors in
 ``orchestrator.errors`` with a stable ``error_class``:
 
     ServerUnavailable  connect       connection refused, DNS failure, connect timeout
@@ -38,7 +41,9 @@ import asyncio
 import datetime
 import email.utils
 import math
+import ssl
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +53,7 @@ import orjson
 import structlog
 import yarl
 
+from orchestrator import error_classes as ec
 from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
 from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
 
@@ -163,7 +169,7 @@ def _raise_for_status(status: int, body: bytes, headers: Any) -> None:
         raise _redirected(status, headers)
     reason = _error_reason(status, body)
     if status == 429:
-        raise TransientError(reason, error_class="rate_limited", retry_after=_retry_after(headers))
+        raise TransientError(reason, error_class=ec.RATE_LIMITED, retry_after=_retry_after(headers))
     if status in _UNAVAILABLE:
         raise ServerUnavailable(
             reason, error_class=f"http_{status}", retry_after=_retry_after(headers)
@@ -181,7 +187,7 @@ def _redirected(status: int, headers: Any) -> PermanentError:
     return PermanentError(
         f"HTTP {status} redirect to {location}: redirects are not followed; give the "
         "server's own URL (--server / --servers-file)",
-        error_class="redirect",
+        error_class=ec.REDIRECT,
     )
 
 
@@ -214,7 +220,7 @@ def _too_large(limit: int, detail: str) -> PermanentError:
     return PermanentError(
         f"the answer is over {limit:,} bytes ({detail}); raise --max-response-mb if such "
         "answers are meant",
-        error_class="response_too_large",
+        error_class=ec.RESPONSE_TOO_LARGE,
     )
 
 
@@ -230,11 +236,11 @@ def _check_finished(
     content: str | None, reasoning: str | None, tool_calls: Any, finish_reason: str | None
 ) -> None:
     if finish_reason == "abort":
-        raise TransientError("the server aborted the request", error_class="aborted")
+        raise TransientError("the server aborted the request", error_class=ec.ABORTED)
     if not content and not reasoning and not tool_calls:
         raise TransientError(
             f"the answer has no content (finish_reason={finish_reason!r})",
-            error_class="empty_content",
+            error_class=ec.EMPTY_CONTENT,
         )
 
 
@@ -433,34 +439,34 @@ class InferenceClient:
                 return self._parse(await _read_capped(resp, limit), resp, server, started)
         except aiohttp.ClientConnectorError as exc:
             raise ServerUnavailable(
-                f"cannot connect to {server}: {exc}", error_class="connect"
+                f"cannot connect to {server}: {exc}", error_class=ec.CONNECT
             ) from exc
         except aiohttp.ConnectionTimeoutError as exc:
             raise ServerUnavailable(
-                f"connect to {server} timed out", error_class="connect"
+                f"connect to {server} timed out", error_class=ec.CONNECT
             ) from exc
         except aiohttp.SocketTimeoutError as exc:
             if stream:
                 raise TransientError(
                     f"no data from {server} for {self.config.stream_idle_timeout:g}s",
-                    error_class="stream_idle",
+                    error_class=ec.STREAM_IDLE,
                 ) from exc
             raise TransientError(
                 f"no answer from {server} within {self.config.request_timeout:g}s",
-                error_class="timeout",
+                error_class=ec.TIMEOUT,
             ) from exc
         except TimeoutError as exc:
             raise TransientError(
                 f"no answer from {server} within {self.config.request_timeout:g}s",
-                error_class="timeout",
+                error_class=ec.TIMEOUT,
             ) from exc
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
             raise TransientError(
-                f"{server} closed the connection mid-request: {exc}", error_class="disconnect"
+                f"{server} closed the connection mid-request: {exc}", error_class=ec.DISCONNECT
             ) from exc
         except (aiohttp.ClientOSError, aiohttp.ClientResponseError) as exc:
             raise TransientError(
-                f"{server} connection error: {exc}", error_class="disconnect"
+                f"{server} connection error: {exc}", error_class=ec.DISCONNECT
             ) from exc
 
     def _parse(
@@ -470,19 +476,19 @@ class InferenceClient:
         ctype = resp.headers.get("Content-Type", "")
         if "json" not in ctype:
             raise TransientError(
-                f"expected a JSON answer, got content type {ctype!r}", error_class="bad_response"
+                f"expected a JSON answer, got content type {ctype!r}", error_class=ec.BAD_RESPONSE
             )
         try:
             doc = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise TransientError(f"unparsable answer: {exc}", error_class="bad_response") from exc
+            raise TransientError(f"unparsable answer: {exc}", error_class=ec.BAD_RESPONSE) from exc
         choices = doc.get("choices") if isinstance(doc, dict) else None
         if not choices or not isinstance(choices[0], dict):
-            raise TransientError("the answer has no choices", error_class="bad_response")
+            raise TransientError("the answer has no choices", error_class=ec.BAD_RESPONSE)
         choice = choices[0]
         message = choice.get("message")
         if not isinstance(message, dict):
-            raise TransientError("the answer's choice has no message", error_class="bad_response")
+            raise TransientError("the answer's choice has no message", error_class=ec.BAD_RESPONSE)
         usage = doc.get("usage")
         return _completion(
             message.get("content"),
@@ -520,7 +526,7 @@ class InferenceClient:
                 if not quiet.expired():
                     raise  # the whole request's bound, not silence
                 raise TransientError(
-                    f"no data from {server} for {idle:g}s", error_class="stream_idle"
+                    f"no data from {server} for {idle:g}s", error_class=ec.STREAM_IDLE
                 ) from None
             yield line[5:].strip()
 
@@ -531,7 +537,7 @@ class InferenceClient:
         if "event-stream" not in ctype:
             raise TransientError(
                 f"expected an event stream, got content type {ctype!r}",
-                error_class="bad_response",
+                error_class=ec.BAD_RESPONSE,
             )
         content: list[str] = []
         reasoning: list[str] = []
@@ -549,10 +555,10 @@ class InferenceClient:
                 chunk = orjson.loads(data)
             except orjson.JSONDecodeError as exc:
                 raise TransientError(
-                    f"unparsable stream chunk: {exc}", error_class="bad_response"
+                    f"unparsable stream chunk: {exc}", error_class=ec.BAD_RESPONSE
                 ) from exc
             if not isinstance(chunk, dict):
-                raise TransientError("stream chunk is not an object", error_class="bad_response")
+                raise TransientError("stream chunk is not an object", error_class=ec.BAD_RESPONSE)
             model = chunk.get("model") or model
             response_id = chunk.get("id") or response_id
             if isinstance(chunk.get("usage"), dict):
@@ -570,7 +576,7 @@ class InferenceClient:
                     finish_reason = choice["finish_reason"]
         if finish_reason is None or not done:
             raise TransientError(
-                "the stream ended before the answer was complete", error_class="stream_cut"
+                "the stream ended before the answer was complete", error_class=ec.STREAM_CUT
             )
         return _completion(
             "".join(content),
@@ -641,7 +647,7 @@ _USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 def _bad(message: str) -> TransientError:
-    return TransientError(message, error_class="bad_response")
+    return TransientError(message, error_class=ec.BAD_RESPONSE)
 
 
 def _checked_answer(
@@ -734,3 +740,164 @@ def _assistant_message(
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message
+
+
+# ------------------------------------------------------------------------ other looks
+# What a server says beside the requests: whether it is up and why not (the pool's
+# prober, ``doctor``), what it serves (the run guard, ``doctor``), its ``/metrics`` (the
+# tuner, ``status --server``, the run's samples). Each takes the session to use.
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One look at ``/health``: up, or the reason it is not."""
+
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Models:
+    """What ``/v1/models`` said: the model names served, or a status and the reason."""
+
+    status: int | None
+    names: tuple[str, ...] = ()
+    reason: str = ""
+
+
+def _connect_reason(server: str, exc: aiohttp.ClientConnectorError) -> str:
+    """Connection failures in the words an operator acts on."""
+    where = f"{exc.host}:{exc.port}"
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return f"DNS lookup of {exc.host!r} failed ({exc.os_error}): check the host name"
+    if isinstance(exc, aiohttp.ClientSSLError) or isinstance(exc.os_error, ssl.SSLError):
+        hint = (
+            "; the port may speak plain HTTP: try http://" if server.startswith("https://") else ""
+        )
+        return f"TLS handshake with {where} failed ({exc.os_error}){hint}"
+    if isinstance(exc.os_error, ConnectionRefusedError):
+        return f"connection refused by {where}: nothing listens there (is the server up?)"
+    return f"cannot connect to {where}: {exc.os_error or exc}"
+
+
+async def probe(session: aiohttp.ClientSession, server: str, seconds: float) -> Probe:
+    """``/health`` answers 200; else why not. A server without ``/health`` (a proxy, a
+    hosted API) counts as up when its ``/v1/models`` answers."""
+    base = base_url(server)
+    limit = aiohttp.ClientTimeout(total=seconds)
+    try:
+        async with session.get(base + "/health", timeout=limit) as resp:
+            await resp.read()
+            if resp.status == 200:
+                return Probe(True)
+            status = resp.status
+        if status == 404:
+            async with session.get(base + "/v1/models", timeout=limit) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    return Probe(True, "no /health; /v1/models answers")
+            return Probe(
+                False,
+                f"HTTP 404 on {base}/health and {base}/v1/models: the URL's path is wrong; "
+                "give the server's base URL (scheme://host:port, and a proxy's path prefix "
+                "if it has one)",
+            )
+        if status == 503:
+            return Probe(False, f"{base}/health answers 503: the server is starting or stopping")
+        return Probe(False, f"{base}/health answers HTTP {status}")
+    except aiohttp.ClientConnectorError as exc:
+        return Probe(False, _connect_reason(server, exc))
+    except TimeoutError:
+        return Probe(False, f"no answer from {base}/health within {seconds:g}s")
+    except aiohttp.ServerDisconnectedError:
+        return Probe(False, f"{base} closed the connection without answering (TLS expected?)")
+    except (aiohttp.ClientError, OSError) as exc:
+        return Probe(False, f"{base}/health failed: {type(exc).__name__}: {exc}")
+
+
+async def models(session: aiohttp.ClientSession, server: str, seconds: float) -> Models:
+    """The names ``/v1/models`` lists, or its status and the server's reason."""
+    url = base_url(server) + "/v1/models"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=seconds)) as resp:
+            body = await resp.read()
+            status = resp.status
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        return Models(None, reason=f"{type(exc).__name__}: {exc}")
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        doc = None
+    if status != 200:
+        return Models(status, reason=_models_reason(doc, body))
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        return Models(status, reason="no model list in the answer")
+    names = tuple(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+    return Models(status, names)
+
+
+def _models_reason(doc: object, body: bytes) -> str:
+    if isinstance(doc, dict):
+        err = doc.get("error", doc)
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(doc.get("detail"), str):
+            return doc["detail"]
+    return body[:300].decode("utf-8", "replace").strip()
+
+
+async def metrics_text(session: aiohttp.ClientSession, server: str, seconds: float) -> str | None:
+    """The server's Prometheus ``/metrics`` text; None when it has none to give."""
+    try:
+        url = base_url(server) + "/metrics"
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=seconds)) as resp:
+            if resp.status != 200:
+                return None
+            return await resp.text()
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        return None
+
+
+def read_metrics(url: str, timeout: float, authorization: str | None = None) -> str:
+    """``/metrics`` at ``url`` without an event loop (``status`` stays a quick read);
+    raises ``OSError`` (``urllib.error.URLError``) or ``ValueError`` when it cannot."""
+    request = urllib.request.Request(url)
+    if authorization:
+        request.add_header("Authorization", authorization)
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        return resp.read().decode("utf-8", "replace")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A plain GET's answer, read whole."""
+
+    status: int
+    body: bytes
+    date: str | None  # the server's Date header
+
+
+class RequestFailed(Exception):
+    """A GET that got no answer; the message says why."""
+
+
+def plain_session(
+    user_agent: str, api_key: str | None, basic_auth: dict[str, aiohttp.BasicAuth]
+) -> aiohttp.ClientSession:
+    """A session for a few plain GETs, with the worker's credentials."""
+    headers = {"User-Agent": user_agent}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    middlewares = (basic_auth_middleware(basic_auth),) if basic_auth else ()
+    return aiohttp.ClientSession(headers=headers, middlewares=middlewares)
+
+
+async def get(session: aiohttp.ClientSession, url: str, seconds: float) -> Reply:
+    """GET ``url`` within ``seconds``; ``RequestFailed`` when nothing answered."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=seconds)) as resp:
+            body = await resp.read()
+            return Reply(resp.status, body, resp.headers.get("Date"))
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise RequestFailed(str(exc) or type(exc).__name__) from exc

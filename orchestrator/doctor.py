@@ -8,6 +8,7 @@ checks only read: nothing is created, upgraded or sent for generation.
 from __future__ import annotations
 
 import email.utils
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import aiohttp
 import structlog
 from alembic.script import ScriptDirectory
 
+from orchestrator import client as inference
 from orchestrator.client import base_url
 from orchestrator.errors import OrchestratorError
 from orchestrator.monitor.status import snapshot
@@ -160,16 +162,14 @@ async def check_server(
 ) -> list[Check]:
     """``/health`` answers, ``/v1/models`` serves the wanted models, the clocks agree."""
     url = base_url(server)
-    timeout = aiohttp.ClientTimeout(total=config.timeout)
     name = f"server {url}"
     started = time.monotonic()
     try:
-        async with session.get(url + "/health", timeout=timeout) as resp:
-            await resp.read()
-            status, date = resp.status, resp.headers.get("Date")
+        reply = await inference.get(session, url + "/health", config.timeout)
+        status, date = reply.status, reply.date
         received = time.time()
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        reason = str(exc) or type(exc).__name__
+    except inference.RequestFailed as exc:
+        reason = str(exc)
         return [
             Check(name, False, f"/health: {reason}"),
             Check(f"models {url}", None, "server unreachable"),
@@ -178,21 +178,21 @@ async def check_server(
     took = (time.monotonic() - started) * 1000
     checks = [
         Check(name, status == 200, f"/health answered {status} in {took:.0f} ms"),
-        await _check_models(session, url, wanted, timeout),
+        await _check_models(session, url, wanted, config.timeout),
         _check_clock(url, date, received, config.clock_tolerance),
     ]
     return checks
 
 
 async def _check_models(
-    session: aiohttp.ClientSession, url: str, wanted: list[str], limit: aiohttp.ClientTimeout
+    session: aiohttp.ClientSession, url: str, wanted: list[str], seconds: float
 ) -> Check:
     name = f"models {url}"
     try:
-        async with session.get(url + "/v1/models", timeout=limit) as resp:
-            body: Any = await resp.json(content_type=None) if resp.status == 200 else None
-            status = resp.status
-    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        reply = await inference.get(session, url + "/v1/models", seconds)
+        status, text = reply.status, reply.body.strip()
+        body: Any = json.loads(text.decode()) if status == 200 and text else None
+    except (inference.RequestFailed, ValueError) as exc:
         return Check(name, False, f"/v1/models: {str(exc) or type(exc).__name__}")
     if body is None:
         hint = " (check the API key)" if status in (401, 403) else ""
@@ -268,15 +268,10 @@ async def run_checks(config: DoctorConfig) -> list[Check]:
     facts = _DbFacts()
     checks = [await check_database(config, facts)]
     wanted = [config.model] if config.model else facts.models
-    headers = {"User-Agent": "orchestrator-doctor"}
-    if config.api_key:
-        headers["Authorization"] = f"Bearer {config.api_key}"
     if not config.servers:
         checks.append(Check("servers", None, "none given (--server or ORCHESTRATOR_SERVERS)"))
-    from orchestrator.client import basic_auth_middleware
-
-    middlewares = (basic_auth_middleware(config.basic_auth),) if config.basic_auth else ()
-    async with aiohttp.ClientSession(headers=headers, middlewares=middlewares) as session:
+    session = inference.plain_session("orchestrator-doctor", config.api_key, config.basic_auth)
+    async with session:
         for server in config.servers:
             checks.extend(await check_server(session, server, wanted, config))
     checks.append(check_disk(config, facts))

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from orchestrator.breaker import Breaker, Trip
+from orchestrator.client import Models
 from orchestrator.errors import RunHalted
-from orchestrator.preflight import Models
 from orchestrator.store import Failure, Lease
 from orchestrator.store.datasets import DatasetInfo
 

@@ -31,6 +31,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
+from orchestrator import error_classes as ec
+from orchestrator.autoconcurrency import Sample
 from orchestrator.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ Cap = int | Literal["auto"]
 #: Failures that say something about the server rather than the request: enough of them
 #: in a row take a server out of rotation while another one answers.
 SERVER_FAULTS = frozenset(
-    {"disconnect", "timeout", "stream_idle", "stream_cut", "bad_response", "aborted"}
+    {ec.DISCONNECT, ec.TIMEOUT, ec.STREAM_IDLE, ec.STREAM_CUT, ec.BAD_RESPONSE, ec.ABORTED}
 )
 
 
@@ -224,7 +226,12 @@ class ServerState:
 
 
 class ServerPool:
-    """The servers a worker may use: least-loaded healthy one first, the rest probed."""
+    """The servers a worker may use: least-loaded healthy one first, the rest probed.
+
+    It keeps each server's accounting (requests in flight, health, failures in a row,
+    the answers the tuner looks at): the worker tells it what happened through its
+    methods and reads ``states`` only.
+    """
 
     def __init__(
         self,
@@ -246,6 +253,7 @@ class ServerPool:
         #: Looks at a server once, when it first answers, before any request goes to it;
         #: False keeps it out (the worker is stopping).
         self.vet: Callable[[str], Awaitable[bool]] | None = None
+        self._blind: set[str] = set()  # adapted servers found without /metrics, said once
 
     def start(self) -> None:
         for server in self.states:
@@ -302,7 +310,7 @@ class ServerPool:
     async def _probe(self, server: str) -> None:
         """Poll ``/health`` until the server answers. Why it does not is said at once, then
         every ``REPORT_EVERY`` seconds and whenever the reason changes, with since when."""
-        from orchestrator import preflight
+        from orchestrator import client as inference
 
         state = self.states[server]
         delay = self.config.probe_min * min(2 ** max(state.failures - 2, 0), 8)
@@ -312,7 +320,7 @@ class ServerPool:
         initial = state.down_reason == "not probed yet"
         while True:
             await asyncio.sleep(delay)
-            result = await preflight.probe(
+            result = await inference.probe(
                 self.client.session, server, self.client.config.health_timeout
             )
             if result.ok:
@@ -353,7 +361,15 @@ class ServerPool:
             if not st.healthy
         ]
 
+    def request_started(self, server: str) -> None:
+        """A request went to ``server``: it counts towards its load until it ends."""
+        self.states[server].in_flight += 1
+
+    def request_ended(self, server: str) -> None:
+        self.states[server].in_flight -= 1
+
     def succeeded(self, server: str, tokens: int = 0, latency: float = 0.0) -> None:
+        """An answer: the server is well, and the tuner's figures grow."""
         state = self.states[server]
         state.failures = 0
         state.errors = 0
@@ -372,33 +388,53 @@ class ServerPool:
         if state.errors >= self.config.failure_limit and state.healthy and others:
             self.mark_down(server, f"{state.errors} failures in a row ({error_class})")
 
+    def tuned(self) -> list[ServerState]:
+        """The servers whose cap adapts (``concurrency=auto``)."""
+        return [st for st in self.states.values() if st.controller is not None]
+
+    async def tune(self, elapsed: float) -> None:
+        """Look at each healthy adapted server (its answers over the last ``elapsed``
+        seconds and its ``/metrics``) and set its cap as its controller says."""
+        tuned = [st for st in self.tuned() if st.healthy]
+        views = await asyncio.gather(*(self.metrics(st.url) for st in tuned))
+        for state, view in zip(tuned, views, strict=True):
+            if view is None and state.url not in self._blind:
+                self._blind.add(state.url)
+                log.info("server_metrics_unavailable", server=state.url)
+            assert state.controller is not None
+            change = state.controller.update(self._sample(state, elapsed, view))
+            if change is not None:
+                log.info(
+                    "concurrency_changed",
+                    server=state.url,
+                    old=change.old,
+                    new=change.new,
+                    reason=change.reason,
+                )
+                self.set_cap(state.url, change.new)
+
+    @staticmethod
+    def _sample(state: ServerState, elapsed: float, view: dict[str, float | None] | None) -> Sample:
+        """The server's figures since the last look, which start again from zero."""
+        sample = Sample(
+            elapsed=elapsed,
+            in_flight=state.in_flight,
+            tokens_per_s=state.tokens / elapsed if elapsed > 0 else None,
+            latency=state.latency / state.answers if state.answers else None,
+            **(view or {}),
+        )
+        state.answers = state.tokens = 0
+        state.latency = 0.0
+        return sample
+
     async def metrics(self, server: str) -> dict[str, float | None] | None:
         """The server's queue, running requests, KV-cache usage and retractions (or
         preemptions) from its ``/metrics``; None when it publishes none we know."""
-        import aiohttp
+        from orchestrator import client as inference
+        from orchestrator import server_metrics
 
-        from orchestrator.client import base_url
-        from orchestrator.monitor import server_metrics
-
-        timeout = aiohttp.ClientTimeout(total=self.config.probe_max)
-        try:
-            url = base_url(server) + "/metrics"
-            async with self.client.session.get(url, timeout=timeout) as resp:
-                if resp.status != 200:
-                    return None
-                text = await resp.text()
-            values = server_metrics.parse(text)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            return None
-        found = server_metrics.view(values)
-        if found["kind"] is None:
-            return None
-        return {
-            "queued": found["queued"],
-            "running": found["running"],
-            "kv_usage": found["kv_cache_usage"],
-            "retractions": found["preemptions_total"],
-        }
+        text = await inference.metrics_text(self.client.session, server, self.config.probe_max)
+        return None if text is None else server_metrics.tuning_view(text)
 
     async def close(self) -> None:
         tasks = [st.probe for st in self.states.values() if st.probe and not st.probe.done()]

@@ -88,8 +88,8 @@ def watch_svg(db: Path, out: Path, server: str) -> None:
     from rich.console import Console
 
     from orchestrator.monitor.live import render
-    from orchestrator.monitor.server_metrics import scrape
     from orchestrator.monitor.status import read as read_status
+    from orchestrator.server_metrics import scrape
     from orchestrator.store.reader import open_reader
 
     reader = open_reader(str(db))

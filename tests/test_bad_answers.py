@@ -397,6 +397,7 @@ async def test_one_unstorable_outcome_in_a_round_stops_nobody_else(
     from orchestrator.client import InferenceClient
     from orchestrator.store import Queue
     from orchestrator.worker import Worker, WorkerConfig
+    from orchestrator.worker.outcomes import Done
     from tests.test_queue import answer, load, rows
 
     await load(database, tmp_path, 6)
@@ -409,7 +410,7 @@ async def test_one_unstorable_outcome_in_a_round_stops_nobody_else(
         worker = Worker(database, client, WorkerConfig(servers=("http://127.0.0.1:9",)))
         committer = worker.committer
         for lease in leases:
-            committer.submit("complete", lease, bad.get(lease.key, answer(lease.key)))
+            committer.submit(Done(lease, bad.get(lease.key, answer(lease.key))))
         committer.start()
         await asyncio.wait_for(committer.close(), 30)
     found = await rows(database)

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from orchestrator.monitor.server_metrics import parse, scrape, view
+from orchestrator.server_metrics import parse, scrape, view
 from tests.helpers import SimProcess, cli, prompts, write_jsonl
 
 VLLM = """\

@@ -57,7 +57,7 @@ def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) ->
 
         snap = on_database(db, lambda d: snapshot(d, window=window), mode="read")
     if servers:
-        from orchestrator.monitor.server_metrics import scrape
+        from orchestrator.server_metrics import scrape
 
         snap["servers"] = [scrape(server) for server in servers]
     return snap

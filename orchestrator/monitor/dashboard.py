@@ -182,7 +182,7 @@ class ServerViews:
             return []
         async with self._lock:
             if time.monotonic() - self._at >= _SCRAPE_EVERY:
-                from orchestrator.monitor.server_metrics import scrape
+                from orchestrator.server_metrics import scrape
 
                 self._views = list(
                     await asyncio.gather(*(asyncio.to_thread(scrape, s) for s in self.servers))

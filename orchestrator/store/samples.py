@@ -132,7 +132,7 @@ async def record(
     readers block no one); the write transaction only checks that the sample is still
     due, carries the running sums forward and inserts, so it holds the write lock for
     a few milliseconds. ``servers`` are the servers' own views
-    (``monitor.server_metrics.scrape``); those that could not be read are left out.
+    (``server_metrics.scrape``); those that could not be read are left out.
     """
     taken_at = time.time() if now is None else now
     gauges = [dict(s) for s in servers if not s.get("error")]

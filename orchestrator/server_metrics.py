@@ -4,8 +4,10 @@ llama.cpp.
 ``status --server URL`` shows it beside the orchestrator's figures: how many requests the
 server runs and queues, how full its KV cache is, and how fast it generates. A worker's
 concurrency that leaves the server's queue empty and its cache half full is too low; a
-long queue with a full cache means the server is the limit. Synchronous (urllib) on
-purpose: ``status`` stays a quick read with no event loop.
+long queue with a full cache means the server is the limit. :func:`scrape` is
+synchronous on purpose: ``status`` stays a quick read with no event loop. The tuner
+(``orchestrator.servers``) reads the same figures through :func:`tuning_view`. The
+requests themselves are the client's (``orchestrator.client``).
 
 llama.cpp's ``llama-server --metrics`` has no KV-cache gauge (older builds had
 ``llamacpp:kv_cache_usage_ratio``) and no aggregate throughput gauge: its
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import time
 import urllib.error
-import urllib.request
 from typing import Any
 
 # Our name -> the names SGLang, vLLM (newer, older) and llama.cpp give it.
@@ -85,7 +86,7 @@ def view(values: dict[str, float]) -> dict[str, Any]:
 def scrape(server: str, *, timeout: float = 3.0, interval: float = 1.0) -> dict[str, Any]:
     """Two scrapes ``interval`` apart: gauges from the second, generation tok/s from the
     counters' difference when the server has no throughput gauge (vLLM)."""
-    from orchestrator.client import base_url  # the same reading of a server URL as a worker's
+    from orchestrator.client import base_url, read_metrics
     from orchestrator.urls import split
 
     server, auth = split(server)  # credentials are sent, never shown
@@ -94,11 +95,11 @@ def scrape(server: str, *, timeout: float = 3.0, interval: float = 1.0) -> dict[
     # The same keys whatever happens: a stable shape for status --json.
     out: dict[str, Any] = {"server": server, "url": url, "error": None, **view({})}
     try:
-        first = view(parse(_get(url, timeout, header)))
+        first = view(parse(read_metrics(url, timeout, header)))
         started = time.monotonic()
         if first.get("gen_throughput") is None and first.get("generation_tokens_total") is not None:
             time.sleep(interval)
-            second = view(parse(_get(url, timeout, header)))
+            second = view(parse(read_metrics(url, timeout, header)))
             elapsed = time.monotonic() - started
             delta = second["generation_tokens_total"] - first["generation_tokens_total"]
             second["gen_throughput"] = max(delta, 0.0) / elapsed if elapsed > 0 else None
@@ -110,9 +111,18 @@ def scrape(server: str, *, timeout: float = 3.0, interval: float = 1.0) -> dict[
     return out
 
 
-def _get(url: str, timeout: float, authorization: str | None = None) -> str:
-    request = urllib.request.Request(url)
-    if authorization:
-        request.add_header("Authorization", authorization)
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        return resp.read().decode("utf-8", "replace")
+def tuning_view(text: str) -> dict[str, float | None] | None:
+    """What the tuner reads of a ``/metrics`` text (``autoconcurrency.Sample``'s names);
+    None when it holds none of the names we know, or is not Prometheus text."""
+    try:
+        found = view(parse(text))
+    except ValueError:
+        return None
+    if found["kind"] is None:
+        return None
+    return {
+        "queued": found["queued"],
+        "running": found["running"],
+        "kv_usage": found["kv_cache_usage"],
+        "retractions": found["preemptions_total"],
+    }

@@ -1,0 +1,51 @@
+"""The error classes an item's failure is stored under: one name per kind of failure.
+
+They are what ``status`` counts and what ``requeue --error-class`` selects, so the names
+are stable. ``http_NNN`` stands for the HTTP status a server answered (``http_500``,
+``http_400``, ...). docs/OPERATIONS.md lists the same names (a test holds them equal).
+"""
+
+from __future__ import annotations
+
+CONNECT = "connect"
+HTTP = "http_NNN"
+RATE_LIMITED = "rate_limited"
+REDIRECT = "redirect"
+TIMEOUT = "timeout"
+STREAM_IDLE = "stream_idle"
+DISCONNECT = "disconnect"
+STREAM_CUT = "stream_cut"
+BAD_RESPONSE = "bad_response"
+EMPTY_CONTENT = "empty_content"
+ABORTED = "aborted"
+RESPONSE_TOO_LARGE = "response_too_large"
+TRUNCATED = "truncated"
+CONVERSATION = "conversation"
+UNAVAILABLE = "unavailable"
+SHUTDOWN = "shutdown"
+LEASE_LOST = "lease_lost"
+INTERNAL = "internal"
+
+#: Every class, with what it means.
+ERROR_CLASSES: dict[str, str] = {
+    CONNECT: "connection refused, DNS failure or connect timeout: the server is marked down",
+    HTTP: "the server answered HTTP status NNN: 502/503/504 mark it down, other 5xx "
+    "and 408/409/425 are retried, other 4xx fail at once",
+    RATE_LIMITED: "HTTP 429: retried after its Retry-After (no attempt spent) or backoff",
+    REDIRECT: "a 3xx answer: redirects are not followed, the server URL is wrong",
+    TIMEOUT: "no answer within the request timeout",
+    STREAM_IDLE: "a stream that sent no data for the stream idle timeout",
+    DISCONNECT: "the connection was reset or closed mid-request",
+    STREAM_CUT: "a stream that ended without a finish_reason",
+    BAD_RESPONSE: "an answer that cannot be read or stored: wrong content type, "
+    "unparsable, no choices, a field of the wrong type",
+    EMPTY_CONTENT: "a 200 with no content, reasoning or tool calls",
+    ABORTED: "finish_reason abort: the server dropped the request",
+    RESPONSE_TOO_LARGE: "an answer over --max-response-mb",
+    TRUNCATED: "an answer cut at max_tokens, with the dataset's on_truncated not keep",
+    CONVERSATION: "a multi-turn item whose stored conversation cannot be replayed",
+    UNAVAILABLE: "no server reachable, or the server went away mid-request: released",
+    SHUTDOWN: "released when the worker stopped before the answer came",
+    LEASE_LOST: "taken back from a worker that died or stopped renewing its lease",
+    INTERNAL: "an unexpected error in the worker itself, retried",
+}

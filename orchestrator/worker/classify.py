@@ -1,0 +1,143 @@
+"""What should become of an item after one request: the answer stored, the item retried,
+released or failed. Pure: no I/O, only the lease, the error and the worker's policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import structlog
+
+from orchestrator import error_classes as ec
+from orchestrator.client import Completion
+from orchestrator.errors import InferenceError, TransientError
+from orchestrator.quality import TOOL_MISMATCH
+from orchestrator.store import Failure, Lease, Output
+from orchestrator.store.datasets import DatasetInfo
+from orchestrator.worker.config import WorkerConfig, backoff_delay
+from orchestrator.worker.outcomes import Advance, Done, Failed, Outcome, Release, Retry
+
+log = structlog.get_logger("orchestrator.worker")
+
+#: Failures that may mean the server itself died mid-request; ``/health`` tells.
+MAYBE_DOWN = frozenset({ec.DISCONNECT, ec.TIMEOUT, ec.STREAM_IDLE})
+
+
+def where(lease: Lease) -> str:
+    """Names the turn in a multi-turn item's error (requeue resumes it there)."""
+    return f"turn {lease.turn + 1} of {lease.turns}: " if lease.turns > 1 else ""
+
+
+def retry_or_fail(
+    lease: Lease, exc: InferenceError, retry_after: float | None, config: WorkerConfig
+) -> Retry | Release | Failed:
+    """A retryable failure: retried after a backoff, or failed once attempts are spent;
+    a rate limit with a Retry-After is released until then, costing no attempt."""
+    failure = Failure(exc.error_class, where(lease) + str(exc))
+    if exc.error_class == ec.RATE_LIMITED and retry_after is not None:
+        # The server said when to come back: not the item's fault, so the attempt is
+        # given back and a long rate limit cannot use up the item's attempts.
+        delay = backoff_delay(
+            1, base=config.backoff_base, cap=config.backoff_cap, retry_after=retry_after
+        )
+        return Release(lease, failure, time.time() + delay)
+    if lease.attempt >= config.max_attempts:
+        message = f"{where(lease)}gave up after {lease.attempt} attempts: {exc}"
+        return Failed(lease, Failure(exc.error_class, message))
+    delay = backoff_delay(
+        lease.attempt, base=config.backoff_base, cap=config.backoff_cap, retry_after=retry_after
+    )
+    log.warning(
+        "item_retry",
+        item=lease.item_id,
+        key=lease.key,
+        attempt=lease.attempt,
+        error_class=exc.error_class,
+        delay_s=round(delay, 2),
+        error=str(exc)[:300],
+    )
+    return Retry(lease, failure, time.time() + delay)
+
+
+def answered(
+    lease: Lease,
+    info: DatasetInfo,
+    body: dict[str, Any],
+    completion: Completion,
+    config: WorkerConfig,
+) -> Output | Retry | Release | Failed:
+    """An answer to store, or, cut at ``max_tokens``, what the dataset's ``on_truncated``
+    says to do with it."""
+    if completion.finish_reason == "length" and info.on_truncated != "keep":
+        limit = body.get("max_tokens") or body.get("max_completion_tokens")
+        truncated = TransientError(
+            f"the answer was cut at max_tokens={limit}", error_class=ec.TRUNCATED
+        )
+        if info.on_truncated == "fail":
+            return Failed(lease, Failure(ec.TRUNCATED, where(lease) + str(truncated)))
+        return retry_or_fail(lease, truncated, None, config)
+    return output(completion, info.params_hash)
+
+
+def output(c: Completion, params_hash: str) -> Output:
+    """The answer as the store keeps it."""
+    return Output(
+        message=c.message,
+        content=c.content,
+        reasoning=c.reasoning,
+        finish_reason=c.finish_reason,
+        usage=c.usage,
+        latency=c.latency,
+        server=c.server,
+        model=c.model,
+        response_id=c.response_id,
+        flags=c.flags,
+        params_hash=params_hash,
+    )
+
+
+def stopped(lease: Lease, result: Output) -> Output:
+    """The last turn of a conversation that cannot go on: the model's tool calls went
+    another way than the original's, whose results would answer calls never made."""
+    log.info(
+        "conversation_stopped",
+        item=lease.item_id,
+        key=lease.key,
+        turn=lease.turn,
+        turns=lease.turns,
+        reason="tool_mismatch",
+    )
+    return dataclasses.replace(result, flags=result.flags | TOOL_MISMATCH)
+
+
+def next_turn(lease: Lease, result: Output) -> Lease:
+    """The lease of a multi-turn item moved past the turn just answered."""
+    return dataclasses.replace(
+        lease,
+        turn=lease.turn + 1,
+        attempt=1,
+        generated=(*lease.generated, result.message),
+        generated_tokens=lease.generated_tokens
+        + ((result.usage or {}).get("completion_tokens") or 0),
+        generated_flags=lease.generated_flags | result.flags,
+        generated_latency=lease.generated_latency + result.latency,
+    )
+
+
+def unstorable(entry: Outcome, reason: str, config: WorkerConfig) -> Outcome | None:
+    """What to write for an outcome the database refused: an answer becomes a
+    ``bad_response`` attempt (retried, or failed once attempts are spent); a failure
+    is written with its message left out. None: nothing more to try."""
+    lease = entry.lease
+    if isinstance(entry, Done | Advance):
+        error = TransientError(
+            f"the answer could not be stored: {reason}", error_class=ec.BAD_RESPONSE
+        )
+        return retry_or_fail(lease, error, None, config)
+    assert isinstance(entry, Retry | Release | Failed)
+    failure = entry.failure
+    if failure.message.startswith("(unstorable)"):
+        return None
+    plain = Failure(failure.error_class[:64], f"(unstorable) {reason}"[:4000])
+    return dataclasses.replace(entry, failure=plain, failures=0)

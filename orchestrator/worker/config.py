@@ -1,0 +1,126 @@
+"""How a worker runs (its configuration), what it reports (its counts), and who hears of
+its life (a service manager)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from orchestrator.autoconcurrency import Limits
+from orchestrator.errors import ConfigError
+from orchestrator.servers import Cap
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """How a worker runs. Defaults suit long reasoning answers on a self-hosted server.
+
+    ``lease_seconds`` is how long a claimed item stays ours without a renewal; leases are
+    renewed every quarter of it, so a crashed worker's items return within that time (at
+    once, for a worker on the same host). ``max_attempts`` counts claims: an item that
+    keeps failing, or keeps killing its worker, fails after that many.
+
+    ``concurrency`` is per server (``server_caps`` overrides it for some): the worker keeps
+    the sum of its healthy servers' caps in flight. ``"auto"`` adapts a server's cap to
+    what it takes (``orchestrator.autoconcurrency``), within ``auto_limits``, looking at
+    it every ``auto_interval`` seconds.
+    """
+
+    servers: tuple[str, ...]
+    concurrency: Cap = 64
+    server_caps: Mapping[str, Cap] = dataclasses.field(default_factory=dict)
+    auto_limits: Limits = dataclasses.field(default_factory=Limits)
+    auto_interval: float = 1.0
+    failure_limit: int = 5
+    datasets: tuple[str, ...] = ()
+    exit_when_done: bool = False
+    lease_seconds: float = 120.0
+    max_attempts: int = 8
+    grace_seconds: float = 30.0
+    backoff_base: float = 2.0
+    backoff_cap: float = 300.0
+    poll_interval: float = 0.5
+    probe_min: float = 0.5
+    probe_max: float = 5.0
+    checkpoint_every: float = 60.0
+    progress_every: float = 30.0
+    # The run's history for the dashboard (orchestrator.store.samples); 0: none.
+    sample_every: float = 60.0
+    # Seconds without any reachable server after which the run stops (None: wait on).
+    give_up_after: float | None = None
+    # Different items rejected the same way in a row that stop the run (orchestrator.guard).
+    breaker_items: int = 5
+    # Seconds a dataset's trial request in flight unrefused opens it (orchestrator.guard).
+    trial_seconds: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise ConfigError("at least one --server is needed")
+        for cap in (self.concurrency, *self.server_caps.values()):
+            if cap != "auto" and (not isinstance(cap, int) or cap < 1):
+                raise ConfigError(f"--concurrency must be at least 1 or 'auto', got {cap!r}")
+        unknown = set(self.server_caps) - set(self.servers)
+        if unknown:
+            raise ConfigError(f"a cap is given for servers not in use: {sorted(unknown)}")
+        if self.failure_limit < 1:
+            raise ConfigError("failure_limit must be at least 1")
+        if self.lease_seconds < 2:
+            raise ConfigError("--lease-seconds must be at least 2")
+        if self.max_attempts < 1:
+            raise ConfigError("--max-attempts must be at least 1")
+        if self.grace_seconds < 0:
+            raise ConfigError("--grace must not be negative")
+        if self.give_up_after is not None and self.give_up_after <= 0:
+            raise ConfigError("--give-up-after must be more than 0 seconds")
+        if self.breaker_items < 1:
+            raise ConfigError("breaker_items must be at least 1")
+
+
+class Notifier(Protocol):
+    """Who hears about the worker's life (a service manager, for one)."""
+
+    def ready(self) -> None: ...
+    def stopping(self) -> None: ...
+    def status(self, text: str) -> None: ...
+
+
+class Silent:
+    """The notifier of a worker that no service manager watches."""
+
+    def ready(self) -> None:
+        pass
+
+    def stopping(self) -> None:
+        pass
+
+    def status(self, text: str) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    claimed: int = 0
+    completed: int = 0
+    retried: int = 0
+    failed: int = 0
+    released: int = 0
+    lost: int = 0
+    completion_tokens: int = 0
+    turns: int = 0  # turns of multi-turn items generated before their last one
+    dropped: int = 0  # outcomes given up at shutdown: the database took none of them
+
+
+def stats_fields(stats: WorkerStats) -> dict[str, int]:
+    """The counts as log fields."""
+    return dataclasses.asdict(stats)
+
+
+def backoff_delay(attempt: int, *, base: float, cap: float, retry_after: float | None) -> float:
+    """Capped exponential backoff with ±25 % jitter; a server's Retry-After wins if longer."""
+    delay = min(cap, base * 2 ** max(attempt - 1, 0)) * random.uniform(0.75, 1.25)
+    if retry_after is not None:
+        delay = max(delay, min(retry_after, cap))
+    return delay

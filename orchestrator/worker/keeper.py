@@ -1,0 +1,127 @@
+"""The keeper: a worker's housekeeping beside its requests.
+
+Renews the leases of in-flight items well before they expire (cancelling any request
+whose lease was taken over), writes the worker's heartbeat, reaps expired leases and
+those of dead workers on this host, checkpoints the WAL, samples the run's history, and
+stops the worker when its database file is deleted or replaced under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from orchestrator import procinfo
+from orchestrator.errors import StorageError
+from orchestrator.store import workers as worker_rows
+from orchestrator.worker.config import stats_fields
+
+if TYPE_CHECKING:
+    from orchestrator.worker.loop import Worker
+
+log = structlog.get_logger("orchestrator.worker")
+
+# Seconds between looks at whether the database file is still the one opened.
+FILE_CHECK_EVERY = 60.0
+
+
+async def keep(worker: Worker) -> None:
+    """Every quarter lease: renew, heartbeat, reap; checkpoint, sample and report when due."""
+    config = worker.config
+    interval = config.lease_seconds / 4
+    last_checkpoint = last_progress = time.monotonic()
+    last_sample = float("-inf")
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await renew(worker)
+            await worker_rows.heartbeat(
+                worker.database,
+                worker.owner,
+                in_flight=worker.in_flight,
+                completed=worker.stats.completed,
+            )
+            await reap(worker)
+            now = time.monotonic()
+            if now - last_checkpoint >= config.checkpoint_every:
+                await worker.database.checkpoint()
+                last_checkpoint = now
+            if config.sample_every and now - last_sample >= config.sample_every:
+                last_sample = now
+                await sample(worker)
+            stats = worker.stats
+            worker.notifier.status(
+                f"{stats.completed} done, {stats.failed} failed, {worker.in_flight} in flight"
+            )
+            if now - last_progress >= config.progress_every:
+                log.info("progress", in_flight=worker.in_flight, **stats_fields(stats))
+                last_progress = now
+        except StorageError as exc:
+            log.error("keeper_failed", error=str(exc))
+        except Exception:  # the keeper must outlive any one bad round
+            log.exception("keeper_crashed")
+
+
+async def watch_file(worker: Worker) -> None:
+    """Stop at once when the database file is deleted or replaced under the worker.
+
+    SQLite would go on committing into the deleted file (a run reporting success with
+    nothing kept), or into the WAL of a file moved over it (corrupting that one).
+    Looked at every minute, or every keeper round when leases are shorter.
+    """
+    every = min(FILE_CHECK_EVERY, worker.config.lease_seconds / 4)
+    while True:
+        await asyncio.sleep(every)
+        try:
+            worker.database.check_file()
+        except StorageError as exc:
+            log.error("stopping_database_file_gone", db=worker.database.where, error=str(exc))
+            worker.file_gone(exc)
+            return
+
+
+async def sample(worker: Worker) -> None:
+    """The run's history (store.samples), with the gauges of the servers we use.
+
+    Every worker tries; the first past the interval writes. The servers are only
+    scraped when a sample is due.
+    """
+    from orchestrator.server_metrics import scrape
+    from orchestrator.store import samples
+
+    every = worker.config.sample_every
+    if not await samples.due(worker.database, every):
+        return
+    gauges = await asyncio.gather(
+        *(asyncio.to_thread(scrape, server) for server in worker.config.servers)
+    )
+    await samples.record(worker.database, interval=every, servers=gauges)
+
+
+async def renew(worker: Worker) -> None:
+    """Renew every held lease; one taken over by another worker is let go."""
+    held = worker.held_leases()
+    if not held:
+        return
+    kept = await worker.queue.renew(held, lease_seconds=worker.config.lease_seconds)
+    if worker.metrics is not None:
+        worker.metrics.renewals.labels("kept").inc(len(kept))
+        worker.metrics.renewals.labels("lost").inc(len(held) - len(kept))
+    for item_id, _ in held:
+        if item_id not in kept:
+            worker.lease_lost(item_id)
+
+
+async def reap(worker: Worker) -> None:
+    """Take back expired leases, and those of dead workers on this host."""
+    queue = worker.queue
+    owners = await queue.running_owners()
+    dead = [o for o in owners if o != worker.owner and procinfo.is_dead_local(o)]
+    reaped = await queue.reap(max_attempts=worker.config.max_attempts, dead_owners=dead)
+    if dead:
+        await worker_rows.mark_dead(worker.database, dead)
+    if reaped:
+        log.info("leases_reclaimed", items=reaped, dead_workers=len(dead))
