@@ -122,8 +122,8 @@ async def run_worker(
     from orchestrator.client import InferenceClient
     from orchestrator.errors import RunStopped
     from orchestrator.monitor import progress
+    from orchestrator.ops.systemd import SystemdNotifier
     from orchestrator.store import check_datasets
-    from orchestrator.systemd import SystemdNotifier
     from orchestrator.worker import Worker
 
     await check_datasets(database, config.datasets)

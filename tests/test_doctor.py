@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.doctor import DoctorConfig, _check_clock, passed, run_checks
+from orchestrator.ops.doctor import DoctorConfig, _check_clock, passed, run_checks
 from orchestrator.store.migrate import SCHEMA_REVISION
 from tests.helpers import SimProcess, cli, prompts, write_jsonl
 

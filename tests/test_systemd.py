@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.deploy import UnitSpec, installed_executable, render_unit
-from orchestrator.systemd import SystemdNotifier, notify_address, watchdog_interval
+from orchestrator.ops.deploy import UnitSpec, installed_executable, render_unit
+from orchestrator.ops.systemd import SystemdNotifier, notify_address, watchdog_interval
 from tests.helpers import REPO, SimProcess, cli, events, prompts, start_worker, write_jsonl
 
 

@@ -44,7 +44,7 @@ def deploy_systemd(
 
     orchestrator deploy systemd > /etc/systemd/system/orchestrator-worker.service
     """
-    from orchestrator.deploy import UnitSpec, installed_executable, render_unit
+    from orchestrator.ops.deploy import UnitSpec, installed_executable, render_unit
 
     spec = UnitSpec(
         executable=executable or installed_executable(),

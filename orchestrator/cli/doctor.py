@@ -42,7 +42,7 @@ def doctor(
 
     One PASS/FAIL line per check; exit code 1 when any fails. Reads only.
     """
-    from orchestrator.doctor import DoctorConfig, passed, run_checks
+    from orchestrator.ops.doctor import DoctorConfig, passed, run_checks
     from orchestrator.running import without_credentials
     from orchestrator.servers import ServerSpec
 
