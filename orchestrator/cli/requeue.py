@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from orchestrator.cli.common import db_option, fail, on_database, run_sync
+from orchestrator.error_classes import ERROR_CLASSES
 from orchestrator.errors import ConfigError
 
 
@@ -19,7 +20,13 @@ from orchestrator.errors import ConfigError
     show_default=True,
     help="Which items go back (done items' answers are kept aside: see --undo).",
 )
-@click.option("--error-class", help="Only items that failed with this error class.")
+@click.option(
+    "--error-class",
+    metavar="CLASS",
+    help="Only items that failed with this error class: "
+    + ", ".join(ERROR_CLASSES)
+    + " (docs/OPERATIONS.md says what each means).",
+)
 @click.option(
     "--flag",
     "flag_names",
