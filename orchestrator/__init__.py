@@ -16,8 +16,9 @@ commands never load SQLAlchemy or asyncio.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from orchestrator.lazy import exports
 
 __version__ = "0.1.0"
 
@@ -80,13 +81,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    source = _SOURCES.get(name)
-    if source is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{source}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _SOURCES)
 
 
 def __dir__() -> list[str]:

@@ -738,8 +738,8 @@ async def test_status_flag_counts(db: Path, database: Database, tmp_path: Path) 
 
 def test_choices_kept_in_step() -> None:
     """The CLI spells the choices out to keep its start-up light."""
-    assert cli_export.EXPORT_FORMATS == export.FORMATS
-    assert cli_export.REASONING_MODES == export.REASONING_MODES
+    assert cli_export.EXPORT_FORMATS is export.FORMATS
+    assert cli_export.REASONING_MODES is export.REASONING_MODES
 
 
 def test_options_keep_the_plain_sqlite_path(db: Path, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "error_classes",
             "errors",
             "eta",
+            "lazy",
             "logs",
             "params",
             "procinfo",

@@ -45,7 +45,7 @@ def rows(db: Path, sql: str, *params: object) -> list[tuple[Any, ...]]:
 
 
 def test_cli_choices_match_the_library() -> None:
-    assert cli_enqueue.INPUT_FORMATS == readers.INPUT_FORMATS
+    assert cli_enqueue.INPUT_FORMATS is readers.INPUT_FORMATS
 
 
 # --- enqueue --config ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from orchestrator.cli.common import (
     run_sync,
     tty_progress,
 )
+from orchestrator.formats.choices import INPUT_FORMATS
 from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
 
 if TYPE_CHECKING:
@@ -23,9 +24,6 @@ if TYPE_CHECKING:
     from orchestrator.errors import InputError
     from orchestrator.store import EnqueueReport
 
-# orchestrator.formats.readers.INPUT_FORMATS, spelled out: importing that module loads
-# orjson before any command runs. A test keeps them equal.
-INPUT_FORMATS = ("auto", "messages", "sharegpt", "prompt", "openai-batch", "tokens")
 
 # The dataset settings, by option: all of them come from the run file with --config;
 # the sampling ones do not apply to pass-through rows.

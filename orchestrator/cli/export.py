@@ -20,14 +20,10 @@ from orchestrator.cli.common import (
     progress_shown,
     run_sync,
 )
+from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES
 
 if TYPE_CHECKING:
     from orchestrator.formats.export import ExportOptions, ExportReport
-
-# orchestrator.formats.export.FORMATS and REASONING_MODES, spelled out: importing that
-# module loads more than the command's start needs. A test keeps them equal.
-EXPORT_FORMATS = ("messages", "sharegpt", "openai-batch")
-REASONING_MODES = ("separate", "inline", "drop")
 
 
 @click.command()

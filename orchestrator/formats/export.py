@@ -40,6 +40,7 @@ import orjson
 from orchestrator import atomicfile
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
+from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES
 from orchestrator.quality import TOOL_MISMATCH, flag_names
 from orchestrator.store import access
 from orchestrator.store.outputs import (
@@ -61,8 +62,7 @@ if TYPE_CHECKING:
     from orchestrator.store.engine import Database
     from orchestrator.store.reader import Rows
 
-FORMATS = ("messages", "sharegpt", "openai-batch")
-REASONING_MODES = ("separate", "inline", "drop")
+FORMATS = EXPORT_FORMATS
 
 # Request fields worth carrying into a training example next to the conversation.
 _CARRIED = ("tools",)

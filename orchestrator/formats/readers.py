@@ -45,6 +45,7 @@ import orjson
 from orchestrator import params
 from orchestrator.conversation import targets
 from orchestrator.errors import ConfigError, InputError
+from orchestrator.formats.choices import INPUT_FORMATS, LINE_FORMATS
 
 __all__ = [
     "FORMATS",
@@ -59,11 +60,7 @@ __all__ = [
     "iter_records",
 ]
 
-FORMATS: tuple[str, ...] = ("messages", "sharegpt", "prompt", "openai-batch")
-"""The prompt line formats, detected per line."""
-INPUT_FORMATS: tuple[str, ...] = ("auto", *FORMATS, "tokens")
-"""What a file may be declared as: ``auto`` takes any mix of ``FORMATS`` (and of messages,
-sharegpt and tokens rows when passing through); ``tokens`` is for pass-through only."""
+FORMATS = LINE_FORMATS
 PASSTHROUGH_FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokens")
 """The formats whose rows can hold an answer to pass through."""
 MODES: tuple[str, ...] = ("last", "all", "passthrough")

@@ -9,10 +9,11 @@ read-only command on an SQLite file (``status``, ``export``) gets by with
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from orchestrator.lazy import exports
 
 if TYPE_CHECKING:
     from orchestrator.store.datasets import DatasetInfo, DatasetSpec, list_datasets, set_paused
@@ -44,13 +45,7 @@ _SOURCES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    source = _SOURCES.get(name)
-    if source is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{source}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _SOURCES)
 
 
 class _Package(types.ModuleType):

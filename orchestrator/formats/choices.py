@@ -1,0 +1,18 @@
+"""The names of the file formats, without the readers and writers behind them.
+
+The commands offer these as choices before anything is read, and must start without
+loading orjson or the store; the readers and the export take them from here too.
+"""
+
+from __future__ import annotations
+
+LINE_FORMATS: tuple[str, ...] = ("messages", "sharegpt", "prompt", "openai-batch")
+"""The prompt line formats, detected per line."""
+INPUT_FORMATS: tuple[str, ...] = ("auto", *LINE_FORMATS, "tokens")
+"""What a file may be declared as: ``auto`` takes any mix of ``LINE_FORMATS`` (and of
+messages, sharegpt and tokens rows when passing through); ``tokens`` is for pass-through
+only."""
+EXPORT_FORMATS: tuple[str, ...] = ("messages", "sharegpt", "openai-batch")
+"""The export's line formats: OpenAI messages, ShareGPT, OpenAI Batch API output."""
+REASONING_MODES: tuple[str, ...] = ("separate", "inline", "drop")
+"""Where the export puts generated reasoning: its own field, inline as <think>, nowhere."""
