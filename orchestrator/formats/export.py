@@ -32,7 +32,6 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
 import orjson
@@ -702,12 +701,7 @@ class _Job:
     def __enter__(self) -> _Job:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.staged.commit()
         else:
@@ -802,18 +796,12 @@ def export_fast(
 
 
 async def export_database(
-    database: Database,
-    out: str | os.PathLike[str],
-    *,
-    dataset_names: Sequence[str] = (),
-    progress: Progress | None = None,
-    options: ExportOptions | None = None,
-    warn: bool = True,
+    database: Database, out: str | os.PathLike[str], **how: Any
 ) -> ExportReport:
     """Write the export from any database, in one read transaction: a consistent
-    snapshot even while workers commit (``store.access`` picks the adapter)."""
-    how = {"dataset_names": dataset_names, "progress": progress, "options": options}
-    return await access.read(database, lambda rows: export_rows(rows, out, **how, warn=warn))
+    snapshot even while workers commit (``store.access`` picks the adapter; ``how``:
+    :func:`export_rows`'s keyword arguments)."""
+    return await access.read(database, lambda rows: export_rows(rows, out, **how))
 
 
 def _line_batches(

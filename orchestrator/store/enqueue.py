@@ -81,30 +81,6 @@ PreparedItem = tuple[int, str, str, str, str, str, int, int | None, int | None]
 pass-through."""
 
 
-class _Row(NamedTuple):
-    """``Prepared`` made from a ``RecordLike``."""
-
-    line: int
-    key: str
-    fmt: str
-    digest: str
-    body: str
-
-
-class _ItemRow(NamedTuple):
-    """``PreparedItem`` made from a ``RecordLike``."""
-
-    line: int
-    key: str
-    fmt: str
-    digest: str
-    body: str
-    mode: str
-    turns: int
-    prompt_tokens: int | None
-    completion_tokens: int | None
-
-
 @dataclass(slots=True)
 class EnqueueReport:
     dataset: str
@@ -221,11 +197,11 @@ def _prepared(
         return chain((first,), it)
     if getattr(first, "mode", "last") == "last":
         return (
-            _Row(r.line, r.key, r.fmt, r.digest, orjson.dumps(r.request).decode())
+            (r.line, r.key, r.fmt, r.digest, orjson.dumps(r.request).decode())
             for r in chain((first,), it)  # type: ignore[union-attr]
         )
     return (
-        _ItemRow(
+        (
             r.line,
             r.key,
             r.fmt,

@@ -20,7 +20,6 @@ import os
 import sqlite3
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -102,12 +101,7 @@ class Reader:
     def __enter__(self) -> Reader:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()
 
 
