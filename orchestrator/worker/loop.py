@@ -134,41 +134,6 @@ class Worker:
             raise self._file_gone
         return self.stats
 
-    async def _supervise(self) -> None:
-        """Wait for a server, then for the end: all done, or told to stop. (The claims
-        themselves are made in the committer's rounds.)"""
-        ready = False
-        while not self._stopping.is_set():
-            if not self.pool.available.is_set():
-                await self._wait_for_server()
-                self.committer.poke()
-                continue
-            if not ready:
-                # The database is open and a server answers: ready for work.
-                self.notifier.ready()
-                ready = True
-                self.committer.poke()
-            self.claims.idle.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.claims.idle.wait(), self.config.poll_interval)
-            if self.catalog.stale():
-                with contextlib.suppress(StorageError):
-                    await self.catalog.load()
-                    if self.metrics is not None:
-                        self.metrics.set_items(await self.queue.counts())
-            self.gate.quiet(bool(self.claims.in_flight))
-            if (
-                self.config.exit_when_done
-                and not self.claims.held
-                and not self.committer.backlog
-                and not self._stopping.is_set()
-                and await self.queue.remaining(self.config.datasets or None) == 0
-            ):
-                counts = await self.queue.counts()
-                infos = self.catalog.infos.values()
-                self.unfinished = summary.left_undone(counts, self.config.datasets, infos)
-                return
-
     async def _process(self, held: Claimed) -> None:
         """One item: call a server (each turn), then hand its outcome over."""
         outcome: Outcome | None = None
@@ -213,6 +178,41 @@ class Worker:
             summary.observe(self.metrics, self.catalog.name(lease.dataset_id), entry)
         if summary.count(self.stats, entry):
             self.claims.answered()
+
+    async def _supervise(self) -> None:
+        """Wait for a server, then for the end: all done, or told to stop. (The claims
+        themselves are made in the committer's rounds.)"""
+        ready = False
+        while not self._stopping.is_set():
+            if not self.pool.available.is_set():
+                await self._wait_for_server()
+                self.committer.poke()
+                continue
+            if not ready:
+                # The database is open and a server answers: ready for work.
+                self.notifier.ready()
+                ready = True
+                self.committer.poke()
+            self.claims.idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.claims.idle.wait(), self.config.poll_interval)
+            if self.catalog.stale():
+                with contextlib.suppress(StorageError):
+                    await self.catalog.load()
+                    if self.metrics is not None:
+                        self.metrics.set_items(await self.queue.counts())
+            self.gate.quiet(bool(self.claims.in_flight))
+            if (
+                self.config.exit_when_done
+                and not self.claims.held
+                and not self.committer.backlog
+                and not self._stopping.is_set()
+                and await self.queue.remaining(self.config.datasets or None) == 0
+            ):
+                counts = await self.queue.counts()
+                infos = self.catalog.infos.values()
+                self.unfinished = summary.left_undone(counts, self.config.datasets, infos)
+                return
 
     # -------------------------------------------------------------------- stopping
 
