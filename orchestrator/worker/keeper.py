@@ -3,7 +3,8 @@
 Renews the leases of in-flight items well before they expire (cancelling any request
 whose lease was taken over), writes the worker's heartbeat, reaps expired leases and
 those of dead workers on this host, checkpoints the WAL, samples the run's history, and
-stops the worker when its database file is deleted or replaced under it.
+stops the worker when its database file is deleted or replaced under it; and, for
+servers with an ``auto`` cap, has the pool tune their caps.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ async def sample(worker: Worker) -> None:
 
 async def renew(worker: Worker) -> None:
     """Renew every held lease; one taken over by another worker is let go."""
-    held = worker.held_leases()
+    held = worker.claims.leases()
     if not held:
         return
     kept = await worker.queue.renew(held, lease_seconds=worker.config.lease_seconds)
@@ -112,7 +113,7 @@ async def renew(worker: Worker) -> None:
         worker.metrics.renewals.labels("lost").inc(len(held) - len(kept))
     for item_id, _ in held:
         if item_id not in kept:
-            worker.lease_lost(item_id)
+            worker.claims.lease_lost(item_id)
 
 
 async def reap(worker: Worker) -> None:
@@ -125,3 +126,16 @@ async def reap(worker: Worker) -> None:
         await worker_rows.mark_dead(worker.database, dead)
     if reaped:
         log.info("leases_reclaimed", items=reaped, dead_workers=len(dead))
+
+
+async def tune(worker: Worker) -> None:
+    """Every ``auto_interval`` seconds, let the pool set its adapted servers' caps."""
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(worker.config.auto_interval)
+        now = time.monotonic()
+        elapsed, last = now - last, now
+        try:
+            await worker.pool.tune(elapsed)
+        except Exception:  # the tuner must outlive any one bad look
+            log.exception("tuner_crashed")

@@ -1,0 +1,120 @@
+"""One item's call: its request, each of its turns, and what the answer or error means.
+
+The server pool picks the server and hears how each request went; the client does the
+HTTP; ``classify`` turns the answer or the error into an outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import structlog
+
+from orchestrator import error_classes as ec
+from orchestrator.client import InferenceClient
+from orchestrator.conversation import stops_after, turn_messages
+from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
+from orchestrator.servers import ServerPool
+from orchestrator.store import Failure, Lease, Output
+from orchestrator.store.datasets import DatasetInfo
+from orchestrator.worker import classify
+from orchestrator.worker.claim import Claimed
+from orchestrator.worker.classify import where
+from orchestrator.worker.config import WorkerConfig
+from orchestrator.worker.outcomes import Advance, Done, Failed, Outcome, Rejected, Release
+
+log = structlog.get_logger("orchestrator.worker")
+
+
+class Caller:
+    """Calls a server for one item; ``submit`` queues a finished turn's write."""
+
+    def __init__(
+        self,
+        pool: ServerPool,
+        client: InferenceClient,
+        config: WorkerConfig,
+        submit: Callable[[Outcome], None],
+    ) -> None:
+        self.pool = pool
+        self.client = client
+        self.config = config
+        self._submit = submit
+
+    async def item(self, held: Claimed, info: DatasetInfo) -> Outcome | None:
+        """Call a server for one item (each of its turns, for a multi-turn item); say
+        what should become of it. None: the lease went while a turn was being written."""
+        lease = held.lease
+        while True:
+            result = await self.turn(lease, info)
+            if not isinstance(result, Output):
+                return result
+            if lease.turn + 1 >= lease.turns:
+                return Done(lease, result)
+            if stops_after(lease.request["messages"], lease.turn, result.message):
+                return Done(lease, classify.stopped(lease, result))
+            landed = asyncio.get_running_loop().create_future()
+            self._submit(Advance(lease, result, landed))
+            if not await landed:
+                return None
+            lease = held.lease = classify.next_turn(lease, result)
+
+    async def turn(self, lease: Lease, info: DatasetInfo) -> Outcome | Output:
+        """One request: its answer, or what should become of the item."""
+        body = {**info.params, **lease.request}
+        if lease.turns > 1 or info.regenerate == "all":
+            # Every turn of such an item, its only one too, is asked without its original
+            # answer, which the stored conversation still holds.
+            try:
+                body["messages"] = turn_messages(
+                    lease.request["messages"], lease.turn, lease.generated
+                )
+            except ValueError as exc:
+                return Failed(lease, Failure(ec.CONVERSATION, where(lease) + str(exc)))
+        server = self.pool.pick()
+        if server is None:
+            return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
+        self.pool.request_started(server)
+        try:
+            completion = await self.client.chat(server, body)
+        except Exception as exc:  # a bug here must not take the other requests down
+            return await self._failed(lease, server, exc)
+        finally:
+            self.pool.request_ended(server)
+        usage = completion.usage or {}
+        self.pool.succeeded(server, usage.get("completion_tokens") or 0, completion.latency)
+        log.debug(
+            "answered",
+            item=lease.item_id,
+            key=lease.key,
+            dataset=info.name,
+            turn=lease.turn,
+            server=server,
+            latency_s=round(completion.latency, 3),
+            completion_tokens=usage.get("completion_tokens"),
+            finish_reason=completion.finish_reason,
+        )
+        return classify.answered(lease, info, body, completion, self.config)
+
+    async def _failed(self, lease: Lease, server: str, exc: Exception) -> Outcome:
+        """Classify a request's failure; the server's accounting hears of it too."""
+        if isinstance(exc, ServerUnavailable):
+            self.pool.mark_down(server, str(exc))
+            return Release(lease, Failure(exc.error_class, str(exc)), time.time())
+        if isinstance(exc, TransientError):
+            if exc.error_class in classify.MAYBE_DOWN and not await self.client.health(server):
+                # The connection broke because the server went away: an outage, not
+                # the item's fault.
+                self.pool.mark_down(server, str(exc))
+                return Release(lease, Failure(ec.UNAVAILABLE, str(exc)), time.time())
+            self.pool.failed(server, exc.error_class)
+            return classify.retry_or_fail(lease, exc, exc.retry_after, self.config)
+        if isinstance(exc, PermanentError):
+            failure = Failure(exc.error_class, where(lease) + str(exc))
+            return Rejected(lease, server, str(exc), failure)
+        if not isinstance(exc, InferenceError):
+            log.exception("item_crashed", item=lease.item_id, key=lease.key)
+            exc = InferenceError(f"{type(exc).__name__}: {exc}", error_class=ec.INTERNAL)
+        return classify.retry_or_fail(lease, exc, None, self.config)

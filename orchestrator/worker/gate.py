@@ -1,0 +1,91 @@
+"""The run guard between the calls and the committer (``orchestrator.guard``).
+
+A rejection that may be run-level (a bad model name, a wrong request shape) is held
+until an answer or a run of rejections decides: failed alone, or released when the
+breaker trips and the run halts. Each server's ``/v1/models`` is checked once, before its
+first request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from orchestrator import client as inference
+from orchestrator.client import InferenceClient
+from orchestrator.errors import RunStopped
+from orchestrator.guard import Held, RunGuard
+from orchestrator.worker.claim import Catalog
+from orchestrator.worker.committer import Committer
+from orchestrator.worker.outcomes import Done, Failed, Outcome, Rejected, Release
+
+
+class Gate:
+    """Lets outcomes through to the committer, holding rejections the breaker decides;
+    ``halt`` stops the run for a reason the operator must act on."""
+
+    def __init__(
+        self,
+        guard: RunGuard,
+        committer: Committer,
+        catalog: Catalog,
+        client: InferenceClient,
+        halt: Callable[[RunStopped], None],
+    ) -> None:
+        self.guard = guard
+        self.committer = committer
+        self.catalog = catalog
+        self.client = client
+        self._halt = halt
+
+    def passes(self, outcome: Outcome) -> bool:
+        """Whether the outcome goes to the committer now (a rejection is the gate's)."""
+        if isinstance(outcome, Rejected):
+            self._rejected(outcome)
+            return False
+        if isinstance(outcome, Done):
+            self.answered(outcome.output.server, outcome.lease.dataset_id)
+        else:
+            self.guard.settled(outcome.lease.dataset_id, outcome.kind)
+        return True
+
+    def answered(self, server: str, dataset_id: int) -> None:
+        """An answer: what was held for its dataset there fails on its own."""
+        for entry in self.guard.answered(server, dataset_id):
+            self.committer.submit(Failed(entry.lease, entry.failure))
+
+    def quiet(self, busy: bool) -> None:
+        """Nothing in flight for a while: held rejections are the items' own."""
+        for entry in self.guard.quiet(busy, time.monotonic()):
+            self.committer.submit(Failed(entry.lease, entry.failure))
+
+    def release_held(self, *extra: Held) -> None:
+        """Give the attempts back of every held rejection (tripped, or stopping)."""
+        for entry in [*self.guard.breaker.take_all(), *extra]:
+            self.committer.submit(Release(entry.lease, entry.failure, time.time()))
+
+    async def vet(self, server: str) -> bool:
+        """A server's ``/v1/models``, once, before its first request."""
+        found = await inference.models(
+            self.client.session, server, self.client.config.health_timeout
+        )
+        halted = self.guard.check_models(server, found, self.catalog.scope())
+        if halted is not None:
+            self._halt(halted)
+            return False
+        return True
+
+    def _rejected(self, outcome: Rejected) -> None:
+        """Held until the breaker decides: failed alone, or released when it trips."""
+        entry = Held(outcome.lease, outcome.failure)
+        was_tripped = self.guard.breaker.tripped is not None
+        if not self.guard.rejected(outcome.server, entry, outcome.message):
+            self.committer.submit(Failed(outcome.lease, outcome.failure))
+        elif was_tripped:
+            self.release_held(entry)
+        elif self.guard.breaker.tripped is not None:
+            halted = self.guard.trip({d.id: d.name for d in self.catalog.infos.values()})
+            if halted is not None:
+                self._halt(halted)
+            self.release_held()
+        self.committer.poke()  # the slot is free: the next trial item may go
