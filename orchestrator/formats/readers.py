@@ -423,7 +423,7 @@ def _parse(raw: bytes, lineno: int) -> tuple[str, dict[str, Any], str]:
 
     if "messages" in obj:
         fmt = "messages"
-        # _chat_request, inline: this is the line format of nearly every large file.
+        # Inline: this is the line format of nearly every large file.
         request = {"messages": _chat_messages(obj["messages"])}
         if not _FIELD_NAMES.isdisjoint(obj):
             _add_request_fields(request, obj)
@@ -537,12 +537,6 @@ def _key(value: object, field: str) -> str:
 
 
 # --- formats -------------------------------------------------------------------------------
-
-
-def _chat_request(obj: dict[str, Any]) -> dict[str, Any]:
-    request: dict[str, Any] = {"messages": _chat_messages(obj["messages"])}
-    _add_request_fields(request, obj)
-    return request
 
 
 def _sharegpt_request(

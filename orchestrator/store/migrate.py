@@ -133,9 +133,9 @@ async def ensure_schema(database: Database) -> None:
         await upgrade(database)
 
 
-# Which commands may do what to a database they are pointed at. A mistyped --db must not
-# start a new, empty run, and a read must never change the file it reads.
-OPEN_MODES = ("create", "write", "read")
+# Which commands may do what to a database they are pointed at (modes create, write and
+# read). A mistyped --db must not start a new, empty run, and a read must never change the
+# file it reads.
 
 
 def check_open(
