@@ -54,6 +54,7 @@ import structlog
 import yarl
 
 from orchestrator import error_classes as ec
+from orchestrator.answer import Answer
 from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
 from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
 
@@ -90,20 +91,8 @@ class ClientConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Completion:
-    """One answer. Reasoning left in the content as ``<think>…</think>`` has been split
-    out into ``reasoning``; ``flags`` is its ``orchestrator.quality`` mask."""
-
-    message: dict[str, Any]
-    content: str | None
-    reasoning: str | None
-    finish_reason: str | None
-    usage: dict[str, Any] | None
-    latency: float
-    server: str
-    model: str | None
-    response_id: str | None
-    flags: int = 0
+class Completion(Answer):
+    """One answer from a server (``orchestrator.answer.Answer``'s fields)."""
 
     @property
     def tool_calls(self) -> list[dict[str, Any]] | None:

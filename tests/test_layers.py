@@ -19,6 +19,7 @@ LAYERS: tuple[frozenset[str], ...] = (
         {
             "__version__",
             "aio",
+            "answer",
             "atomicfile",
             "autoconcurrency",
             "breaker",

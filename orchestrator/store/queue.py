@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
+from orchestrator.answer import Answer
 from orchestrator.store.engine import Database, insert_rows
 from orchestrator.store.schema import attempt_errors, datasets, item_turns, items
 
@@ -65,19 +66,10 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
-class Output:
-    """One generated answer, written with the transition to done."""
+class Output(Answer):
+    """One generated answer, written with the transition to done, with the hash of the
+    parameters it was asked with."""
 
-    message: dict[str, Any]
-    content: str | None
-    reasoning: str | None
-    finish_reason: str | None
-    usage: dict[str, Any] | None
-    latency: float
-    server: str | None
-    model: str | None
-    response_id: str | None
-    flags: int = 0
     params_hash: str | None = None
 
 

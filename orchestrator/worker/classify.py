@@ -10,6 +10,7 @@ from typing import Any
 import structlog
 
 from orchestrator import error_classes as ec
+from orchestrator.answer import ANSWER_FIELDS
 from orchestrator.client import Completion
 from orchestrator.errors import InferenceError, TransientError
 from orchestrator.quality import TOOL_MISMATCH
@@ -82,19 +83,7 @@ def answered(
 
 def output(c: Completion, params_hash: str) -> Output:
     """The answer as the store keeps it."""
-    return Output(
-        message=c.message,
-        content=c.content,
-        reasoning=c.reasoning,
-        finish_reason=c.finish_reason,
-        usage=c.usage,
-        latency=c.latency,
-        server=c.server,
-        model=c.model,
-        response_id=c.response_id,
-        flags=c.flags,
-        params_hash=params_hash,
-    )
+    return Output(*(getattr(c, name) for name in ANSWER_FIELDS), params_hash=params_hash)
 
 
 def stopped(lease: Lease, result: Output) -> Output:
