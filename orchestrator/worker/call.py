@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 
@@ -28,20 +29,14 @@ from orchestrator.worker.outcomes import Advance, Done, Failed, Outcome, Rejecte
 log = structlog.get_logger("orchestrator.worker")
 
 
+@dataclass(slots=True)
 class Caller:
     """Calls a server for one item; ``submit`` queues a finished turn's write."""
 
-    def __init__(
-        self,
-        pool: ServerPool,
-        client: InferenceClient,
-        config: WorkerConfig,
-        submit: Callable[[Outcome], None],
-    ) -> None:
-        self.pool = pool
-        self.client = client
-        self.config = config
-        self._submit = submit
+    pool: ServerPool
+    client: InferenceClient
+    config: WorkerConfig
+    submit: Callable[[Outcome], None]
 
     async def item(self, held: Claimed, info: DatasetInfo) -> Outcome | None:
         """Call a server for one item (each of its turns, for a multi-turn item); say
@@ -56,7 +51,7 @@ class Caller:
             if stops_after(lease.request["messages"], lease.turn, result.message):
                 return Done(lease, classify.stopped(lease, result))
             landed = asyncio.get_running_loop().create_future()
-            self._submit(Advance(lease, result, landed))
+            self.submit(Advance(lease, result, landed))
             if not await landed:
                 return None
             lease = held.lease = classify.next_turn(lease, result)

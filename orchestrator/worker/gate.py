@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from orchestrator import client as inference
 from orchestrator.client import InferenceClient
@@ -20,23 +21,16 @@ from orchestrator.worker.committer import Committer
 from orchestrator.worker.outcomes import Done, Failed, Outcome, Rejected, Release
 
 
+@dataclass(slots=True)
 class Gate:
     """Lets outcomes through to the committer, holding rejections the breaker decides;
     ``halt`` stops the run for a reason the operator must act on."""
 
-    def __init__(
-        self,
-        guard: RunGuard,
-        committer: Committer,
-        catalog: Catalog,
-        client: InferenceClient,
-        halt: Callable[[RunStopped], None],
-    ) -> None:
-        self.guard = guard
-        self.committer = committer
-        self.catalog = catalog
-        self.client = client
-        self._halt = halt
+    guard: RunGuard
+    committer: Committer
+    catalog: Catalog
+    client: InferenceClient
+    halt: Callable[[RunStopped], None]
 
     def passes(self, outcome: Outcome) -> bool:
         """Whether the outcome goes to the committer now (a rejection is the gate's)."""
@@ -71,7 +65,7 @@ class Gate:
         )
         halted = self.guard.check_models(server, found, self.catalog.scope())
         if halted is not None:
-            self._halt(halted)
+            self.halt(halted)
             return False
         return True
 
@@ -86,6 +80,6 @@ class Gate:
         elif self.guard.breaker.tripped is not None:
             halted = self.guard.trip({d.id: d.name for d in self.catalog.infos.values()})
             if halted is not None:
-                self._halt(halted)
+                self.halt(halted)
             self.release_held()
         self.committer.poke()  # the slot is free: the next trial item may go
