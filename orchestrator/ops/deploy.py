@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.errors import ConfigError
-from orchestrator.urls import display
+from orchestrator.urls import split
 
 DEFAULT_USER = "orchestrator"
 DEFAULT_DB = "/var/lib/orchestrator/orchestrator.db"
@@ -148,8 +148,8 @@ def render_unit(spec: UnitSpec) -> str:
     """The unit file text: ``orchestrator-worker.service`` or the ``@`` template."""
     db = sqlite_path(spec.db)
     for server in spec.servers:
-        shown = display(server)
-        if shown != server.strip():
+        shown, auth = split(server, "--server")
+        if auth is not None:
             raise ConfigError(
                 f"--server {shown}: its URL holds credentials, which a unit file would show "
                 "to anyone who can read it; give the URL without them and put USER:PASSWORD "
