@@ -14,6 +14,9 @@ Why the settings are what they are:
 * ``TimeoutStartSec=15min``: a worker waits for its inference server before it is ready;
   an inference server that takes longer to load fails the start, and
   ``Restart=on-failure`` tries again.
+* ``RestartPreventExitStatus=``: the exit codes that need a person
+  (``orchestrator.errors.NEEDS_A_PERSON``); restarting on them would refuse the same
+  way, or send the trial items again, every ``RestartSec`` for ever.
 * The sandbox: the worker needs to read its installation, write its database directory
   and open TCP connections. Everything else is taken away.
 """
@@ -25,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import NEEDS_A_PERSON, ConfigError
 from orchestrator.urls import split
 
 DEFAULT_USER = "orchestrator"
@@ -61,8 +64,10 @@ KillMode=mixed
 TimeoutStopSec=90
 Restart=on-failure
 RestartSec=5
-# Exit code 2 is a bad option or configuration: restarting will not fix it.
-RestartPreventExitStatus=2
+# Exit codes that need a person, not a restart: 2 a bad option or setting, 3 the
+# database refused, 5 a setting every request is refused for, 6 items failed, 7 items
+# left in paused datasets. A crash, a hung loop or unreachable servers (4) restart.
+RestartPreventExitStatus={prevent}
 UMask=0077
 
 # Sandbox: read the installation, write the database directory, talk TCP.
@@ -200,5 +205,6 @@ def render_unit(spec: UnitSpec) -> str:
         env_file=env_file,
         data_dir=db.parent,
         exec_start=exec_start,
+        prevent=" ".join(str(code) for code in NEEDS_A_PERSON),
     )
     return text
