@@ -6,8 +6,15 @@ form), and the client sends them as HTTP Basic auth, kept apart by server. A pas
 a URL would otherwise be written wherever the server is named: log lines, each output's
 ``server``, ``export --provenance``, ``status``, Prometheus labels, a unit file.
 
+Any ``@`` after the scheme ends the userinfo. Parsers disagree on a raw ``/``, ``?``,
+``#`` or ``@`` inside it (to urllib, ``http://alice:S3/CRET@host`` is host ``alice``), so
+such a URL is refused rather than guessed at, and in every message a URL is shown with
+everything up to its last ``@`` masked, whatever it holds.
+
 ``--basic-auth-file`` keeps them out of the process arguments as well (anyone on the
-machine can read those): a file holding ``USER:PASSWORD``, sent to every server.
+machine can read those): a file holding ``USER:PASSWORD``, sent to every server. API keys
+and that file are read here too, so that each source of credentials refuses what an HTTP
+header cannot carry, naming where it came from.
 """
 
 from __future__ import annotations
@@ -53,10 +60,10 @@ def split_on_space(text: str, source: str) -> list[str]:
     pieces = text.split()
     if any("@" in piece and "://" not in piece for piece in pieces[1:]):
         raise ConfigError(
-            f"{source}: {mask(text)!r}: a piece with an '@' but no http:// after white "
-            "space, taken as a server URL whose credentials hold white space: percent-encode "
-            "it as %20 (or put USER:PASSWORD in --basic-auth-file), and give each server "
-            "URL with its scheme"
+            f"{source}: {mask(text)!r}: a piece holding an '@' but no scheme follows white "
+            "space, as when a URL's USER:PASSWORD holds white space: percent-encode it there "
+            "as %20 (or put USER:PASSWORD in --basic-auth-file), and give every server URL "
+            "its http:// or https://"
         )
     return pieces
 
@@ -85,11 +92,6 @@ def with_userinfo(url: str, userinfo: str | None) -> str:
         return url
     head, sep, rest = url.partition("://")
     return f"{head}{sep}{userinfo}@{rest}"
-
-
-def display(url: str) -> str:
-    """The URL without its userinfo: the form to show, log and store."""
-    return split(url)[0]
 
 
 def split(url: str, source: str = "server URL") -> tuple[str, aiohttp.BasicAuth | None]:

@@ -68,7 +68,7 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     "--servers-file",
     type=click.Path(path_type=Path, dir_okay=False),
     help="More servers, one URL a line, each optionally with its own concurrency=N|auto "
-    "('#' starts a comment).",
+    "('#' starts a comment, at a line's start or after white space).",
 )
 @click.option(
     "--concurrency",
