@@ -382,14 +382,16 @@ def _configs(servers: Sequence[str], api_key: str | None, settings: Any) -> tupl
     servers as given (each through the check of every server source)."""
     from orchestrator.running import configs, without_credentials
     from orchestrator.servers import ServerSpec, check_server_url
+    from orchestrator.urls import api_key as checked_key
 
     if isinstance(servers, str):
         servers = [servers]
     if not servers:
         raise ConfigError("run needs at least one server URL (servers=[...])")
     checked = [ServerSpec(check_server_url(url, "servers")[0]) for url in servers]
-    specs, auth = without_credentials(checked, api_key, None)
-    return configs(specs, auth, api_key, settings)
+    key = checked_key(api_key, "api_key")
+    specs, auth = without_credentials(checked, key)
+    return configs(specs, auth, key, settings)
 
 
 async def _run(database: Database, config: Any, client_config: Any) -> RunOutcome:

@@ -771,7 +771,8 @@ def _connect_reason(server: str, exc: aiohttp.ClientConnectorError) -> str:
 
 async def probe(session: aiohttp.ClientSession, server: str, seconds: float) -> Probe:
     """``/health`` answers 200; else why not. A server without ``/health`` (a proxy, a
-    hosted API) counts as up when its ``/v1/models`` answers."""
+    hosted API) counts as up when its ``/v1/models`` answers, and one that refuses the
+    credentials (401, 403) as up too: it is there, and the run guard judges the refusal."""
     base = base_url(server)
     limit = aiohttp.ClientTimeout(total=seconds)
     try:
@@ -793,6 +794,11 @@ async def probe(session: aiohttp.ClientSession, server: str, seconds: float) -> 
             )
         if status == 503:
             return Probe(False, f"{base}/health answers 503: the server is starting or stopping")
+        if status in (401, 403):
+            # It answers, and refuses the credentials (a proxy's Basic auth guards every
+            # path): the look at /v1/models that follows says so and stops the run, where
+            # waiting for a "health" that never comes would hang it.
+            return Probe(True, f"{base}/health answers HTTP {status}: credentials refused")
         return Probe(False, f"{base}/health answers HTTP {status}")
     except aiohttp.ClientConnectorError as exc:
         return Probe(False, _connect_reason(server, exc))

@@ -86,6 +86,27 @@ class ItemsLeftPending(RunStopped):
     exit_code = 7
 
 
+#: The exit codes a restart cannot fix, where a person has to act first: a bad option or
+#: setting (2), a database that refuses (3: missing, of a newer schema, read-only, full,
+#: replaced), a setting every request is refused for (5), items failed (6: requeue them)
+#: or left in paused datasets (7: resume them). A service manager must not restart on
+#: these (the systemd unit's ``RestartPreventExitStatus=``): a restart would refuse the
+#: same way, or retry the trial items, every few seconds for ever. A crash (1, a
+#: signal) and servers that stayed unreachable (4) are restarted.
+NEEDS_A_PERSON: tuple[int, ...] = tuple(
+    sorted(
+        {
+            ConfigError.exit_code,
+            InputError.exit_code,
+            StorageError.exit_code,
+            RunHalted.exit_code,
+            ItemsFailed.exit_code,
+            ItemsLeftPending.exit_code,
+        }
+    )
+)
+
+
 class InferenceError(OrchestratorError):
     error_class = "error"
 

@@ -19,7 +19,7 @@ The worker owns the leases and the writes; this module only decides.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -29,6 +29,7 @@ from orchestrator.client import Models
 from orchestrator.errors import RunHalted
 from orchestrator.store import Failure, Lease
 from orchestrator.store.datasets import DatasetInfo
+from orchestrator.urls import refused_advice
 
 log = structlog.get_logger("orchestrator.guard")
 
@@ -52,6 +53,9 @@ class RunGuard:
     threshold: int = 5
     #: Seconds a trial request in flight without a refusal counts as accepted.
     trial_seconds: float = 2.0
+    #: The credentials each server is sent (``urls.credentials_sent``): what a 401 or
+    #: 403 tells to check.
+    sent: Mapping[str, str] = field(default_factory=dict)
     breaker: Breaker[Held] = field(init=False)
     halted: RunHalted | None = None
     served: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -71,10 +75,10 @@ class RunGuard:
         """Judge a server's ``/v1/models``: a refused key stops the run; a model it does
         not list is noted (some servers answer to any name: the trial item tells)."""
         if found.status in (401, 403):
+            advice = refused_advice(self.sent.get(server, "api_key"), found.status)
             return RunHalted(
                 f"server {server} answered HTTP {found.status} on /v1/models: "
-                f"{found.reason or 'no reason given'}; check the API key (--api-key-file, "
-                "or env ORCHESTRATOR_API_KEY)"
+                f"{found.reason or 'no reason given'}; {advice}"
             )
         if found.status != 200:
             log.info(
@@ -162,7 +166,7 @@ class RunGuard:
         trip = self.breaker.tripped
         if trip is None or self.halted is not None:
             return None
-        self.halted = RunHalted(_trip_line(trip, dataset_names, self.served))
+        self.halted = RunHalted(_trip_line(trip, dataset_names, self.served, self.sent))
         return self.halted
 
     def quiet(self, busy: bool, now: float) -> list[Held]:
@@ -180,13 +184,18 @@ class RunGuard:
 
 
 def _trip_line(
-    trip: Trip, dataset_names: dict[int, str], served: dict[str, tuple[str, ...]]
+    trip: Trip,
+    dataset_names: dict[int, str],
+    served: dict[str, tuple[str, ...]],
+    sent: Mapping[str, str],
 ) -> str:
     server, dataset_id = trip.key  # type: ignore[misc]
     status = trip.error_class.removeprefix("http_")
     said = trip.message.removeprefix(f"HTTP {status}: ")
     name = dataset_names.get(dataset_id, dataset_id)
     advice = trip.advice
+    if trip.error_class in ("http_401", "http_403"):
+        advice = refused_advice(sent.get(server, "api_key"), int(status))
     if trip.error_class == "http_404" and served.get(server):
         advice += f" (the server lists: {', '.join(served[server])})"
     return (

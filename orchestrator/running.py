@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,16 +30,16 @@ class RunOutcome:
 
 
 def without_credentials(
-    specs: list[ServerSpec], api_key: str | None, basic_auth_file: Path | None
+    specs: list[ServerSpec], api_key: str | None, shared: Any = None
 ) -> tuple[list[ServerSpec], dict[str, Any]]:
     """The servers under their URLs without userinfo, and the Basic credentials to send
-    each (orchestrator.urls): no password reaches a log line, a row or a label."""
+    each (theirs, else ``shared``, the ``--basic-auth-file``'s; orchestrator.urls): no
+    password reaches a log line, a row or a label."""
     import structlog
 
     from orchestrator.servers import ServerSpec
-    from orchestrator.urls import read_basic_auth, server_credentials
+    from orchestrator.urls import server_credentials
 
-    shared = read_basic_auth(basic_auth_file) if basic_auth_file else None
     shown, auth = server_credentials([s.url for s in specs], api_key=api_key, shared=shared)
     in_urls = [url for url, spec in zip(shown, specs, strict=True) if url != spec.url.strip()]
     if in_urls:

@@ -41,10 +41,42 @@ db_option = click.option(
 
 
 def split_servers(
-    _ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
 ) -> tuple[str, ...]:
-    """``--server`` may repeat, and ORCHESTRATOR_SERVERS holds several, space-separated."""
-    return tuple(s for entry in values for s in entry.split())
+    """``--server`` may repeat, and ORCHESTRATOR_SERVERS holds several, space-separated.
+
+    Each URL goes through the one check of every server source here, as it is parsed,
+    so that every command taking servers refuses the same URLs, masks the same
+    credentials, and names where the URL came from.
+    """
+    if not values:
+        return ()
+    from_env = ctx.get_parameter_source(param.name or "") == click.core.ParameterSource.ENVIRONMENT
+    source = "ORCHESTRATOR_SERVERS" if from_env else "--server"
+    # click splits the variable at white space itself: one text again, so that white
+    # space inside a URL's credentials is told from two servers as on a command line.
+    entries = (" ".join(values),) if from_env else values
+    return run_sync(lambda: _checked_servers(entries, source))
+
+
+def _checked_servers(values: tuple[str, ...], source: str) -> tuple[str, ...]:
+    """The URLs, refused (``servers.check_server_url``) or corrected with a note."""
+    import structlog
+
+    from orchestrator.servers import check_server_url
+    from orchestrator.urls import split_on_space
+
+    checked = []
+    for entry in values:
+        for url in split_on_space(entry, source):
+            fixed, note = check_server_url(url, source)
+            if note:
+                configure_logs()
+                structlog.get_logger("orchestrator.cli").info(
+                    "server_url_corrected", source=source, note=note
+                )
+            checked.append(fixed)
+    return tuple(checked)
 
 
 servers_option = click.option(
@@ -174,15 +206,28 @@ def progress_shown(label: str) -> Iterator[Callable[[int], None] | None]:
 
 
 def read_api_key(api_key_file: Path | None) -> str | None:
-    """The API key from ``--api-key-file``, else env ORCHESTRATOR_API_KEY."""
+    """The API key from ``--api-key-file``, else env ORCHESTRATOR_API_KEY: the white
+    space around it dropped, one with any inside refused naming where it came from."""
+    from orchestrator import urls
+
     if api_key_file is not None:
-        try:
-            return api_key_file.read_text().strip() or None
-        except OSError as exc:
-            raise click.BadParameter(
-                f"{api_key_file}: {exc.strerror}", param_hint="--api-key-file"
-            ) from exc
-    return os.environ.get("ORCHESTRATOR_API_KEY") or None
+        return run_sync(lambda: urls.read_api_key(api_key_file))
+    env = os.environ.get("ORCHESTRATOR_API_KEY")
+    return run_sync(lambda: urls.api_key(env, "ORCHESTRATOR_API_KEY"))
+
+
+def read_basic_auth(basic_auth_file: Path | None) -> Any:
+    """The ``aiohttp.BasicAuth`` of ``--basic-auth-file`` (or its environment variable),
+    None without one; a file that is missing, unreadable or not USER:PASSWORD is refused
+    naming the option or variable it came from."""
+    if basic_auth_file is None:
+        return None
+    from orchestrator import urls
+
+    ctx = click.get_current_context()
+    from_env = ctx.get_parameter_source("basic_auth_file") == click.core.ParameterSource.ENVIRONMENT
+    source = "ORCHESTRATOR_BASIC_AUTH_FILE" if from_env else "--basic-auth-file"
+    return run_sync(lambda: urls.read_basic_auth(basic_auth_file, source))
 
 
 def echo_json(document: Any) -> None:

@@ -14,6 +14,7 @@ from orchestrator.cli.common import (
     db_option,
     on_database,
     read_api_key,
+    read_basic_auth,
     run_sync,
     servers_option,
 )
@@ -35,43 +36,21 @@ def _servers(
     key_file: Path | None,
     auth_file: Path | None,
 ) -> tuple[list[Any], dict[str, Any], str | None]:
-    """The servers of --server and --servers-file, checked, their Basic credentials
-    and the API key."""
+    """The servers of --server (checked as parsed) and --servers-file, their Basic
+    credentials and the API key."""
     from orchestrator.running import without_credentials
     from orchestrator.servers import merge_servers, parse_servers_file
 
-    checked = _checked_servers(servers)
     listed = run_sync(lambda: parse_servers_file(servers_file)) if servers_file else []
     api_key = read_api_key(key_file)
-    merged = merge_servers(checked, listed)
-    specs, basic_auth = run_sync(lambda: without_credentials(merged, api_key, auth_file))
+    shared = read_basic_auth(auth_file)
+    merged = merge_servers(servers, listed)
+    specs, basic_auth = run_sync(lambda: without_credentials(merged, api_key, shared))
     if not specs:
         raise click.UsageError(
             "give at least one --server URL (or --servers-file, or ORCHESTRATOR_SERVERS)"
         )
     return specs, basic_auth, api_key
-
-
-def _checked_servers(servers: tuple[str, ...]) -> tuple[str, ...]:
-    """``--server`` / ORCHESTRATOR_SERVERS URLs through the one URL check of every server
-    source (a servers file's lines get the same): refused with the source named, or
-    corrected (a ``/v1``, a trailing slash) with a note."""
-    import structlog
-
-    from orchestrator.servers import check_server_url
-
-    ctx = click.get_current_context()
-    from_env = ctx.get_parameter_source("servers") == click.core.ParameterSource.ENVIRONMENT
-    source = "ORCHESTRATOR_SERVERS" if from_env else "--server"
-    checked = []
-    for url in servers:
-        fixed, note = run_sync(lambda url=url: check_server_url(url, source))
-        if note:
-            structlog.get_logger("orchestrator.cli").info(
-                "server_url_corrected", source=source, note=note
-            )
-        checked.append(fixed)
-    return tuple(checked)
 
 
 def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
@@ -89,7 +68,7 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     "--servers-file",
     type=click.Path(path_type=Path, dir_okay=False),
     help="More servers, one URL a line, each optionally with its own concurrency=N|auto "
-    "('#' starts a comment).",
+    "('#' starts a comment, at a line's start or after white space).",
 )
 @click.option(
     "--concurrency",

@@ -26,6 +26,7 @@ from orchestrator.monitor.status import snapshot
 from orchestrator.store import Database, create_database, list_datasets, resolve_url
 from orchestrator.store.migrate import alembic_config, current_revision, head_revision
 from orchestrator.store.outputs import output_bytes
+from orchestrator.urls import credentials_sent, refused_advice
 
 log = structlog.get_logger("orchestrator.doctor")
 
@@ -178,14 +179,18 @@ async def check_server(
     took = (time.monotonic() - started) * 1000
     checks = [
         Check(name, status == 200, f"/health answered {status} in {took:.0f} ms"),
-        await _check_models(session, url, wanted, config.timeout),
+        await _check_models(session, url, wanted, config.timeout, _sent(server, config)),
         _check_clock(url, date, received, config.clock_tolerance),
     ]
     return checks
 
 
+def _sent(server: str, config: DoctorConfig) -> str:
+    return credentials_sent(server, config.api_key, config.basic_auth)
+
+
 async def _check_models(
-    session: aiohttp.ClientSession, url: str, wanted: list[str], seconds: float
+    session: aiohttp.ClientSession, url: str, wanted: list[str], seconds: float, sent: str
 ) -> Check:
     name = f"models {url}"
     try:
@@ -195,7 +200,7 @@ async def _check_models(
     except (inference.RequestFailed, ValueError) as exc:
         return Check(name, False, f"/v1/models: {str(exc) or type(exc).__name__}")
     if body is None:
-        hint = " (check the API key)" if status in (401, 403) else ""
+        hint = f" ({refused_advice(sent, status)})" if status in (401, 403) else ""
         return Check(name, False, f"/v1/models answered {status}{hint}")
     try:
         served = sorted(str(m["id"]) for m in body["data"])

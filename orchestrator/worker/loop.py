@@ -31,6 +31,7 @@ from orchestrator.guard import RunGuard
 from orchestrator.servers import ServerPool
 from orchestrator.store import Database, Queue
 from orchestrator.store import workers as worker_rows
+from orchestrator.urls import credentials_sent
 from orchestrator.worker import classify, keeper, stop, summary
 from orchestrator.worker.call import Caller
 from orchestrator.worker.claim import Catalog, Claimed, Claims
@@ -71,7 +72,7 @@ class Worker:
         self.pool = _pool(config, client, self._capacity_changed)
         self.catalog = Catalog(database, config.datasets)
         # Trial items, served models and the circuit breaker (orchestrator.guard).
-        self.guard = RunGuard(config.breaker_items, config.trial_seconds)
+        self.guard = RunGuard(config.breaker_items, config.trial_seconds, _sent(config, client))
         self._stopping = asyncio.Event()
         self.claims = Claims(
             self.owner,
@@ -295,6 +296,15 @@ def _pool(
             cap = controllers[server].cap
         caps[server] = cap
     return ServerPool(caps, client, config, controllers=controllers, on_change=on_change)
+
+
+def _sent(config: WorkerConfig, client: InferenceClient) -> dict[str, str]:
+    """The credentials each server is sent, for what a refusal tells to check."""
+    settings = client.config
+    return {
+        server: credentials_sent(server, settings.api_key, settings.basic_auth)
+        for server in config.servers
+    }
 
 
 def _export_gauges(metrics: WorkerMetrics, claims: Claims, pool: ServerPool) -> None:
