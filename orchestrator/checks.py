@@ -197,10 +197,7 @@ class OrNone:
     rule: Rule
 
     def expected(self, value: object) -> str:
-        if value is None:
-            return ""
-        want = self.rule.expected(value)
-        return f"{want} or None" if want else ""
+        return "" if value is None else self.rule.expected(value)
 
 
 def shown(value: object) -> str:
