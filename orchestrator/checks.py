@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchestrator.errors import ConfigError
-from orchestrator.formats.choices import INPUT_FORMATS
+from orchestrator.formats.choices import EXPORT_FORMATS, INPUT_FORMATS, REASONING_MODES
 from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
 
 
@@ -276,10 +276,12 @@ DATASET: dict[str, Rule] = {
     "update": FLAG,
 }
 
-#: How an export is shaped and where it goes, beyond its format and reasoning mode
-#: (``orchestrator export``'s options, ``Queue.export`` and ``Queue.results``), by the
-#: field names of ``orchestrator.formats.export.ExportOptions``.
+#: How an export is shaped and where it goes (``orchestrator export``'s options,
+#: ``Queue.export`` and ``Queue.results``), by the field names of
+#: ``orchestrator.formats.export.ExportOptions``.
 EXPORT: dict[str, Rule] = {
+    "format": Choice(EXPORT_FORMATS),
+    "reasoning": Choice(REASONING_MODES),
     "exclude_flags": Integer(minimum=0),
     "provenance": FLAG,
     "split": FLAG,

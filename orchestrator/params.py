@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from orchestrator.checks import Text
-
 #: Most ``max_tokens`` a request may ask for: the token columns are 32-bit.
 MAX_TOKENS = 2**31 - 1
 
@@ -61,8 +59,14 @@ def _n(value: object) -> str:
     return "" if value == 1 and not isinstance(value, bool) else "1 (one answer per request)"
 
 
+def _model(value: object) -> str:
+    if not isinstance(value, str):
+        return "a string"
+    return "" if value.strip() else "a non-empty string"
+
+
 CHECKS = {
-    "model": Text().expected,
+    "model": _model,
     "max_tokens": _max_tokens,
     "temperature": _temperature,
     "top_p": _top_p,
