@@ -152,7 +152,7 @@ class Cap:
             isinstance(value, int) and not isinstance(value, bool) and value >= 1
         ):
             return ""
-        return "a whole number, at least 1, or 'auto'"
+        return "a whole number of at least 1 or 'auto'"
 
 
 @dataclass(frozen=True, slots=True)
