@@ -215,12 +215,18 @@ def _choice(choices: tuple[str, ...]) -> Check:
     return check
 
 
+_FINITE = checks.Number()
+
+
 def _json_value(value: object, where: str) -> list[tuple[str, str]]:
-    """TOML dates and times have no JSON form: refuse them anywhere in a request table."""
+    """TOML dates and times, NaN and infinities have no JSON form (a NaN would be sent as
+    null): refuse them anywhere in a request table."""
     if isinstance(value, dict):
         return [p for k, v in value.items() for p in _json_value(v, f"{where}.{k}")]
     if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in _json_value(v, f"{where}[{i}]")]
+    if isinstance(value, float) and (want := _FINITE.expected(value)):
+        return [(where, f"must be {want}, got {value} (it has no JSON form)")]
     if isinstance(value, str | int | float | bool):
         return []
     return [(where, "a date or time has no JSON form: write it as a string")]
