@@ -55,8 +55,9 @@ def without_credentials(
 @dataclass(frozen=True, slots=True)
 class RunSettings:
     """What ``orchestrator run`` and ``Queue.run`` take beyond the servers, with the
-    command's defaults; made into the worker's and the client's configuration in one
-    place (:func:`configs`)."""
+    command's defaults, checked by the rules of ``orchestrator.checks.RUN`` (the
+    command's options take theirs from the same); made into the worker's and the
+    client's configuration in one place (:func:`configs`)."""
 
     concurrency: int | str = 64
     datasets: tuple[str, ...] = ()
@@ -70,6 +71,11 @@ class RunSettings:
     stream: bool = False
     stream_idle_timeout: float = 120.0
     max_response_mb: float = 64.0
+
+    def __post_init__(self) -> None:
+        from orchestrator.checks import RUN, check_all
+
+        check_all({name: getattr(self, name) for name in RUN}, RUN)
 
 
 def configs(

@@ -36,7 +36,7 @@ LAYERS: tuple[frozenset[str], ...] = (
         }
     ),
     frozenset({"store", "client"}),
-    frozenset({"server_metrics", "formats", "metrics", "sim"}),
+    frozenset({"server_metrics", "formats", "checks", "metrics", "sim"}),
     frozenset({"servers", "runfile", "guard"}),
     frozenset({"worker"}),
     frozenset({"monitor"}),

@@ -161,6 +161,16 @@ BAD_CONFIGS = [
     pytest.param('max_tokens = "many"\n', "must be an integer", id="wrong-type"),
     pytest.param("top_p = 1.5\n", "must be in (0, 1], got 1.5", id="impossible-value"),
     pytest.param("concurrency = 0\n", "must be at least 1, got 0", id="impossible-concurrency"),
+    pytest.param(
+        "extra_body = { top_k = nan }\n",
+        'dataset[1] "a".extra_body.top_k: must be a finite number, got nan',
+        id="nan-in-extra-body",
+    ),
+    pytest.param(
+        "chat_template_kwargs = { budget = -inf }\n",
+        "chat_template_kwargs.budget: must be a finite number, got -inf",
+        id="infinity-in-chat-template-kwargs",
+    ),
 ]
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
+from orchestrator import checks
 from orchestrator.errors import ConfigError, OrchestratorError
 
 if TYPE_CHECKING:
@@ -90,12 +91,39 @@ servers_option = click.option(
     "(env ORCHESTRATOR_SERVERS, space-separated).",
 )
 
+
+class Checked(click.ParamType):
+    """An option's value by a rule of ``orchestrator.checks``: the option refuses what the
+    Python API refuses, in the same words (``must be at least 1, got -5``)."""
+
+    def __init__(self, rule: checks.Rule) -> None:
+        self.rule = rule
+        inner = rule.rule if isinstance(rule, checks.OrNone) else rule
+        self._parse: Callable[[str], Any] | None = None
+        self.name = "text"
+        if isinstance(inner, checks.Integer):
+            self._parse, self.name = int, "integer"
+        elif isinstance(inner, checks.Number):
+            self._parse, self.name = float, "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        parsed = value
+        if isinstance(value, str) and self._parse is not None:
+            with contextlib.suppress(ValueError):
+                parsed = self._parse(value.strip())
+        want = self.rule.expected(parsed)
+        if want:
+            given = value if self._parse is not None else checks.shown(value)
+            self.fail(f"must be {want}, got {given}", param, ctx)
+        return parsed
+
+
 window_option = click.option(
     "--window",
-    type=click.FloatRange(min=1),
+    type=Checked(checks.WINDOW),
     default=300.0,
     show_default=True,
-    help="Seconds of recent history for the recent rates.",
+    help="Seconds of recent history for the recent rates (at least 1).",
 )
 
 api_key_file_option = click.option(

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from orchestrator.checks import DATASET
 from orchestrator.cli.common import (
+    Checked,
     db_option,
     end_progress,
     on_database,
@@ -17,7 +19,7 @@ from orchestrator.cli.common import (
     tty_progress,
 )
 from orchestrator.formats.choices import INPUT_FORMATS
-from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import ON_TRUNCATED, REGENERATE
 
 if TYPE_CHECKING:
     from orchestrator.enqueueing import Enqueued, EnqueueOptions, PlanFailed
@@ -60,7 +62,9 @@ _SAMPLING = (
     help="Enqueue every dataset of a run file (docs/CONFIG.md) instead of one FILE; the "
     "file is checked as a whole first.",
 )
-@click.option("--dataset", "-d", help="Dataset name (created on first use).")
+@click.option(
+    "--dataset", "-d", type=Checked(DATASET["dataset"]), help="Dataset name (created on first use)."
+)
 @click.option("--model", help="Model name sent with every request of the dataset.")
 @click.option("--max-tokens", type=click.IntRange(min=1), help="max_tokens of each request.")
 @click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature.")
@@ -74,12 +78,12 @@ _SAMPLING = (
 )
 @click.option(
     "--concurrency",
-    type=click.IntRange(min=1, max=INT_MAX),
+    type=Checked(DATASET["concurrency"]),
     help="Most requests of this dataset in flight at once, across all workers.",
 )
 @click.option(
     "--priority",
-    type=click.IntRange(min=-INT_MAX, max=INT_MAX),
+    type=Checked(DATASET["priority"]),
     help="Higher priority datasets are worked on first.",
 )
 @click.option(
@@ -181,7 +185,7 @@ def _options(
         raise click.UsageError("Missing option '--dataset' / '-d'.", ctx)
     named = {k: settings[k] for k in ("max_tokens", "temperature", "top_p")}
     body = request_body(_parse_params(settings["params"]), model=settings["model"], **named)
-    _check_params(body, named)
+    _check_params(body, {**named, "model": settings["model"]})
     sampling = _given(settings, _SAMPLING)
     if settings["passthrough"] and sampling:
         raise click.UsageError(

@@ -8,7 +8,9 @@ from typing import Any
 
 import click
 
+from orchestrator.checks import RUN
 from orchestrator.cli.common import (
+    Checked,
     api_key_file_option,
     basic_auth_file_option,
     db_option,
@@ -22,7 +24,7 @@ from orchestrator.errors import StorageError
 
 max_response_option = click.option(
     "--max-response-mb",
-    type=click.FloatRange(min=0.001),
+    type=Checked(RUN["max_response_mb"]),
     default=64.0,
     show_default=True,
     help="Most MiB of one answer's body; a larger one fails the item (response_too_large) "
@@ -88,36 +90,36 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
 )
 @click.option(
     "--give-up-after",
-    type=click.FloatRange(min=0, min_open=True),
+    type=Checked(RUN["give_up_after"]),
     metavar="SECONDS",
     help="Stop (exit 4) when no server has answered for this long; by default a worker "
     "waits for its servers as long as it takes.",
 )
 @click.option(
     "--request-timeout",
-    type=click.FloatRange(min=1),
+    type=Checked(RUN["request_timeout"]),
     default=3600.0,
     show_default=True,
     help="Seconds a whole request may take, streamed or not (long reasoning answers need long).",
 )
 @click.option(
     "--lease-seconds",
-    type=click.FloatRange(min=2),
+    type=Checked(RUN["lease_seconds"]),
     default=120.0,
     show_default=True,
     help="Lease length; renewed every quarter of it while a request is in flight.",
 )
-@click.option("--max-attempts", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--max-attempts", type=Checked(RUN["max_attempts"]), default=8, show_default=True)
 @click.option(
     "--retry-backoff",
-    type=click.FloatRange(min=0.01),
+    type=Checked(RUN["retry_backoff"]),
     default=2.0,
     show_default=True,
     help="First retry delay in seconds; doubles per attempt (±25 %), capped at 300.",
 )
 @click.option(
     "--grace",
-    type=click.FloatRange(min=0),
+    type=Checked(RUN["grace"]),
     default=30.0,
     show_default=True,
     help="Seconds in-flight requests get to finish after SIGTERM/SIGINT.",
@@ -130,7 +132,7 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
 )
 @click.option(
     "--stream-idle-timeout",
-    type=click.FloatRange(min=1),
+    type=Checked(RUN["stream_idle_timeout"]),
     default=120.0,
     show_default=True,
     help="Seconds a stream may go without a data event (SSE comments do not count).",

@@ -39,7 +39,7 @@ import orjson
 from orchestrator import atomicfile
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
-from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES
+from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES  # noqa: F401
 from orchestrator.quality import TOOL_MISMATCH, flag_names
 from orchestrator.store import access
 from orchestrator.store.outputs import (
@@ -58,6 +58,7 @@ from orchestrator.store.outputs import (
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from orchestrator.store.access import Batches
     from orchestrator.store.engine import Database
     from orchestrator.store.reader import Rows
 
@@ -98,12 +99,9 @@ class ExportOptions:
     include_failed: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ConfigError(f"unknown export format {self.format!r}: {', '.join(FORMATS)}")
-        if self.reasoning not in REASONING_MODES:
-            raise ConfigError(
-                f"unknown reasoning mode {self.reasoning!r}: {', '.join(REASONING_MODES)}"
-            )
+        from orchestrator.checks import EXPORT, check_all
+
+        check_all({name: getattr(self, name) for name in EXPORT}, EXPORT)
 
     @property
     def plain(self) -> bool:
@@ -825,14 +823,15 @@ def _line_batches(
             out.clear()
 
 
-async def iter_lines(
+def line_batches(
     database: Database,
     *,
     dataset_names: Sequence[str] = (),
     options: ExportOptions | None = None,
-) -> AsyncIterator[bytes]:
+) -> Batches[list[bytes]]:
     """The done items' lines one export file would hold, in its order, without a file:
-    the same line shapes as :func:`export_database` (one read transaction throughout).
+    the same line shapes as :func:`export_database` (one read transaction throughout,
+    ended by the last batch or the iterator's ``aclose``).
 
     ``split`` and ``include_failed`` name files and do not apply; each line is the bytes
     of one JSON object, without its newline.
@@ -843,9 +842,21 @@ async def iter_lines(
             "the lines of an export are one stream: split and include_failed name files"
         )
     produce = functools.partial(_line_batches, dataset_names=dataset_names, options=chosen)
-    async for lines in access.read_batches(database, produce):
-        for line in lines:
-            yield line
+    return access.read_batches(database, produce)
+
+
+async def iter_lines(
+    database: Database,
+    *,
+    dataset_names: Sequence[str] = (),
+    options: ExportOptions | None = None,
+) -> AsyncIterator[bytes]:
+    """:func:`line_batches`, a line at a time."""
+    batches = line_batches(database, dataset_names=dataset_names, options=options)
+    async with batches:
+        async for lines in batches:
+            for line in lines:
+                yield line
 
 
 async def export_jsonl(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import math
 import os
 import socket
 import time
@@ -31,7 +30,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from orchestrator import atomicfile
+from orchestrator import atomicfile, checks
 from orchestrator.errors import ConfigError, SchemaError
 from orchestrator.monitor import status as status_view
 from orchestrator.store import access, samples
@@ -193,6 +192,7 @@ class ServerViews:
 
 # ------------------------------------------------------------------ the app
 
+_UNIX_TIME = checks.Number()
 _SOURCE = web.AppKey("source", Source)
 _SERVERS = web.AppKey("servers", ServerViews)
 _WINDOW = web.AppKey("window", float)
@@ -260,15 +260,20 @@ def _host_check(hosts: Iterable[str]) -> Any:
     return check
 
 
-def _finite(request: web.Request, name: str, default: float, what: str) -> float:
-    """A query number; NaN and infinities are no numbers of seconds."""
-    try:
-        value = float(request.query.get(name, default))
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise web.HTTPBadRequest(text=f"{name} must be {what}")
-    return value
+def _number(request: web.Request, name: str, default: float, rule: checks.Rule) -> float:
+    """A query number by the rule the same value has everywhere (``orchestrator.checks``):
+    NaN and infinities are no numbers of seconds, nor is a window of -5."""
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    value: object = raw
+    with contextlib.suppress(ValueError):
+        value = float(raw)
+    want = rule.expected(value)
+    if want:
+        given = raw[:40] if raw.strip() else repr(raw)
+        raise web.HTTPBadRequest(text=f"{name} must be {want}, got {given}")
+    return value  # type: ignore[return-value]
 
 
 @web.middleware
@@ -305,14 +310,14 @@ async def _page(request: web.Request) -> web.Response:
 
 
 async def _status(request: web.Request) -> web.Response:
-    window = _finite(request, "window", request.app[_WINDOW], "a number of seconds")
+    window = _number(request, "window", request.app[_WINDOW], checks.WINDOW)
     snap = await request.app[_SOURCE].status(window)
     snap["servers"] = await request.app[_SERVERS].get()
     return _json(snap)
 
 
 async def _samples(request: web.Request) -> web.Response:
-    since = _finite(request, "since", 0.0, "a Unix time")
+    since = _number(request, "since", 0.0, _UNIX_TIME)
     return _json(await request.app[_SOURCE].history(since))
 
 

@@ -186,6 +186,8 @@ class Database:
         self._writer_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._file = _file_identity(url) if self.is_sqlite else None
         self._gone: StorageError | None = None
+        # Reads given up before their end, being ended on the loop (store.access.Batches).
+        self.reads_ending: set[asyncio.Future[None]] = set()
         if self._file is not None:
             event.listen(engine.sync_engine, "do_connect", self._before_connect)
 
@@ -342,13 +344,31 @@ class Database:
     @contextlib.asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
         """A read-only snapshot (deferred BEGIN on SQLite, so it never takes the write lock)."""
+        conn = await self.begin_read()
+        try:
+            yield conn
+        except DBAPIError as exc:
+            raise storage_error(exc, self.url) from exc
+        finally:
+            await conn.close()
+
+    async def begin_read(self) -> AsyncConnection:
+        """A connection in a read-only snapshot, for a read held across the caller's own
+        awaits (``store.access.Batches``): closing it ends the snapshot."""
         if self._gone is not None:
             raise self._gone
         try:
-            async with self._reader.connect() as conn, conn.begin():
-                yield conn
+            conn = await self._reader.connect()
         except DBAPIError as exc:
             raise storage_error(exc, self.url) from exc
+        try:
+            await conn.begin()
+        except BaseException as exc:
+            await conn.close()
+            if isinstance(exc, DBAPIError):
+                raise storage_error(exc, self.url) from exc
+            raise
+        return conn
 
     @property
     def _reader(self) -> AsyncEngine:
@@ -378,6 +398,8 @@ class Database:
             log.warning("checkpoint_skipped", mode=mode, error=str(getattr(exc, "orig", exc)))
 
     async def close(self) -> None:
+        if self.reads_ending:
+            await asyncio.gather(*self.reads_ending, return_exceptions=True)
         if self._writer_thread is not None:
             if self._sync_engine is not None:
                 loop = asyncio.get_running_loop()
