@@ -133,9 +133,11 @@ class Claims:
         trial = self.guard.trial(scope, self.held, now)
         if trial is not None and self.active + len(self.buffer) < concurrency:
             # One item of a dataset not yet answered in this run, before any more of it:
-            # any item, a dead worker's too (its only ones left may be those).
+            # one never put back if there is one, else any item, a dead worker's too
+            # (its only ones left may be those).
             self._trial_claim = trial.id
-            return Claim(self.owner, 1, self.config.lease_seconds, (trial.name,), None)
+            lease_seconds = self.config.lease_seconds
+            return Claim(self.owner, 1, lease_seconds, (trial.name,), None, fresh_first=True)
         if now < self._next_claim:
             return None
         prefetch = min(concurrency // 2, int(self._rate.per_second() * 0.02))
