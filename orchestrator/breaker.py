@@ -7,10 +7,11 @@ reason that may be run-level is therefore *held*: its outcome waits here until t
 evidence says which it is.
 
 * What counts together: a refusal no item can earn alone (401, 403, 404, 405, a
-  redirect: the key, the endpoint, the model) per server, across datasets, so that ten
-  small datasets with a wrong model name count as one large one; a 400 or 422 per
-  server, dataset and settings, by what identifies it (``cause``): its status and its
-  message without what the server echoed of the request.
+  redirect, a 400 or 422 that says the model is unknown: the key, the endpoint, the
+  model) per server, across datasets, so that ten small datasets with a wrong model
+  name count as one large one; another 400 or 422 per server, dataset and settings, by
+  what identifies it (``cause``): its status and its message without what the server
+  echoed of the request.
 * An answer from the same server for the same dataset and settings says the setting
   works: the items held there failed on their own, and fail now.
 * ``threshold`` different items held for one cause, with no answer in between, trip the
@@ -42,6 +43,14 @@ SERVER_LEVEL = frozenset({"http_401", "http_403", "http_404", "http_405", "redir
 #: Rejections that are run-level when several items get the same one (see ``cause``);
 #: they count per server, dataset and settings.
 SAME_MESSAGE = frozenset({"http_400", "http_422"})
+
+#: A 400 or 422 that says the model is unknown (LiteLLM, OpenRouter and others answer
+#: so where vLLM answers 404): server-level too.
+_UNKNOWN_MODEL = re.compile(
+    r"\bmodel\b.{0,80}?\b(does not exist|not found|is not served|not a valid model)"
+    r"|\b(unknown|invalid|unsupported|no such) model\b",
+    re.IGNORECASE,
+)
 
 _CONTEXT = re.compile(
     r"context (length|size|window)|maximum context|context_length|prompt is too long"
@@ -82,11 +91,18 @@ def cause(error_class: str, message: str) -> str | None:
     without what the server echoed of the request (``plain``): FastAPI's 422 quotes each
     request back, so no two raw texts match, yet it is one refusal.
     """
-    if error_class in SERVER_LEVEL:
+    if server_level(error_class, message):
         return error_class
     if error_class in SAME_MESSAGE and not _CONTEXT.search(message):
         return f"{error_class} {plain(message)}"
     return None
+
+
+def server_level(error_class: str, message: str) -> bool:
+    """A refusal no item earns alone: it counts per server, across datasets."""
+    if error_class in SERVER_LEVEL:
+        return True
+    return error_class in SAME_MESSAGE and _UNKNOWN_MODEL.search(message) is not None
 
 
 def plain(message: str) -> str:
@@ -144,7 +160,9 @@ def _value_end(text: str, start: int) -> int:
     return at
 
 
-def advice(error_class: str) -> str:
+def advice(error_class: str, message: str = "") -> str:
+    if error_class in SAME_MESSAGE and _UNKNOWN_MODEL.search(message):
+        return ADVICE["http_404"]
     return ADVICE.get(error_class, _PARAM_ADVICE)
 
 
@@ -161,7 +179,7 @@ class Trip:
 
     @property
     def advice(self) -> str:
-        return advice(self.error_class)
+        return advice(self.error_class, self.message)
 
 
 @dataclass(slots=True)
@@ -223,7 +241,7 @@ class Breaker(Generic[T]):
         if found is None:
             return False
         self._out.pop(item, None)
-        where = None if error_class in SERVER_LEVEL else dataset
+        where = None if server_level(error_class, message) else dataset
         run = self._runs.setdefault(
             (server, where, found), _Run(server, where, error_class, message)
         )

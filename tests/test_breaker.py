@@ -27,6 +27,7 @@ VLLM_CONTEXT = (
         ("http_400", VLLM_CONTEXT.format(n=5000, p=4488), False),
         ("http_400", "the request exceeds the available context size, try increasing it", False),
         ("http_400", "Input length (5000 tokens) exceeds the maximum allowed length", False),
+        ("http_400", "Invalid model name passed in model=gpt-x", True),
         ("http_413", "payload too large", False),
         ("http_500", "internal error", False),
         ("timeout", "no answer", False),
@@ -132,6 +133,26 @@ def test_a_server_level_refusal_counts_across_datasets(datasets: list[int], thre
         assert breaker.tripped.datasets == tuple(dict.fromkeys(datasets[:threshold]))
 
 
+@pytest.mark.parametrize(
+    ("error_class", "message"),
+    [
+        ("http_404", "HTTP 404: The model `MODEL` does not exist."),
+        ("http_400", "HTTP 400: Invalid model name passed in model=MODEL"),
+        ("http_400", "HTTP 400: MODEL is not a valid model ID"),
+        ("http_422", "HTTP 422: model 'MODEL.5' not found"),
+    ],
+)
+def test_an_unknown_model_counts_across_datasets_whatever_the_status(
+    error_class: str, message: str
+) -> None:
+    breaker: Breaker[int] = Breaker(threshold=3)
+    for dataset in range(3):
+        said = message.replace("MODEL", f"model-{dataset}")
+        assert breaker.rejected("s", dataset, dataset, error_class, said, dataset)
+    assert breaker.tripped is not None and breaker.tripped.datasets == (0, 1, 2)
+    assert "model name" in breaker.tripped.advice
+
+
 def test_an_answer_clears_a_server_level_run_of_its_own_dataset_only() -> None:
     breaker: Breaker[str] = Breaker(threshold=3)
     assert breaker.rejected("s", 1, 1, "http_404", "HTTP 404: no model a", "a")
@@ -153,9 +174,9 @@ def test_an_answer_clears_a_server_level_run_of_its_own_dataset_only() -> None:
 def test_a_burst_with_bad_items_waits_for_the_answers_sent_before(
     burst: int, data: st.DataObject
 ) -> None:
-    """A burst of requests out at once, some refused the same way before any answer:
-    the breaker waits for the requests sent before, and the answer that comes fails the
-    refused items alone, whatever the order."""
+    """A burst of requests out at once, some refused the same way, one answered, in any
+    order: the refusals before the answer fail alone with it; the breaker trips only
+    on five or more after it, once every request sent before is back."""
     breaker: Breaker[int] = Breaker(threshold=5)
     for item in range(burst):
         breaker.sent(item, "d")
@@ -163,14 +184,18 @@ def test_a_burst_with_bad_items_waits_for_the_answers_sent_before(
     refused = data.draw(st.sets(st.integers(0, burst - 1).filter(lambda i: i != answered)))
     order = data.draw(st.permutations([*refused, answered]))
     failed: list[int] = []
-    for item in order:
+    for step, item in enumerate(order):
         if item == answered:
             failed += breaker.answered("s", "d")
         else:
             assert breaker.rejected("s", "d", item, "http_400", "HTTP 400: alternate", item)
         breaker.back(item)
-        assert breaker.tripped is None
-    assert sorted(failed) == sorted(i for i in refused if order.index(i) < order.index(answered))
+        assert breaker.tripped is None or step == len(order) - 1
+    before = order[: order.index(answered)]
+    assert sorted(failed) == sorted(before)
+    everything_back = len(order) == burst  # the rest may still answer
+    after = len(order) - len(before) - 1
+    assert (breaker.tripped is not None) == (after >= 5 and everything_back)
 
 
 def test_a_refusal_of_every_request_out_trips_once_they_are_back() -> None:
