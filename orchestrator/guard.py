@@ -37,8 +37,8 @@ from orchestrator.store.datasets import DatasetInfo
 
 log = structlog.get_logger("orchestrator.guard")
 
-#: Seconds with nothing in flight after which held rejections are decided as the items'
-#: own: no more evidence is coming.
+#: Seconds with nothing in flight (and no claim being written) after which held
+#: rejections are decided as the items' own: no more evidence is coming.
 QUIET_SECONDS = 1.0
 
 

@@ -29,8 +29,10 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def queue(tmp_path: Path, n: int = 200, *options: str, name: str = "d") -> Path:
-    db = tmp_path / "q.db"
+def queue(
+    tmp_path: Path, n: int = 200, *options: str, name: str = "d", db: Path | str | None = None
+) -> Path | str:
+    db = db or tmp_path / "q.db"
     src = write_jsonl(tmp_path / f"{name}.jsonl", prompts(n, prefix=name))
     result = cli("enqueue", str(src), "-d", name, "--db", str(db), *options)
     assert result.returncode == 0, result.stderr
@@ -49,7 +51,7 @@ def last_line(stderr: str) -> str:
     return lines[-1] if lines else ""
 
 
-def untouched(db: Path) -> bool:
+def untouched(db: Path | str) -> bool:
     """Every item pending with no attempt spent."""
     return {(state, attempts) for _, state, attempts in item_rows(db)} == {("pending", 0)}
 
@@ -70,9 +72,9 @@ def test_the_example_runs_against_the_simulated_server_as_it_is(
 
 
 def test_a_model_the_server_does_not_serve_stops_the_run_and_fails_nothing(
-    tmp_path: Path, sim_process: SimFactory
+    tmp_path: Path, db_url: str, sim_process: SimFactory
 ) -> None:
-    db = queue(tmp_path, 200, "--model", "Qwen/Qwen3-8B")
+    db = queue(tmp_path, 200, "--model", "Qwen/Qwen3-8B", db=db_url)
     server = sim_process("--model", "sim-model")
     result = run(db, "--server", server.url)
     assert result.returncode == 5, result.stderr
@@ -169,7 +171,7 @@ def test_a_wrong_model_in_many_small_datasets_stops_the_run(
     # dataset had five items of its own to give.
     assert 5 <= int(found[1]) <= 40
     assert len(found[2].split(", ")) >= 2
-    assert untouched(db)
+    assert untouched(db), query(db, "SELECT key, state, attempts, last_error FROM items")
 
 
 def test_a_400_only_some_items_get_fails_those_items_alone(

@@ -202,7 +202,9 @@ class Worker:
                     await self.catalog.load()
                     if self.metrics is not None:
                         self.metrics.set_items(await self.queue.counts())
-            self.gate.quiet(bool(self.claims.in_flight))
+            # A claim being written is evidence on its way too: a slow round between
+            # two datasets' trials must not decide what is held.
+            self.gate.quiet(bool(self.claims.in_flight) or self.claims.claiming)
             if (
                 self.config.exit_when_done
                 and not self.claims.held
