@@ -126,9 +126,23 @@ def _error_reason(status: int, body: bytes) -> str:
                 text = doc["message"]
             elif isinstance(doc.get("detail"), str):
                 text = doc["detail"]
+            elif isinstance(doc.get("detail"), list):
+                text = _validation_errors(doc["detail"]) or text
     except orjson.JSONDecodeError:
         pass
     return f"HTTP {status}: {text}" if text else f"HTTP {status}"
+
+
+def _validation_errors(detail: list[Any]) -> str:
+    """FastAPI's validation errors (a 422's ``detail``), each as ``loc: msg``: without
+    the ``input`` each one echoes, which is the request's own body."""
+    said = []
+    for error in detail[:10]:
+        if isinstance(error, dict) and isinstance(error.get("msg"), str):
+            loc = error.get("loc")
+            where = ".".join(str(part) for part in loc) if isinstance(loc, list) else ""
+            said.append(f"{where}: {error['msg']}" if where else error["msg"])
+    return "; ".join(said)
 
 
 def _retry_after(headers: Any, now: float | None = None) -> float | None:

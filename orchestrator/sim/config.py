@@ -83,6 +83,11 @@ class SimConfig:
             benchmark of a slow server finishes in seconds.
         max_model_len: the context length (0: none): a request whose prompt and
             ``max_tokens`` exceed it gets vLLM's 400, which names its own lengths.
+        refusals: text -> message: a request whose messages contain the text gets a 400
+            with that message, the same for every such request (a bad item among good
+            ones: an image URL the server cannot fetch, roles that do not alternate).
+        required_fields: body fields a request must have, else FastAPI's 422, whose
+            ``detail`` echoes the whole request body (``input``), as pydantic does.
     """
 
     model: str | None = None
@@ -104,6 +109,8 @@ class SimConfig:
     prefill_per_token: float = 0.00002
     time_scale: float = 1.0
     max_model_len: int = 0
+    refusals: dict[str, str] = field(default_factory=dict)
+    required_fields: tuple[str, ...] = ()
 
     @property
     def batching(self) -> bool:
@@ -151,6 +158,9 @@ class SimConfig:
         total = sum(self.faults.values())
         if total > 1.0 + 1e-9:
             raise ValueError(f"fault rates add up to {total:g}, more than 1")
+        for text, message in self.refusals.items():
+            if not text or not message:
+                raise ValueError(f"refusal {text!r}={message!r} needs a text and a message")
         for start, duration in self.outages:
             if start < 0 or duration <= 0:
                 raise ValueError(
@@ -191,3 +201,13 @@ def parse_outage(spec: str) -> tuple[float, float]:
     if not (math.isfinite(start) and math.isfinite(duration)) or start < 0 or duration <= 0:
         raise ValueError(f"bad outage spec {spec!r}: needs START >= 0 and DURATION > 0")
     return start, duration
+
+
+def parse_refusal(spec: str) -> tuple[str, str]:
+    """Parse a CLI refusal spec ``TEXT=MESSAGE``: requests containing TEXT get a 400."""
+    text, sep, message = spec.partition("=")
+    if not sep or not text or not message.strip():
+        raise ValueError(
+            f"bad refusal spec {spec!r}: expected TEXT=MESSAGE, e.g. 'BAD=Invalid image URL'"
+        )
+    return text, message.strip()

@@ -511,6 +511,9 @@ def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
         return _bad_request(f"request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return _bad_request("request body must be a JSON object")
+    missing = [name for name in state.config.required_fields if name not in body]
+    if missing:
+        return _unprocessable(body, missing)
     messages = body.get("messages")
     if messages is None:
         return _bad_request("'messages' is a required property")
@@ -536,7 +539,21 @@ def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
     problem = _check_tools(body.get("tools"), body.get("tool_choice"))
     if problem:
         return _bad_request(problem)
+    text = orjson.dumps(messages).decode()
+    for marker, message in state.config.refusals.items():
+        if marker in text:
+            return _bad_request(message)
     return body
+
+
+def _unprocessable(body: dict[str, Any], missing: list[str]) -> web.Response:
+    """FastAPI's answer to a body that fails validation: each error echoes its input,
+    here the whole request, so no two requests get the same text."""
+    detail = [
+        {"type": "missing", "loc": ["body", name], "msg": "Field required", "input": body}
+        for name in missing
+    ]
+    return web.Response(status=422, body=orjson.dumps({"detail": detail}), content_type=_JSON)
 
 
 def _check_tools(tools: Any, choice: Any) -> str | None:

@@ -63,6 +63,9 @@ class Lease:
     generated_tokens: int = 0
     generated_flags: int = 0
     generated_latency: float = 0.0
+    # The error the item was last put back to pending with (a retry, or a release: the
+    # run guard's, when it stopped a run while holding it), as stored; None: none.
+    last_failure: Failure | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +213,9 @@ class Claim:
     #: ``started`` caches the datasets found to have had theirs, across claims.
     scouts: int = 0
     started: set[int] = field(default_factory=set)
+    #: Take items never put back (no error kept) before any other: a dataset's trial
+    #: item is then not one the run guard held when an earlier run stopped.
+    fresh_first: bool = False
 
 
 @dataclass(slots=True)
@@ -630,7 +636,9 @@ def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
         )
         got: list[Lease] = []
         if suspect_slots is None:
-            got = claim_from(n, None)
+            if claim.fresh_first:
+                got = claim_from(n, None, fresh=True)
+            got += claim_from(n - len(got), None)
         else:
             if suspect_slots > 0:
                 got = claim_from(min(n, suspect_slots), True)
@@ -685,9 +693,9 @@ def _claimable_datasets(
     return candidates, running
 
 
-def _claim_sql(suspects: bool | None, postgres: bool) -> str:
+def _claim_sql(suspects: bool | None, postgres: bool, fresh: bool = False) -> str:
     """Take up to :n pending items of a dataset in input order: suspects only, none, or
-    (None) any.
+    (None) any; ``fresh``: only items never put back (no error kept).
 
     On PostgreSQL rows another claim has locked are skipped, not waited for; a row
     claimed and committed since this statement's snapshot is re-checked under the lock
@@ -700,13 +708,15 @@ def _claim_sql(suspects: bool | None, postgres: bool) -> str:
             if suspects
             else " AND (error_class IS NULL OR error_class != :lost)"
         )
+    if fresh:
+        only += " AND error_class IS NULL"
     lock = " FOR UPDATE SKIP LOCKED" if postgres else ""
     return (
         "UPDATE items SET state = 'running', attempts = attempts + 1, lease_token = :token,"
         " lease_owner = :owner, lease_expires_at = :expires, updated_at = :now"
         " WHERE id IN (SELECT id FROM items WHERE dataset_id = :dataset AND state = 'pending'"
         f" AND not_before <= :now{only} ORDER BY position LIMIT :n{lock})"
-        " RETURNING id, key, position, request, attempts, error_class, turn, turns"
+        " RETURNING id, key, position, request, attempts, error_class, turn, turns, last_error"
     )
 
 
@@ -720,8 +730,10 @@ def _claim_from(
     owner: str,
     expires: float,
     now: float,
+    fresh: bool = False,
 ) -> list[Lease]:
-    """Claim ``n`` of a dataset's items: suspects only, none, or (None) any."""
+    """Claim ``n`` of a dataset's items: suspects only, none, or (None) any; ``fresh``:
+    only those never put back."""
     if n <= 0:
         return []
     st = _Statements(conn)
@@ -735,11 +747,11 @@ def _claim_from(
     }
     if suspects is not None:
         params["lost"] = LEASE_LOST
-    rows = st.rows(_claim_sql(suspects, st.postgres), params)
+    rows = st.rows(_claim_sql(suspects, st.postgres, fresh), params)
     rows.sort(key=lambda r: r[2])
     resumed = _generated_turns(conn, [r[0] for r in rows if r[6] > 0])
     leases = []
-    for item_id, key, _, request, attempts, error_class, turn, turns in rows:
+    for item_id, key, _, request, attempts, error_class, turn, turns, last_error in rows:
         before = resumed.get(item_id, _NOTHING_GENERATED)
         leases.append(
             Lease(
@@ -757,6 +769,7 @@ def _claim_from(
                 generated_tokens=before.tokens,
                 generated_flags=before.flags,
                 generated_latency=before.latency,
+                last_failure=Failure(error_class, last_error or "") if error_class else None,
             )
         )
     return leases

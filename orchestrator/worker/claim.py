@@ -117,6 +117,8 @@ class Claims:
         self._next_suspect_probe = 0.0
         self._rate = _Rate()
         self._trial_claim: int | None = None  # the dataset of the round's trial claim
+        #: A claim is being written: items (a trial, say) may be on their way.
+        self.claiming = False
 
     @property
     def in_flight(self) -> int:
@@ -125,6 +127,11 @@ class Claims:
 
     def plan(self) -> Claim | None:
         """How much to ask for in the committer's next round (None: nothing)."""
+        claim = self._plan()
+        self.claiming = claim is not None
+        return claim
+
+    def _plan(self) -> Claim | None:
         if self._stopping.is_set() or not self.pool.available.is_set():
             return None
         now = time.monotonic()
@@ -133,9 +140,11 @@ class Claims:
         trial = self.guard.trial(scope, self.held, now)
         if trial is not None and self.active + len(self.buffer) < concurrency:
             # One item of a dataset not yet answered in this run, before any more of it:
-            # any item, a dead worker's too (its only ones left may be those).
+            # one never put back if there is one, else any item, a dead worker's too
+            # (its only ones left may be those).
             self._trial_claim = trial.id
-            return Claim(self.owner, 1, self.config.lease_seconds, (trial.name,), None)
+            lease_seconds = self.config.lease_seconds
+            return Claim(self.owner, 1, lease_seconds, (trial.name,), None, fresh_first=True)
         if now < self._next_claim:
             return None
         prefetch = min(concurrency // 2, int(self._rate.per_second() * 0.02))
@@ -161,6 +170,7 @@ class Claims:
 
     def deliver(self, leases: list[Lease], claim: Claim) -> None:
         """Hold what the committer claimed, and start what fits."""
+        self.claiming = False
         trial, self._trial_claim = self._trial_claim, None
         if trial is not None:
             now = time.monotonic()

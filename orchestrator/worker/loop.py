@@ -140,26 +140,27 @@ class Worker:
         outcome: Outcome | None = None
         try:
             info = await self.catalog.get(held.lease.dataset_id)
+            self.gate.started(held.lease, info)
             outcome = await self.caller.item(held, info)
         finally:
             # The slot is free once the answer is in; the write happens in a later round.
             self.claims.slot_freed()
-            if outcome is not None:
-                self._hand_over(outcome)
-            else:
-                self.committer.poke()
+            self._hand_over(held.lease.item_id, outcome)
 
-    def _hand_over(self, outcome: Outcome) -> None:
+    def _hand_over(self, item_id: int, outcome: Outcome | None) -> None:
         """Queue an item's outcome for writing, past the run guard."""
-        if self.gate.passes(outcome):
+        if self.gate.passes(item_id, outcome):
+            assert outcome is not None
             self.committer.submit(outcome)
+        elif outcome is None:
+            self.committer.poke()
 
     def _settled(self, entry: Outcome, accepted: bool) -> None:
         """The committer wrote an outcome (``accepted``: its lease was still ours)."""
         entry.written(accepted)
         lease = entry.lease
         if isinstance(entry, Advance) and accepted:
-            self.gate.answered(entry.output.server, lease.dataset_id)
+            self.gate.answered(entry.output.server, lease.dataset_id, entry.output)
             self.stats.turns += 1
             if self.metrics is not None:
                 summary.observe(self.metrics, self.catalog.name(lease.dataset_id), entry)
@@ -202,7 +203,9 @@ class Worker:
                     await self.catalog.load()
                     if self.metrics is not None:
                         self.metrics.set_items(await self.queue.counts())
-            self.gate.quiet(bool(self.claims.in_flight))
+            # A claim being written is evidence on its way too: a slow round between
+            # two datasets' trials must not decide what is held.
+            self.gate.quiet(bool(self.claims.in_flight) or self.claims.claiming)
             if (
                 self.config.exit_when_done
                 and not self.claims.held
