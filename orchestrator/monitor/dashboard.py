@@ -364,7 +364,16 @@ async def gather_report(
 
 
 def write_report(out: Path, data: dict[str, Any]) -> None:
-    """Written to a temporary file beside ``out`` and renamed: all or nothing."""
+    """Written to a temporary file beside ``out`` and renamed: all or nothing. A stream (a
+    FIFO, ``>(cmd)``, /dev/stdout: ``atomicfile.open_stream``) is written in place."""
+    try:
+        stream = atomicfile.open_stream(out)
+    except OSError as exc:
+        raise ConfigError(f"{out}: cannot write there ({exc.strerror or exc})") from exc
+    if stream is not None:
+        with os.fdopen(stream, "w", encoding="utf-8") as fh:
+            fh.write(embed(data))
+        return
     folder = out.resolve().parent
     if not folder.is_dir():
         raise ConfigError(f"{out}: directory {folder} does not exist")
