@@ -2,7 +2,9 @@
 
 Every file is written beside its destination under a temporary name, flushed to disk and
 renamed over the destination once all of an export's files are complete: a crash
-mid-export leaves the previous files intact, and a reader never sees half a file. Order
+mid-export leaves the previous files intact, and a reader never sees half a file. A stream
+(standard output, a FIFO, ``>(cmd)``, ``/dev/stdout``: ``atomicfile.open_stream``) has
+nothing to rename and is written in place, as the lines come. Order
 and bytes depend only on the committed rows, so exporting twice gives identical files.
 
 The stored message and usage are orjson's own encoding of what was received (the store
@@ -520,7 +522,8 @@ def _write_error(target: Path, exc: OSError) -> ConfigError:
 
 
 class _Staged:
-    """Files written under temporary names, renamed over their targets together at the end.
+    """Files written under temporary names, renamed over their targets together at the end
+    (streams are written in place).
 
     While any temporary file exists, SIGTERM does what SIGINT does (from the main thread:
     ``KeyboardInterrupt``, or the event loop's cancellation), so that a stop by a service
