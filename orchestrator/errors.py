@@ -4,7 +4,9 @@
     ├── InputError               a bad input file or line: names the file and line
     ├── ConfigError              an impossible option or dataset setting
     ├── StorageError             the database cannot be used (locked, full, read-only, ...)
-    │   └── SchemaError          the database schema is newer than this code, or not ours
+    │   ├── SchemaError          the database schema is newer than this code, or not ours
+    │   └── EmptyDatabase        no schema yet, nothing enqueued: only ``enqueue`` (or
+    │                            ``db upgrade``) may use it, and ``doctor`` just says so
     ├── RunStopped               ``run`` ended with its work not done (see its subclasses)
     │   ├── ServersUnreachable   no server answered within ``--give-up-after`` (exit 4)
     │   ├── RunHalted            a setting is wrong for every request: the circuit breaker
@@ -60,6 +62,10 @@ class StorageError(OrchestratorError):
 
 class SchemaError(StorageError):
     pass
+
+
+class EmptyDatabase(StorageError):
+    """A database without the schema and without anything else in it (a 0-byte file)."""
 
 
 class RunStopped(OrchestratorError):

@@ -181,8 +181,8 @@ async def test_page_shows_the_database_and_follows_it(
 
 async def test_dashboard_refuses_a_missing_database(tmp_path: Path) -> None:
     result = cli("dashboard", "--db", str(tmp_path / "nothing.db"), "--port", "0")
-    assert result.returncode == 2
-    assert "no such database" in result.stderr
+    assert result.returncode == 3  # as for every command that reads a missing database
+    assert f"no database at {tmp_path / 'nothing.db'}" in result.stderr
     assert not (tmp_path / "nothing.db").exists()
 
 

@@ -392,7 +392,7 @@ def test_plan_of_a_run_file_counts_answers_done(tmp_path: Path) -> None:
 def test_plan_refusals(tmp_path: Path) -> None:
     db = tmp_path / "none.db"
     code, _, err = invoke("plan", "--db", str(db))
-    assert code == 2 and f"no database at {db}" in err
+    assert code == 3 and f"no database at {db}" in err  # as for every read (docs/CONFIG.md)
     assert not db.exists()
     config = small_run(tmp_path, "top_p = 2\n")
     code, out, err = invoke("plan", "--config", str(config), "--db", str(db))

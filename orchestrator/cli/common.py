@@ -8,6 +8,7 @@ fast paths load this module, and never SQLAlchemy, asyncio or structlog.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import sys
@@ -172,9 +173,43 @@ def run_sync(fn: Callable[[], T]) -> T:
     except OrchestratorError as exc:
         fail(str(exc), exc.exit_code)
     except OSError as exc:
+        if exc.errno == errno.EPIPE:
+            raise  # the reader went away: a quiet end (``quiet_broken_pipe``), no message
         # A file the command had to read or write, and the system's reason, in one line.
         where = f"{exc.filename}: " if exc.filename else ""
         fail(f"{where}{exc.strerror or exc}", ConfigError.exit_code)
+
+
+# What a shell reports for a writer that SIGPIPE ended (`seq 1000000 | head -1`).
+BROKEN_PIPE_EXIT = 128 + 13
+
+
+def quiet_broken_pipe() -> NoReturn:
+    """End as a writer whose reader has gone: nothing more printed, exit status 141.
+
+    Standard output and error are pointed at /dev/null first, so that flushing what is
+    still buffered at exit cannot fail again.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            os.dup2(devnull, fd)
+    os.close(devnull)
+    sys.exit(BROKEN_PIPE_EXIT)
+
+
+def refuse_closed_stdout() -> None:
+    """Stop before anything runs when standard output is closed (``>&-``).
+
+    Python then drops every print without a word, so a command's output would be lost;
+    and the next file opened could take descriptor 1.
+    """
+    if sys.stdout is None:
+        fail(
+            "standard output is closed (>&-): nothing could be written to it; redirect "
+            "it to a file, or to /dev/null to discard it",
+            ConfigError.exit_code,
+        )
 
 
 def fail(message: str, exit_code: int) -> NoReturn:

@@ -34,11 +34,12 @@ from orchestrator import atomicfile, checks
 from orchestrator.errors import ConfigError, SchemaError
 from orchestrator.monitor import status as status_view
 from orchestrator.store import access, samples
-from orchestrator.store.migrate import SCHEMA_REVISION
+from orchestrator.store.migrate import check_sqlite
 from orchestrator.store.reader import sqlite_path
 from orchestrator.store.stats import WINDOW_SECONDS
 
 if TYPE_CHECKING:
+    from orchestrator.store.engine import Database
     from orchestrator.store.reader import Rows
 
 log = structlog.get_logger("orchestrator.dashboard")
@@ -83,14 +84,11 @@ class SqliteSource:
         self.path = path
 
     def check(self) -> None:
-        if not os.path.exists(self.path):
-            raise ConfigError(f"{self.path}: no such database")
+        """The checks of every read-only command (``migrate.check_sqlite``), then a read."""
+        check_sqlite(self.path, "read")
         reader = access.fast_reader(self.path)
         if reader is None:
-            raise SchemaError(
-                f"{self.path}: not an orchestrator database at schema {SCHEMA_REVISION} "
-                "(run `orchestrator db upgrade` first; the dashboard only reads)"
-            )
+            raise SchemaError(f"{self.path}: cannot be read as a current database")
         reader.close()
 
     async def _read(self, fn: Callable[[Rows], T]) -> T:
@@ -119,20 +117,15 @@ class SqliteSource:
 class EngineSource:
     """Any other database (PostgreSQL), through the store's engine; never upgraded."""
 
-    def __init__(self, db: str):
-        from orchestrator.store.engine import create_database
+    def __init__(self, database: Database):
+        self.database = database
 
-        self.database = create_database(db)
+    @classmethod
+    async def open(cls, db: str) -> EngineSource:
+        """Opened as every read-only command opens a database (``mode="read"``)."""
+        from orchestrator.store import open_database
 
-    async def check(self) -> None:
-        from orchestrator.store.migrate import current_revision
-
-        current = await current_revision(self.database)
-        if current != SCHEMA_REVISION:
-            raise SchemaError(
-                f"{self.database.where}: schema {current!r}, not {SCHEMA_REVISION!r} "
-                "(run `orchestrator db upgrade` first; the dashboard only reads)"
-            )
+        return cls(await open_database(db, mode="read"))
 
     async def status(self, window: float) -> dict[str, Any]:
         return await status_view.snapshot(self.database, window=window)
@@ -154,13 +147,7 @@ async def open_source(db: str | None) -> Source:
         source = SqliteSource(path)
         source.check()
         return source
-    engine = EngineSource(db or "")
-    try:
-        await engine.check()
-    except BaseException:
-        await engine.close()
-        raise
-    return engine
+    return await EngineSource.open(db or "")
 
 
 # ------------------------------------------------------------------ servers
@@ -382,7 +369,16 @@ async def gather_report(
 
 
 def write_report(out: Path, data: dict[str, Any]) -> None:
-    """Written to a temporary file beside ``out`` and renamed: all or nothing."""
+    """Written to a temporary file beside ``out`` and renamed: all or nothing. A stream (a
+    FIFO, ``>(cmd)``, /dev/stdout: ``atomicfile.open_stream``) is written in place."""
+    try:
+        stream = atomicfile.open_stream(out)
+    except OSError as exc:
+        raise ConfigError(f"{out}: cannot write there ({exc.strerror or exc})") from exc
+    if stream is not None:
+        with os.fdopen(stream, "w", encoding="utf-8") as fh:
+            fh.write(embed(data))
+        return
     folder = out.resolve().parent
     if not folder.is_dir():
         raise ConfigError(f"{out}: directory {folder} does not exist")
