@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchestrator.sim.lengths import LengthModel
 
 #: Fault kinds in the order their probability ranges are laid out on ``[0, 1)``.
 FAULT_KINDS: tuple[str, ...] = (
@@ -83,6 +87,12 @@ class SimConfig:
             benchmark of a slow server finishes in seconds.
         max_model_len: the context length (0: none): a request whose prompt and
             ``max_tokens`` exceed it gets vLLM's 400, which names its own lengths.
+        length_model: answer lengths by dataset (``orchestrator.sim.lengths``), drawn
+            from each request's digest; None: ``mean_tokens`` for every request.
+        trace: a file the batching model writes each decode step to, one JSON line:
+            ``t`` (simulated seconds since the first request, idle time included),
+            ``batch`` (requests decoded, one token each), ``queued``, ``finished``
+            (answers completed by the step) and ``kv`` (cache tokens in use).
     """
 
     model: str | None = None
@@ -104,6 +114,8 @@ class SimConfig:
     prefill_per_token: float = 0.00002
     time_scale: float = 1.0
     max_model_len: int = 0
+    length_model: LengthModel | None = None
+    trace: str | None = None
 
     @property
     def batching(self) -> bool:
