@@ -24,6 +24,7 @@ import functools
 import secrets
 import sqlite3
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -605,18 +606,25 @@ def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
             for dataset_id, cap, _ in level
         }
         room = {dataset_id: n for dataset_id, n in room.items() if n > 0}
-        shares = _longest_first(conn, room, left, claim.lengths, now) if len(room) > 1 else room
-        for dataset_id, n in shares.items():
+        if len(room) == 1:
+            [(dataset_id, n)] = room.items()
+            sequence = [dataset_id] * n
+        else:
+            sequence = _longest_first(conn, room, left, claim.lengths, now)
+        got: dict[int, deque[Lease]] = {}
+        for dataset_id, n in Counter(sequence).items():
             if suspect_slots is None:
-                got = _claim_from(conn, dataset_id, n, None, lease)
+                taken = _claim_from(conn, dataset_id, n, None, lease)
             else:
-                got = []
+                taken = []
                 if suspect_slots > 0:
-                    got = _claim_from(conn, dataset_id, min(n, suspect_slots), True, lease)
-                    suspect_slots -= len(got)
-                got += _claim_from(conn, dataset_id, n - len(got), False, lease)
-            leases.extend(got)
-            left -= len(got)
+                    taken = _claim_from(conn, dataset_id, min(n, suspect_slots), True, lease)
+                    suspect_slots -= len(taken)
+                taken += _claim_from(conn, dataset_id, n - len(taken), False, lease)
+            got[dataset_id] = deque(taken)
+            left -= len(taken)
+        # In rank order across the datasets: the worker starts them in this order.
+        leases.extend(got[d].popleft() for d in sequence if got[d])
     return leases
 
 
@@ -656,9 +664,10 @@ def _longest_first(
     want: int,
     lengths: Mapping[int, Expected],
     now: float,
-) -> dict[int, int]:
-    """How many to take from each dataset of one priority: the ``want`` longest ranked
-    answers among the first ``room`` of each (an index range of ``ix_items_longest``)."""
+) -> list[int]:
+    """The datasets of one priority to take the next ``want`` items from, in turn: the
+    longest ranked answers among the first ``room`` of each (an index range of
+    ``ix_items_longest``); ties go to the dataset listed first."""
     st = _Statements(conn)
     ranked: list[tuple[float, int, int]] = []
     for order, (dataset_id, n) in enumerate(room.items()):
@@ -666,10 +675,7 @@ def _longest_first(
         heads = st.rows(_HEADS, {"dataset": dataset_id, "now": now, "n": n})
         ranked.extend((-rank(row[0]), order, dataset_id) for row in heads)
     ranked.sort()
-    shares: dict[int, int] = {}
-    for _, _, dataset_id in ranked[:want]:
-        shares[dataset_id] = shares.get(dataset_id, 0) + 1
-    return shares
+    return [dataset_id for _, _, dataset_id in ranked[:want]]
 
 
 _AS_PREDICTED = Expected()
