@@ -2,7 +2,7 @@
 generated tokens per second over the simulated time, one line per strategy.
 
     .venv/bin/pip install -e '.[bench]'
-    .venv/bin/python benchmarks/plot_makespan.py FIGURES.json docs/img/makespan.png
+    .venv/bin/python benchmarks/plot_makespan.py FIGURES.json docs/img/makespan.png [--skip TEXT]
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("figures", type=Path, help="the JSON that bench_makespan.py wrote")
     parser.add_argument("out", type=Path, help="the PNG to write")
+    parser.add_argument(
+        "--skip", action="append", default=[], help="leave out strategies whose name has this"
+    )
     args = parser.parse_args()
     doc = json.loads(args.figures.read_text())
 
@@ -26,7 +29,8 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, (running, tokens) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
-    for n, outcome in enumerate(doc["outcomes"]):
+    shown = [o for o in doc["outcomes"] if not any(text in o["name"] for text in args.skip)]
+    for n, outcome in enumerate(shown):
         timeline = outcome["timeline"]
         if not timeline:
             continue
