@@ -216,7 +216,7 @@ def run_sequential(work: Path, rows: list[workload.Line], time_scale: float) -> 
     return from_trace("one after another (150 / 32)", trace, wall, retracted)
 
 
-def main() -> int:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=3000)
     parser.add_argument("--time-scale", type=float, default=0.1)
@@ -241,7 +241,11 @@ def main() -> int:
         "--levers", action="store_true", help="also each claim order's own cost, offline"
     )
     parser.add_argument("--keep", type=Path, help="keep data, databases, traces, logs here")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = _arguments()
     print_machine()
 
     with tempfile.TemporaryDirectory(prefix="bench-makespan-") as tmp:
