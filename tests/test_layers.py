@@ -28,6 +28,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "errors",
             "eta",
             "lazy",
+            "lengths",
             "logs",
             "params",
             "procinfo",

@@ -46,6 +46,7 @@ from orchestrator import params
 from orchestrator.conversation import targets
 from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats.choices import INPUT_FORMATS, LINE_FORMATS
+from orchestrator.lengths import answer_tokens
 
 __all__ = [
     "FORMATS",
@@ -134,6 +135,10 @@ class Record:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     """A pass-through row's own ``usage`` counts, if it has them."""
+    predicted_tokens: int = 0
+    """The length of the answer turns the line holds and the model writes again (the
+    trailing ones dropped, or every target turn for ``all``), in tokens estimated from
+    their text (``orchestrator.lengths.answer_tokens``); 0 when it holds none."""
 
 
 class Prepared(NamedTuple):
@@ -150,13 +155,15 @@ class Prepared(NamedTuple):
     """The same digest as ``Record.digest``."""
     body: str
     """The request as JSON text (``orjson.dumps(Record.request)``): what is stored and sent."""
+    predicted_tokens: int
+    """As ``Record.predicted_tokens``."""
 
 
 class PreparedItem(NamedTuple):
     """A ``Prepared`` line read for ``regenerate="all"`` or pass-through, which store more.
 
     The first five fields are ``Prepared``'s; a separate type keeps the plain prompt lines,
-    nearly all of any large run, at five fields bound straight into the INSERT.
+    nearly all of any large run, at six fields bound straight into the INSERT.
     """
 
     line: int
@@ -168,6 +175,7 @@ class PreparedItem(NamedTuple):
     turns: int
     prompt_tokens: int | None
     completion_tokens: int | None
+    predicted_tokens: int
 
 
 class _LineError(Exception):
@@ -380,29 +388,47 @@ def _file_error(name: str, exc: OSError) -> InputError:
 
 
 def _parse_line(raw: bytes, lineno: int) -> Record:
-    key, request, fmt = _parse(raw, lineno)
+    key, request, fmt, predicted = _parse(raw, lineno)
     digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-    return Record(lineno, key, request, digest, fmt)
+    return Record(lineno, key, request, digest, fmt, predicted_tokens=predicted)
 
 
 def _prepare_line(raw: bytes, lineno: int) -> Prepared:
-    key, request, fmt = _parse(raw, lineno)
+    key, request, fmt, predicted = _parse(raw, lineno)
     digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
     # tuple.__new__: the NamedTuple's own __new__ is Python code, called a million times.
-    return _new_tuple(Prepared, (lineno, key, fmt, digest, _dumps(request).decode()))
+    return _new_tuple(Prepared, (lineno, key, fmt, digest, _dumps(request).decode(), predicted))
 
 
 def _prepare_item(mode: str, parse: _ItemParser, raw: bytes, lineno: int) -> PreparedItem:
     key, request, fmt, turns, (prompt, completion) = parse(_object(raw), lineno)
     digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
     body = _dumps(request).decode()
-    return PreparedItem(lineno, key, fmt, digest, body, mode, turns, prompt, completion)
+    predicted = _target_tokens(request) if mode == "all" else 0
+    return PreparedItem(lineno, key, fmt, digest, body, mode, turns, prompt, completion, predicted)
 
 
 def _record_item(mode: str, parse: _ItemParser, raw: bytes, lineno: int) -> Record:
     key, request, fmt, turns, (prompt, completion) = parse(_object(raw), lineno)
     digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-    return Record(lineno, key, request, digest, fmt, mode, turns, prompt, completion)
+    predicted = _target_tokens(request) if mode == "all" else 0
+    return Record(lineno, key, request, digest, fmt, mode, turns, prompt, completion, predicted)
+
+
+def _target_tokens(request: dict[str, Any]) -> int:
+    """A whole conversation's answer turns, each of which the model writes again; 0 when
+    it lacks one (it ends before its final answer): part of its length is unknown."""
+    messages = request["messages"]
+    turns = targets(messages)
+    if not turns or turns[-1] >= len(messages):
+        return 0
+    return answer_tokens(messages[i] for i in turns)
+
+
+def _dropped_tokens(full: list[dict[str, Any]], kept: list[dict[str, Any]]) -> int:
+    """The trailing answer turns ``_finish_messages`` dropped (``kept`` is a prefix of
+    ``full``): the model writes them again, so their length predicts the new answer's."""
+    return answer_tokens(full[len(kept) :]) if len(kept) < len(full) else 0
 
 
 _loads = orjson.loads
@@ -412,8 +438,8 @@ _sha256 = hashlib.sha256
 _new_tuple = tuple.__new__
 
 
-def _parse(raw: bytes, lineno: int) -> tuple[str, dict[str, Any], str]:
-    """The line's key, request and format, or ``_LineError``."""
+def _parse(raw: bytes, lineno: int) -> tuple[str, dict[str, Any], str, int]:
+    """The line's key, request, format and predicted answer tokens, or ``_LineError``."""
     try:
         obj = _loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -421,21 +447,29 @@ def _parse(raw: bytes, lineno: int) -> tuple[str, dict[str, Any], str]:
     if type(obj) is not dict:  # orjson makes plain dicts only
         raise _LineError(f"expected a JSON object, got {_kind(obj)}")
 
+    predicted = 0
     if "messages" in obj:
         fmt = "messages"
         # Inline: this is the line format of nearly every large file.
-        request = {"messages": _chat_messages(obj["messages"])}
+        value = obj["messages"]
+        kept = _chat_messages(value)
+        request = {"messages": kept}
+        if kept is not value:
+            predicted = _dropped_tokens(value, kept)
         if not _FIELD_NAMES.isdisjoint(obj):
             _add_request_fields(request, obj)
     elif "conversations" in obj:
         fmt = "sharegpt"
-        request = _sharegpt_request(obj)
+        request, predicted = _sharegpt_last(obj)
     elif "prompt" in obj:
         fmt = "prompt"
         request = _prompt_request(obj)
     elif "body" in obj or ("custom_id" in obj and ("url" in obj or "method" in obj)):
         fmt = "openai-batch"
         request = _batch_request(obj)
+        value = obj["body"]["messages"]
+        if request["messages"] is not value:
+            predicted = _dropped_tokens(value, request["messages"])
     else:
         if "input_ids" in obj:
             raise _LineError(_TOKENS_NOT_PROMPTS)
@@ -451,7 +485,7 @@ def _parse(raw: bytes, lineno: int) -> tuple[str, dict[str, Any], str]:
         key = _key(obj["custom_id"], "custom_id")
     else:
         key = str(lineno)
-    return key, request, fmt
+    return key, request, fmt, predicted
 
 
 def _object(raw: bytes) -> dict[str, Any]:
@@ -539,17 +573,21 @@ def _key(value: object, field: str) -> str:
 # --- formats -------------------------------------------------------------------------------
 
 
-def _sharegpt_request(
-    obj: dict[str, Any],
-    finish: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
-) -> dict[str, Any]:
-    """The request of a ShareGPT line; ``finish`` None drops trailing assistant turns."""
-    messages = _sharegpt_messages(obj)
-    request: dict[str, Any] = {
-        "messages": _finish_messages(messages) if finish is None else finish(messages)
-    }
+def _sharegpt_request(obj: dict[str, Any]) -> dict[str, Any]:
+    """The request of a ShareGPT line with every turn kept (``regenerate="all"``)."""
+    request: dict[str, Any] = {"messages": _sharegpt_messages(obj)}
     _add_request_fields(request, _sharegpt_tools(obj))
     return request
+
+
+def _sharegpt_last(obj: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The request of a ShareGPT line with its trailing assistant turns dropped, and the
+    tokens of what was dropped."""
+    messages = _sharegpt_messages(obj)
+    kept = _finish_messages(messages)
+    request: dict[str, Any] = {"messages": kept}
+    _add_request_fields(request, _sharegpt_tools(obj))
+    return request, _dropped_tokens(messages, kept)
 
 
 def _sharegpt_messages(obj: dict[str, Any]) -> list[dict[str, Any]]:
@@ -627,10 +665,6 @@ _ItemParser = Callable[[dict[str, Any], int], tuple[str, dict[str, Any], str, in
 """A line's object to (key, what is stored, format, turns, (prompt, completion) tokens)."""
 
 
-def _keep(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return messages
-
-
 def _parse_all(obj: dict[str, Any], lineno: int) -> tuple[str, dict[str, Any], str, int, _Usage]:
     """A prompt line for ``regenerate="all"``: the whole conversation and its turn count."""
     if "messages" in obj:
@@ -639,7 +673,7 @@ def _parse_all(obj: dict[str, Any], lineno: int) -> tuple[str, dict[str, Any], s
         _add_request_fields(request, obj)
     elif "conversations" in obj:
         fmt = "sharegpt"
-        request = _sharegpt_request(obj, _keep)
+        request = _sharegpt_request(obj)
     elif "prompt" in obj:
         fmt = "prompt"
         request = _prompt_request(obj)

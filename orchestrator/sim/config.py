@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchestrator.sim.lengths import LengthModel
 
 #: Fault kinds in the order their probability ranges are laid out on ``[0, 1)``.
 FAULT_KINDS: tuple[str, ...] = (
@@ -88,6 +92,12 @@ class SimConfig:
             ones: an image URL the server cannot fetch, roles that do not alternate).
         required_fields: body fields a request must have, else FastAPI's 422, whose
             ``detail`` echoes the whole request body (``input``), as pydantic does.
+        length_model: answer lengths by dataset (``orchestrator.sim.lengths``), drawn
+            from each request's digest; None: ``mean_tokens`` for every request.
+        trace: a file the batching model writes each decode step to, one JSON line:
+            ``t`` (simulated seconds since the first request, idle time included),
+            ``batch`` (requests decoded, one token each), ``queued``, ``finished``
+            (answers completed by the step) and ``kv`` (cache tokens in use).
     """
 
     model: str | None = None
@@ -111,6 +121,8 @@ class SimConfig:
     max_model_len: int = 0
     refusals: dict[str, str] = field(default_factory=dict)
     required_fields: tuple[str, ...] = ()
+    length_model: LengthModel | None = None
+    trace: str | None = None
 
     @property
     def batching(self) -> bool:

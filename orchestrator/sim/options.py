@@ -193,6 +193,21 @@ OPTIONS: tuple[SimOption, ...] = (
         help="Batching: seconds per prompt token prefilled.",
     ),
     SimOption(
+        "--length-model",
+        "length_model",
+        metavar="FILE",
+        show_default=False,
+        help="Answer lengths by dataset (JSON; the request's metadata.dataset picks one): "
+        "lognormal, drawn from each prompt's digest.",
+    ),
+    SimOption(
+        "--trace",
+        "trace",
+        metavar="FILE",
+        show_default=False,
+        help="Batching: write every decode step to FILE (JSON lines, simulated time).",
+    ),
+    SimOption(
         "--time-scale",
         "time_scale",
         float,
@@ -223,6 +238,10 @@ def sim_config(values: dict[str, Any]) -> SimConfig:
         given["outages"] = [parse_outage(o) for o in given.get("outages", ())]
         given["refusals"] = dict(parse_refusal(r) for r in given.get("refusals", ()))
         given["required_fields"] = tuple(given.get("required_fields", ()))
+        if given.get("length_model"):
+            from orchestrator.sim.lengths import load_length_model
+
+            given["length_model"] = load_length_model(given["length_model"])
         # From the environment, never the command line, where ps would show it.
         return SimConfig(**given, api_key=os.environ.get("SIM_API_KEY") or None)
     except ValueError as exc:

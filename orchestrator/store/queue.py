@@ -24,7 +24,8 @@ import functools
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ import orjson
 import sqlalchemy as sa
 
 from orchestrator.answer import Answer
+from orchestrator.lengths import Expected
 from orchestrator.store.engine import Database, insert_rows
 from orchestrator.store.schema import attempt_errors, datasets, item_turns, items
 
@@ -216,6 +218,10 @@ class Claim:
     #: Take items never put back (no error kept) before any other: a dataset's trial
     #: item is then not one the run guard held when an earlier run stopped.
     fresh_first: bool = False
+    #: How each dataset's items rank (``orchestrator.lengths``): the datasets of one
+    #: priority are claimed from together, the longest answers first. A dataset not
+    #: listed ranks its items by their prediction alone.
+    lengths: Mapping[int, Expected] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -292,7 +298,8 @@ class Queue:
         suspect_slots: int | None = None,
         now: float | None = None,
     ) -> list[Lease]:
-        """Lease up to ``want`` items: higher priority first, then dataset, then position.
+        """Lease up to ``want`` items: higher priority first, then the longest predicted
+        answers of the datasets of that priority (input order among equals).
 
         A dataset's ``concurrency`` caps its running items across every worker sharing
         the database; paused datasets are skipped. See :class:`Claim` for suspects.
@@ -591,63 +598,132 @@ def _turn_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
 
 
 def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
-    token = secrets.token_hex(16)
-    expires = now + claim.lease_seconds
+    """Scouts first (``Claim.scouts``), then priority by priority, longest first."""
+    lease = _LeaseOf(claim.owner, secrets.token_hex(16), now + claim.lease_seconds, now)
     candidates, running = _claimable_datasets(conn, claim.dataset_names)
+    leases = _scouts(conn, claim, candidates, running, lease) if claim.scouts > 0 else []
+    left = claim.want - len(leases)
+    suspect_slots = claim.suspect_slots
+    for level in _levels(candidates):
+        if left <= 0:
+            break
+        room = {
+            dataset_id: left if cap is None else min(left, cap - running.get(dataset_id, 0))
+            for dataset_id, cap, _ in level
+        }
+        room = {dataset_id: n for dataset_id, n in room.items() if n > 0}
+        if len(room) == 1:
+            [(dataset_id, n)] = room.items()
+            sequence = [dataset_id] * n
+        else:
+            sequence = _longest_first(conn, room, left, claim.lengths, now)
+        got: dict[int, deque[Lease]] = {}
+        for dataset_id, n in Counter(sequence).items():
+            if suspect_slots is None:
+                taken = []
+                if claim.fresh_first:
+                    taken = _claim_from(conn, dataset_id, n, None, lease, fresh=True)
+                taken += _claim_from(conn, dataset_id, n - len(taken), None, lease)
+            else:
+                taken = []
+                if suspect_slots > 0:
+                    taken = _claim_from(conn, dataset_id, min(n, suspect_slots), True, lease)
+                    suspect_slots -= len(taken)
+                taken += _claim_from(conn, dataset_id, n - len(taken), False, lease)
+            got[dataset_id] = deque(taken)
+            left -= len(taken)
+        # In rank order across the datasets: the worker starts them in this order.
+        leases.extend(got[d].popleft() for d in sequence if got[d])
+    return leases
+
+
+@dataclass(frozen=True, slots=True)
+class _LeaseOf:
+    """What every lease of one claim shares."""
+
+    owner: str
+    token: str
+    expires: float
+    now: float
+
+
+def _levels(
+    candidates: Sequence[tuple[int, int | None, int]],
+) -> Iterator[list[tuple[int, int | None, int]]]:
+    """The candidate datasets (best first) grouped by priority."""
+    level: list[tuple[int, int | None, int]] = []
+    for candidate in candidates:
+        if level and candidate[2] != level[0][2]:
+            yield level
+            level = []
+        level.append(candidate)
+    if level:
+        yield level
+
+
+_HEADS = (
+    "SELECT predicted_tokens FROM items WHERE dataset_id = :dataset AND state = 'pending'"
+    " AND not_before <= :now ORDER BY predicted_tokens DESC, position LIMIT :n"
+)
+
+
+def _longest_first(
+    conn: sa.Connection,
+    room: Mapping[int, int],
+    want: int,
+    lengths: Mapping[int, Expected],
+    now: float,
+) -> list[int]:
+    """The datasets of one priority to take the next ``want`` items from, in turn: the
+    longest ranked answers among the first ``room`` of each (an index range of
+    ``ix_items_longest``); ties go to the dataset listed first."""
+    st = _Statements(conn)
+    ranked: list[tuple[float, int, int]] = []
+    for order, (dataset_id, n) in enumerate(room.items()):
+        rank = lengths.get(dataset_id, _AS_PREDICTED).rank
+        heads = st.rows(_HEADS, {"dataset": dataset_id, "now": now, "n": n})
+        ranked.extend((-rank(row[0]), order, dataset_id) for row in heads)
+    ranked.sort()
+    return [dataset_id for _, _, dataset_id in ranked[:want]]
+
+
+_AS_PREDICTED = Expected()
+
+
+def _scouts(
+    conn: sa.Connection,
+    claim: Claim,
+    candidates: Sequence[tuple[int, int | None, int]],
+    running: dict[int, int],
+    lease: _LeaseOf,
+) -> list[Lease]:
+    """The first few items of each dataset that has had fewer, in input order: a fair
+    sample of its answers for the ETA and the ranking, whatever their lengths."""
     leases: list[Lease] = []
     left = claim.want
-    suspect_slots = claim.suspect_slots
-    if claim.scouts > 0:
-        for dataset_id, concurrency in candidates:
-            if left <= 0:
-                break
-            if dataset_id in claim.started:
-                continue
-            taken = _taken(conn, dataset_id, claim.scouts)
-            if taken >= claim.scouts:
-                claim.started.add(dataset_id)
-                continue
-            n = min(left, claim.scouts - taken)
-            if concurrency is not None:
-                n = min(n, concurrency - running.get(dataset_id, 0))
-            # A dataset whose every item is back to pending may hold the items a dead
-            # worker was on: scouts are never those, when suspects are rationed.
-            fresh = None if claim.suspect_slots is None else False
-            got = _claim_from(
-                conn, dataset_id, n, fresh, token=token, owner=claim.owner, expires=expires, now=now
-            )
-            if len(got) < n:
-                # Nothing more to take now (a small dataset, or items in backoff):
-                # looking again every round would find nothing either.
-                claim.started.add(dataset_id)
-            running[dataset_id] = running.get(dataset_id, 0) + len(got)
-            leases.extend(got)
-            left -= len(got)
-    for dataset_id, concurrency in candidates:
+    for dataset_id, concurrency, _ in candidates:
         if left <= 0:
             break
-        n = left
+        if dataset_id in claim.started:
+            continue
+        taken = _taken(conn, dataset_id, claim.scouts)
+        if taken >= claim.scouts:
+            claim.started.add(dataset_id)
+            continue
+        n = min(left, claim.scouts - taken)
         if concurrency is not None:
             n = min(n, concurrency - running.get(dataset_id, 0))
-        if n <= 0:
-            continue
-        claim_from = functools.partial(
-            _claim_from, conn, dataset_id, token=token, owner=claim.owner, expires=expires, now=now
-        )
-        got: list[Lease] = []
-        if suspect_slots is None:
-            if claim.fresh_first:
-                got = claim_from(n, None, fresh=True)
-            got += claim_from(n - len(got), None)
-        else:
-            if suspect_slots > 0:
-                got = claim_from(min(n, suspect_slots), True)
-                suspect_slots -= len(got)
-            got += claim_from(n - len(got), False)
+        # A dataset whose every item is back to pending may hold the items a dead
+        # worker was on: scouts are never those, when suspects are rationed.
+        fresh = None if claim.suspect_slots is None else False
+        got = _claim_from(conn, dataset_id, n, fresh, lease, in_input_order=True)
+        if len(got) < n:
+            # Nothing more to take now (a small dataset, or items in backoff):
+            # looking again every round would find nothing either.
+            claim.started.add(dataset_id)
+        running[dataset_id] = running.get(dataset_id, 0) + len(got)
         leases.extend(got)
         left -= len(got)
-        if left <= 0:
-            break
     return leases
 
 
@@ -668,15 +744,16 @@ _RUNNING = "SELECT count(*) FROM items WHERE dataset_id = :dataset AND state = '
 
 def _claimable_datasets(
     conn: sa.Connection, names: Sequence[str] | None
-) -> tuple[list[tuple[int, int | None]], dict[int, int]]:
-    """Datasets to claim from, best first, and the running count of each capped one."""
+) -> tuple[list[tuple[int, int | None, int]], dict[int, int]]:
+    """Datasets to claim from, best first, as (id, concurrency cap, priority), and the
+    running count of each capped one."""
     st = _Statements(conn)
-    sql = "SELECT id, concurrency FROM datasets WHERE NOT paused AND NOT passthrough"
+    sql = "SELECT id, concurrency, priority FROM datasets WHERE NOT paused AND NOT passthrough"
     listed, params = _names("n", list(names or ()))
     if names:
         sql += f" AND name IN ({listed})"
-    candidates = [(r[0], r[1]) for r in st.rows(sql + " ORDER BY priority DESC, id", params)]
-    capped = sorted(dataset_id for dataset_id, cap in candidates if cap is not None)
+    candidates = [(r[0], r[1], r[2]) for r in st.rows(sql + " ORDER BY priority DESC, id", params)]
+    capped = sorted(dataset_id for dataset_id, cap, _ in candidates if cap is not None)
     if capped and st.postgres:
         # Claims from many processes at once: a capped dataset's count and its claim
         # happen under a lock on its row, so that two claims cannot both see room for
@@ -693,9 +770,14 @@ def _claimable_datasets(
     return candidates, running
 
 
-def _claim_sql(suspects: bool | None, postgres: bool, fresh: bool = False) -> str:
-    """Take up to :n pending items of a dataset in input order: suspects only, none, or
-    (None) any; ``fresh``: only items never put back (no error kept).
+@functools.lru_cache(maxsize=32)
+def _claim_sql(
+    suspects: bool | None, postgres: bool, in_input_order: bool = False, fresh: bool = False
+) -> str:
+    """Take up to :n pending items of a dataset, longest predicted answer first (or in
+    input order): suspects only, none, or (None) any; ``fresh``: only items never put
+    back (no error kept). Suspects go in input order (``ix_items_suspect``): they are
+    taken one at a time.
 
     On PostgreSQL rows another claim has locked are skipped, not waited for; a row
     claimed and committed since this statement's snapshot is re-checked under the lock
@@ -711,12 +793,18 @@ def _claim_sql(suspects: bool | None, postgres: bool, fresh: bool = False) -> st
     if fresh:
         only += " AND error_class IS NULL"
     lock = " FOR UPDATE SKIP LOCKED" if postgres else ""
+    # Input order by id for scouts: ix_items_dataset_state holds it (its entries end in
+    # the row id), where ordering by position would sort every pending row.
+    order = (
+        "position" if suspects else "id" if in_input_order else "predicted_tokens DESC, position"
+    )
     return (
         "UPDATE items SET state = 'running', attempts = attempts + 1, lease_token = :token,"
         " lease_owner = :owner, lease_expires_at = :expires, updated_at = :now"
         " WHERE id IN (SELECT id FROM items WHERE dataset_id = :dataset AND state = 'pending'"
-        f" AND not_before <= :now{only} ORDER BY position LIMIT :n{lock})"
-        " RETURNING id, key, position, request, attempts, error_class, turn, turns, last_error"
+        f" AND not_before <= :now{only} ORDER BY {order} LIMIT :n{lock})"
+        " RETURNING id, key, position, request, attempts, error_class, turn, turns,"
+        " last_error, predicted_tokens"
     )
 
 
@@ -725,33 +813,35 @@ def _claim_from(
     dataset_id: int,
     n: int,
     suspects: bool | None,
+    lease: _LeaseOf,
     *,
-    token: str,
-    owner: str,
-    expires: float,
-    now: float,
+    in_input_order: bool = False,
     fresh: bool = False,
 ) -> list[Lease]:
     """Claim ``n`` of a dataset's items: suspects only, none, or (None) any; ``fresh``:
-    only those never put back."""
+    only those never put back; the leases in the order they were ranked."""
     if n <= 0:
         return []
     st = _Statements(conn)
     params: dict[str, Any] = {
-        "token": token,
-        "owner": owner,
-        "expires": expires,
-        "now": now,
+        "token": lease.token,
+        "owner": lease.owner,
+        "expires": lease.expires,
+        "now": lease.now,
         "dataset": dataset_id,
         "n": n,
     }
     if suspects is not None:
         params["lost"] = LEASE_LOST
-    rows = st.rows(_claim_sql(suspects, st.postgres, fresh), params)
-    rows.sort(key=lambda r: r[2])
+    rows = st.rows(_claim_sql(suspects, st.postgres, in_input_order, fresh), params)
+    if suspects or in_input_order:
+        rows.sort(key=lambda r: r[2])
+    else:
+        rows.sort(key=lambda r: (-r[9], r[2]))
     resumed = _generated_turns(conn, [r[0] for r in rows if r[6] > 0])
+    token, expires = lease.token, lease.expires
     leases = []
-    for item_id, key, _, request, attempts, error_class, turn, turns, last_error in rows:
+    for item_id, key, _, request, attempts, error_class, turn, turns, last_error, _ in rows:
         before = resumed.get(item_id, _NOTHING_GENERATED)
         leases.append(
             Lease(

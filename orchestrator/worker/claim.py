@@ -20,9 +20,11 @@ from typing import Any
 import structlog
 
 from orchestrator.guard import RunGuard
+from orchestrator.lengths import Expected, expected
 from orchestrator.servers import ServerPool
 from orchestrator.store import Database, Lease, list_datasets
 from orchestrator.store.datasets import DatasetInfo
+from orchestrator.store.lengths import length_stats
 from orchestrator.store.queue import Claim
 from orchestrator.worker.config import WorkerConfig, WorkerStats
 
@@ -45,17 +47,25 @@ class Claimed:
 
 
 class Catalog:
-    """The datasets' parameters and policies; reread every few seconds, so an
-    ``enqueue --update`` reaches running workers for the items they claim next."""
+    """The datasets' parameters and policies, and how their items rank by answer length
+    (``orchestrator.lengths``); reread every few seconds, so an ``enqueue --update``
+    reaches running workers for the items they claim next and the ranking follows the
+    answers measured."""
 
     def __init__(self, database: Database, names: tuple[str, ...]) -> None:
         self.database = database
         self.infos: dict[int, DatasetInfo] = {}
+        self.lengths: dict[int, Expected] = {}
         self._names = set(names)
         self._loaded = 0.0
 
     async def load(self) -> None:
         self.infos = {d.id: d for d in await list_datasets(self.database)}
+        sending = [d.id for d in self.infos.values() if not d.passthrough]
+        measured = await length_stats(self.database, sending)
+        self.lengths = {
+            i: expected(measured.get(i), self.infos[i].params.get("max_tokens")) for i in sending
+        }
         self._loaded = time.monotonic()
 
     def stale(self) -> bool:
@@ -166,6 +176,7 @@ class Claims:
             suspect_slots,
             scouts=SCOUTS,
             started=self._started,
+            lengths=self.catalog.lengths,
         )
 
     def deliver(self, leases: list[Lease], claim: Claim) -> None:
