@@ -85,7 +85,7 @@ items = sa.Table(
 )
 
 # "Next pending, longest first" stays an index range scan however many rows are done
-# (migration 0010); a dataset of prompts (all 0) is read in input order.
+# (migration 0009); a dataset of prompts (all 0) is read in input order.
 sa.Index(
     "ix_items_longest",
     items.c.dataset_id,

@@ -75,7 +75,7 @@ _QUERIES: dict[str, str] = {
         "SELECT dataset_id, flags, count(*) FROM outputs WHERE flags != 0"
         " GROUP BY dataset_id, flags"
     ),
-    # Predicted answer lengths of the items left (migration 0010): the pending ones along
+    # Predicted answer lengths of the items left (migration 0009): the pending ones along
     # the partial index ix_items_longest, which holds the prediction; the running ones
     # along ix_items_running, a few rows.
     "predicted_pending": (

@@ -8,7 +8,7 @@ claim takes pending items longest first along ``ix_items_longest``, which replac
 ``ix_items_claimable`` (input order): a line without an answer of its own ranks at 0,
 so a dataset of prompts is still claimed in input order. Rows written before keep 0.
 
-Revision ID: 0010
+Revision ID: 0009
 Revises: 0008
 Create Date: 2026-12-02
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0010"
+revision = "0009"
 down_revision = "0008"
 branch_labels = None
 depends_on = None
