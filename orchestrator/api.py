@@ -304,22 +304,34 @@ class Queue:
 
         names = _names(datasets)
         selection = requeues.checked_selection(
-            state, dataset_names=names, error_class=error_class, flags=_flags(flags), everything=all
+            state,
+            dataset_names=names,
+            error_class=error_class,
+            flags=_flags(flags),
+            everything=all,
+            max_tokens=max_tokens,
         )
         await check_datasets(self.database, names)
         if dry_run:
             return await requeues.preview(self.database, selection)
         return await requeues.requeue(self.database, selection, max_tokens=max_tokens)
 
-    async def undo_requeue(self, *, dry_run: bool = False) -> UndoReport:
-        """Take back the latest requeue, as ``orchestrator requeue --undo``: its items not
-        claimed since get their state and answers back. ``requeue_id`` is None when there
-        is no requeue to undo; with ``dry_run`` the report says what would be put back."""
+    async def undo_requeue(
+        self, *, datasets: str | Sequence[str] = (), dry_run: bool = False
+    ) -> UndoReport:
+        """Take back the latest requeue, as ``orchestrator requeue --undo`` (with
+        ``datasets``: the latest that moved their items, and only those): its items not
+        claimed since, or failed since, get their state and answers back. ``requeue_id``
+        is None when there is nothing to undo; with ``dry_run`` the report says what would
+        be put back. Raises ``UndoConflict`` when another undo took it back meanwhile."""
+        from orchestrator.store import check_datasets
         from orchestrator.store import requeue as requeues
 
+        names = _names(datasets)
+        await check_datasets(self.database, names)
         if dry_run:
-            return await requeues.undo_preview(self.database)
-        return await requeues.undo(self.database)
+            return await requeues.undo_preview(self.database, dataset_names=names)
+        return await requeues.undo(self.database, dataset_names=names)
 
     async def pause(self, dataset: str) -> None:
         """Stop claiming items of ``dataset`` (in-flight ones finish)."""
