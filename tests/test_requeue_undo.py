@@ -268,82 +268,63 @@ def test_a_multi_turn_rerun_that_failed_midway_is_put_back_whole(
 def test_undo_by_dataset_takes_back_that_datasets_latest_requeue(
     tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
 ) -> None:
+    """``requeue --undo --dataset a`` takes back the latest requeue that moved items of a,
+    and only those; with none, it says which requeue is the latest and what it moved."""
     server = sim_process("--latency", "0.001")
-    keys = [
-        enqueue(tmp_path, db_url, n, dataset=name) for name, n in (("a", 10), ("b", 6), ("c", 2))
-    ]
+    sizes = {"a": 10, "b": 6, "c": 2}
+    keys = [key for name, n in sizes.items() for key in enqueue(tmp_path, db_url, n, dataset=name)]
     assert run_to_end(db_url, server.url).returncode == 0
-    # Requeue 1 (all three) is undone: it is no dataset's latest requeue any more.
-    assert cli("requeue", "--state", "done", "--all", "--db", db_url).returncode == 0
-    assert cli("requeue", "--undo", "--db", db_url).returncode == 0
-    assert cli("requeue", "--dataset", "a", "--state", "done", "--db", db_url).returncode == 0  # 2
-    assert cli("requeue", "--dataset", "b", "--state", "done", "--db", db_url).returncode == 0  # 3
+    undo = ("requeue", "--undo", "--db", db_url)
 
-    none = cli("requeue", "--undo", "--dataset", "c", "--db", db_url)
+    # Requeue 1 moves all three; b's part is taken back alone, then the rest.
+    assert cli("requeue", "--state", "done", "--all", "--db", db_url).returncode == 0
+    first = cli(*undo, "--dataset", "b")
+    assert "put back 6 items of requeue #1" in first.stdout, first.stdout
+    assert "its 12 items of other datasets stay requeued" in first.stdout
+    assert counts(db_url) == {"done": 6, "pending": 12}
+    assert "put back 12 items of requeue #1" in cli(*undo).stdout
+
+    assert cli("requeue", "--dataset", "a", "--state", "done", "--db", db_url).returncode == 0
+    assert cli("requeue", "--dataset", "b", "--state", "done", "--db", db_url).returncode == 0
+    none = cli(*undo, "--dataset", "c")
     assert none.returncode == 0, none.stderr
-    assert "nothing to undo for dataset c" in none.stdout
-    assert "the latest requeue, #3, moved items of b" in none.stdout
-    unknown = cli("requeue", "--undo", "--dataset", "nope", "--db", db_url)
+    assert "nothing to undo for dataset c: the latest requeue, #3, moved items of b" in none.stdout
+    unknown = cli(*undo, "--dataset", "nope")
     assert unknown.returncode == 2 and "no such dataset: nope" in unknown.stderr
+    mixed = cli(*undo, "--state", "done", "--max-tokens", "9")
+    assert mixed.returncode == 2
+    assert "--undo takes only --dataset and --dry-run, not --state, --max-tokens" in mixed.stderr
 
-    dry = cli("requeue", "--undo", "--dataset", "a", "--dry-run", "--db", db_url)
+    dry = cli(*undo, "--dataset", "a", "--dry-run")
     assert "would put back 10 items of requeue #2" in dry.stdout, dry.stdout
-    undone = cli("requeue", "--undo", "--dataset", "a", "--db", db_url)
-    assert undone.returncode == 0, undone.stderr
-    assert "put back 10 items of requeue #2" in undone.stdout
+    assert "put back 10 items of requeue #2" in cli(*undo, "--dataset", "a").stdout
     assert counts(db_url) == {"done": 12, "pending": 6}
-    assert "put back 6 items of requeue #3" in cli("requeue", "--undo", "--db", db_url).stdout
-    assert check_whole(db_url, tmp_path, [k for part in keys for k in part]) == {"done": 18}
-
-
-def test_undo_of_one_dataset_leaves_the_rest_of_a_wider_requeue_to_undo(
-    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
-) -> None:
-    server = sim_process("--latency", "0.001")
-    keys = enqueue(tmp_path, db_url, 10, dataset="a") + enqueue(tmp_path, db_url, 6, dataset="b")
-    assert run_to_end(db_url, server.url).returncode == 0
-    assert cli("requeue", "--state", "done", "--all", "--db", db_url).returncode == 0
-    first = cli("requeue", "--undo", "--dataset", "b", "--db", db_url)
-    assert "put back 6 items of requeue #1" in first.stdout
-    assert "its 10 items of other datasets stay requeued" in first.stdout
-    assert counts(db_url) == {"done": 6, "pending": 10}
-    rest = cli("requeue", "--undo", "--db", db_url)
-    assert "put back 10 items of requeue #1" in rest.stdout
-    assert "nothing to undo" in cli("requeue", "--undo", "--db", db_url).stdout
-    assert check_whole(db_url, tmp_path, keys) == {"done": 16}
+    assert "put back 6 items of requeue #3" in cli(*undo).stdout
+    assert "nothing to undo" in cli(*undo).stdout
+    assert check_whole(db_url, tmp_path, keys) == {"done": 18}
 
 
 # ------------------------------------------------------------------ refused options
 
 
-@pytest.mark.parametrize(
-    ("value", "why"),
-    [
+def test_requeue_refuses_what_no_item_or_server_can_take(
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
+) -> None:
+    """A ``--max-tokens`` out of range, and an error class no item can have: exit 2, the
+    reason and the classes there are, dry run or not; nothing written."""
+    enqueue(tmp_path, db_url, 3)
+    assert run_to_end(db_url, sim_process("--latency", "0.001").url).returncode == 0
+    before = db_snapshot(db_url)
+    for value, why in [
         ("99999999999", "must be at most 2147483647, got 99999999999"),
         ("0", "must be at least 1, got 0"),
         ("-5", "must be at least 1, got -5"),
-    ],
-)
-def test_requeue_max_tokens_out_of_range_is_refused(
-    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess], value: str, why: str
-) -> None:
-    enqueue(tmp_path, db_url, 3)
-    assert run_to_end(db_url, sim_process("--latency", "0.001").url).returncode == 0
-    before = db_snapshot(db_url)
-    for extra in ((), ("--dry-run",)):
-        args = ("requeue", "--state", "done", "--all", f"--max-tokens={value}", *extra)
-        result = cli(*args, "--db", db_url)
-        assert result.returncode == 2, result.stderr
-        assert f"--max-tokens: {why}" in result.stderr
-    assert db_snapshot(db_url) == before
-
-
-def test_requeue_of_an_unknown_error_class_is_refused(
-    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
-) -> None:
-    enqueue(tmp_path, db_url, 3)
-    assert run_to_end(db_url, sim_process("--latency", "0.001").url).returncode == 0
-    before = db_snapshot(db_url)
+    ]:
+        for extra in ((), ("--dry-run",)):
+            args = ("requeue", "--state", "done", "--all", f"--max-tokens={value}", *extra)
+            result = cli(*args, "--db", db_url)
+            assert result.returncode == 2, result.stderr
+            assert f"--max-tokens: {why}" in result.stderr
     for extra in ((), ("--dry-run",), ("--state", "done")):
         result = cli("requeue", "--error-class", "bogus", *extra, "--db", db_url)
         assert result.returncode == 2, result.stderr
@@ -369,8 +350,9 @@ async def test_the_api_checks_requeue_as_the_command_does(
             ({"max_tokens": True}, "max_tokens: must be an integer, got bool"),
             ({"error_class": "bogus"}, "unknown error class 'bogus'"),
         ]:
-            with pytest.raises(ConfigError, match=why.replace("(", r"\(")):
-                await q.requeue(state="done", all=True, **bad)
+            for dry_run in (False, True):
+                with pytest.raises(ConfigError, match=why):
+                    await q.requeue(state="done", all=True, dry_run=dry_run, **bad)
         with pytest.raises(ConfigError, match="no such dataset: nope"):
             await q.undo_requeue(datasets="nope")
         assert (await q.undo_requeue(datasets="d")).requeue_id is None
@@ -413,7 +395,7 @@ def requeue_and_undo_under_a_worker(
     """A worker answers while requeues and undos, two at a time, go on under it; after each
     step and at the end the queue holds its invariant."""
     keys = enqueue(tmp_path, db, items)
-    worker = Worker(db, server.url, "--concurrency", "48")
+    worker = Worker(db, server.url, "--concurrency", "64")
     try:
         for turn in range(rounds):
             wait_for(lambda: counts(db).get("done", 0) >= items // 3, "answers to requeue")
@@ -435,15 +417,15 @@ def test_requeue_and_undo_racing_a_worker_keep_every_answer_once(
     tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
 ) -> None:
     # One request in twenty fails at once (a 400): failed re-runs are undone too.
-    server = sim_process("--latency", "0.01", "--fault", "400=0.05")
-    final = requeue_and_undo_under_a_worker(tmp_path, db_url, server, items=300, rounds=4)
-    assert sum(final.values()) == 300
+    server = sim_process("--latency", "0.05", "--fault", "400=0.05")
+    final = requeue_and_undo_under_a_worker(tmp_path, db_url, server, items=1500, rounds=2)
+    assert sum(final.values()) == 1500
 
 
 @pytest.mark.slow
 def test_requeue_and_undo_racing_a_worker_at_length(
     tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
 ) -> None:
-    server = sim_process("--latency", "0.01", "--fault", "400=0.05")
-    final = requeue_and_undo_under_a_worker(tmp_path, db_url, server, items=3000, rounds=20)
+    server = sim_process("--latency", "0.05", "--fault", "400=0.05")
+    final = requeue_and_undo_under_a_worker(tmp_path, db_url, server, items=3000, rounds=10)
     assert sum(final.values()) == 3000

@@ -995,6 +995,15 @@ def restore(conn: sa.Connection, requeue_id: int, ids: Sequence[int], now: float
         "not_before": 0,
         "updated_at": now,
     }
+    # A done item comes back only with its answer: done with no output is no state.
+    answer_kept = (
+        sa.select(superseded_outputs.c.item_id)
+        .where(
+            superseded_outputs.c.requeue_id == requeue_id,
+            superseded_outputs.c.item_id == former.c.item_id,
+        )
+        .exists()
+    )
     changed: list[tuple[int, str]] = []
     for chunk in _chunks(ids):
         changed += conn.execute(
@@ -1004,6 +1013,7 @@ def restore(conn: sa.Connection, requeue_id: int, ids: Sequence[int], now: float
                 former.c.requeue_id == requeue_id,
                 items.c.id.in_(list(chunk)),
                 items.c.state.in_(RESTORABLE),
+                sa.or_(former.c.state != "done", answer_kept),
             )
             .values(values)
             .returning(items.c.id, items.c.state)
