@@ -323,7 +323,8 @@ class Queue:
         ``datasets``: the latest that moved their items, and only those): its items not
         claimed since, or failed since, get their state and answers back. ``requeue_id``
         is None when there is nothing to undo; with ``dry_run`` the report says what would
-        be put back. Raises ``UndoConflict`` when another undo took it back meanwhile."""
+        be put back. Raises ``UndoConflict`` (an ``OrchestratorError``) when another undo
+        took it back meanwhile."""
         from orchestrator.store import check_datasets
         from orchestrator.store import requeue as requeues
 
