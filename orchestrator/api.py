@@ -356,23 +356,36 @@ class Queue:
         checked("all", all, FLAG)
         checked("dry_run", dry_run, FLAG)
         selection = requeues.checked_selection(
-            state, dataset_names=names, error_class=error_class, flags=mask, everything=all
+            state,
+            dataset_names=names,
+            error_class=error_class,
+            flags=mask,
+            everything=all,
+            max_tokens=max_tokens,
         )
         await check_datasets(self.database, names)
         if dry_run:
             return await requeues.preview(self.database, selection)
         return await requeues.requeue(self.database, selection, max_tokens=max_tokens)
 
-    async def undo_requeue(self, *, dry_run: bool = False) -> UndoReport:
-        """Take back the latest requeue, as ``orchestrator requeue --undo``: its items not
-        claimed since get their state and answers back. ``requeue_id`` is None when there
-        is no requeue to undo; with ``dry_run`` the report says what would be put back."""
+    async def undo_requeue(
+        self, *, datasets: str | Sequence[str] = (), dry_run: bool = False
+    ) -> UndoReport:
+        """Take back the latest requeue, as ``orchestrator requeue --undo`` (with
+        ``datasets``: the latest that moved their items, and only those): its items not
+        claimed since, or failed since, get their state and answers back. ``requeue_id``
+        is None when there is nothing to undo; with ``dry_run`` the report says what would
+        be put back. Raises ``UndoConflict`` (an ``OrchestratorError``) when another undo
+        took it back meanwhile."""
+        from orchestrator.store import check_datasets
         from orchestrator.store import requeue as requeues
 
         checked("dry_run", dry_run, FLAG)
+        names = _names("datasets", datasets, _DATASETS)
+        await check_datasets(self.database, names)
         if dry_run:
-            return await requeues.undo_preview(self.database)
-        return await requeues.undo(self.database)
+            return await requeues.undo_preview(self.database, dataset_names=names)
+        return await requeues.undo(self.database, dataset_names=names)
 
     async def pause(self, dataset: str) -> None:
         """Stop claiming items of ``dataset`` (in-flight ones finish)."""

@@ -16,6 +16,11 @@
 * ``reap`` returns items whose lease expired, or whose holder on this host is dead, to
   pending, or to failed once their attempts are spent: an item that kills its worker
   every time still ends.
+* ``reopen`` (requeue) and ``restore`` (its undo) move items no worker holds; they are
+  fenced by the state the item is in, under a lock on its row (:func:`hold`).
+
+An item has an ``outputs`` row exactly while it is done: every transition into done
+writes it, every transition out of done sets it aside, in the same transaction.
 """
 
 from __future__ import annotations
@@ -31,11 +36,23 @@ from typing import Any
 
 import orjson
 import sqlalchemy as sa
+import structlog
 
 from orchestrator.answer import Answer
 from orchestrator.lengths import Expected
 from orchestrator.store.engine import Database, insert_rows
-from orchestrator.store.schema import attempt_errors, datasets, item_turns, items
+from orchestrator.store.schema import (
+    attempt_errors,
+    datasets,
+    item_turns,
+    items,
+    outputs,
+    requeued_items,
+    superseded_outputs,
+    superseded_turns,
+)
+
+log = structlog.get_logger("orchestrator.store")
 
 # Bound parameter lists so one statement stays well under SQLite's variable limit.
 _CHUNK = 400
@@ -919,6 +936,7 @@ def _complete(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now:
     )
     done = [(lease, out) for lease, out in results if lease.item_id in accepted]
     if done:
+        _clear_leftovers(conn, [lease for lease, _ in done], outputs_too=True)
         insert_rows(
             conn, "outputs", _OUTPUT_COLUMNS, [_output_row(lease, out, now) for lease, out in done]
         )
@@ -926,6 +944,29 @@ def _complete(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now:
         if turns:
             insert_rows(conn, "item_turns", _TURN_COLUMNS, [_turn_row(*t, now) for t in turns])
     return accepted
+
+
+def _clear_leftovers(conn: sa.Connection, leases: Sequence[Lease], *, outputs_too: bool) -> None:
+    """Drop rows a running item cannot have: an output (only done items have one) and
+    turns from the one being written on (the lease's earlier turns are all it has).
+
+    The transitions keep both true; a row there anyway (left by an undo of an earlier
+    version, which put answers back under items a worker had claimed) would fail the
+    round on a duplicate key, every time the item is run again. It is logged and replaced.
+    """
+    st = _Statements(conn)
+    stale: list[tuple[Any, ...]] = []
+    if outputs_too:
+        for chunk in _chunks([lease.item_id for lease in leases]):
+            ids, params = _names("i", chunk)
+            sql = f"DELETE FROM outputs WHERE item_id IN ({ids}) RETURNING item_id"
+            stale += st.rows(sql, params)
+    for lease in leases:
+        if lease.turns > 1:
+            sql = "DELETE FROM item_turns WHERE item_id = :i AND turn >= :t RETURNING item_id"
+            stale += st.rows(sql, {"i": lease.item_id, "t": lease.turn})
+    if stale:
+        log.warning("leftover_rows_replaced", items=sorted({row[0] for row in stale}))
 
 
 def _advance(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now: float) -> set[int]:
@@ -942,9 +983,10 @@ def _advance(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now: 
             [(lease.item_id, lease.token)],
             {"turn": lease.turn + 1, "attempts": 1, "updated_at": now},
         )
-    rows = [_turn_row(lease, out, now) for lease, out in results if lease.item_id in accepted]
-    if rows:
-        insert_rows(conn, "item_turns", _TURN_COLUMNS, rows)
+    kept = [(lease, out) for lease, out in results if lease.item_id in accepted]
+    if kept:
+        _clear_leftovers(conn, [lease for lease, _ in kept], outputs_too=False)
+        insert_rows(conn, "item_turns", _TURN_COLUMNS, [_turn_row(*t, now) for t in kept])
     return accepted
 
 
@@ -985,3 +1027,134 @@ def _settle(
     if log_rows:
         conn.execute(attempt_errors.insert(), log_rows)
     return changed
+
+
+# -------------------------------------------------------------------- requeue and undo
+# Items no worker holds (pending, done, failed) have no lease to fence them by. A requeue
+# or an undo holds their rows first, then changes those in the state it expects, in one
+# transaction: a claim (SKIP LOCKED) passes a held row by, and a row a claim took first
+# is running when the hold re-reads it, so it is not held. On SQLite the write
+# transaction (BEGIN IMMEDIATE) holds the whole file.
+
+#: The states an undo takes an item back from: not claimed since the requeue, or claimed
+#: and failed (the answer it had is worth more than the failure).
+RESTORABLE = ("pending", "failed")
+
+
+def hold(conn: sa.Connection, query: sa.Select[Any]) -> list[sa.Row[Any]]:
+    """The rows of ``query`` (which selects from ``items``), locked on PostgreSQL until
+    the transaction ends, in id order (two holders never deadlock)."""
+    query = query.order_by(items.c.id)
+    if conn.dialect.name == "postgresql":
+        query = query.with_for_update(of=items, key_share=True)
+    return list(conn.execute(query))
+
+
+def reopen(
+    conn: sa.Connection,
+    ids: Sequence[int],
+    state: str,
+    values: Mapping[str, Any],
+    *,
+    requeue_id: int,
+) -> set[int]:
+    """Held items still in ``state`` (done or failed) back to pending, for a requeue.
+
+    Their output moves to ``superseded_outputs`` under ``requeue_id`` (a failed item has
+    none, unless an earlier version left one); a done item's generated turns move too,
+    since it starts again from the first turn, while a failed one resumes from its own.
+    """
+    changed: list[int] = []
+    for chunk in _chunks(ids):
+        changed += conn.execute(
+            items.update()
+            .where(items.c.id.in_(list(chunk)), items.c.state == state)
+            .values(**values)
+            .returning(items.c.id)
+        ).scalars()
+    moves = [(outputs, superseded_outputs)]
+    if state == "done":
+        moves.append((item_turns, superseded_turns))
+    for chunk in _chunks(changed):
+        for live, kept in moves:
+            _move(conn, live, kept, live.c.item_id.in_(list(chunk)), requeue_id, aside=True)
+    return set(changed)
+
+
+def restore(conn: sa.Connection, requeue_id: int, ids: Sequence[int], now: float) -> set[int]:
+    """Held items of a requeue, still pending or failed, given back what the requeue
+    recorded of them (``requeued_items``): state, attempts, error, turn, request, and a
+    done item's answer and turns from the superseded tables.
+
+    A failed item keeps the turns before its own; the rest are the failed run's.
+    """
+    former = requeued_items
+    values: dict[str, Any] = {
+        name: former.c[name]
+        for name in ("state", "attempts", "error_class", "last_error", "finished_at", "turn")
+    }
+    values |= {
+        "request": sa.func.coalesce(former.c.request, items.c.request),
+        "not_before": 0,
+        "updated_at": now,
+    }
+    # A done item comes back only with its answer: done with no output is no state.
+    answer_kept = (
+        sa.select(superseded_outputs.c.item_id)
+        .where(
+            superseded_outputs.c.requeue_id == requeue_id,
+            superseded_outputs.c.item_id == former.c.item_id,
+        )
+        .exists()
+    )
+    changed: list[tuple[int, str]] = []
+    for chunk in _chunks(ids):
+        changed += conn.execute(
+            items.update()
+            .where(
+                items.c.id == former.c.item_id,
+                former.c.requeue_id == requeue_id,
+                items.c.id.in_(list(chunk)),
+                items.c.state.in_(RESTORABLE),
+                sa.or_(former.c.state != "done", answer_kept),
+            )
+            .values(values)
+            .returning(items.c.id, items.c.state)
+        ).all()
+    done = [item_id for item_id, state in changed if state == "done"]
+    for chunk in _chunks(done):
+        for live, kept in ((outputs, superseded_outputs), (item_turns, superseded_turns)):
+            conn.execute(live.delete().where(live.c.item_id.in_(list(chunk))))
+            where = sa.and_(kept.c.requeue_id == requeue_id, kept.c.item_id.in_(list(chunk)))
+            _move(conn, kept, live, where, requeue_id, aside=False)
+    others = [item_id for item_id, state in changed if state != "done"]
+    for chunk in _chunks(others):
+        later = sa.select(items.c.turn).where(items.c.id == item_turns.c.item_id)
+        conn.execute(
+            item_turns.delete().where(
+                item_turns.c.item_id.in_(list(chunk)), item_turns.c.turn >= later.scalar_subquery()
+            )
+        )
+    return {item_id for item_id, _ in changed}
+
+
+def _move(
+    conn: sa.Connection,
+    source: sa.Table,
+    target: sa.Table,
+    where: sa.ColumnElement[bool],
+    requeue_id: int,
+    *,
+    aside: bool,
+) -> None:
+    """Rows from a live table to its superseded twin (``aside``) or back, then gone from
+    where they were."""
+    live = source if aside else target
+    names = [c.name for c in live.columns]
+    if aside:
+        picked = sa.select(sa.literal(requeue_id, sa.Integer), *[source.c[n] for n in names])
+        names = ["requeue_id", *names]
+    else:
+        picked = sa.select(*[source.c[n] for n in names])
+    conn.execute(target.insert().from_select(names, picked.where(where)))
+    conn.execute(source.delete().where(where))
