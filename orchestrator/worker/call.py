@@ -17,6 +17,7 @@ from orchestrator import error_classes as ec
 from orchestrator.client import InferenceClient
 from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
+from orchestrator.params import item_body
 from orchestrator.servers import ServerPool
 from orchestrator.store import Failure, Lease, Output
 from orchestrator.store.datasets import DatasetInfo
@@ -58,7 +59,7 @@ class Caller:
 
     async def turn(self, lease: Lease, info: DatasetInfo) -> Outcome | Output:
         """One request: its answer, or what should become of the item."""
-        body = {**info.params, **lease.request}
+        body = item_body(info.params, lease.request)
         if lease.turns > 1 or info.regenerate == "all":
             # Every turn of such an item, its only one too, is asked without its original
             # answer, which the stored conversation still holds.
