@@ -18,6 +18,7 @@ from orchestrator.cli import (
     doctor,
     enqueue,
     export,
+    inspect,
     plan,
     requeue,
     run,
@@ -27,7 +28,7 @@ from orchestrator.cli import (
 from orchestrator.cli.common import LOG_LEVELS, configure_logs, defer_logs
 
 # Commands that set up logging only when they leave their sqlite3 fast path.
-_LAZY_LOGGING = frozenset({"status", "export"})
+_LAZY_LOGGING = frozenset({"status", "export", "inspect"})
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -61,6 +62,7 @@ for _command in (
     status.watch,
     status.dashboard,
     status.report,
+    inspect.inspect,
     requeue.requeue,
     requeue.pause,
     requeue.resume,
