@@ -123,12 +123,29 @@ def test_inspect_shows_why_items_were_retried_and_what_truncated_answers_look_li
     enqueue(db_url, write_jsonl(tmp_path / "other.jsonl", rows[:3]), "other")
     run(db_url, faulty.url, sound.url)
     before = unchanged(db_url)
-    env = {"ORCHESTRATOR_API_KEY": KEY}
 
-    # --error-class: exactly the items with an http_500 attempt, each with every attempt
-    # as stored, each 500 credited to the server that gave it.
-    records = inspect_json(db_url, "--dataset", "chat", "--error-class", "http_500")
-    errors = stored_errors(db_url, "chat")
+    records = _retried(db_url, faulty, sound)
+    every = _as_sent(db_url, rows, (faulty.url, sound.url))
+    _truncated(db_url)
+    # The Python API gives the same records, typed.
+    with orc.open_sync(db_url) as q:
+        typed = list(q.inspect(dataset="chat", error_class="http_500"))
+    assert all(isinstance(r, orc.ItemRecord) for r in typed)
+    assert [orjson.loads(orjson.dumps(dataclasses.asdict(r))) for r in typed] == records
+    text = _read_by_a_person(db_url, records[0], faulty.url)
+    _refused(db_url)
+    # Secrets: the key the servers wanted is nowhere in what inspect prints.
+    assert KEY not in text
+    assert KEY not in cli("inspect", "--db", db_url, env={"ORCHESTRATOR_API_KEY": KEY}).stdout
+    assert KEY.encode() not in b"".join(orjson.dumps(r) for r in every)
+    assert unchanged(db_url) == before
+
+
+def _retried(db: str, faulty: SimProcess, sound: SimProcess) -> list[dict[str, Any]]:
+    """--error-class: exactly the items with an http_500 attempt, each with every attempt
+    as stored, each 500 credited to the server that gave it, as many as it gave."""
+    records = inspect_json(db, "--dataset", "chat", "--error-class", "http_500")
+    errors = stored_errors(db, "chat")
     hit = {key for key, attempts in errors.items() if any(e[1] == "http_500" for e in attempts)}
     assert hit and {r["key"] for r in records} == hit
     shown = 0
@@ -144,13 +161,18 @@ def test_inspect_shows_why_items_were_retried_and_what_truncated_answers_look_li
         # A retry keeps the attempt counted, a release gives it back.
         retries = sum(e["outcome"] == "retry" for e in record["errors"])
         assert record["answer"]["attempt"] == retries + 1
-    every = inspect_json(db_url, "--dataset", "chat")
-    assert [r["key"] for r in every] == [row["id"] for row in rows]  # input order
+    every = inspect_json(db, "--dataset", "chat")
     total = sum(e["error_class"] == "http_500" for r in every for e in r["errors"])
     assert total == shown == faulty.stats()["faults"]["500"] > 0
     assert sound.stats()["faults"]["500"] == 0
+    return records
 
-    # The request as sent, and the answer the server made for it (its digest).
+
+def _as_sent(db: str, rows: list[dict[str, Any]], urls: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Every item in input order, its request as sent (the dataset's parameters as
+    enqueued, its own messages), and the answer the server made for that request."""
+    every = inspect_json(db, "--dataset", "chat")
+    assert [r["key"] for r in every] == [row["id"] for row in rows]
     by_key = {row["id"]: row for row in rows}
     for record in every:
         request = record["request"]
@@ -161,66 +183,61 @@ def test_inspect_shows_why_items_were_retried_and_what_truncated_answers_look_li
             "temperature": 0.5,
         }
         assert answer_matches(request["messages"], record["answer"]["message"])
-        assert record["answer"]["server"] in (faulty.url, sound.url)
+        assert record["answer"]["server"] in urls
+    return every
 
-    # --flag truncated: the answers cut at max_tokens, by their stored finish reason.
+
+def _truncated(db: str) -> None:
+    """--flag truncated: the answers cut at max_tokens, by their stored finish reason."""
     cut = {
         key
         for key, finish in query(
-            db_url,
+            db,
             "SELECT i.key, o.finish_reason FROM outputs AS o JOIN items AS i ON i.id = o.item_id"
             " JOIN datasets AS d ON d.id = i.dataset_id WHERE d.name = 'chat'",
         )
         if finish == "length"
     }
-    truncated = inspect_json(db_url, "--flag", "truncated", "--dataset", "chat")
+    truncated = inspect_json(db, "--flag", "truncated", "--dataset", "chat")
     assert cut and {r["key"] for r in truncated} == cut
     for record in truncated:
         assert record["answer"]["finish_reason"] == "length"
         assert "truncated" in record["answer"]["flags"]
         assert record["answer"]["usage"]["completion_tokens"] == MAX_TOKENS
 
-    # The Python API gives the same records, typed.
-    with orc.open_sync(db_url) as q:
-        typed = list(q.inspect(dataset="chat", error_class="http_500"))
-    assert all(isinstance(r, orc.ItemRecord) for r in typed)
-    assert [orjson.loads(orjson.dumps(dataclasses.asdict(r))) for r in typed] == records
 
-    # --id, as a person reads it: piped, without colour; the 500s and their server there.
-    key = records[0]["key"]
-    text = cli("inspect", "--id", key, "--dataset", "chat", "--db", db_url, env=env)
+def _read_by_a_person(db: str, record: dict[str, Any], faulty: str) -> str:
+    """--id, piped: no colour; the 500s, their server and the answer there."""
+    key = record["key"]
+    env = {"ORCHESTRATOR_API_KEY": KEY}
+    text = cli("inspect", "--id", key, "--dataset", "chat", "--db", db, env=env)
     assert text.returncode == 0, text.stderr
     assert not ANSI.search(text.stdout)
     flat = words(text.stdout)
     assert f"chat / {key} done" in flat
-    assert f"#1 http_500 → retry server {faulty.url}" in flat
+    assert f"#1 http_500 → retry server {faulty}" in flat
     assert "HTTP 500: simulated internal server error" in flat
-    message = records[0]["answer"]["message"]
+    message = record["answer"]["message"]
     assert (message["content"] or message["reasoning_content"]).split()[0] in flat
+    return text.stdout
 
-    # A key in two datasets, a key nowhere: exit 2, the datasets named, nothing printed.
-    both = cli("inspect", "--id", "c000001", "--db", db_url)
+
+def _refused(db: str) -> None:
+    """A key in two datasets, a key nowhere: exit 2, the datasets named, nothing printed.
+    No match: said on stderr, exit 0, as requeue and status do for empty selections."""
+    both = cli("inspect", "--id", "c000001", "--db", db)
     assert both.returncode == 2 and both.stdout == ""
     assert "item key 'c000001' is in 2 datasets (chat, other)" in both.stderr
     assert "--dataset chat" in both.stderr
-    missing = cli("inspect", "--id", "c000039", "--dataset", "other", "--db", db_url)
+    missing = cli("inspect", "--id", "c000039", "--dataset", "other", "--db", db)
     assert missing.returncode == 2 and missing.stdout == ""
     assert "no item has the key 'c000039' in dataset 'other'; it is in chat" in missing.stderr
-    nowhere = cli("inspect", "--id", "zz", "--db", db_url)
+    nowhere = cli("inspect", "--id", "zz", "--db", db)
     assert nowhere.returncode == 2
     assert "no item has the key 'zz' in any dataset" in nowhere.stderr
-
-    # No match: said on stderr, exit 0, as requeue and status do for empty selections.
-    none = cli("inspect", "--state", "failed", "--db", db_url)
+    none = cli("inspect", "--state", "failed", "--db", db)
     assert none.returncode == 0 and none.stdout == ""
     assert "no items match: --state failed" in none.stderr
-
-    # Secrets: the key the servers wanted is nowhere in what inspect prints.
-    assert KEY not in text.stdout
-    assert KEY not in cli("inspect", "--db", db_url, env=env).stdout
-    assert KEY.encode() not in b"".join(orjson.dumps(r) for r in every)
-
-    assert unchanged(db_url) == before
 
 
 def test_a_sample_is_drawn_again_by_its_seed(
