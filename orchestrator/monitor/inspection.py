@@ -10,7 +10,6 @@ panels are coloured; piped, rich writes them without colour.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import unicodedata
 from collections.abc import Iterable, Sequence
@@ -43,8 +42,10 @@ _BIDI = {chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x2028
 
 
 def as_json(record: ItemRecord) -> bytes:
-    """One item as the JSON line ``inspect --json`` writes (docs/API.md names the keys)."""
-    return orjson.dumps(dataclasses.asdict(record))
+    """One item as the JSON line ``inspect --json`` writes (docs/API.md names the keys):
+    the record's fields, nested records as objects (orjson writes dataclasses itself, in
+    field order, without the deep copy ``dataclasses.asdict`` makes)."""
+    return orjson.dumps(record)
 
 
 def visible(text: str) -> str:
