@@ -417,7 +417,7 @@ def test_a_terminal_gets_colour_and_folded_texts_escaped_controls(
     long = SimProcess("--mean-tokens", "1500", "--reasoning", "field")
     long.start()
     try:
-        hostile = [{"id": "x", "prompt": "clear \x1b[2J the screen \u202e and turn"}]
+        hostile = [{"id": "x", "prompt": "clear \x1b[2J the screen \u202e and [bold]turn[/bold]"}]
         enqueue(db_url, write_jsonl(tmp_path / "x.jsonl", hostile), "x", "--max-tokens", "8000")
         run(db_url, long.url)
     finally:
@@ -428,6 +428,7 @@ def test_a_terminal_gets_colour_and_folded_texts_escaped_controls(
     assert ANSI.search(shown)  # colour on a terminal
     assert "\x1b[2J" not in shown and "\u202e" not in shown
     assert "\\x1b[2J" in shown and "\\u202e" in shown
+    assert "[bold]turn[/bold]" in shown  # stored text, never read as markup
 
     [record] = inspect_json(db_url, "--id", "x")
     content = record["answer"]["message"]["content"]
@@ -438,4 +439,23 @@ def test_a_terminal_gets_colour_and_folded_texts_escaped_controls(
     assert words(content[:200]) in words(folded) and words(content[-100:]) in words(folded)
     whole = cli("inspect", "--id", "x", "--full", "--db", db_url).stdout
     assert "folded" not in whole and words(content) in words(whole)
+    assert unchanged(db_url) == before
+
+
+@pytest.mark.sqlite_only
+@pytest.mark.parametrize("mode", [(), ("--json",)], ids=["text", "json"])
+def test_a_reader_that_stops_reading_ends_it_quietly(
+    db_url: str, tmp_path: Path, mode: tuple[str, ...]
+) -> None:
+    """``inspect | head``: the read ends when the pipe closes, exit 0, nothing on stderr."""
+    rows = [{"id": f"h{i}", "prompt": "many words " * 50} for i in range(400)]
+    enqueue(db_url, write_jsonl(tmp_path / "h.jsonl", rows), "h")
+    before = unchanged(db_url)
+    argv = [sys.executable, "-m", "orchestrator", "inspect", *mode, "--db", db_url]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(60) == 0
+    assert proc.stderr.read() == b""
     assert unchanged(db_url) == before

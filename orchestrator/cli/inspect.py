@@ -77,20 +77,24 @@ def inspect(
     selection = _selection(datasets, key, sample, seed, flag_names, error_class, state)
     show = _printer(as_json, full)
     matched: list[int] = []
+    gone: list[bool] = []
 
     def read(rows: Rows) -> int:
         from orchestrator.store.inspection import inspect_items
 
         shown = 0
-        for batch in inspect_items(rows, selection, matched=matched.append):
-            for record in batch:
-                show(record)
-                shown += 1
+        try:
+            for batch in inspect_items(rows, selection, matched=matched.append):
+                for record in batch:
+                    show(record)
+                    shown += 1
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader went away (``| head``): the read ends here
+            gone.append(True)
         return shown
 
-    try:
-        shown = _read(db, read)
-    except BrokenPipeError:  # the reader went away (``| head``): nothing more to say
+    shown = _read(db, read)
+    if gone:  # nothing more to say, and nothing left to flush at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     _say(selection, shown, matched[0] if matched else shown, as_json)
@@ -148,7 +152,12 @@ def _printer(as_json: bool, full: bool) -> Callable[[ItemRecord], None]:
 
     from orchestrator.monitor.inspection import render
 
-    console = Console(highlight=False, markup=False, emoji=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits 1 here; a reader that stopped reading is no failure of ours.
+            raise BrokenPipeError
+
+    console = _Console(highlight=False, markup=False, emoji=False)
     return lambda record: console.print(render(record, full=full))
 
 
