@@ -310,6 +310,10 @@ def test_inspect_shows_every_turn_of_a_regenerated_conversation(
     key = rows[0]["id"]
     flat = words(cli("inspect", "--id", key, "--db", db_url).stdout)
     assert "turns generated: 3 of 3" in flat
+    # The stored conversation as sent, each original answer marked with its turn.
+    assert "assistant (the original of turn 1, generated again) old a" in flat
+    assert "assistant (the original of turn 2, generated again) old b" in flat
+    assert "user end turn 3: the answer to the last message" in flat
     for n, message in enumerate(lines[key]["messages"][i] for i in (1, 3, 5)):
         assert f"turn {n + 1} of 3" in flat
         assert words(message["content"]) in flat

@@ -21,6 +21,7 @@ from rich.padding import Padding
 from rich.panel import Panel
 from rich.text import Text
 
+from orchestrator.conversation import targets
 from orchestrator.monitor.text import duration
 from orchestrator.store.inspection import (
     AnswerRecord,
@@ -77,7 +78,8 @@ def render(record: ItemRecord, *, full: bool = False, now: float | None = None) 
     """One item's panel: header, request, answer (every turn), attempts, requeues."""
     now = time.time() if now is None else now
     parts: list[RenderableType] = [_header(record, now)]
-    parts += _request(record.request, full=full)
+    again = record.regenerate == "all" and not record.passthrough
+    parts += _request(record.request, full=full, regenerated=again)
     parts += _answers(record, full=full)
     parts += _history(record)
     for requeue in record.requeues:
@@ -171,12 +173,14 @@ def _content(value: Any, *, full: bool, style: str = "") -> list[Text]:
     return _body(value, full=full, style=style)
 
 
-def _message(m: dict[str, Any], *, full: bool) -> list[RenderableType]:
+def _message(m: dict[str, Any], *, full: bool, note: str = "") -> list[RenderableType]:
     """One message: its role, reasoning, content and tool calls, indented."""
     role = str(m.get("role", "?"))
     head = Text(visible(role), "bold magenta" if role == "assistant" else "bold")
     if m.get("tool_call_id"):
         head.append(f" (answers {visible(str(m['tool_call_id']))})", "dim")
+    if note:
+        head.append(f"  ({note})", "dim")
     out: list[RenderableType] = [head]
     reasoning = m.get("reasoning_content", m.get("reasoning"))
     if reasoning:
@@ -214,15 +218,33 @@ def _parameters(request: dict[str, Any]) -> Text:
     )
 
 
-def _request(request: dict[str, Any], *, full: bool) -> list[RenderableType]:
+def _request(
+    request: dict[str, Any], *, full: bool, regenerated: bool = False
+) -> list[RenderableType]:
+    """The body as sent. For a conversation generated turn by turn, the stored messages,
+    each original answer marked with the turn that generates it again (each turn is
+    asked with the messages before it, the earlier answers the generated ones)."""
     out: list[RenderableType] = [_section("request", _parameters(request))]
     tools = request.get("tools") or []
     if tools:
         names = [str((t.get("function") or {}).get("name")) for t in tools if isinstance(t, dict)]
         out.append(_fields([("tools", ", ".join(names))]))
-    for message in request.get("messages") or []:
-        out += _message(message, full=full)
+    messages = request.get("messages") or []
+    turns = _turn_places(messages) if regenerated else {}
+    for place, message in enumerate(messages):
+        note = f"the original of turn {turns[place]}, generated again" if place in turns else ""
+        out += _message(message, full=full, note=note)
+    if len(messages) in turns:
+        out.append(Text(f"  turn {turns[len(messages)]}: the answer to the last message", "dim"))
     return out
+
+
+def _turn_places(messages: list[dict[str, Any]]) -> dict[int, int]:
+    """Each generated turn's place in the conversation, and its number (from 1)."""
+    try:
+        return {place: n + 1 for n, place in enumerate(targets(messages))}
+    except (AttributeError, TypeError):  # not a list of messages: nothing to mark
+        return {}
 
 
 def _usage(usage: dict[str, Any] | None) -> str | None:
