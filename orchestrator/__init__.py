@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from orchestrator.formats.export import ExportReport
     from orchestrator.running import RunOutcome
     from orchestrator.store.enqueue import EnqueueReport
+    from orchestrator.store.inspection import ItemRecord
     from orchestrator.store.requeue import UndoReport
     from orchestrator.worker import WorkerStats
 
@@ -48,6 +49,7 @@ _SOURCES = {
     "RunOutcome": "running",
     "WorkerStats": "worker",
     "EnqueueReport": "store.enqueue",
+    "ItemRecord": "store.inspection",
     "UndoReport": "store.requeue",
     "ExportReport": "formats.export",
     "OrchestratorError": "errors",
@@ -64,6 +66,7 @@ __all__ = [
     "EnqueueReport",
     "ExportReport",
     "InputError",
+    "ItemRecord",
     "ItemsFailed",
     "ItemsLeftPending",
     "OrchestratorError",

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import orjson
 
@@ -33,6 +33,7 @@ from orchestrator.checks import (
     PATH,
     RUN,
     WINDOW,
+    Choice,
     Integer,
     Names,
     OrNone,
@@ -54,9 +55,11 @@ if TYPE_CHECKING:
     from orchestrator.formats.export import ExportOptions, ExportReport
     from orchestrator.store import Database, EnqueueReport
     from orchestrator.store.access import Batches
+    from orchestrator.store.inspection import ItemRecord
     from orchestrator.store.requeue import UndoReport
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 _DB = OrNone(PathName("a path or a database URL"))
 _DATASETS = Names("a dataset name")
@@ -109,7 +112,7 @@ class Queue:
         self._database: Database | None = None
         self._closed = False
         self._runs: set[asyncio.Task[Any]] = set()
-        self._results: weakref.WeakSet[Results] = weakref.WeakSet()
+        self._results: weakref.WeakSet[Results[Any]] = weakref.WeakSet()
 
     async def __aenter__(self) -> Queue:
         from orchestrator.store import open_database
@@ -300,14 +303,58 @@ class Queue:
         reasoning: str = "separate",
         exclude_flags: str | Sequence[str] = (),
         provenance: bool = False,
-    ) -> Results:
+    ) -> Results[dict[str, Any]]:
         """Done items as plain dicts, each the line ``export`` would write, in its order:
         an async iterator over one read transaction (:class:`Results`)."""
         from orchestrator.formats.export import line_batches
 
         names = _names("dataset", dataset, _DATASETS)
         chosen = _export_options(format, reasoning, exclude_flags, provenance)
-        results = Results(line_batches(self.database, dataset_names=names, options=chosen))
+        batches = line_batches(self.database, dataset_names=names, options=chosen)
+        return self._held(Results(batches, orjson.loads))
+
+    def inspect(
+        self,
+        *,
+        dataset: str | Sequence[str] = (),
+        id: str | None = None,
+        sample: int | None = None,
+        seed: int | None = None,
+        flags: str | Sequence[str] = (),
+        error_class: str | None = None,
+        state: str | None = None,
+    ) -> Results[ItemRecord]:
+        """Items whole, as ``orchestrator inspect`` shows them: the request as sent, the
+        answer (every turn), every attempt, requeues and the answers they set aside, as
+        :class:`~orchestrator.store.inspection.ItemRecord`; by dataset, then input order.
+        An async iterator over one read transaction (:class:`Results`). ``id`` picks one
+        item by key (``dataset`` says which when several datasets have it); ``sample``
+        that many at random among the matching, drawn with ``seed`` (reproducible)."""
+        import functools
+
+        from orchestrator.store import access
+        from orchestrator.store.inspection import STATES, checked_selection, inspect_items
+
+        names = _names("dataset", dataset, _DATASETS)
+        checked("id", id, OrNone(Text()))
+        checked("sample", sample, OrNone(Integer(1)))
+        checked("seed", seed, OrNone(Integer()))
+        checked("error_class", error_class, OrNone(Text()))
+        checked("state", state, OrNone(Choice(STATES)))
+        selection = checked_selection(
+            dataset_names=names,
+            key=id,
+            state=state,
+            error_class=error_class,
+            flags=_flags("flags", flags),
+            sample=sample,
+            seed=seed,
+        )
+        produce = functools.partial(inspect_items, selection=selection)
+        return self._held(Results(access.read_batches(self.database, produce), _same))
+
+    def _held(self, results: Results[R]) -> Results[R]:
+        """``results``, ended when the queue closes."""
         self._results.add(results)
         return results
 
@@ -494,8 +541,13 @@ def _checked_outcome(outcome: RunOutcome) -> RunOutcome:
     return outcome
 
 
-class Results:
-    """``Queue.results``: the export's lines as dicts, read in one read transaction.
+def _same(row: R) -> R:
+    return row
+
+
+class Results(Generic[T]):
+    """``Queue.results`` (the export's lines as dicts) and ``Queue.inspect`` (items as
+    records): rows read in one read transaction, a batch at a time.
 
     The transaction ends with the last row, with ``aclose()`` (or the end of ``async
     with``), when the queue closes (a later ``next`` raises ``ConfigError``: the rows
@@ -503,29 +555,30 @@ class Results:
     ``break`` holds nothing, and prints nothing.
     """
 
-    def __init__(self, batches: Batches[list[bytes]]) -> None:
+    def __init__(self, batches: Batches[list[Any]], decode: Callable[[Any], T]) -> None:
         self._batches = batches
-        self._lines: Iterator[bytes] = iter(())
+        self._decode = decode
+        self._rows: Iterator[Any] = iter(())
         self._ended: str | None = None
 
-    def __aiter__(self) -> Results:
+    def __aiter__(self) -> Results[T]:
         return self
 
-    async def __anext__(self) -> dict[str, Any]:
+    async def __anext__(self) -> T:
         while True:
-            line = next(self._lines, None)
-            if line is not None:
-                return orjson.loads(line)  # type: ignore[no-any-return]
+            row = next(self._rows, None)
+            if row is not None:
+                return self._decode(row)
             if self._ended is not None:
                 raise ConfigError(self._ended)
-            self._lines = iter(await self._batches.__anext__())
+            self._rows = iter(await self._batches.__anext__())
 
     async def aclose(self) -> None:
         """End the read now; the iteration stops."""
-        self._lines = iter(())
+        self._rows = iter(())
         await self._batches.aclose()
 
-    async def __aenter__(self) -> Results:
+    async def __aenter__(self) -> Results[T]:
         return self
 
     async def __aexit__(self, *_: object) -> None:
@@ -634,9 +687,13 @@ class SyncQueue:
         """``Queue.status``."""
         return self._call(self._queue.status, **options)
 
-    def results(self, **options: Any) -> SyncResults:
+    def results(self, **options: Any) -> SyncResults[dict[str, Any]]:
         """``Queue.results``, one row at a time from the loop's thread."""
         return SyncResults(self, self._call(_made, self._queue.results, **options))
+
+    def inspect(self, **options: Any) -> SyncResults[ItemRecord]:
+        """``Queue.inspect``, one item at a time from the loop's thread."""
+        return SyncResults(self, self._call(_made, self._queue.inspect, **options))
 
     def export(self, out: str | os.PathLike[str], **options: Any) -> ExportReport:
         """``Queue.export``."""
@@ -659,18 +716,18 @@ class SyncQueue:
         self._call(self._queue.resume, dataset)
 
 
-class SyncResults:
-    """``SyncQueue.results``: :class:`Results` a row at a time. ``close()`` (or ``with``)
-    ends the read early, as dropping the iterator does."""
+class SyncResults(Generic[T]):
+    """``SyncQueue.results`` and ``SyncQueue.inspect``: :class:`Results` a row at a time.
+    ``close()`` (or ``with``) ends the read early, as dropping the iterator does."""
 
-    def __init__(self, queue: SyncQueue, results: Results) -> None:
+    def __init__(self, queue: SyncQueue, results: Results[T]) -> None:
         self._queue = queue
         self._results = results
 
-    def __iter__(self) -> SyncResults:
+    def __iter__(self) -> SyncResults[T]:
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> T:
         try:
             return self._queue._call(_next, self._results)
         except StopAsyncIteration:
@@ -681,7 +738,7 @@ class SyncResults:
         if not self._queue._closed:
             self._queue._call(self._results.aclose)
 
-    def __enter__(self) -> SyncResults:
+    def __enter__(self) -> SyncResults[T]:
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 #: Most ``max_tokens`` a request may ask for: the token columns are 32-bit.
 MAX_TOKENS = 2**31 - 1
@@ -22,6 +23,13 @@ REFUSED: dict[str, str] = {
     "stream": "decided by the worker (run --stream)",
     "stream_options": "decided by the worker (run --stream)",
 }
+
+
+def item_body(dataset_params: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, Any]:
+    """The body an item is sent with: its dataset's parameters, the item's own fields over
+    them. The worker sends it and ``inspect`` shows it; both build it here, so what is shown
+    is what goes out (the worker then sets ``stream``, and a multi-turn item's messages)."""
+    return {**dataset_params, **request}
 
 
 def _is_number(value: object) -> bool:

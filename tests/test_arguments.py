@@ -196,10 +196,21 @@ VALID: dict[str, dict[str, Callable[[object], bool]]] = {
         "all": FLAG,
         "dry_run": FLAG,
     },
+    "inspect": {
+        "dataset": _names,
+        "id": _maybe(_text),
+        "sample": _maybe(lambda v: _int(v, 1)),
+        "seed": _maybe(_int),
+        "flags": lambda v: v in ((), []) or _flags(v),
+        "error_class": _maybe(_text),
+        "state": _maybe(_choice("pending", "running", "done", "failed")),
+    },
     "undo_requeue": {"dry_run": FLAG},
     "pause": {"dataset": lambda v: _text(v) and len(v) <= 200},  # type: ignore[arg-type]
     "resume": {"dataset": lambda v: _text(v) and len(v) <= 200},  # type: ignore[arg-type]
 }
+# Calls that hand back an iterator: what they refuse may come with the first row.
+ITERATORS = ("results", "inspect")
 POSITIONAL = {"enqueue": "records", "enqueue_config": "config", "export": "out"}
 POSITIONAL |= {"pause": "dataset", "resume": "dataset"}
 
@@ -214,6 +225,7 @@ def _base(method: str, folder: Path) -> dict[str, Any]:
         "results": {"dataset": "d"},
         "export": {"out": folder / "out.jsonl", "datasets": "d"},
         "requeue": {"state": "failed", "datasets": "d"},
+        "inspect": {"dataset": "d"},
         "undo_requeue": {},
         "pause": {"dataset": "d"},
         "resume": {"dataset": "d"},
@@ -329,7 +341,9 @@ def test_wrong_arguments_to_the_async_queue_are_config_errors(
 
     async def call(method: str, args: list[Any], kwargs: dict[str, Any]) -> None:
         made = getattr(queue, method)(*args, **kwargs)
-        if method != "results":
+        if method in ITERATORS:
+            await made.__anext__()
+        else:
             await made
 
     @PROPERTY
@@ -364,7 +378,7 @@ def test_wrong_arguments_to_the_sync_queue_are_config_errors(
         args, rest = _split(method, kwargs)
         with pytest.raises(Exception) as caught:
             got = getattr(q, method)(*args, **rest)
-            if method == "results":
+            if method in ITERATORS:
                 next(got)
         _refused(caught.value, name)
 

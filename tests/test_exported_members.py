@@ -13,6 +13,7 @@ EXPORTED = {
     "EnqueueReport",
     "ExportReport",
     "InputError",
+    "ItemRecord",
     "ItemsFailed",
     "ItemsLeftPending",
     "OrchestratorError",

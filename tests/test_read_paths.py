@@ -22,6 +22,7 @@ import pytest
 import sqlalchemy as sa
 
 from orchestrator import cli, logs
+from orchestrator.cli import inspect as cli_inspect
 from orchestrator.formats.export import export_jsonl, messages_line
 from orchestrator.monitor import status as status_view
 from orchestrator.monitor.status import snapshot
@@ -32,6 +33,7 @@ from orchestrator.store import (
     Queue,
     create_database,
     engine,
+    inspection,
     iter_done,
     open_database,
     reader,
@@ -559,6 +561,7 @@ def test_constants_kept_in_step() -> None:
     assert reader.DEFAULT_DB == engine.DEFAULT_DB
     assert reader.BUSY_TIMEOUT_MS == engine.BUSY_TIMEOUT_MS
     assert stats.STATES == schema.STATES
+    assert inspection.STATES == cli_inspect._STATES == schema.STATES
     assert cli.LOG_LEVELS == logs.LEVELS
 
 

@@ -23,6 +23,7 @@ from orchestrator.cli import (
     doctor,
     enqueue,
     export,
+    inspect,
     plan,
     requeue,
     run,
@@ -38,7 +39,7 @@ from orchestrator.cli.common import (
 )
 
 # Commands that set up logging only when they leave their sqlite3 fast path.
-_LAZY_LOGGING = frozenset({"status", "export"})
+_LAZY_LOGGING = frozenset({"status", "export", "inspect"})
 
 
 class _Commands(click.Group):
@@ -89,6 +90,7 @@ for _command in (
     status.watch,
     status.dashboard,
     status.report,
+    inspect.inspect,
     requeue.requeue,
     requeue.pause,
     requeue.resume,

@@ -114,7 +114,10 @@ def render_status(snap: dict[str, Any]) -> str:
     failed = snap["totals"]["failed_by_class"]
     if failed:
         lines.append("failed items by class: " + ", ".join(f"{k} {v:,}" for k, v in failed.items()))
-        lines.append("  (see them again with `orchestrator requeue --error-class CLASS`)")
+        lines.append(
+            "  (`orchestrator inspect --state failed --error-class CLASS` shows them, "
+            "`orchestrator requeue --error-class CLASS` sends them back)"
+        )
     lines.extend(_flag_lines(snap))
     live = [w for w in snap["workers"] if not w["stopped"]]
     if live:

@@ -58,6 +58,23 @@ def read_fast(db: str | os.PathLike[str] | None, fn: Callable[[Rows], T]) -> T |
             return None
 
 
+def read_fast_once(db: str | os.PathLike[str] | None, fn: Callable[[Rows], T]) -> tuple[bool, T]:
+    """``fn`` over the sqlite3 adapter, in this thread, for a caller that writes out as it
+    reads: what it wrote cannot be taken back, so a read that fails is not left to the
+    store to try again (as :func:`read_fast` does) but raised, in the store's words.
+    ``(False, None)`` when the path does not apply."""
+    reader = fast_reader(db)
+    if reader is None:
+        return False, None  # type: ignore[return-value]
+    with reader:
+        try:
+            return True, fn(reader)
+        except sqlite3.Error as exc:
+            from orchestrator.store.engine import resolve_url, storage_error
+
+            raise storage_error(exc, resolve_url(db)) from exc
+
+
 async def read(database: Database, fn: Callable[[Rows], T]) -> T:
     """``fn`` over one read transaction of ``database``, through whichever adapter fits.
 

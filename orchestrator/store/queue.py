@@ -97,10 +97,12 @@ class Output(Answer):
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """Why an attempt did not produce an output."""
+    """Why an attempt did not produce an output, and the server it was sent to (None: it
+    was sent to none, or the caller does not say)."""
 
     error_class: str
     message: str
+    server: str | None = None
 
 
 def _chunks(seq: Sequence[Any], size: int = _CHUNK) -> Iterable[Sequence[Any]]:
@@ -1020,6 +1022,7 @@ def _settle(
             "message": storable(failure.message[:4000]),
             "outcome": outcome,
             "created_at": now,
+            "server": storable(failure.server),
         }
         for lease, failure, _ in outcomes
         if lease.item_id in changed

@@ -216,6 +216,9 @@ attempt_errors = sa.Table(
     sa.Column("message", sa.Text, nullable=True),
     sa.Column("outcome", sa.String(16), nullable=False),  # retry | failed | released
     sa.Column("created_at", sa.Float, nullable=False),
+    # The server the attempt was sent to (masked as servers are everywhere); NULL when
+    # none was (no server up, a lease lost, a shutdown) or for rows written before 0010.
+    sa.Column("server", sa.Text, nullable=True),
 )
 sa.Index("ix_attempt_errors_created_at", attempt_errors.c.created_at)
 # Errors by dataset, class and outcome (status) as an index-only count.
@@ -225,6 +228,8 @@ sa.Index(
     attempt_errors.c.error_class,
     attempt_errors.c.outcome,
 )
+# One item's attempts (inspect), without reading every attempt of the run.
+sa.Index("ix_attempt_errors_item_id", attempt_errors.c.item_id)
 
 # Live workers, so that status can tell who is working and who went quiet.
 workers = sa.Table(

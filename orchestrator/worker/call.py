@@ -17,6 +17,7 @@ from orchestrator import error_classes as ec
 from orchestrator.client import InferenceClient
 from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
+from orchestrator.params import item_body
 from orchestrator.servers import ServerPool
 from orchestrator.store import Failure, Lease, Output
 from orchestrator.store.datasets import DatasetInfo
@@ -58,7 +59,7 @@ class Caller:
 
     async def turn(self, lease: Lease, info: DatasetInfo) -> Outcome | Output:
         """One request: its answer, or what should become of the item."""
-        body = {**info.params, **lease.request}
+        body = item_body(info.params, lease.request)
         if lease.turns > 1 or info.regenerate == "all":
             # Every turn of such an item, its only one too, is asked without its original
             # answer, which the stored conversation still holds.
@@ -99,19 +100,19 @@ class Caller:
         """Classify a request's failure; the server's accounting hears of it too."""
         if isinstance(exc, ServerUnavailable):
             self.pool.mark_down(server, str(exc))
-            return Release(lease, Failure(exc.error_class, str(exc)), time.time())
+            return Release(lease, Failure(exc.error_class, str(exc), server), time.time())
         if isinstance(exc, TransientError):
             if exc.error_class in classify.MAYBE_DOWN and not await self.client.health(server):
                 # The connection broke because the server went away: an outage, not
                 # the item's fault.
                 self.pool.mark_down(server, str(exc))
-                return Release(lease, Failure(ec.UNAVAILABLE, str(exc)), time.time())
+                return Release(lease, Failure(ec.UNAVAILABLE, str(exc), server), time.time())
             self.pool.failed(server, exc.error_class)
-            return classify.retry_or_fail(lease, exc, exc.retry_after, self.config)
+            return classify.retry_or_fail(lease, exc, exc.retry_after, self.config, server)
         if isinstance(exc, PermanentError):
-            failure = Failure(exc.error_class, where(lease) + str(exc))
+            failure = Failure(exc.error_class, where(lease) + str(exc), server)
             return Rejected(lease, server, str(exc), failure, info.params_hash)
         if not isinstance(exc, InferenceError):
             log.exception("item_crashed", item=lease.item_id, key=lease.key)
             exc = InferenceError(f"{type(exc).__name__}: {exc}", error_class=ec.INTERNAL)
-        return classify.retry_or_fail(lease, exc, None, self.config)
+        return classify.retry_or_fail(lease, exc, None, self.config, server)

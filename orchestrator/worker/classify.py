@@ -31,11 +31,15 @@ def where(lease: Lease) -> str:
 
 
 def retry_or_fail(
-    lease: Lease, exc: InferenceError, retry_after: float | None, config: WorkerConfig
+    lease: Lease,
+    exc: InferenceError,
+    retry_after: float | None,
+    config: WorkerConfig,
+    server: str | None = None,
 ) -> Retry | Release | Failed:
-    """A retryable failure: retried after a backoff, or failed once attempts are spent;
-    a rate limit with a Retry-After is released until then, costing no attempt."""
-    failure = Failure(exc.error_class, where(lease) + str(exc))
+    """A retryable failure at ``server``: retried after a backoff, or failed once attempts
+    are spent; a rate limit with a Retry-After is released until then, costing no attempt."""
+    failure = Failure(exc.error_class, where(lease) + str(exc), server)
     if exc.error_class == ec.RATE_LIMITED and retry_after is not None:
         # The server said when to come back: not the item's fault, so the attempt is
         # given back and a long rate limit cannot use up the item's attempts.
@@ -45,7 +49,7 @@ def retry_or_fail(
         return Release(lease, failure, time.time() + delay)
     if lease.attempt >= config.max_attempts:
         message = f"{where(lease)}gave up after {lease.attempt} attempts: {exc}"
-        return Failed(lease, Failure(exc.error_class, message))
+        return Failed(lease, Failure(exc.error_class, message, server))
     delay = backoff_delay(
         lease.attempt, base=config.backoff_base, cap=config.backoff_cap, retry_after=retry_after
     )
@@ -76,8 +80,9 @@ def answered(
             f"the answer was cut at max_tokens={limit}", error_class=ec.TRUNCATED
         )
         if info.on_truncated == "fail":
-            return Failed(lease, Failure(ec.TRUNCATED, where(lease) + str(truncated)))
-        return retry_or_fail(lease, truncated, None, config)
+            failure = Failure(ec.TRUNCATED, where(lease) + str(truncated), completion.server)
+            return Failed(lease, failure)
+        return retry_or_fail(lease, truncated, None, config, completion.server)
     return output(completion, info.params_hash)
 
 
@@ -124,10 +129,10 @@ def unstorable(entry: Outcome, reason: str, config: WorkerConfig) -> Outcome | N
         error = TransientError(
             f"the answer could not be stored: {reason}", error_class=ec.BAD_RESPONSE
         )
-        return retry_or_fail(lease, error, None, config)
+        return retry_or_fail(lease, error, None, config, entry.output.server)
     assert isinstance(entry, Retry | Release | Failed)
     failure = entry.failure
     if failure.message.startswith("(unstorable)"):
         return None
-    plain = Failure(failure.error_class[:64], f"(unstorable) {reason}"[:4000])
+    plain = Failure(failure.error_class[:64], f"(unstorable) {reason}"[:4000], failure.server)
     return dataclasses.replace(entry, failure=plain, failures=0)
