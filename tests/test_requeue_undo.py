@@ -347,7 +347,7 @@ async def test_the_api_checks_requeue_as_the_command_does(
         for bad, why in [
             ({"max_tokens": -5}, "max_tokens: must be at least 1, got -5"),
             ({"max_tokens": 2**31}, "max_tokens: must be at most 2147483647, got 2147483648"),
-            ({"max_tokens": True}, "max_tokens: must be an integer, got bool"),
+            ({"max_tokens": True}, "max_tokens: must be an integer, got True"),
             ({"error_class": "bogus"}, "unknown error class 'bogus'"),
         ]:
             for dry_run in (False, True):
