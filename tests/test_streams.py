@@ -1,0 +1,91 @@
+"""Streams and waits, through the real command against ``tests.hostile_server``: streams
+that end without ``[DONE]``, events of any size, and what a server's ``Retry-After`` may
+make a worker wait (docs/RELIABILITY.md, "Streams and waits")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.helpers import cli, events, prompts, query, write_jsonl
+from tests.test_hostile import Hostile, hostile
+
+__all__ = ["hostile"]  # the fixture, shared with tests.test_hostile
+
+
+def enqueue(db: str, n: int, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(n))
+    result = cli("enqueue", str(src), "--dataset", "d", "--max-tokens", "16", "--db", db)
+    assert result.returncode == 0, result.stderr
+
+
+def run(db: str, server: Hostile, *extra: str) -> tuple[int, str]:
+    result = cli(
+        "--log-json", "run", "--server", server.url, "--exit-when-done", "--db", db, *extra,
+        timeout=240,
+    )  # fmt: skip
+    return result.returncode, result.stderr
+
+
+def exported(db: str, out: Path) -> list[dict[str, Any]]:
+    result = cli("export", str(out), "--db", db)
+    assert result.returncode == 0, result.stderr
+    return [orjson.loads(line) for line in out.read_bytes().splitlines()]
+
+
+# ------------------------------------------------------------ a finish_reason, no [DONE]
+
+
+@pytest.mark.parametrize("end", ["usage", "close", "break"])
+def test_a_stream_that_ends_after_its_finish_reason_is_an_answer(
+    db_url: str, tmp_path: Path, hostile: Callable[..., Hostile], end: str
+) -> None:
+    """The finish reason came, then no ``[DONE]``: the body ended after the usage chunk,
+    right after the finish reason, or the connection broke there. Each answer is whole:
+    stored once, with the usage when the server sent it."""
+    server = hostile("--stream-end", end, "--stream-bytes", "300")
+    enqueue(db_url, 6, tmp_path)
+    code, stderr = run(db_url, server, "--stream", "--max-attempts", "1")
+    assert code == 0, stderr[-2000:]
+    assert query(db_url, "SELECT state, attempts FROM items") == [("done", 1)] * 6
+    lines = exported(db_url, tmp_path / "out.jsonl")
+    assert [line["messages"][-1]["content"] for line in lines] == ["y" * 300] * 6
+    assert {line["finish_reason"] for line in lines} == {"stop"}
+    usage = {"prompt_tokens": 1, "completion_tokens": 1} if end == "usage" else None
+    assert [line.get("usage") for line in lines] == [usage] * 6
+    assert not any(e.get("error_class") for e in events(stderr))
+
+
+# ------------------------------------------------------------ events of any size
+
+
+@pytest.mark.parametrize("size", [200 * 2**10, 600 * 2**10, 3 * 2**20 // 2])
+def test_one_event_of_any_size_within_the_cap_is_read(
+    db_url: str, tmp_path: Path, hostile: Callable[..., Hostile], size: int
+) -> None:
+    """The answer's content in one ``data:`` event: read whole up to --max-response-mb."""
+    server = hostile("--stream-bytes", str(size), "--piece-bytes", str(size))
+    enqueue(db_url, 2, tmp_path)
+    code, stderr = run(db_url, server, "--stream", "--max-response-mb", "2", "--max-attempts", "1")
+    assert code == 0, stderr[-2000:]
+    assert "Traceback" not in stderr and "item_crashed" not in stderr
+    lines = exported(db_url, tmp_path / "out.jsonl")
+    assert [len(line["messages"][-1]["content"]) for line in lines] == [size] * 2
+
+
+def test_one_event_over_the_cap_is_too_large_without_a_traceback(
+    db_url: str, tmp_path: Path, hostile: Callable[..., Hostile]
+) -> None:
+    size = 3 * 2**20
+    server = hostile("--stream-bytes", str(size), "--piece-bytes", str(size))
+    enqueue(db_url, 2, tmp_path)
+    code, stderr = run(db_url, server, "--stream", "--max-response-mb", "1")
+    assert code == 6, stderr[-2000:]
+    assert "Traceback" not in stderr and "item_crashed" not in stderr
+    rows = query(db_url, "SELECT state, error_class, attempts FROM items")
+    assert rows == [("failed", "response_too_large", 1)] * 2, rows
+    assert query(db_url, "SELECT count(*) FROM outputs") == [(0,)]
