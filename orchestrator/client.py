@@ -38,9 +38,9 @@ do with it is the caller's choice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import email.utils
-import math
 import ssl
 import time
 import urllib.request
@@ -132,18 +132,24 @@ def _error_reason(status: int, body: bytes) -> str:
 
 
 def _retry_after(headers: Any, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header: delay-seconds or an HTTP date
-    (RFC 9110 10.2.3), whichever the server sent; None when absent or unreadable."""
+    """Seconds to wait from a 429's or 503's headers: ``retry-after-ms`` (milliseconds, as
+    OpenAI's API sends beside it) if readable, else ``Retry-After`` as delay-seconds or an
+    HTTP date (RFC 9110 10.2.3). A negative, ``nan`` or unreadable value counts as none.
+    The value may be huge (``1e308``, ``inf``, a date in 9999): the longest wait is the
+    worker's policy (``orchestrator.worker.config.backoff_delay``), not the server's."""
+    with contextlib.suppress(TypeError, ValueError):
+        millis = float(headers.get("retry-after-ms"))
+        if millis >= 0:
+            return millis / 1000
     value = headers.get("Retry-After")
     if value is None:
         return None
-    value = value.strip()
     try:
         seconds = float(value)
     except ValueError:
         pass
     else:
-        return max(0.0, seconds) if math.isfinite(seconds) else None
+        return seconds if seconds >= 0 else None  # nan compares false
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):

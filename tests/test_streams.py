@@ -4,6 +4,9 @@ make a worker wait (docs/RELIABILITY.md, "Streams and waits")."""
 
 from __future__ import annotations
 
+import json
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,8 +14,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.helpers import cli, events, prompts, query, write_jsonl
-from tests.test_hostile import Hostile, hostile
+from tests.helpers import cli, events, prompts, query, start_worker, write_jsonl
+from tests.test_hostile import Hostile, hostile, wait_for
 
 __all__ = ["hostile"]  # the fixture, shared with tests.test_hostile
 
@@ -89,3 +92,59 @@ def test_one_event_over_the_cap_is_too_large_without_a_traceback(
     rows = query(db_url, "SELECT state, error_class, attempts FROM items")
     assert rows == [("failed", "response_too_large", 1)] * 2, rows
     assert query(db_url, "SELECT count(*) FROM outputs") == [(0,)]
+
+
+# ------------------------------------------------------------ Retry-After
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Retry-After=1e308",
+        "Retry-After=inf",
+        "Retry-After=Fri, 31 Dec 9999 23:59:59 GMT",
+        "retry-after-ms=1e308",
+    ],
+)
+def test_a_huge_retry_after_waits_the_backoff_cap_and_says_so(
+    db_url: str, tmp_path: Path, hostile: Callable[..., Hostile], header: str
+) -> None:
+    """However far off the server says, the item is back within 5 minutes, its attempt
+    given back, and the log says the server's value was capped."""
+    server = hostile("--rate-limit", header)
+    enqueue(db_url, 1, tmp_path)
+    worker = start_worker(db_url, server.url, "--exit-when-done")
+    released = (
+        "SELECT not_before FROM items"
+        " WHERE state = 'pending' AND attempts = 0 AND error_class = 'rate_limited'"
+    )
+    wait_for(lambda: bool(query(db_url, released)), timeout=120)
+    seen = time.time()
+    worker.send_signal(signal.SIGTERM)
+    _, stderr = worker.communicate(timeout=60)
+    ((not_before,),) = query(db_url, released)
+    assert not_before is not None and 200 < not_before - seen <= 300, not_before - seen
+    (capped,) = [e for e in events(stderr) if e["event"] == "retry_after_capped"]
+    assert capped["server"] == server.url and capped["wait_s"] == 300
+    assert capped["retry_after_s"] == "inf" or capped["retry_after_s"] > 300
+    json.dumps(capped, allow_nan=False)  # a log line any JSON reader takes
+
+
+@pytest.mark.parametrize(
+    ("header", "attempts"),
+    [
+        ("retry-after-ms=1500", 1),  # released for 1.5 s, the attempt given back
+        ("Retry-After=-5", 2),  # unreadable: retried with backoff, the attempt counted
+        ("Retry-After=nan", 2),
+        ("Retry-After=soon", 2),
+    ],
+)
+def test_a_retry_after_is_honoured_or_else_ignored(
+    db_url: str, tmp_path: Path, hostile: Callable[..., Hostile], header: str, attempts: int
+) -> None:
+    server = hostile("--rate-limit", header)
+    enqueue(db_url, 2, tmp_path)
+    code, stderr = run(db_url, server, "--max-attempts", "2", "--retry-backoff", "0.5")
+    assert code == 0, stderr[-2000:]
+    assert query(db_url, "SELECT state, attempts FROM items") == [("done", attempts)] * 2
+    assert "retry_after_capped" not in stderr

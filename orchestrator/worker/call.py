@@ -105,7 +105,7 @@ class Caller:
                 self.pool.mark_down(server, str(exc))
                 return Release(lease, Failure(ec.UNAVAILABLE, str(exc)), time.time())
             self.pool.failed(server, exc.error_class)
-            return classify.retry_or_fail(lease, exc, exc.retry_after, self.config)
+            return classify.retry_or_fail(lease, exc, exc.retry_after, self.config, server=server)
         if isinstance(exc, PermanentError):
             failure = Failure(exc.error_class, where(lease) + str(exc))
             return Rejected(lease, server, str(exc), failure)
