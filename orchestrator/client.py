@@ -893,16 +893,18 @@ def _models_reason(doc: object, body: bytes) -> str:
     return body[:300].decode("utf-8", "replace").strip()
 
 
-async def metrics_text(session: aiohttp.ClientSession, server: str, seconds: float) -> str | None:
-    """The server's Prometheus ``/metrics`` text; None when it has none to give."""
+async def metrics_text(session: aiohttp.ClientSession, server: str, seconds: float) -> str:
+    """The server's Prometheus ``/metrics`` text; ``RequestFailed`` says why not."""
+    url = base_url(server) + "/metrics"
     try:
-        url = base_url(server) + "/metrics"
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=seconds)) as resp:
             if resp.status != 200:
-                return None
+                raise RequestFailed(f"{url} answers HTTP {resp.status}")
             return await resp.text()
-    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-        return None
+    except TimeoutError as exc:
+        raise RequestFailed(f"no answer from {url} within {seconds:g}s") from exc
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        raise RequestFailed(f"{url}: {type(exc).__name__}: {exc}") from exc
 
 
 def read_metrics(url: str, timeout: float, authorization: str | None = None) -> str:

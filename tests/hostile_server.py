@@ -3,6 +3,8 @@
     python -m tests.hostile_server [--basic USER:PASSWORD] [--redirect STATUS=URL]
                                    [--answer-bytes N] [--stream-bytes N] [--piece-bytes N]
                                    [--stream-end HOW] [--rate-limit NAME=VALUE]
+                                   [--answer-delay S] [--metrics-slots N]
+                                   [--metrics-fail N] [--metrics-delay S]
 
 --basic         every route wants these HTTP Basic credentials (401 otherwise)
 --redirect      chat requests are answered with a redirect to URL (its path kept)
@@ -13,6 +15,11 @@
                 ``usage`` (the usage chunk, then the body ends), ``close`` (the body ends),
                 ``break`` (the connection is dropped, the chunked body unterminated)
 --rate-limit    the first request of each prompt is answered 429 with header NAME: VALUE
+--answer-delay  each chat request is answered after S seconds
+--metrics-slots /metrics in vLLM's names, as a server of N slots: the chat requests in
+                flight beyond N are its queue
+--metrics-fail  ... the worker's first N looks at it (not status's) are answered 503
+--metrics-delay ... the worker's first look after those takes S seconds to answer
 
 Every route answers GET as well as POST, as a misconfigured proxy may; ``/stats`` counts
 the requests seen by method and path, and the Authorization headers received.
@@ -30,6 +37,7 @@ import orjson
 from aiohttp import web
 
 _STATS: Counter[str] = Counter()
+_IN_FLIGHT: Counter[str] = Counter()
 
 
 def _answer(content: str) -> bytes:
@@ -70,6 +78,14 @@ def make_app(args: argparse.Namespace) -> web.Application:
     limited: set[bytes] = set()
 
     async def chat(request: web.Request) -> web.StreamResponse:
+        _IN_FLIGHT["chat"] += 1
+        try:
+            await asyncio.sleep(args.answer_delay)
+            return await answer(request)
+        finally:
+            _IN_FLIGHT["chat"] -= 1
+
+    async def answer(request: web.Request) -> web.StreamResponse:
         if args.rate_limit:
             name, _, value = args.rate_limit.partition("=")
             body = await request.read()
@@ -102,6 +118,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
     app.router.add_route("*", "/health", health)
     app.router.add_get("/stats", stats)
     app.router.add_route("*", "/v1/chat/completions", chat)
+    if args.metrics_slots:
+        app.router.add_get("/metrics", _metrics(args))
     return app
 
 
@@ -114,6 +132,29 @@ def _redirect(status: int, location: str) -> web.HTTPException:
         308: web.HTTPPermanentRedirect,
     }
     return classes[status](location)
+
+
+def _metrics(args: argparse.Namespace) -> Any:
+    """``/metrics`` as vLLM names it, for a server of ``--metrics-slots`` slots."""
+    looks = Counter[str]()
+
+    async def metrics(request: web.Request) -> web.Response:
+        if request.headers.get("User-Agent") == "orchestrator":  # the tuner's, not status's
+            looks["tuner"] += 1
+            if looks["tuner"] <= args.metrics_fail:
+                return web.Response(status=503, text="busy")
+            if looks["tuner"] == args.metrics_fail + 1:
+                await asyncio.sleep(args.metrics_delay)
+        running = min(_IN_FLIGHT["chat"], args.metrics_slots)
+        text = (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="m"}} {running}\n'
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{model_name="m"}} {_IN_FLIGHT["chat"] - running}\n'
+        )
+        return web.Response(text=text)
+
+    return metrics
 
 
 async def _stream(request: web.Request, args: argparse.Namespace) -> web.StreamResponse:
@@ -152,6 +193,10 @@ async def main() -> None:
     parser.add_argument("--piece-bytes", type=int, default=2**16)
     parser.add_argument("--stream-end", choices=("done", "usage", "close", "break"), default="done")
     parser.add_argument("--rate-limit")
+    parser.add_argument("--answer-delay", type=float, default=0.0)
+    parser.add_argument("--metrics-slots", type=int, default=0)
+    parser.add_argument("--metrics-fail", type=int, default=0)
+    parser.add_argument("--metrics-delay", type=float, default=0.0)
     args = parser.parse_args()
     runner = web.AppRunner(make_app(args), access_log=None)
     await runner.setup()

@@ -28,7 +28,8 @@ def enqueue(db: str, n: int, tmp_path: Path) -> None:
 
 def run(db: str, server: Hostile, *extra: str) -> tuple[int, str]:
     result = cli(
-        "--log-json", "run", "--server", server.url, "--exit-when-done", "--db", db, *extra,
+        "--log-json", "--log-level", "info", "run", "--server", server.url, "--exit-when-done",
+        "--db", db, *extra,
         timeout=240,
     )  # fmt: skip
     return result.returncode, result.stderr
@@ -148,3 +149,43 @@ def test_a_retry_after_is_honoured_or_else_ignored(
     assert code == 0, stderr[-2000:]
     assert query(db_url, "SELECT state, attempts FROM items") == [("done", attempts)] * 2
     assert "retry_after_capped" not in stderr
+
+
+# ------------------------------------------------------------ the tuner's looks at /metrics
+
+
+@pytest.mark.parametrize(
+    "trouble", [["--metrics-fail", "2"], ["--metrics-delay", "8"]], ids=["failed", "slow"]
+)
+def test_a_failed_or_slow_look_at_metrics_holds_the_cap_until_they_come(
+    tmp_path: Path, hostile: Callable[..., Hostile], trouble: list[str]
+) -> None:
+    """Two looks answered 503, or one that takes 8 s (past the 5 s a look is waited for
+    in a tick): the cap holds until the metrics come, and the first change is the one
+    they call for (a queue of 6 on 2 slots: down to 4), not a ramp in the dark."""
+    server = hostile("--metrics-slots", "2", "--answer-delay", "0.25", *trouble)
+    db = str(tmp_path / "q.db")
+    enqueue(db, 500, tmp_path)
+    code, stderr = run(db, server, "--concurrency", "auto")
+    assert code == 0, stderr[-2000:]
+    seen = events(stderr)
+    assert not [e for e in seen if e["event"].startswith("server_metrics_")], seen
+    changes = [e for e in seen if e["event"] == "concurrency_changed"]
+    assert changes and (changes[0]["old"], changes[0]["reason"]) == (8, "queue"), seen
+    assert changes[0]["new"] == 4
+
+
+def test_a_server_without_metrics_is_tuned_without_them_after_three_looks(
+    tmp_path: Path, hostile: Callable[..., Hostile]
+) -> None:
+    server = hostile("--answer-delay", "0.1")  # no /metrics: 404
+    db = str(tmp_path / "q.db")
+    enqueue(db, 400, tmp_path)
+    code, stderr = run(db, server, "--concurrency", "auto")
+    assert code == 0, stderr[-2000:]
+    seen = events(stderr)
+    (unavailable,) = [e for e in seen if e["event"] == "server_metrics_unavailable"]
+    assert unavailable["looks"] == 3 and "HTTP 404" in unavailable["reason"], unavailable
+    assert server.stats()["GET /metrics"] >= 3
+    changes = [e for e in seen if e["event"] == "concurrency_changed"]
+    assert changes and changes[0]["reason"] == "ramp"  # on its own tokens per second
