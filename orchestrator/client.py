@@ -11,10 +11,12 @@ the queue. Every failure leaves as one of the errors in
     TransientError     timeout       no answer within the request timeout
                        stream_idle   a stream that stopped sending
                        disconnect    connection reset or closed mid-request
-                       rate_limited  429 (``retry_after`` from the header)
+                       rate_limited  429 (``retry_after`` from ``retry-after-ms`` or
+                                     ``Retry-After``)
                        http_5xx      other server errors
                        bad_response  unparsable body, wrong content type, no choices
-                       stream_cut    a stream that ended without a finish_reason
+                       stream_cut    a stream that ended without a finish_reason (after
+                                     one, no ``[DONE]`` is needed)
                        empty_content a 200 with nothing in it: no content, reasoning or
                                      tool calls
                        aborted       finish_reason "abort" (the server dropped it)
