@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import datetime
 import email.utils
+import math
 import ssl
 import time
 import urllib.request
@@ -136,13 +137,14 @@ def _error_reason(status: int, body: bytes) -> str:
 def _retry_after(headers: Any, now: float | None = None) -> float | None:
     """Seconds to wait from a 429's or 503's headers: ``retry-after-ms`` (milliseconds, as
     OpenAI's API sends beside it) if readable, else ``Retry-After`` as delay-seconds or an
-    HTTP date (RFC 9110 10.2.3). A negative, ``nan`` or unreadable value counts as none.
+    HTTP date (RFC 9110 10.2.3). A negative value, like a date gone by, means now; a
+    ``nan`` or unreadable one counts as none.
     The value may be huge (``1e308``, ``inf``, a date in 9999): the longest wait is the
     worker's policy (``orchestrator.worker.config.backoff_delay``), not the server's."""
     with contextlib.suppress(TypeError, ValueError):
         millis = float(headers.get("retry-after-ms"))
-        if millis >= 0:
-            return millis / 1000
+        if not math.isnan(millis):
+            return max(0.0, millis / 1000)
     value = headers.get("Retry-After")
     if value is None:
         return None
@@ -151,7 +153,7 @@ def _retry_after(headers: Any, now: float | None = None) -> float | None:
     except ValueError:
         pass
     else:
-        return seconds if seconds >= 0 else None  # nan compares false
+        return None if math.isnan(seconds) else max(0.0, seconds)
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
