@@ -11,10 +11,12 @@ the queue. Every failure leaves as one of the errors in
     TransientError     timeout       no answer within the request timeout
                        stream_idle   a stream that stopped sending
                        disconnect    connection reset or closed mid-request
-                       rate_limited  429 (``retry_after`` from the header)
+                       rate_limited  429 (``retry_after`` from ``retry-after-ms`` or
+                                     ``Retry-After``)
                        http_5xx      other server errors
                        bad_response  unparsable body, wrong content type, no choices
-                       stream_cut    a stream that ended without a finish_reason
+                       stream_cut    a stream that ended without a finish_reason (after
+                                     one, no ``[DONE]`` is needed)
                        empty_content a 200 with nothing in it: no content, reasoning or
                                      tool calls
                        aborted       finish_reason "abort" (the server dropped it)
@@ -38,6 +40,7 @@ do with it is the caller's choice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import email.utils
 import math
@@ -146,18 +149,25 @@ def _validation_errors(detail: list[Any]) -> str:
 
 
 def _retry_after(headers: Any, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header: delay-seconds or an HTTP date
-    (RFC 9110 10.2.3), whichever the server sent; None when absent or unreadable."""
+    """Seconds to wait from a 429's or 503's headers: ``retry-after-ms`` (milliseconds, as
+    OpenAI's API sends beside it) if readable, else ``Retry-After`` as delay-seconds or an
+    HTTP date (RFC 9110 10.2.3). A negative value, like a date gone by, means now; a
+    ``nan`` or unreadable one counts as none.
+    The value may be huge (``1e308``, ``inf``, a date in 9999): the longest wait is the
+    worker's policy (``orchestrator.worker.config.backoff_delay``), not the server's."""
+    with contextlib.suppress(TypeError, ValueError):
+        millis = float(headers.get("retry-after-ms"))
+        if not math.isnan(millis):
+            return max(0.0, millis / 1000)
     value = headers.get("Retry-After")
     if value is None:
         return None
-    value = value.strip()
     try:
         seconds = float(value)
     except ValueError:
         pass
     else:
-        return max(0.0, seconds) if math.isfinite(seconds) else None
+        return None if math.isnan(seconds) else max(0.0, seconds)
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
@@ -508,9 +518,8 @@ class InferenceClient:
     async def _data_events(self, resp: aiohttp.ClientResponse, server: str) -> AsyncIterator[bytes]:
         """The payloads of a stream's ``data:`` events, each within ``stream_idle_timeout``
         of the one before: comments (``: ping``) and blank lines are not progress."""
-        received, limit = 0, self.config.max_response_bytes
         idle = self.config.stream_idle_timeout
-        lines = aiter(resp.content)
+        lines = _sse_lines(resp.content, self.config.max_response_bytes)
         while True:
             quiet = asyncio.timeout(idle)
             try:
@@ -519,9 +528,6 @@ class InferenceClient:
                         raw_line = await anext(lines, None)
                         if raw_line is None:
                             return
-                        received += len(raw_line)
-                        if received > limit:
-                            raise _too_large(limit, "the stream kept coming")
                         line = raw_line.strip()
                         if line.startswith(b"data:"):
                             break
@@ -536,62 +542,117 @@ class InferenceClient:
     async def _read_stream(
         self, resp: aiohttp.ClientResponse, server: str, started: float
     ) -> Completion:
+        """A streamed answer, complete once its ``finish_reason`` has come: what follows
+        (the usage chunk, ``[DONE]``) is read when the server sends it, but a stream that
+        ends after the finish reason without them, closed, broken or silent, still
+        answered in full. Without a finish reason it was cut: ``stream_cut``."""
         ctype = resp.headers.get("Content-Type", "")
         if "event-stream" not in ctype:
             raise TransientError(
                 f"expected an event stream, got content type {ctype!r}",
                 error_class=ec.BAD_RESPONSE,
             )
-        content: list[str] = []
-        reasoning: list[str] = []
-        tool_calls: dict[int, dict[str, Any]] = {}
-        finish_reason: str | None = None
-        usage: dict[str, Any] | None = None
-        model: str | None = None
-        response_id: str | None = None
-        done = False
-        async for data in self._data_events(resp, server):
-            if data == b"[DONE]":
-                done = True
-                break
-            try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError as exc:
-                raise TransientError(
-                    f"unparsable stream chunk: {exc}", error_class=ec.BAD_RESPONSE
-                ) from exc
-            if not isinstance(chunk, dict):
-                raise TransientError("stream chunk is not an object", error_class=ec.BAD_RESPONSE)
-            model = chunk.get("model") or model
-            response_id = chunk.get("id") or response_id
-            if isinstance(chunk.get("usage"), dict):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta") or {}
-                if isinstance(delta.get("content"), str):
-                    content.append(delta["content"])
-                piece = _reasoning_of(delta)
-                if piece:
-                    reasoning.append(piece)
-                for call in delta.get("tool_calls") or []:
-                    _merge_tool_call(tool_calls, call)
-                if choice.get("finish_reason"):
-                    finish_reason = choice["finish_reason"]
-        if finish_reason is None or not done:
+        got = _Streamed()
+        try:
+            async for data in self._data_events(resp, server):
+                if data == b"[DONE]":
+                    break
+                got.add(data)
+        except (*_STREAM_BROKEN, TransientError) as exc:
+            ended = not isinstance(exc, TransientError) or exc.error_class == ec.STREAM_IDLE
+            if got.finish_reason is None or not ended:
+                raise
+            log.debug(
+                "stream_ended_after_finish",
+                server=server,
+                usage=got.usage is not None,
+                error=str(exc) or type(exc).__name__,
+            )
+        if got.finish_reason is None:
             raise TransientError(
                 "the stream ended before the answer was complete", error_class=ec.STREAM_CUT
             )
         return _completion(
-            "".join(content),
-            "".join(reasoning) or None,
-            [tool_calls[i] for i in sorted(tool_calls)] or None,
-            finish_reason,
-            usage=usage,
+            "".join(got.content),
+            "".join(got.reasoning) or None,
+            [got.tool_calls[i] for i in sorted(got.tool_calls)] or None,
+            got.finish_reason,
+            usage=got.usage,
             latency=time.monotonic() - started,
             server=server,
-            model=model,
-            response_id=response_id,
+            model=got.model,
+            response_id=got.response_id,
         )
+
+
+#: How a stream can end other than by ``[DONE]`` or a clean close: the connection broken
+#: (a chunked body left unterminated, a reset) or silent past the idle timeout.
+_STREAM_BROKEN = (
+    aiohttp.ClientPayloadError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.SocketTimeoutError,
+)
+
+
+async def _sse_lines(content: aiohttp.StreamReader, limit: int) -> AsyncIterator[bytes]:
+    """The lines of an event stream, each whole however long, until the body has passed
+    ``limit`` bytes (``response_too_large``). Split here rather than by aiohttp's
+    ``readline``, which refuses a line over 512 KiB with an exception of its own. A last
+    line the body ends inside is not given: an event ends with its line."""
+    pending = bytearray()
+    received = 0
+    while chunk := await content.readany():
+        received += len(chunk)
+        if received > limit:
+            raise _too_large(limit, "the stream kept coming")
+        scan, start = len(pending), 0
+        pending += chunk
+        end = pending.find(b"\n", scan)
+        while end != -1:
+            yield bytes(pending[start:end])
+            start = end + 1
+            end = pending.find(b"\n", start)
+        del pending[:start]
+
+
+@dataclass(slots=True)
+class _Streamed:
+    """What a stream's chunks have said so far."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: Any = None
+    usage: Any = None
+    model: Any = None
+    response_id: Any = None
+
+    def add(self, data: bytes) -> None:
+        """One ``data:`` payload: a chunk object, or ``bad_response``."""
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise TransientError(
+                f"unparsable stream chunk: {exc}", error_class=ec.BAD_RESPONSE
+            ) from exc
+        if not isinstance(chunk, dict):
+            raise TransientError("stream chunk is not an object", error_class=ec.BAD_RESPONSE)
+        self.model = chunk.get("model") or self.model
+        self.response_id = chunk.get("id") or self.response_id
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if isinstance(delta.get("content"), str):
+                self.content.append(delta["content"])
+            piece = _reasoning_of(delta)
+            if piece:
+                self.reasoning.append(piece)
+            for call in delta.get("tool_calls") or []:
+                _merge_tool_call(self.tool_calls, call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
 
 
 def _completion(
@@ -856,16 +917,18 @@ def _models_reason(doc: object, body: bytes) -> str:
     return body[:300].decode("utf-8", "replace").strip()
 
 
-async def metrics_text(session: aiohttp.ClientSession, server: str, seconds: float) -> str | None:
-    """The server's Prometheus ``/metrics`` text; None when it has none to give."""
+async def metrics_text(session: aiohttp.ClientSession, server: str, seconds: float) -> str:
+    """The server's Prometheus ``/metrics`` text; ``RequestFailed`` says why not."""
+    url = base_url(server) + "/metrics"
     try:
-        url = base_url(server) + "/metrics"
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=seconds)) as resp:
             if resp.status != 200:
-                return None
+                raise RequestFailed(f"{url} answers HTTP {resp.status}")
             return await resp.text()
-    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-        return None
+    except TimeoutError as exc:
+        raise RequestFailed(f"no answer from {url} within {seconds:g}s") from exc
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        raise RequestFailed(f"{url}: {type(exc).__name__}: {exc}") from exc
 
 
 def read_metrics(url: str, timeout: float, authorization: str | None = None) -> str:

@@ -31,12 +31,14 @@ ERROR_CLASSES: dict[str, str] = {
     CONNECT: "connection refused, DNS failure or connect timeout: the server is marked down",
     HTTP: "the server answered HTTP status NNN: 502/503/504 mark it down, other 5xx "
     "and 408/409/425 are retried, other 4xx fail at once",
-    RATE_LIMITED: "HTTP 429: retried after its Retry-After (no attempt spent) or backoff",
+    RATE_LIMITED: "HTTP 429: retried after its Retry-After, at most 5 minutes (no attempt "
+    "spent), or backoff",
     REDIRECT: "a 3xx answer: redirects are not followed, the server URL is wrong",
     TIMEOUT: "no answer within the request timeout",
     STREAM_IDLE: "a stream that sent no data for the stream idle timeout",
     DISCONNECT: "the connection was reset or closed mid-request",
-    STREAM_CUT: "a stream that ended without a finish_reason",
+    STREAM_CUT: "a stream that ended without a finish_reason (one that ended after it, "
+    "without [DONE], is an answer)",
     BAD_RESPONSE: "an answer that cannot be read or stored: wrong content type, "
     "unparsable, no choices, a field of the wrong type",
     EMPTY_CONTENT: "a 200 with no content, reasoning or tool calls",

@@ -45,6 +45,14 @@ log = structlog.get_logger("orchestrator.servers")
 #: Seconds between two reports of a server that stays unreachable.
 REPORT_EVERY = 60.0
 
+#: How long the tuner's look at a server's ``/metrics`` may take. A server busy with our
+#: own requests can leave it queued behind them for many seconds (llama.cpp serves one
+#: connection per HTTP thread); a look still running holds the server's cap meanwhile.
+METRICS_TIMEOUT = 30.0
+#: Looks at ``/metrics`` failed in a row, with none ever answered, after which a server
+#: is taken to have none and is tuned on the worker's own tokens per second instead.
+METRICS_TRIES = 3
+
 #: A server's cap: a number of requests, or ``"auto"`` (adapted to what the server takes).
 Cap = int | Literal["auto"]
 
@@ -224,6 +232,17 @@ class ServerState:
     answers: int = 0
     tokens: int = 0
     latency: float = 0.0
+    # The tuner's looks at its /metrics: the one running, seconds since its controller
+    # last had a sample, failed looks in a row, whether any ever answered.
+    scrape: asyncio.Task[dict[str, float | None]] | None = None
+    unsampled: float = 0.0
+    metrics_misses: int = 0
+    metrics_seen: bool = False
+
+    @property
+    def blind(self) -> bool:
+        """Never served metrics, and failed every look: tuned without them."""
+        return not self.metrics_seen and self.metrics_misses >= METRICS_TRIES
 
     @property
     def load(self) -> float:
@@ -258,7 +277,6 @@ class ServerPool:
         #: Looks at a server once, when it first answers, before any request goes to it;
         #: False keeps it out (the worker is stopping).
         self.vet: Callable[[str], Awaitable[bool]] | None = None
-        self._blind: set[str] = set()  # adapted servers found without /metrics, said once
 
     def start(self) -> None:
         for server in self.states:
@@ -399,24 +417,67 @@ class ServerPool:
 
     async def tune(self, elapsed: float) -> None:
         """Look at each healthy adapted server (its answers over the last ``elapsed``
-        seconds and its ``/metrics``) and set its cap as its controller says."""
+        seconds and its ``/metrics``) and set its cap as its controller says.
+
+        A look at ``/metrics`` is waited for up to ``probe_max`` seconds, then left to
+        run (up to ``METRICS_TIMEOUT``) while the server's cap holds: a slow or failed
+        look is no reason to tune a server blind, which would ramp up a server already
+        too busy to answer. Only a server that never answered one is tuned without."""
         tuned = [st for st in self.tuned() if st.healthy]
-        views = await asyncio.gather(*(self.metrics(st.url) for st in tuned))
-        for state, view in zip(tuned, views, strict=True):
-            if view is None and state.url not in self._blind:
-                self._blind.add(state.url)
-                log.info("server_metrics_unavailable", server=state.url)
-            assert state.controller is not None
-            change = state.controller.update(self._sample(state, elapsed, view))
-            if change is not None:
-                log.info(
-                    "concurrency_changed",
-                    server=state.url,
-                    old=change.old,
-                    new=change.new,
-                    reason=change.reason,
+        for state in tuned:
+            state.unsampled += elapsed
+            if state.scrape is None:
+                state.scrape = asyncio.create_task(
+                    self.metrics(state.url), name=f"metrics {state.url}"
                 )
-                self.set_cap(state.url, change.new)
+                # Read even when the server goes down before the look is used.
+                state.scrape.add_done_callback(lambda t: t.cancelled() or t.exception())
+        waiting = {st.scrape for st in tuned if st.scrape is not None and not st.blind}
+        if waiting:
+            await asyncio.wait(waiting, timeout=self.config.probe_max)
+        for state in tuned:
+            ready, view = self._looked(state)
+            if ready:
+                self._update(state, view)
+
+    def _looked(self, state: ServerState) -> tuple[bool, dict[str, float | None] | None]:
+        """What the last look at the server's ``/metrics`` gave: (False, None) when its
+        controller gets no sample this time, else (True, its figures or None)."""
+        from orchestrator.client import RequestFailed
+
+        task = state.scrape
+        if task is None or not task.done():
+            return state.blind, None
+        state.scrape = None
+        try:
+            view = task.result()
+        except RequestFailed as exc:
+            state.metrics_misses += 1
+            if state.metrics_misses == METRICS_TRIES:
+                seen = state.metrics_seen
+                event = "server_metrics_unreadable" if seen else "server_metrics_unavailable"
+                log.info(event, server=state.url, reason=str(exc), looks=METRICS_TRIES)
+            return state.blind, None
+        if state.metrics_misses >= METRICS_TRIES:
+            log.info("server_metrics_available", server=state.url)
+        state.metrics_seen = True
+        state.metrics_misses = 0
+        return True, view
+
+    def _update(self, state: ServerState, view: dict[str, float | None] | None) -> None:
+        """Give the server's controller its sample; a change of cap is logged."""
+        assert state.controller is not None
+        change = state.controller.update(self._sample(state, state.unsampled, view))
+        state.unsampled = 0.0
+        if change is not None:
+            log.info(
+                "concurrency_changed",
+                server=state.url,
+                old=change.old,
+                new=change.new,
+                reason=change.reason,
+            )
+            self.set_cap(state.url, change.new)
 
     @staticmethod
     def _sample(state: ServerState, elapsed: float, view: dict[str, float | None] | None) -> Sample:
@@ -432,17 +493,21 @@ class ServerPool:
         state.latency = 0.0
         return sample
 
-    async def metrics(self, server: str) -> dict[str, float | None] | None:
+    async def metrics(self, server: str) -> dict[str, float | None]:
         """The server's queue, running requests, KV-cache usage and retractions (or
-        preemptions) from its ``/metrics``; None when it publishes none we know."""
+        preemptions) from its ``/metrics``; ``RequestFailed`` when it gives none we know."""
         from orchestrator import client as inference
         from orchestrator import server_metrics
 
-        text = await inference.metrics_text(self.client.session, server, self.config.probe_max)
-        return None if text is None else server_metrics.tuning_view(text)
+        text = await inference.metrics_text(self.client.session, server, METRICS_TIMEOUT)
+        view = server_metrics.tuning_view(text)
+        if view is None:
+            raise inference.RequestFailed("no SGLang, vLLM or llama.cpp figures in /metrics")
+        return view
 
     async def close(self) -> None:
-        tasks = [st.probe for st in self.states.values() if st.probe and not st.probe.done()]
+        running = [task for st in self.states.values() for task in (st.probe, st.scrape)]
+        tasks = [task for task in running if task is not None and not task.done()]
         for task in tasks:
             task.cancel()
         for task in tasks:

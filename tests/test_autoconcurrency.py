@@ -151,7 +151,7 @@ async def test_auto_converges_near_the_knee_of_a_batching_server(
     batch = (await sim_stats(url))["batch"]
     changes = [e for e in logs if e["event"] == "concurrency_changed"]
     assert changes and all(e["server"] == url for e in changes)
-    assert changes[0]["old"] == 8 and changes[0]["reason"] == "ramp"
+    assert changes[0]["old"] == 8 and changes[0]["reason"] == "ramp", changes[:5]
     # It found the server's limit: the cache was used, the batch grew well past the start...
     assert batch["peak_token_usage"] > 0.8
     assert batch["peak_running"] >= 40

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,26 +89,30 @@ def test_run_serves_metrics_on_loopback(tmp_path: Path, sim_process: Any) -> Non
             break
     assert url is not None and url.startswith("http://127.0.0.1:")
 
+    def completed(text: str) -> float:
+        found = samples(text)
+        return value(
+            found, "orchestrator_outcomes_total", dataset="ds", outcome="complete", error_class=""
+        )
+
     async def scrape() -> tuple[dict[str, Any], str]:
+        """Both documents once they count the 20 items, read as numbers: a text search
+        for "20.0" stopped at a histogram's ``le="20.0"`` bucket."""
+        deadline = time.monotonic() + 120  # a busy 2-core machine
         async with aiohttp.ClientSession() as s:
-            for _ in range(200):  # until the worker has done the 20 items
+            while True:
                 async with s.get(url) as resp:
                     text = await resp.text()
-                if 'outcome="complete"' in text and "20.0" in text:
-                    break
-                await asyncio.sleep(0.05)
-            async with s.get(url.replace("/metrics", "/health")) as resp:
-                return await resp.json(), text
+                async with s.get(url.replace("/metrics", "/health")) as resp:
+                    health = await resp.json()
+                if completed(text) == 20 and health.get("completed") == 20:
+                    return health, text
+                assert time.monotonic() < deadline, (completed(text), health)
+                await asyncio.sleep(0.1)
 
     health, text = asyncio.run(scrape())
     worker.send_signal(signal.SIGTERM)
     worker.communicate(timeout=30)
     assert worker.returncode == 0
     assert health["status"] == "ok" and health["completed"] == 20
-    found = samples(text)
-    assert (
-        value(
-            found, "orchestrator_outcomes_total", dataset="ds", outcome="complete", error_class=""
-        )
-        == 20
-    )
+    assert completed(text) == 20

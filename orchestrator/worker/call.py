@@ -108,11 +108,11 @@ class Caller:
                 self.pool.mark_down(server, str(exc))
                 return Release(lease, Failure(ec.UNAVAILABLE, str(exc), server), time.time())
             self.pool.failed(server, exc.error_class)
-            return classify.retry_or_fail(lease, exc, exc.retry_after, self.config, server)
+            return classify.retry_or_fail(lease, exc, exc.retry_after, self.config, server=server)
         if isinstance(exc, PermanentError):
             failure = Failure(exc.error_class, where(lease) + str(exc), server)
             return Rejected(lease, server, str(exc), failure, info.params_hash)
         if not isinstance(exc, InferenceError):
             log.exception("item_crashed", item=lease.item_id, key=lease.key)
             exc = InferenceError(f"{type(exc).__name__}: {exc}", error_class=ec.INTERNAL)
-        return classify.retry_or_fail(lease, exc, None, self.config, server)
+        return classify.retry_or_fail(lease, exc, None, self.config, server=server)

@@ -4,6 +4,7 @@ released or failed. Pure: no I/O, only the lease, the error and the worker's pol
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -35,10 +36,13 @@ def retry_or_fail(
     exc: InferenceError,
     retry_after: float | None,
     config: WorkerConfig,
+    *,
     server: str | None = None,
 ) -> Retry | Release | Failed:
     """A retryable failure at ``server``: retried after a backoff, or failed once attempts
-    are spent; a rate limit with a Retry-After is released until then, costing no attempt."""
+    are spent; a rate limit with a Retry-After is released until then, costing no attempt.
+    No server's Retry-After holds an item longer than the backoff cap: a ``1e308`` or a
+    date in 9999 would otherwise keep it, and a run waiting for it, for ever."""
     failure = Failure(exc.error_class, where(lease) + str(exc), server)
     if exc.error_class == ec.RATE_LIMITED and retry_after is not None:
         # The server said when to come back: not the item's fault, so the attempt is
@@ -46,6 +50,16 @@ def retry_or_fail(
         delay = backoff_delay(
             1, base=config.backoff_base, cap=config.backoff_cap, retry_after=retry_after
         )
+        if retry_after > config.backoff_cap:
+            log.warning(
+                "retry_after_capped",
+                item=lease.item_id,
+                key=lease.key,
+                server=server,
+                retry_after_s=round(retry_after, 3) if math.isfinite(retry_after) else "inf",
+                wait_s=round(delay, 2),
+                error_class=exc.error_class,
+            )
         return Release(lease, failure, time.time() + delay)
     if lease.attempt >= config.max_attempts:
         message = f"{where(lease)}gave up after {lease.attempt} attempts: {exc}"
@@ -82,7 +96,7 @@ def answered(
         if info.on_truncated == "fail":
             failure = Failure(ec.TRUNCATED, where(lease) + str(truncated), completion.server)
             return Failed(lease, failure)
-        return retry_or_fail(lease, truncated, None, config, completion.server)
+        return retry_or_fail(lease, truncated, None, config, server=completion.server)
     return output(completion, info.params_hash)
 
 
@@ -129,7 +143,7 @@ def unstorable(entry: Outcome, reason: str, config: WorkerConfig) -> Outcome | N
         error = TransientError(
             f"the answer could not be stored: {reason}", error_class=ec.BAD_RESPONSE
         )
-        return retry_or_fail(lease, error, None, config, entry.output.server)
+        return retry_or_fail(lease, error, None, config, server=entry.output.server)
     assert isinstance(entry, Retry | Release | Failed)
     failure = entry.failure
     if failure.message.startswith("(unstorable)"):

@@ -115,7 +115,8 @@ def stats_fields(stats: WorkerStats) -> dict[str, int]:
 
 
 def backoff_delay(attempt: int, *, base: float, cap: float, retry_after: float | None) -> float:
-    """Capped exponential backoff with ±25 % jitter; a server's Retry-After wins if longer."""
+    """Capped exponential backoff with ±25 % jitter; a server's Retry-After wins if longer,
+    up to ``cap`` too (``1e308``, ``inf``, a date in 9999 wait ``cap``)."""
     delay = min(cap, base * 2 ** max(attempt - 1, 0)) * random.uniform(0.75, 1.25)
     if retry_after is not None:
         delay = max(delay, min(retry_after, cap))
