@@ -224,12 +224,6 @@ BAD = [
         id="missing-file",
     ),
     pytest.param(
-        '[[dataset]]\nname = "d"\nfile = "."\nmax_tokens = 1\n',
-        'dataset[1] "d".file',
-        "is a directory",
-        id="file-is-directory",
-    ),
-    pytest.param(
         GOOD_DATASET.replace("100", '"100"'),
         'dataset[1] "d".max_tokens',
         'must be an integer, got a string ("100")',
@@ -454,6 +448,20 @@ def test_every_problem_is_reported_together(tmp_path: Path) -> None:
     message = str(info.value)
     assert message.startswith(f"{path}: 5 problems:\n")
     assert '\n  dataset[3] "c".max_tokens: must be at least 1, got -3' in message
+
+
+def test_a_folder_without_data_files_is_refused(tmp_path: Path) -> None:
+    """A folder is a source of shards; one with none in it is the dataset's problem."""
+    path = write_config(
+        tmp_path / "cfg", '[[dataset]]\nname = "d"\nfile = "empty"\nmax_tokens = 1\n'
+    )
+    (tmp_path / "cfg" / "empty").mkdir()
+    with pytest.raises(RunConfigError) as info:
+        load_run(path)
+    [problem] = info.value.problems
+    assert problem.where == 'dataset[1] "d".file'
+    assert problem.reason.startswith("is a directory with no data files in it (")
+    assert problem.reason.endswith(f": {tmp_path / 'cfg' / 'empty'}")
 
 
 def test_config_file_problems(tmp_path: Path) -> None:

@@ -1,0 +1,167 @@
+"""Arrow record batches to rows, for every table source (Parquet, CSV, Arrow files, the
+Hub), and the tables a program holds in memory (``pyarrow``, pandas, ``datasets``).
+
+A table cannot tell a missing key from a null: a struct column holds every field any row
+has, and a row without one gets null. So a null is read as absent, at the top level and
+inside structs (a message without ``tool_calls``, a tool schema without ``enum``): the
+rows come out as the JSONL lines they were made from. Null list elements stay.
+
+pyarrow, pandas and ``datasets`` are never imported here for an object: an object of
+theirs means its library is loaded already (``sys.modules``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.errors import ConfigError, InputError
+from orchestrator.formats.source import Part, Rows, Wanted
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["BATCH_ROWS", "TableSource", "batch_rows", "table_source"]
+
+BATCH_ROWS = 4096
+"""Rows per record batch read: large enough to make the conversion cheap per row, small
+enough to keep memory flat."""
+
+
+def batch_rows(batches: Iterable[Any], wanted: Wanted, where: str) -> Rows:
+    """The rows of ``batches`` (``RecordBatch`` or ``Table``), numbered from 1, with only
+    the ``wanted`` columns a batch has (all when None) and nulls read as absent.
+
+    An Arrow error while reading is the source's (``where``): a truncated or corrupt file.
+    """
+    import pyarrow as pa
+
+    n = 0
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it, None)
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"cannot read: {exc}", path=where) from None
+        if batch is None:
+            return
+        if wanted is not None:
+            batch = batch.select([name for name in batch.schema.names if name in wanted])
+        for row in _rows(batch):
+            n += 1
+            yield n, row
+
+
+def _rows(batch: pa.RecordBatch | pa.Table) -> list[dict[str, Any]]:
+    """One batch as dicts, nulls dropped from the columns that hold any."""
+    rows = batch.to_pylist()
+    dirty = [
+        field for field, column in zip(batch.schema, batch.columns, strict=True) if _nulls(column)
+    ]
+    if not dirty:
+        return rows
+    nested = frozenset(field.name for field in dirty if _nested(field.type))
+    if not nested:
+        return [{k: v for k, v in row.items() if v is not None} for row in rows]
+    return [
+        {k: (_strip(v) if k in nested else v) for k, v in row.items() if v is not None}
+        for row in rows
+    ]
+
+
+def _nulls(column: Any) -> bool:
+    """Whether a column holds a null at any depth (counted by Arrow, not by Python)."""
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        return any(_nulls(chunk) for chunk in column.chunks)
+    if column.null_count:
+        return True
+    if isinstance(column, pa.StructArray):
+        return any(_nulls(column.field(i)) for i in range(column.type.num_fields))
+    if isinstance(column, pa.ListArray | pa.LargeListArray | pa.FixedSizeListArray):
+        return _nulls(column.values)
+    if isinstance(column, pa.MapArray):
+        return _nulls(column.items)
+    return False
+
+
+def _nested(arrow_type: Any) -> bool:
+    """Whether a column holds structs anywhere: only those have nulls for absent keys."""
+    import pyarrow.types as t
+
+    if t.is_struct(arrow_type):
+        return True
+    if t.is_list(arrow_type) or t.is_large_list(arrow_type) or t.is_fixed_size_list(arrow_type):
+        return _nested(arrow_type.value_type)
+    if t.is_map(arrow_type):
+        return _nested(arrow_type.item_type)
+    return False
+
+
+def _strip(value: Any) -> Any:
+    if type(value) is dict:
+        return {k: _strip(v) for k, v in value.items() if v is not None}
+    if type(value) is list:
+        return [_strip(v) for v in value]
+    return value
+
+
+class TableSource:
+    """A table in memory, read in record batches; rows keyed by position without an id,
+    as a list of dicts is (``<records>``), so both give the same items."""
+
+    def __init__(self, name: str, batches: Any):
+        self.name = name
+        self._batches = batches
+        """A callable giving the record batches, called once."""
+
+    def parts(self, wanted: Wanted) -> Iterator[tuple[Part, Rows]]:
+        yield Part(self.name, None, "row"), batch_rows(self._batches(), wanted, self.name)
+
+    def sha256(self) -> str | None:
+        return None
+
+
+def table_source(obj: object, split: str | None) -> TableSource | None:
+    """``obj`` as a table source if it is one (else None): a ``pyarrow`` table, batch or
+    reader, a pandas ``DataFrame``, a ``datasets`` dataset (a ``DatasetDict`` with
+    ``split``)."""
+    pa = sys.modules.get("pyarrow")
+    if pa is not None:
+        if isinstance(obj, pa.Table):
+            return _plain(split, TableSource("<Table>", lambda: obj.to_batches(BATCH_ROWS)))
+        if isinstance(obj, pa.RecordBatch):
+            return _plain(split, TableSource("<RecordBatch>", lambda: [obj]))
+        if isinstance(obj, pa.RecordBatchReader):
+            return _plain(split, TableSource("<RecordBatchReader>", lambda: obj))
+    pandas = sys.modules.get("pandas")
+    if pandas is not None and isinstance(obj, pandas.DataFrame):
+        return _plain(split, TableSource("<DataFrame>", lambda: _frame_batches(obj)))
+    if "datasets" in sys.modules:
+        from orchestrator.formats.huggingface import dataset_source
+
+        return dataset_source(obj, split)
+    return None
+
+
+def _plain(split: str | None, source: TableSource) -> TableSource:
+    if split is not None:
+        raise ConfigError(f"{source.name}: has no splits to choose from (split {split!r} given)")
+    return source
+
+
+def _frame_batches(frame: Any) -> Iterator[Any]:
+    """A DataFrame as Arrow batches, a slice at a time (the frame's index is not a column)."""
+    import pyarrow as pa
+
+    for start in range(0, len(frame), BATCH_ROWS):
+        chunk = frame.iloc[start : start + BATCH_ROWS]
+        try:
+            table = pa.Table.from_pandas(chunk, preserve_index=False)
+        except (pa.ArrowException, TypeError, ValueError) as exc:
+            raise InputError(
+                f"cannot read rows {start + 1}-{start + len(chunk)}: {exc}", path="<DataFrame>"
+            ) from None
+        yield from table.to_batches()
