@@ -157,14 +157,14 @@ def check(
     found = problems(columns, fmt=fmt, mode=mode, say=say)
     if found:
         raise ConfigError("; ".join(reason for _, reason in found))
-    return mapper(columns, mode)
+    return mapper(columns, mode, say)
 
 
-def mapper(columns: Columns, mode: str) -> Mapper:
+def mapper(columns: Columns, mode: str, say: Callable[[str], str] = _say_key) -> Mapper:
     """The per-row function for ``columns`` (already ``check``-ed) and ``mode``.
 
     Raises ``ConfigError`` for a template or template file that cannot be used."""
-    builder = _messages_builder(columns, mode)
+    builder = _messages_builder(columns, mode, say)
     id_column = columns.id_column
     tools_column = columns.tools_column
 
@@ -196,8 +196,6 @@ def template_columns(columns: Columns) -> frozenset[str] | None:
         names.add(columns.tools_column)
     for _, template in _templates(columns):
         names |= template.columns
-    if columns.id_column is None:
-        names |= {"id", "custom_id"}
     return frozenset(names)
 
 
@@ -206,7 +204,7 @@ def template_columns(columns: Columns) -> frozenset[str] | None:
 _Builder = Callable[[dict[str, Any]], tuple[list[dict[str, Any]], str]]
 
 
-def _messages_builder(columns: Columns, mode: str) -> _Builder:
+def _messages_builder(columns: Columns, mode: str, say: Callable[[str], str]) -> _Builder:
     system = [{"role": "system", "content": columns.system}] if columns.system else []
     if columns.prompt_column is not None:
         column = columns.prompt_column
@@ -223,7 +221,7 @@ def _messages_builder(columns: Columns, mode: str) -> _Builder:
             return [*system, *messages], fmt
 
         return from_messages
-    parts = _templates(columns)
+    parts = _templates(columns, say)
     if mode == "passthrough" and parts[-1][0] != "assistant":
         raise ConfigError(
             f"{columns.template_file}: a pass-through dataset's template must end with the "
@@ -245,10 +243,12 @@ def _messages_builder(columns: Columns, mode: str) -> _Builder:
     return from_template
 
 
-def _templates(columns: Columns) -> list[tuple[str, Template]]:
+def _templates(
+    columns: Columns, say: Callable[[str], str] = _say_key
+) -> list[tuple[str, Template]]:
     """The (role, template) parts of the template or template file; ``ConfigError``."""
     if columns.template is not None:
-        return [("user", _parsed(columns.template, "template"))]
+        return [("user", _parsed(columns.template, say("template")))]
     if columns.template_file is None:
         return []
     return _template_file(os.fspath(columns.template_file))
@@ -373,6 +373,6 @@ def _key(row: dict[str, Any], column: str) -> str:
 def _own_key(row: dict[str, Any]) -> str | None:
     """The row's own ``id`` (or ``custom_id``) column, as a JSONL line's; None without."""
     for name in ("id", "custom_id"):
-        if name in row:
+        if row.get(name) is not None:
             return lines.key_value(row[name], name)
     return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from orchestrator.errors import InputError
-from orchestrator.formats.source import Rows, Wanted, file_error
+from orchestrator.formats.source import Rows, Wanted, file_error, projection
 from orchestrator.formats.tables import batch_rows
 
 __all__ = ["csv_rows"]
@@ -30,7 +30,7 @@ def csv_rows(path: str, delimiter: str, wanted: Wanted) -> Rows:
     repeated = [name for name, count in Counter(names).items() if count > 1]
     if repeated:
         raise InputError(f"the header names column {repeated[0]!r} twice", path=path)
-    include = names if wanted is None else [name for name in names if name in wanted]
+    include = projection(names, wanted) or names
     convert = pcsv.ConvertOptions(
         column_types=dict.fromkeys(names, pa.string()),
         strings_can_be_null=False,
@@ -38,7 +38,7 @@ def csv_rows(path: str, delimiter: str, wanted: Wanted) -> Rows:
     )
     reader = _open(path, parse, convert)
     with reader:
-        yield from batch_rows(reader, None, path)
+        yield from batch_rows(reader, wanted, path)
 
 
 def _header(path: str, parse: object) -> list[str]:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from orchestrator.errors import ConfigError, InputError
-from orchestrator.formats.source import Part, Rows, Wanted
+from orchestrator.formats.source import Part, Rows, Wanted, projection
 from orchestrator.formats.tables import BATCH_ROWS, TableSource, batch_rows
 
 __all__ = ["INSTALL", "HubSource", "dataset_source", "load"]
@@ -38,7 +38,7 @@ class HubSource:
         self.name = f"hf://{dataset}"
         _need_datasets(self.name)
         if split is None:
-            raise ConfigError(f"{self.name}: choose a split with --split (split=)" + _splits(self))
+            raise ConfigError(f"{self.name}: choose a split with --split" + _splits(self))
         self.split = split
         scope = f"{config}/{split}" if config else split
         self.part = Part(f"{self.name}[{scope}]", scope, "row")
@@ -52,7 +52,7 @@ class HubSource:
         if columns is not None:
             dataset = dataset.select_columns(columns)
         tables = dataset.with_format("arrow").iter(batch_size=BATCH_ROWS)
-        yield self.part, batch_rows(_guarded(tables, self.part.path), None, self.part.path)
+        yield self.part, batch_rows(_guarded(tables, self.part.path), wanted, self.part.path)
 
     def sha256(self) -> str | None:
         return None
@@ -99,9 +99,7 @@ def _splits(source: HubSource) -> str:
 def _present(dataset: Any, wanted: Wanted) -> list[str] | None:
     """The wanted columns the dataset has (None: all of them, or unknown)."""
     names = getattr(dataset, "column_names", None)
-    if wanted is None or not names:
-        return None
-    return [name for name in names if name in wanted]
+    return projection(list(names), wanted) if names else None
 
 
 def _guarded(tables: Iterator[Any], where: str) -> Iterator[Any]:

@@ -8,7 +8,7 @@ columns are read from the file: a wide dataset costs what its prompt columns cos
 from __future__ import annotations
 
 from orchestrator.errors import InputError
-from orchestrator.formats.source import Rows, Wanted, file_error
+from orchestrator.formats.source import Rows, Wanted, file_error, projection
 from orchestrator.formats.tables import BATCH_ROWS, batch_rows
 
 __all__ = ["parquet_rows"]
@@ -28,7 +28,6 @@ def parquet_rows(path: str, wanted: Wanted) -> Rows:
     except pa.ArrowException as exc:
         raise InputError(f"not a Parquet file: {exc}", path=path) from None
     with parquet:
-        names = parquet.schema_arrow.names
-        columns = None if wanted is None else [name for name in names if name in wanted]
+        columns = projection(parquet.schema_arrow.names, wanted)
         batches = parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)
-        yield from batch_rows(batches, None, path)
+        yield from batch_rows(batches, wanted, path)

@@ -41,7 +41,18 @@ Rows = Iterator[tuple[int, Raw]]
 """A part's rows with their 1-based numbers (a JSONL file's blank lines are skipped, and
 counted)."""
 Wanted = frozenset[str] | None
-"""The columns the row mapping reads: a table source may load only these (None: all)."""
+"""The columns a mapping by columns needs: a table source may load only these and the key
+columns; None: rows are read whole, as JSONL lines. A file that lacks one is read whole,
+so that the row's error can list the columns there are."""
+KEY_COLUMNS = frozenset({"id", "custom_id"})
+"""Read with the wanted columns wherever they are: a row's own key."""
+
+
+def projection(names: list[str], wanted: Wanted) -> list[str] | None:
+    """Which of a table's columns ``names`` to load for ``wanted`` (None: all)."""
+    if wanted is None or not wanted.issubset(names):
+        return None
+    return [name for name in names if name in wanted or name in KEY_COLUMNS]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +129,6 @@ def open_source(spec: object, *, split: str | None = None, config: str | None = 
     """
     if isinstance(spec, str | os.PathLike):
         return _path_source(os.fsdecode(spec), split, config)
-    if isinstance(spec, bytes | bytearray | dict):
-        raise ConfigError(
-            f"cannot read {type(spec).__name__} as a source: give a path, rows (an "
-            "iterable of dicts) or a table"
-        )
     _no_config(config, "rows in memory")
     from orchestrator.formats import tables
 
@@ -130,7 +136,7 @@ def open_source(spec: object, *, split: str | None = None, config: str | None = 
     if table is not None:
         return table
     _no_split(split, "rows in memory")
-    if not isinstance(spec, Iterable):
+    if isinstance(spec, bytes | bytearray | dict) or not isinstance(spec, Iterable):
         raise ConfigError(
             f"cannot read {type(spec).__name__} as a source: give a path, rows (an "
             "iterable of dicts) or a table"
@@ -218,7 +224,7 @@ def _folder_source(folder: str, split: str | None) -> Source:
         if split is None:
             raise ConfigError(
                 f"{folder}: a DatasetDict folder with splits {', '.join(names)}: choose one "
-                "with a split (--split)"
+                "with --split"
             )
         if split not in names:
             raise ConfigError(f"{folder}: no split {split!r} (the folder has: {', '.join(names)})")

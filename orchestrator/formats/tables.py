@@ -2,9 +2,11 @@
 Hub), and the tables a program holds in memory (``pyarrow``, pandas, ``datasets``).
 
 A table cannot tell a missing key from a null: a struct column holds every field any row
-has, and a row without one gets null. So a null is read as absent, at the top level and
-inside structs (a message without ``tool_calls``, a tool schema without ``enum``): the
-rows come out as the JSONL lines they were made from. Null list elements stay.
+has, and a row without one gets null. So a null is read as absent inside structs (a
+message without ``tool_calls``, a tool schema without ``enum``), and at the top level of a
+row read whole (as a JSONL line): the rows come out as the JSONL lines they were made
+from. A row read by its columns keeps its top-level nulls, so that its error can say
+``column 'problem' is null``. Null list elements stay.
 
 pyarrow, pandas and ``datasets`` are never imported here for an object: an object of
 theirs means its library is loaded already (``sys.modules``).
@@ -17,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import ConfigError, InputError
-from orchestrator.formats.source import Part, Rows, Wanted
+from orchestrator.formats.source import Part, Rows, Wanted, projection
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -30,8 +32,8 @@ enough to keep memory flat."""
 
 
 def batch_rows(batches: Iterable[Any], wanted: Wanted, where: str) -> Rows:
-    """The rows of ``batches`` (``RecordBatch`` or ``Table``), numbered from 1, with only
-    the ``wanted`` columns a batch has (all when None) and nulls read as absent.
+    """The rows of ``batches`` (``RecordBatch`` or ``Table``), numbered from 1, with the
+    columns ``source.projection`` keeps for ``wanted``, and nulls read as absent.
 
     An Arrow error while reading is the source's (``where``): a truncated or corrupt file.
     """
@@ -46,15 +48,23 @@ def batch_rows(batches: Iterable[Any], wanted: Wanted, where: str) -> Rows:
             raise InputError(f"cannot read: {exc}", path=where) from None
         if batch is None:
             return
+        if isinstance(batch, list):  # rows already (a DataFrame slice Arrow cannot type)
+            for row in batch:
+                n += 1
+                yield n, row if wanted is not None else _present(row)
+            continue
         if wanted is not None:
-            batch = batch.select([name for name in batch.schema.names if name in wanted])
-        for row in _rows(batch):
+            columns = projection(batch.schema.names, wanted)
+            if columns is not None:
+                batch = batch.select(columns)
+        for row in _rows(batch, keep_nulls=wanted is not None):
             n += 1
             yield n, row
 
 
-def _rows(batch: pa.RecordBatch | pa.Table) -> list[dict[str, Any]]:
-    """One batch as dicts, nulls dropped from the columns that hold any."""
+def _rows(batch: pa.RecordBatch | pa.Table, *, keep_nulls: bool) -> list[dict[str, Any]]:
+    """One batch as dicts, nulls dropped from the columns that hold any (the top-level
+    ones kept with ``keep_nulls``)."""
     rows = batch.to_pylist()
     dirty = [
         field for field, column in zip(batch.schema, batch.columns, strict=True) if _nulls(column)
@@ -62,6 +72,12 @@ def _rows(batch: pa.RecordBatch | pa.Table) -> list[dict[str, Any]]:
     if not dirty:
         return rows
     nested = frozenset(field.name for field in dirty if _nested(field.type))
+    if keep_nulls:
+        if nested:
+            for row in rows:
+                for name in nested:
+                    row[name] = _strip(row[name])
+        return rows
     if not nested:
         return [{k: v for k, v in row.items() if v is not None} for row in rows]
     return [
@@ -98,6 +114,10 @@ def _nested(arrow_type: Any) -> bool:
     if t.is_map(arrow_type):
         return _nested(arrow_type.item_type)
     return False
+
+
+def _present(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if v is not None}
 
 
 def _strip(value: Any) -> Any:
@@ -153,15 +173,28 @@ def _plain(split: str | None, source: TableSource) -> TableSource:
 
 
 def _frame_batches(frame: Any) -> Iterator[Any]:
-    """A DataFrame as Arrow batches, a slice at a time (the frame's index is not a column)."""
+    """A DataFrame as Arrow batches, a slice at a time (the frame's index is not a column).
+
+    A slice Arrow cannot type (a column of text and numbers) comes as its rows instead,
+    missing values (None, NaN) as None: each row is then judged on its own values."""
     import pyarrow as pa
 
     for start in range(0, len(frame), BATCH_ROWS):
         chunk = frame.iloc[start : start + BATCH_ROWS]
         try:
             table = pa.Table.from_pandas(chunk, preserve_index=False)
-        except (pa.ArrowException, TypeError, ValueError) as exc:
-            raise InputError(
-                f"cannot read rows {start + 1}-{start + len(chunk)}: {exc}", path="<DataFrame>"
-            ) from None
+        except (pa.ArrowException, TypeError, ValueError):
+            yield [_frame_row(row, chunk.columns) for row in chunk.itertuples(index=False)]
+            continue
         yield from table.to_batches()
+
+
+def _frame_row(values: Iterable[Any], names: Iterable[Any]) -> dict[str, Any]:
+    row = {}
+    for name, value in zip(names, values, strict=True):
+        if hasattr(value, "tolist"):  # numpy arrays and scalars
+            value = value.tolist()
+        if isinstance(value, float) and value != value:  # NaN: pandas' missing value
+            value = None
+        row[str(name)] = value
+    return row

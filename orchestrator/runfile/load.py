@@ -482,6 +482,8 @@ class _Checker:
     ) -> Path | str | None:
         """The dataset's file (absolute) or Hub name, opened as ``enqueue`` will open it:
         a missing file, an empty folder, an unknown split is a problem here."""
+        if "hf" in own and "file" in own:
+            return None  # reported already: one or the other
         if "hf" in own:
             spec = f"hf://{own['hf']}"
             if self._opened(spec, f"{where}.hf", split, config):
