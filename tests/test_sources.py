@@ -28,7 +28,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import REPO, cli, db_snapshot, query, write_jsonl
+from tests.helpers import REPO, cli, db_snapshot, is_postgres, query, write_jsonl
 
 PROBLEMS = [
     {"problem": f"What is {i} + {i}?", "meta": {"level": i % 3, "source": "gen"}, "answer": i}
