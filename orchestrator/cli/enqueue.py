@@ -79,7 +79,7 @@ _SAMPLING = (
 @click.option(
     "--config",
     type=click.Path(path_type=Path),
-    help="Enqueue every dataset of a run file (docs/CONFIG.md) instead of one FILE; the "
+    help="Enqueue every dataset of a run file (docs/CONFIG.md) instead of one SOURCE; the "
     "file is checked as a whole first.",
 )
 @click.option("--dataset", "-d", help="Dataset name (created on first use).")
@@ -162,7 +162,8 @@ _SAMPLING = (
 @click.option(
     "--system",
     metavar="TEXT",
-    help="A system message put first in every row built by the options above (as written).",
+    help="A system message put first in every row built by the options above (not a "
+    "template; \\n a newline).",
 )
 @click.option("--id-column", metavar="COL", help="The item key's column (else id, else place).")
 @click.option(

@@ -126,10 +126,8 @@ async def enqueue(
     ``regenerate="all"`` or pass-through (``ConfigError`` otherwise, before anything is
     written). Pass-through rows are stored done, each with an empty output row, and are
     never claimed. ``update``: see ``datasets.declare``. ``hash_source=False``: ``path``
-    only names the records (rows given in memory, several files), no file is hashed;
-    ``source_sha256`` is then the digest recorded, if any. ``place`` names a record by its
-    ``line`` where ``path:line`` would not (the rows of a folder of Parquet shards): the
-    duplicate and changed-content errors say ``FILE:row N``.
+    only names the records, ``source_sha256`` is their digest if any. ``place`` names a
+    record by its ``line`` where ``path:line`` would not (a folder's Parquet rows).
     """
     now = time.time()
     sha = file_sha256(path) if hash_source else source_sha256
@@ -150,10 +148,9 @@ async def enqueue(
         )
         mode = "passthrough" if info.passthrough else info.regenerate
         report = EnqueueReport(dataset=spec.name, created=created, mode=mode)
-        if first is not None:
-            _check_mode(info, mode, first)
         seen = 0
         if first is not None:
+            _check_mode(info, mode, first)
             # A second file in the same dataset is ordered after the first.
             base = (
                 await conn.execute(
@@ -162,9 +159,7 @@ async def enqueue(
                     )
                 )
             ).scalar_one()
-            context = _Context(info, baseline, base, now, path, report, on_invalid, mode)
-            if place is not None:
-                context.place = place
+            context = _Context(info, baseline, base, now, path, report, on_invalid, mode, place)
             writer = await _writer(conn, database, context)
             size = writer.batch_size
             try:
