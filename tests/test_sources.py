@@ -312,6 +312,66 @@ def test_save_to_disk_folders(db_url: str, tmp_path: Path) -> None:
     assert [key for key, _ in items(db_url, "both")] == ["test/data-00000-of-00001.arrow:1"]
 
 
+def test_arrow_ipc_files_in_both_formats(db_url: str, tmp_path: Path) -> None:
+    """``.arrow`` written by pyarrow as the IPC file format (Feather v2) and as a stream
+    (what save_to_disk writes), side by side in one folder."""
+    table = pa.Table.from_pylist([{"prompt": f"p{i}", "id": i} for i in range(5)])
+    folder = tmp_path / "arrow"
+    folder.mkdir()
+    with (
+        pa.OSFile(str(folder / "a-file.arrow"), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as writer,
+    ):
+        writer.write_table(table.slice(0, 3), max_chunksize=2)
+    with (
+        pa.OSFile(str(folder / "b-stream.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as writer,
+    ):
+        writer.write_table(table.slice(3))
+    result = enqueue(db_url, folder, "-d", "arrow")
+    assert result.returncode == 0, result.stderr
+    assert items(db_url, "arrow") == [
+        (str(i), {"messages": [{"role": "user", "content": f"p{i}"}]}) for i in range(5)
+    ]
+    (tmp_path / "bad.arrow").write_bytes(b"not arrow at all")
+    bad = enqueue(db_url, tmp_path / "bad.arrow", "-d", "bad")
+    assert bad.returncode == 2 and f"{tmp_path}/bad.arrow: not an Arrow IPC file" in bad.stderr
+
+
+def test_messages_column_for_every_kind_of_dataset(db_url: str, tmp_path: Path) -> None:
+    """The column's conversation, read as its line would be: the final answer dropped
+    (last), every assistant turn counted (all), the answer stored as done (passthrough)."""
+    chat = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    pq.write_table(pa.Table.from_pylist([{"chat": chat}]), tmp_path / "c.parquet")
+    source = tmp_path / "c.parquet"
+    last = enqueue(db_url, source, "-d", "last", "--messages-column", "chat")
+    every = enqueue(db_url, source, "-d", "all", "--messages-column", "chat", "--regenerate", "all")
+    stored = enqueue(db_url, source, "-d", "pass", "--messages-column", "chat", "--passthrough")
+    for result in (last, every, stored):
+        assert result.returncode == 0, result.stderr
+    assert items(db_url, "last") == [("c.parquet:1", {"messages": chat[:3]})]
+    assert "2 turns to generate" in every.stdout
+    assert "stored 1 rows as done" in stored.stdout
+    assert query(db_url, "SELECT state FROM items WHERE position = 1 ORDER BY id") == [
+        ("pending",),
+        ("pending",),
+        ("done",),
+    ]
+    pq.write_table(pa.Table.from_pylist([{"chat": chat[:1]}]), tmp_path / "q.parquet")
+    refused = enqueue(
+        db_url, tmp_path / "q.parquet", "-d", "pass", "--messages-column", "chat", "--passthrough"
+    )
+    assert refused.returncode == 2
+    assert (
+        "q.parquet:row 1: a passthrough row must end with the assistant's answer" in refused.stderr
+    )
+
+
 def test_compressed_jsonl_and_standard_input_read_as_the_plain_file(
     db_url: str, tmp_path: Path
 ) -> None:

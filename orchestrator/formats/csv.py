@@ -55,7 +55,7 @@ def _open(path: str, parse: object, convert: object = None) -> object:
     try:
         return pcsv.open_csv(
             path,
-            read_options=pcsv.ReadOptions(block_size=_BLOCK),
+            read_options=pcsv.ReadOptions(block_size=_BLOCK, use_threads=False),
             parse_options=parse,
             convert_options=convert,
         )

@@ -29,5 +29,6 @@ def parquet_rows(path: str, wanted: Wanted) -> Rows:
         raise InputError(f"not a Parquet file: {exc}", path=path) from None
     with parquet:
         columns = projection(parquet.schema_arrow.names, wanted)
-        batches = parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+        # One thread: the rows are consumed by one, and the store's thread needs the other core.
+        batches = parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns, use_threads=False)
         yield from batch_rows(batches, wanted, path)

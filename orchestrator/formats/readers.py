@@ -45,6 +45,7 @@ from orchestrator.formats.lines import (
     RowError,
     parse_json,
     parse_line,
+    parse_object,
     too_deep,
 )
 from orchestrator.formats.source import Part, Raw, Source, open_source
@@ -380,14 +381,16 @@ class _Parsers:
         self.item_parser = mapper or ITEM_PARSERS[mode, fmt == "tokens"]
 
     def for_part(self, part: Part, offset: int) -> Callable[[Raw, int], Any]:
-        plain = self.mode == "last" and self.mapper is None and part.key is None
-        if plain and offset == 0 and part.unit == "line":
+        plain = self.mode == "last" and self.mapper is None
+        if plain and part.key is None and offset == 0 and part.unit == "line":
             # A JSONL file named directly: nearly every large run's path.
             fast = _prepare_line if self.kind == "prepared" else _parse_line
             return _only(self.fmt, fast)
+        prefix = "" if part.key is None else f"{part.key}:"
+        if plain and self.kind == "prepared":
+            return _only(self.fmt, _prepare_row(prefix, offset))
         build = _BUILDERS[self.kind, self.mode == "last"]
         item_parser = self.item_parser
-        prefix = "" if part.key is None else f"{part.key}:"
         mode = self.mode
 
         def parse(raw: Raw, number: int) -> Any:
@@ -425,6 +428,22 @@ def _prepare_line(raw: bytes, lineno: int) -> Prepared:
     digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
     # tuple.__new__: the NamedTuple's own __new__ is Python code, called a million times.
     return _new_tuple(Prepared, (lineno, key, fmt, digest, _dumps(request).decode()))
+
+
+def _prepare_row(prefix: str, offset: int) -> Callable[[Raw, int], Prepared]:
+    """``_prepare_line`` for a table's rows (and a shard's lines): keyed by their place
+    when they have no id, and numbered after the parts before them."""
+
+    def prepare(raw: Raw, number: int) -> Prepared:
+        obj = raw if type(raw) is dict else parse_json(raw)  # type: ignore[arg-type]
+        key, request, fmt = parse_object(obj)
+        if key is None:
+            key = prefix + str(number)
+        digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+        body = _dumps(request).decode()
+        return _new_tuple(Prepared, (offset + number, key, fmt, digest, body))
+
+    return prepare
 
 
 _Usage = tuple[int | None, int | None]
