@@ -388,7 +388,7 @@ class _Parsers:
             return _only(self.fmt, fast)
         prefix = "" if part.key is None else f"{part.key}:"
         if plain and self.kind == "prepared":
-            return _only(self.fmt, _prepare_row(prefix, offset))
+            return _only(self.fmt, _prepare_row(prefix, offset, part.unit == "line"))
         build = _BUILDERS[self.kind, self.mode == "last"]
         item_parser = self.item_parser
         mode = self.mode
@@ -430,12 +430,12 @@ def _prepare_line(raw: bytes, lineno: int) -> Prepared:
     return _new_tuple(Prepared, (lineno, key, fmt, digest, _dumps(request).decode()))
 
 
-def _prepare_row(prefix: str, offset: int) -> Callable[[Raw, int], Prepared]:
-    """``_prepare_line`` for a table's rows (and a shard's lines): keyed by their place
-    when they have no id, and numbered after the parts before them."""
+def _prepare_row(prefix: str, offset: int, lines: bool) -> Callable[[Raw, int], Prepared]:
+    """``_prepare_line`` for a table's rows (dicts) and a shard's lines (bytes, when
+    ``lines``): keyed by their place when they have no id, and numbered after the parts
+    before them."""
 
-    def prepare(raw: Raw, number: int) -> Prepared:
-        obj = raw if type(raw) is dict else parse_json(raw)  # type: ignore[arg-type]
+    def prepare(obj: dict[str, Any], number: int) -> Prepared:
         key, request, fmt = parse_object(obj)
         if key is None:
             key = prefix + str(number)
@@ -443,7 +443,9 @@ def _prepare_row(prefix: str, offset: int) -> Callable[[Raw, int], Prepared]:
         body = _dumps(request).decode()
         return _new_tuple(Prepared, (offset + number, key, fmt, digest, body))
 
-    return prepare
+    if not lines:
+        return prepare  # type: ignore[return-value]
+    return lambda raw, number: prepare(parse_json(raw), number)  # type: ignore[arg-type]
 
 
 _Usage = tuple[int | None, int | None]

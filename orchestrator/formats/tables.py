@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator
+from itertools import count
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import ConfigError, InputError
@@ -49,17 +50,16 @@ def batch_rows(batches: Iterable[Any], wanted: Wanted, where: str) -> Rows:
         if batch is None:
             return
         if isinstance(batch, list):  # rows already (a DataFrame slice Arrow cannot type)
-            for row in batch:
-                n += 1
-                yield n, row if wanted is not None else _present(row)
-            continue
-        if wanted is not None:
-            columns = projection(batch.schema.names, wanted)
-            if columns is not None:
-                batch = batch.select(columns)
-        for row in _rows(batch, keep_nulls=wanted is not None):
-            n += 1
-            yield n, row
+            rows = batch if wanted is not None else [_present(row) for row in batch]
+        else:
+            if wanted is not None:
+                columns = projection(batch.schema.names, wanted)
+                if columns is not None:
+                    batch = batch.select(columns)
+            rows = _rows(batch, keep_nulls=wanted is not None)
+        # zip with a counter: the numbered rows without a Python step per row.
+        yield from zip(count(n + 1), rows)
+        n += len(rows)
 
 
 def _rows(batch: pa.RecordBatch | pa.Table, *, keep_nulls: bool) -> list[dict[str, Any]]:
