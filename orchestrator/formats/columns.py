@@ -100,7 +100,10 @@ def problems(
     caller's way (``--prompt-column``, ``prompt_column``)."""
     found: list[tuple[str, str]] = []
     for name, value in columns.given().items():
-        if name != "template_file" and (not isinstance(value, str) or not value.strip()):
+        if name == "template_file":
+            if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+                found.append((name, f"{say(name)} must be a path"))
+        elif not isinstance(value, str) or not value.strip():
             found.append((name, f"{say(name)} must be a non-empty string"))
     chosen = [name for name in _BUILDERS if getattr(columns, name) is not None]
     if len(chosen) > 1:
