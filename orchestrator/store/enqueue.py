@@ -127,8 +127,7 @@ async def enqueue(
     written). Pass-through rows are stored done, each with an empty output row, and are
     never claimed. ``update``: see ``datasets.declare``. ``hash_source=False``: ``path``
     only names the records, ``source_sha256`` is their digest if any. ``place`` names a
-    record by its ``line`` where ``path:line`` would not (a folder's Parquet rows).
-    """
+    record by its ``line`` where ``path:line`` would not (a folder's Parquet rows)."""
     now = time.time()
     sha = file_sha256(path) if hash_source else source_sha256
     async with database.write() as conn:
