@@ -6,7 +6,10 @@ dataset enqueued here is the dataset ``orchestrator enqueue`` would have made, a
 errors are the ``orchestrator.errors`` tree with the same file:line messages.
 
 Options are keyword-only, so that new ones (sources, samples per prompt, run-order
-policies) can be added without breaking a call. docs/API.md shows it in use.
+policies) can be added without breaking a call. Every argument is checked before anything
+is read or written, by the rules of ``orchestrator.checks`` that the command's options
+follow too: a wrong type or an impossible value is a ``ConfigError`` naming the argument
+and what it got. docs/API.md shows it in use.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterator, Sequence
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -23,6 +27,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
+from orchestrator.checks import (
+    DATASET_NAME,
+    FLAG,
+    PATH,
+    RUN,
+    WINDOW,
+    Integer,
+    Names,
+    OrNone,
+    PathName,
+    Text,
+    checked,
+)
 from orchestrator.enqueueing import (
     EnqueueOptions,
     Source,
@@ -36,9 +53,16 @@ from orchestrator.running import RunOutcome
 if TYPE_CHECKING:
     from orchestrator.formats.export import ExportOptions, ExportReport
     from orchestrator.store import Database, EnqueueReport
+    from orchestrator.store.access import Batches
     from orchestrator.store.requeue import UndoReport
 
 T = TypeVar("T")
+
+_DB = OrNone(PathName("a path or a database URL"))
+_DATASETS = Names("a dataset name")
+_FLAGS = Names("a quality flag name")
+_SERVERS = Names("a server URL")
+_CLOSED = "the queue is closed: open it again (orchestrator.open(db))"
 
 __all__ = ["Queue", "RunOutcome", "Status", "SyncQueue", "open", "open_sync"]
 
@@ -71,22 +95,28 @@ def open(db: str | os.PathLike[str] | None = None) -> Queue:
     A missing SQLite file is created and the schema installed or upgraded, as
     ``orchestrator enqueue`` does.
     """
-    return Queue(None if db is None else os.fspath(db))
+    return Queue(db)
 
 
 class Queue:
     """An open queue. Use it as ``async with orchestrator.open(db) as q``: leaving the
-    block stops any ``run`` still going (its leases released) and closes the database."""
+    block stops any ``run`` still going (its leases released), ends the ``results``
+    still being read and closes the database."""
 
-    def __init__(self, db: str | None) -> None:
-        self._db = db
+    def __init__(self, db: str | os.PathLike[str] | None) -> None:
+        checked("db", db, _DB)
+        self._db = None if db is None else os.fspath(db)
         self._database: Database | None = None
+        self._closed = False
         self._runs: set[asyncio.Task[Any]] = set()
+        self._results: weakref.WeakSet[Results] = weakref.WeakSet()
 
     async def __aenter__(self) -> Queue:
         from orchestrator.store import open_database
 
-        self._database = await open_database(self._db)
+        if self._database is None:
+            self._database = await open_database(self._db)
+            self._closed = False
         return self
 
     async def __aexit__(
@@ -98,20 +128,28 @@ class Queue:
         await self.close()
 
     async def close(self) -> None:
-        """Stop the runs still going, then close the database."""
+        """Stop the runs still going, end the results still being read (a later ``next``
+        raises ``ConfigError``), then close the database. Calls after it raise
+        ``ConfigError``."""
         runs = list(self._runs)
         for task in runs:
             task.cancel()
         if runs:
             await asyncio.gather(*runs, return_exceptions=True)
+        for results in list(self._results):
+            with contextlib.suppress(Exception):
+                await results._end(_CLOSED)
         if self._database is not None:
             database, self._database = self._database, None
+            self._closed = True
             await database.close()
 
     @property
     def database(self) -> Database:
         """The store's handle, for what the API does not cover yet."""
         if self._database is None:
+            if self._closed:
+                raise ConfigError(_CLOSED)
             raise ConfigError("the queue is not open: use `async with orchestrator.open(db)`")
         return self._database
 
@@ -154,9 +192,10 @@ class Queue:
         """
         from orchestrator.formats.columns import Columns
 
+        checked("skip_invalid", skip_invalid, FLAG)
         named = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         body = request_body(params, model=model, **named)
-        _check_body(body)
+        _check_body(body, {"model": model, **named})
         given = {**named, "params": params or None, "concurrency": concurrency}
         given |= {"regenerate": regenerate, "on_truncated": on_truncated}
         options = EnqueueOptions(
@@ -197,9 +236,13 @@ class Queue:
         from orchestrator.enqueueing import PlanFailed, enqueue_plans
         from orchestrator.runfile import load_run
 
+        checked("config", config, PATH)
+        checked("update", update, FLAG)
+        checked("skip_invalid", skip_invalid, FLAG)
+        database = self.database
         plans = load_run(config)
         result = await enqueue_plans(
-            self.database, config, plans, update=update, skip_invalid=skip_invalid
+            database, config, plans, update=update, skip_invalid=skip_invalid
         )
         if isinstance(result, PlanFailed):
             raise result.error
@@ -235,9 +278,10 @@ class Queue:
         """
         from orchestrator.running import RunSettings
 
+        checked("until_done", until_done, RUN["exit_when_done"])
         settings = RunSettings(
             concurrency=_cap(concurrency),
-            datasets=tuple(datasets),
+            datasets=_names("datasets", datasets, _DATASETS),
             exit_when_done=until_done,
             give_up_after=give_up_after,
             request_timeout=request_timeout,
@@ -250,7 +294,8 @@ class Queue:
             max_response_mb=max_response_mb,
         )
         config, client_config = _configs(servers, api_key, settings)
-        return _checked_outcome(await self._track(_run(self.database, config, client_config)))
+        database = self.database
+        return _checked_outcome(await self._track(_run(database, config, client_config)))
 
     async def _track(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` in a task of its own that ``close`` can stop."""
@@ -269,11 +314,12 @@ class Queue:
         """Progress, rates, errors and ETA: the figures of ``orchestrator status --json``."""
         from orchestrator.monitor.status import snapshot
 
+        checked("window", window, WINDOW)
         document = await snapshot(self.database, window=window)
         by_name = {d["name"]: d for d in document.get("datasets", [])}
         return Status(totals=document["totals"], datasets=by_name, document=document)
 
-    async def results(
+    def results(
         self,
         *,
         dataset: str | Sequence[str] = (),
@@ -281,13 +327,16 @@ class Queue:
         reasoning: str = "separate",
         exclude_flags: str | Sequence[str] = (),
         provenance: bool = False,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Done items as plain dicts, each the line ``export`` would write, in its order."""
-        from orchestrator.formats.export import iter_lines
+    ) -> Results:
+        """Done items as plain dicts, each the line ``export`` would write, in its order:
+        an async iterator over one read transaction (:class:`Results`)."""
+        from orchestrator.formats.export import line_batches
 
+        names = _names("dataset", dataset, _DATASETS)
         chosen = _export_options(format, reasoning, exclude_flags, provenance)
-        async for line in iter_lines(self.database, dataset_names=_names(dataset), options=chosen):
-            yield orjson.loads(line)
+        results = Results(line_batches(self.database, dataset_names=names, options=chosen))
+        self._results.add(results)
+        return results
 
     async def export(
         self,
@@ -302,15 +351,13 @@ class Queue:
         provenance: bool = False,
     ) -> ExportReport:
         """Write done items to ``out`` as ``orchestrator export`` does (all files, or none)."""
-        from dataclasses import replace
-
         from orchestrator.formats.export import export_database
 
-        chosen = _export_options(format, reasoning, exclude_flags, provenance)
-        chosen = replace(chosen, split=split, include_failed=include_failed)
-        return await export_database(
-            self.database, Path(out), dataset_names=_names(datasets), options=chosen
-        )
+        checked("out", out, PATH)
+        names = _names("datasets", datasets, _DATASETS)
+        more = {"split": split, "include_failed": include_failed}
+        chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
+        return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
 
     async def requeue(
         self,
@@ -329,24 +376,43 @@ class Queue:
         from orchestrator.store import check_datasets
         from orchestrator.store import requeue as requeues
 
-        names = _names(datasets)
+        names = _names("datasets", datasets, _DATASETS)
+        mask = _flags("flags", flags)
+        checked("error_class", error_class, OrNone(Text()))
+        checked("max_tokens", max_tokens, OrNone(Integer()))  # its range is requeue's own
+        checked("all", all, FLAG)
+        checked("dry_run", dry_run, FLAG)
         selection = requeues.checked_selection(
-            state, dataset_names=names, error_class=error_class, flags=_flags(flags), everything=all
+            state,
+            dataset_names=names,
+            error_class=error_class,
+            flags=mask,
+            everything=all,
+            max_tokens=max_tokens,
         )
         await check_datasets(self.database, names)
         if dry_run:
             return await requeues.preview(self.database, selection)
         return await requeues.requeue(self.database, selection, max_tokens=max_tokens)
 
-    async def undo_requeue(self, *, dry_run: bool = False) -> UndoReport:
-        """Take back the latest requeue, as ``orchestrator requeue --undo``: its items not
-        claimed since get their state and answers back. ``requeue_id`` is None when there
-        is no requeue to undo; with ``dry_run`` the report says what would be put back."""
+    async def undo_requeue(
+        self, *, datasets: str | Sequence[str] = (), dry_run: bool = False
+    ) -> UndoReport:
+        """Take back the latest requeue, as ``orchestrator requeue --undo`` (with
+        ``datasets``: the latest that moved their items, and only those): its items not
+        claimed since, or failed since, get their state and answers back. ``requeue_id``
+        is None when there is nothing to undo; with ``dry_run`` the report says what would
+        be put back. Raises ``UndoConflict`` (an ``OrchestratorError``) when another undo
+        took it back meanwhile."""
+        from orchestrator.store import check_datasets
         from orchestrator.store import requeue as requeues
 
+        checked("dry_run", dry_run, FLAG)
+        names = _names("datasets", datasets, _DATASETS)
+        await check_datasets(self.database, names)
         if dry_run:
-            return await requeues.undo_preview(self.database)
-        return await requeues.undo(self.database)
+            return await requeues.undo_preview(self.database, dataset_names=names)
+        return await requeues.undo(self.database, dataset_names=names)
 
     async def pause(self, dataset: str) -> None:
         """Stop claiming items of ``dataset`` (in-flight ones finish)."""
@@ -359,49 +425,62 @@ class Queue:
     async def _set_paused(self, dataset: str, paused: bool) -> None:
         from orchestrator.store import set_paused
 
+        checked("dataset", dataset, DATASET_NAME)
         if not await set_paused(self.database, dataset, paused):
             raise ConfigError(f"no such dataset: {dataset}")
 
 
-def _check_body(body: dict[str, Any]) -> None:
-    """The request body through the check every other source gets (``orchestrator.params``)."""
+def _check_body(body: dict[str, Any], named: dict[str, Any]) -> None:
+    """The request body through the check every other source gets (``orchestrator.params``),
+    each refusal under the argument that gave it (``temperature``, ``params['n']``)."""
     from orchestrator.params import problems
 
     found = problems(body)
     if found:
-        raise ConfigError("; ".join(f"{name}: {why}" for name, why in found))
+        where = [name if named.get(name) is not None else f"params[{name!r}]" for name, _ in found]
+        raise ConfigError(
+            "; ".join(f"{w}: {why}" for w, (_, why) in zip(where, found, strict=True))
+        )
 
 
-def _names(value: str | Sequence[str]) -> tuple[str, ...]:
+def _names(name: str, value: str | Sequence[str], rule: Names) -> tuple[str, ...]:
+    """One name or several, as a tuple; a lone string is one name, not its letters."""
+    checked(name, value, rule)
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def _flags(value: str | Sequence[str]) -> int:
+def _flags(name: str, value: str | Sequence[str]) -> int:
     from orchestrator.quality import parse_flags
 
     mask = 0
-    for spec in _names(value):
-        mask |= parse_flags(spec)
+    for spec in _names(name, value, _FLAGS):
+        try:
+            mask |= parse_flags(spec)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
     return mask
 
 
 def _export_options(
-    fmt: str, reasoning: str, exclude_flags: str | Sequence[str], provenance: bool
+    fmt: str, reasoning: str, exclude_flags: str | Sequence[str], provenance: bool, **more: Any
 ) -> ExportOptions:
     from orchestrator.formats.export import ExportOptions
 
+    mask = _flags("exclude_flags", exclude_flags)
     return ExportOptions(
-        format=fmt, reasoning=reasoning, exclude_flags=_flags(exclude_flags), provenance=provenance
+        format=fmt, reasoning=reasoning, exclude_flags=mask, provenance=provenance, **more
     )
 
 
 def _cap(concurrency: int | str) -> int | str:
+    """``"8"`` and ``"auto"`` as the command's option takes them; anything else is left
+    to ``RunSettings``' rule, which says what it must be."""
     from orchestrator.servers import parse_cap
 
-    try:
-        return parse_cap(str(concurrency))
-    except ValueError as exc:
-        raise ConfigError(f"concurrency: {exc}") from None
+    if isinstance(concurrency, str):
+        with contextlib.suppress(ValueError):
+            return parse_cap(concurrency)
+    return concurrency
 
 
 def _configs(servers: Sequence[str], api_key: str | None, settings: Any) -> tuple[Any, Any]:
@@ -409,14 +488,16 @@ def _configs(servers: Sequence[str], api_key: str | None, settings: Any) -> tupl
     servers as given (each through the check of every server source)."""
     from orchestrator.running import configs, without_credentials
     from orchestrator.servers import ServerSpec, check_server_url
+    from orchestrator.urls import api_key as checked_key
 
-    if isinstance(servers, str):
-        servers = [servers]
-    if not servers:
+    urls = _names("servers", servers, _SERVERS)
+    checked("api_key", api_key, OrNone(Text()))
+    if not urls:
         raise ConfigError("run needs at least one server URL (servers=[...])")
-    checked = [ServerSpec(check_server_url(url, "servers")[0]) for url in servers]
-    specs, auth = without_credentials(checked, api_key, None)
-    return configs(specs, auth, api_key, settings)
+    specs = [ServerSpec(check_server_url(url, "servers")[0]) for url in urls]
+    key = checked_key(api_key, "api_key")
+    specs, auth = without_credentials(specs, key)
+    return configs(specs, auth, key, settings)
 
 
 async def _run(database: Database, config: Any, client_config: Any) -> RunOutcome:
@@ -440,12 +521,60 @@ def _checked_outcome(outcome: RunOutcome) -> RunOutcome:
     return outcome
 
 
+class Results:
+    """``Queue.results``: the export's lines as dicts, read in one read transaction.
+
+    The transaction ends with the last row, with ``aclose()`` (or the end of ``async
+    with``), when the queue closes (a later ``next`` raises ``ConfigError``: the rows
+    are not all there), or as soon as the iterator is dropped: a loop left with
+    ``break`` holds nothing, and prints nothing.
+    """
+
+    def __init__(self, batches: Batches[list[bytes]]) -> None:
+        self._batches = batches
+        self._lines: Iterator[bytes] = iter(())
+        self._ended: str | None = None
+
+    def __aiter__(self) -> Results:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        while True:
+            line = next(self._lines, None)
+            if line is not None:
+                return orjson.loads(line)  # type: ignore[no-any-return]
+            if self._ended is not None:
+                raise ConfigError(self._ended)
+            self._lines = iter(await self._batches.__anext__())
+
+    async def aclose(self) -> None:
+        """End the read now; the iteration stops."""
+        self._lines = iter(())
+        await self._batches.aclose()
+
+    async def __aenter__(self) -> Results:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def _end(self, why: str) -> None:
+        """Ended from outside (the queue closed): a later ``next`` raises, with ``why``."""
+        self._ended = why
+        await self.aclose()
+
+
 # ---------------------------------------------------------------------------- sync
 
 
 async def _next(rows: AsyncIterator[T]) -> T:
-    """A coroutine for the loop's thread (an async generator's step is only awaitable)."""
+    """A coroutine for the loop's thread (an async iterator's step is only awaitable)."""
     return await rows.__anext__()
+
+
+async def _made(make: Callable[..., T], **options: Any) -> T:
+    """``make(**options)`` on the loop's thread."""
+    return make(**options)
 
 
 def open_sync(db: str | os.PathLike[str] | None = None) -> SyncQueue:
@@ -454,23 +583,26 @@ def open_sync(db: str | os.PathLike[str] | None = None) -> SyncQueue:
     Its calls run on an event loop of its own, in a background thread, so it works in
     a Jupyter kernel (whose loop is already running) as well as in a plain script.
     """
-    return SyncQueue(None if db is None else os.fspath(db))
+    return SyncQueue(db)
 
 
 class SyncQueue:
     """``Queue``'s calls, blocking. Use ``with orchestrator.open_sync(db) as q`` (or call
-    ``close``). Ctrl-C during ``run`` stops the run cleanly, as cancelling it would."""
+    ``close``). Ctrl-C during ``run`` stops the run cleanly, as cancelling it would.
+    Calls after ``close`` raise ``ConfigError``."""
 
-    def __init__(self, db: str | None) -> None:
+    def __init__(self, db: str | os.PathLike[str] | None) -> None:
+        self._queue = Queue(db)  # its arguments checked before any thread starts
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="orchestrator-api", daemon=True
         )
         self._thread.start()
-        self._queue = Queue(db)
         try:
-            self._call(self._queue.__aenter__())
+            self._submit(self._queue.__aenter__())
         except BaseException:
+            self._closed = True
             self._stop_loop()
             raise
 
@@ -480,7 +612,14 @@ class SyncQueue:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, coro: Awaitable[T]) -> T:
+    def _call(self, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the loop; on a closed queue, ConfigError before any
+        coroutine is made (none is left unawaited)."""
+        if self._closed:
+            raise ConfigError(_CLOSED)
+        return self._submit(fn(*args, **kwargs))
+
+    def _submit(self, coro: Awaitable[T]) -> T:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
         try:
             return future.result()
@@ -496,54 +635,81 @@ class SyncQueue:
         self._loop.close()
 
     def close(self) -> None:
-        """Stop what runs, close the database and the loop's thread."""
-        if self._loop.is_closed():
+        """Stop what runs, end the results being read, close the database and the
+        loop's thread. Again: nothing."""
+        if self._closed:
             return
+        self._closed = True
         try:
-            self._call(self._queue.close())
+            self._submit(self._queue.close())
         finally:
             self._stop_loop()
 
     def enqueue(self, records: Source, **options: Any) -> EnqueueReport:
         """``Queue.enqueue``."""
-        return self._call(self._queue.enqueue(records, **options))
+        return self._call(self._queue.enqueue, records, **options)
+
+    def enqueue_config(self, config: str | os.PathLike[str], **options: Any) -> list[EnqueueReport]:
+        """``Queue.enqueue_config``."""
+        return self._call(self._queue.enqueue_config, config, **options)
 
     def run(self, **options: Any) -> RunOutcome:
         """``Queue.run``."""
-        return self._call(self._queue.run(**options))
+        return self._call(self._queue.run, **options)
 
     def status(self, **options: Any) -> Status:
         """``Queue.status``."""
-        return self._call(self._queue.status(**options))
+        return self._call(self._queue.status, **options)
 
-    def results(self, **options: Any) -> Iterator[dict[str, Any]]:
+    def results(self, **options: Any) -> SyncResults:
         """``Queue.results``, one row at a time from the loop's thread."""
-        rows = self._queue.results(**options)
-        try:
-            while True:
-                try:
-                    yield self._call(_next(rows))
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._call(rows.aclose())  # type: ignore[attr-defined]
+        return SyncResults(self, self._call(_made, self._queue.results, **options))
 
     def export(self, out: str | os.PathLike[str], **options: Any) -> ExportReport:
         """``Queue.export``."""
-        return self._call(self._queue.export(out, **options))
+        return self._call(self._queue.export, out, **options)
 
     def requeue(self, **options: Any) -> int | dict[tuple[str, str], int]:
         """``Queue.requeue``."""
-        return self._call(self._queue.requeue(**options))
+        return self._call(self._queue.requeue, **options)
 
     def undo_requeue(self, **options: Any) -> UndoReport:
         """``Queue.undo_requeue``."""
-        return self._call(self._queue.undo_requeue(**options))
+        return self._call(self._queue.undo_requeue, **options)
 
     def pause(self, dataset: str) -> None:
         """``Queue.pause``."""
-        self._call(self._queue.pause(dataset))
+        self._call(self._queue.pause, dataset)
 
     def resume(self, dataset: str) -> None:
         """``Queue.resume``."""
-        self._call(self._queue.resume(dataset))
+        self._call(self._queue.resume, dataset)
+
+
+class SyncResults:
+    """``SyncQueue.results``: :class:`Results` a row at a time. ``close()`` (or ``with``)
+    ends the read early, as dropping the iterator does."""
+
+    def __init__(self, queue: SyncQueue, results: Results) -> None:
+        self._queue = queue
+        self._results = results
+
+    def __iter__(self) -> SyncResults:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        try:
+            return self._queue._call(_next, self._results)
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        """End the read now (nothing to do once the queue is closed: it ended it)."""
+        if not self._queue._closed:
+            self._queue._call(self._results.aclose)
+
+    def __enter__(self) -> SyncResults:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

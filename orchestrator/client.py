@@ -126,9 +126,23 @@ def _error_reason(status: int, body: bytes) -> str:
                 text = doc["message"]
             elif isinstance(doc.get("detail"), str):
                 text = doc["detail"]
+            elif isinstance(doc.get("detail"), list):
+                text = _validation_errors(doc["detail"]) or text
     except orjson.JSONDecodeError:
         pass
     return f"HTTP {status}: {text}" if text else f"HTTP {status}"
+
+
+def _validation_errors(detail: list[Any]) -> str:
+    """FastAPI's validation errors (a 422's ``detail``), each as ``loc: msg``: without
+    the ``input`` each one echoes, which is the request's own body."""
+    said = []
+    for error in detail[:10]:
+        if isinstance(error, dict) and isinstance(error.get("msg"), str):
+            loc = error.get("loc")
+            where = ".".join(str(part) for part in loc) if isinstance(loc, list) else ""
+            said.append(f"{where}: {error['msg']}" if where else error["msg"])
+    return "; ".join(said)
 
 
 def _retry_after(headers: Any, now: float | None = None) -> float | None:
@@ -771,7 +785,8 @@ def _connect_reason(server: str, exc: aiohttp.ClientConnectorError) -> str:
 
 async def probe(session: aiohttp.ClientSession, server: str, seconds: float) -> Probe:
     """``/health`` answers 200; else why not. A server without ``/health`` (a proxy, a
-    hosted API) counts as up when its ``/v1/models`` answers."""
+    hosted API) counts as up when its ``/v1/models`` answers, and one that refuses the
+    credentials (401, 403) as up too: it is there, and the run guard judges the refusal."""
     base = base_url(server)
     limit = aiohttp.ClientTimeout(total=seconds)
     try:
@@ -793,6 +808,11 @@ async def probe(session: aiohttp.ClientSession, server: str, seconds: float) -> 
             )
         if status == 503:
             return Probe(False, f"{base}/health answers 503: the server is starting or stopping")
+        if status in (401, 403):
+            # It answers, and refuses the credentials (a proxy's Basic auth guards every
+            # path): the look at /v1/models that follows says so and stops the run, where
+            # waiting for a "health" that never comes would hang it.
+            return Probe(True, f"{base}/health answers HTTP {status}: credentials refused")
         return Probe(False, f"{base}/health answers HTTP {status}")
     except aiohttp.ClientConnectorError as exc:
         return Probe(False, _connect_reason(server, exc))

@@ -31,9 +31,10 @@ Source = str | os.PathLike[str] | Iterable[Any] | Any
 class EnqueueOptions:
     """One dataset's settings, as the ``enqueue`` command's options give them.
 
-    ``sampling`` names the request options the caller set, in the caller's own words
-    (``--max-tokens`` or ``max_tokens``): a pass-through dataset sends no request, so
-    they are refused for it by those names.
+    Checked by the rules of ``orchestrator.checks.DATASET``, which the command's options
+    and a run file's keys take theirs from too. ``sampling`` names the request options
+    the caller set, in the caller's own words (``--max-tokens`` or ``max_tokens``): a
+    pass-through dataset sends no request, so they are refused for it by those names.
     """
 
     dataset: str
@@ -54,6 +55,11 @@ class EnqueueOptions:
     spelling: Mapping[str, str] = field(default_factory=dict)
     """Option names in the caller's words for messages (``prompt_column`` ->
     ``--prompt-column``); the key itself where absent."""
+
+    def __post_init__(self) -> None:
+        from orchestrator.checks import DATASET, check_all
+
+        check_all({name: getattr(self, name) for name in DATASET}, DATASET)
 
 
 def is_path(source: Source) -> bool:
@@ -131,9 +137,11 @@ async def enqueue_source(
     progress: Callable[[int], None] | None = None,
 ) -> EnqueueReport:
     """Read ``source`` the way its dataset is made and add its items in one transaction."""
+    from orchestrator.checks import RECORDS, checked
     from orchestrator.store import DatasetSpec
     from orchestrator.store.datasets import get_dataset
 
+    checked("records", source, RECORDS)
     name = options.dataset
     info = await get_dataset(database, name)
     passing = options.passthrough or bool(info and info.passthrough)
@@ -178,6 +186,9 @@ def request_body(
 ) -> dict[str, Any]:
     """The request body every item of a dataset is sent with: ``params`` and the named
     fields given (a named field wins over the same key in ``params``)."""
+    from orchestrator.checks import DATASET, OrNone, checked
+
+    checked("params", params, OrNone(DATASET["params"]))
     named = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
     return {**(params or {}), **{k: v for k, v in named.items() if v is not None}}
 

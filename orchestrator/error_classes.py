@@ -49,3 +49,20 @@ ERROR_CLASSES: dict[str, str] = {
     LEASE_LOST: "taken back from a worker that died or stopped renewing its lease",
     INTERNAL: "an unexpected error in the worker itself, retried",
 }
+
+
+def is_known(name: str) -> bool:
+    """Whether ``name`` is a class an item can fail with: one of the list, or ``http_``
+    and a three-digit status."""
+    if name in ERROR_CLASSES and name != HTTP:
+        return True
+    status = name.removeprefix("http_")
+    return status != name and len(status) == 3 and status.isdigit()
+
+
+def unknown(given: str) -> str:
+    """Why ``given`` selects nothing, with every class it could have been."""
+    listed = ", ".join(
+        f"{HTTP} (http_500, http_400, ...)" if name == HTTP else name for name in ERROR_CLASSES
+    )
+    return f"unknown error class {given!r}: the classes are {listed}"

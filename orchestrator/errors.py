@@ -4,7 +4,9 @@
     ├── InputError               a bad input file or line: names the file and line
     ├── ConfigError              an impossible option or dataset setting
     ├── StorageError             the database cannot be used (locked, full, read-only, ...)
-    │   └── SchemaError          the database schema is newer than this code, or not ours
+    │   ├── SchemaError          the database schema is newer than this code, or not ours
+    │   └── EmptyDatabase        no schema yet, nothing enqueued: only ``enqueue`` (or
+    │                            ``db upgrade``) may use it, and ``doctor`` just says so
     ├── RunStopped               ``run`` ended with its work not done (see its subclasses)
     │   ├── ServersUnreachable   no server answered within ``--give-up-after`` (exit 4)
     │   ├── RunHalted            a setting is wrong for every request: the circuit breaker
@@ -73,6 +75,10 @@ class SchemaError(StorageError):
     pass
 
 
+class EmptyDatabase(StorageError):
+    """A database without the schema and without anything else in it (a 0-byte file)."""
+
+
 class RunStopped(OrchestratorError):
     """``run`` ended without doing all of its work; the message is its one-line summary."""
 
@@ -95,6 +101,27 @@ class ItemsLeftPending(RunStopped):
     """A run to the end left items pending in paused datasets."""
 
     exit_code = 7
+
+
+#: The exit codes a restart cannot fix, where a person has to act first: a bad option or
+#: setting (2), a database that refuses (3: missing, of a newer schema, read-only, full,
+#: replaced), a setting every request is refused for (5), items failed (6: requeue them)
+#: or left in paused datasets (7: resume them). A service manager must not restart on
+#: these (the systemd unit's ``RestartPreventExitStatus=``): a restart would refuse the
+#: same way, or retry the trial items, every few seconds for ever. A crash (1, a
+#: signal) and servers that stayed unreachable (4) are restarted.
+NEEDS_A_PERSON: tuple[int, ...] = tuple(
+    sorted(
+        {
+            ConfigError.exit_code,
+            InputError.exit_code,
+            StorageError.exit_code,
+            RunHalted.exit_code,
+            ItemsFailed.exit_code,
+            ItemsLeftPending.exit_code,
+        }
+    )
+)
 
 
 class InferenceError(OrchestratorError):

@@ -9,6 +9,12 @@ slots out (priority first, each dataset up to its cap), with as many slots as th
 workers kept busy over the recent window (Little's law). A dataset without answers
 yet borrows an answer time from the others, scaled to its ``max_tokens``.
 
+Items are claimed longest predicted answer first (``orchestrator.lengths``), so a
+dataset's latest answers are longer than those it has left: where items carry a
+prediction, their work is their predicted tokens times the seconds the latest answers
+took per predicted token. The datasets of one priority are claimed from together, so
+they share the slots in proportion to their work left and end about together.
+
 Pure arithmetic on figures the store reads, so it is tested without a database.
 """
 
@@ -45,10 +51,28 @@ class Work:
     sample: int = 0
     max_tokens: int | None = None
     in_flight: float = 0.0
+    #: Of the items left, those with a predicted length (``predicted_pending`` and
+    #: ``predicted_running`` of them), the sums of their predictions, and the seconds the
+    #: latest answers with a prediction took per predicted token (None: none measured).
+    predicted_pending: int = 0
+    predicted_running: int = 0
+    predicted_pending_tokens: int = 0
+    predicted_running_tokens: int = 0
+    seconds_per_predicted: float | None = None
 
     @property
     def items_left(self) -> float:
         return self.pending + _RUNNING_WEIGHT * self.running
+
+    def work(self, per_item: float) -> float:
+        """Request-seconds left: predicted items by their predictions, the rest at
+        ``per_item`` each."""
+        if self.seconds_per_predicted is None:
+            return self.items_left * per_item
+        predicted = self.predicted_pending + _RUNNING_WEIGHT * self.predicted_running
+        tokens = self.predicted_pending_tokens + _RUNNING_WEIGHT * self.predicted_running_tokens
+        plain = max(self.items_left - predicted, 0.0)
+        return plain * per_item + tokens * self.seconds_per_predicted
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,24 +156,35 @@ def _fit(measured: Sequence[Work]) -> tuple[float, float]:
 def _replay(
     todo: Sequence[Work], per_item: dict[int, float | None], slots: float
 ) -> dict[int, float]:
-    """Finish times of a fluid replay: slots go out by priority, each dataset up to its cap
-    and to the items it has left, and are handed on whenever a dataset finishes."""
+    """Finish times of a fluid replay: slots go out by priority, shared among the
+    datasets of one priority in proportion to their work left, each up to its cap and
+    to the items it has left, and are handed on whenever a dataset finishes."""
     order = sorted(todo, key=lambda w: (-w.priority, w.dataset_id))
-    seconds = {w.dataset_id: max(per_item[w.dataset_id] or 0.0, _EPS) for w in order}
-    left = {w.dataset_id: w.items_left * seconds[w.dataset_id] for w in order}
+    left = {w.dataset_id: w.work(max(per_item[w.dataset_id] or 0.0, _EPS)) for w in order}
+    # The mean request-seconds of an item left: how many items a dataset's work still is.
+    seconds = {w.dataset_id: max(left[w.dataset_id] / w.items_left, _EPS) for w in order}
+    priorities = sorted({w.priority for w in order}, reverse=True)
+    levels = [[w for w in order if w.priority == p] for p in priorities]
     ends: dict[int, float] = {}
     now = 0.0
     while left:
         free = slots
         rates: dict[int, float] = {}
-        for w in order:
-            if w.dataset_id not in left or free <= _EPS:
-                continue
-            items = math.ceil(left[w.dataset_id] / seconds[w.dataset_id] - _EPS)
-            share = min(free, float(w.cap) if w.cap else math.inf, float(max(items, 1)))
-            rates[w.dataset_id] = share
-            free -= share
-        step = min(left[d] / rate for d, rate in rates.items())
+        for level in levels:
+            if free <= _EPS:
+                break
+            limits = {
+                w.dataset_id: min(
+                    float(w.cap) if w.cap else math.inf,
+                    float(max(math.ceil(left[w.dataset_id] / seconds[w.dataset_id] - _EPS), 1)),
+                )
+                for w in level
+                if w.dataset_id in left
+            }
+            shares = _water_fill(free, limits, {d: left[d] for d in limits})
+            rates.update(shares)
+            free -= sum(shares.values())
+        step = min(left[d] / rate for d, rate in rates.items() if rate > 0)
         now += step
         for d, rate in rates.items():
             left[d] -= rate * step
@@ -157,3 +192,23 @@ def _replay(
                 del left[d]
                 ends[d] = now
     return ends
+
+
+def _water_fill(
+    free: float, limits: dict[int, float], weights: dict[int, float]
+) -> dict[int, float]:
+    """``free`` slots shared in proportion to ``weights``, none above its limit; what a
+    limited dataset cannot take goes to the others."""
+    shares: dict[int, float] = {}
+    open_ = dict(weights)
+    while open_ and free > _EPS:
+        total = sum(open_.values())
+        capped = {d: limits[d] for d, weight in open_.items() if free * weight / total >= limits[d]}
+        if not capped:
+            shares.update({d: free * weight / total for d, weight in open_.items()})
+            return shares
+        for d, limit in capped.items():
+            shares[d] = limit
+            free -= limit
+            del open_[d]
+    return shares

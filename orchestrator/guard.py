@@ -6,34 +6,40 @@ Three checks, before and while items are spent:
   and the run stops before any item is claimed; the list names what the server serves;
 * one *trial* item per dataset: until a dataset has had an answer in this run, only one
   of its items is in flight at a time, so a model name or parameter the server refuses
-  costs a few requests, not thousands. A trial request in flight ``trial_seconds``
-  without a refusal opens its dataset too: servers refuse a request before they queue
-  it, and one long answer must not hold the run back;
+  costs a few requests, not thousands. The trial takes an item never put back before
+  when there is one, not one the breaker held in an earlier run. A trial request in
+  flight ``trial_seconds`` without a refusal opens its dataset too: servers refuse a
+  request before they queue it, and one long answer must not hold the run back;
 * the circuit breaker (``orchestrator.breaker``): rejections that may be run-level are
   held until an answer or a run of them decides; when it trips, the run stops, the held
   items get their attempts back, and one line says which server, which status, the
-  server's words and what to check.
+  server's words and what to check. An item held when an earlier run stopped (its last
+  error, kept by the store, says so) that is refused the same way again fails alone:
+  the refusal is its own, or the trial's fresh items would have tripped the breaker
+  first.
 
 The worker owns the leases and the writes; this module only decides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+import re
+from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
-from orchestrator.breaker import Breaker, Trip
+from orchestrator.breaker import Breaker, Trip, cause
 from orchestrator.client import Models
 from orchestrator.errors import RunHalted
 from orchestrator.store import Failure, Lease
 from orchestrator.store.datasets import DatasetInfo
+from orchestrator.urls import refused_advice
 
 log = structlog.get_logger("orchestrator.guard")
 
-#: Seconds with nothing in flight after which held rejections are decided as the items'
-#: own: no more evidence is coming.
+#: Seconds with nothing in flight (and no claim being written) after which held
+#: rejections are decided as the items' own: no more evidence is coming.
 QUIET_SECONDS = 1.0
 
 
@@ -52,6 +58,9 @@ class RunGuard:
     threshold: int = 5
     #: Seconds a trial request in flight without a refusal counts as accepted.
     trial_seconds: float = 2.0
+    #: The credentials each server is sent (``urls.credentials_sent``): what a 401 or
+    #: 403 tells to check.
+    credentials: Mapping[str, str] = field(default_factory=dict)
     breaker: Breaker[Held] = field(init=False)
     halted: RunHalted | None = None
     served: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -71,10 +80,10 @@ class RunGuard:
         """Judge a server's ``/v1/models``: a refused key stops the run; a model it does
         not list is noted (some servers answer to any name: the trial item tells)."""
         if found.status in (401, 403):
+            advice = refused_advice(self.credentials.get(server, "api_key"), found.status)
             return RunHalted(
                 f"server {server} answered HTTP {found.status} on /v1/models: "
-                f"{found.reason or 'no reason given'}; check the API key (--api-key-file, "
-                "or env ORCHESTRATOR_API_KEY)"
+                f"{found.reason or 'no reason given'}; {advice}"
             )
         if found.status != 200:
             log.info(
@@ -132,12 +141,12 @@ class RunGuard:
             return None
         return tuple(info.name for info in scope if info.id in self._vetted)
 
-    def answered(self, server: str, dataset_id: int) -> list[Held]:
-        """An answer: the dataset is open, and what was held for it there failed on its
-        own (the returned items are to be failed)."""
+    def answered(self, server: str, dataset_id: int, settings: str | None) -> list[Held]:
+        """An answer: the dataset is open, and what was held for it and its settings
+        there failed on its own (the returned items are to be failed)."""
         self._vetted.add(dataset_id)
         self._trying.pop(dataset_id, None)
-        return self.breaker.answered((server, dataset_id))
+        return self.breaker.answered(server, (dataset_id, settings))
 
     def settled(self, dataset_id: int, kind: str) -> None:
         """Another outcome of an item: an error the item earned alone (fail, retry) also
@@ -148,21 +157,44 @@ class RunGuard:
 
     # ------------------------------------------------------------------ breaker
 
-    def rejected(self, server: str, entry: Held, message: str) -> bool:
+    def sent(self, item_id: int, dataset_id: int, settings: str) -> None:
+        """An item's request is out, asked with these settings (the params' hash)."""
+        self.breaker.sent(item_id, (dataset_id, settings))
+
+    def returned(self, item_id: int) -> None:
+        """An item's request came back, its outcome already offered."""
+        self.breaker.back(item_id)
+
+    def rejected(self, server: str, entry: Held, message: str, settings: str) -> bool:
         """A rejection that may be run-level. True: hold it (or, tripped, release it)."""
-        lease = entry.lease
+        lease, failure = entry.lease, entry.failure
         self._trying.pop(lease.dataset_id, None)
         if self.breaker.tripped is not None:
             return True
-        key = (server, lease.dataset_id)
-        return self.breaker.rejected(key, lease.item_id, entry.failure.error_class, message, entry)
+        if _refused_again(lease.last_failure, failure):
+            log.info(
+                "refused_again",
+                item=lease.item_id,
+                key=lease.key,
+                error_class=failure.error_class,
+                note="held when an earlier run stopped, refused the same way again: its own",
+            )
+            return False
+        return self.breaker.rejected(
+            server,
+            (lease.dataset_id, settings),
+            lease.item_id,
+            failure.error_class,
+            message,
+            entry,
+        )
 
     def trip(self, dataset_names: dict[int, str]) -> RunHalted | None:
         """The breaker's one line, once, when it has just tripped."""
         trip = self.breaker.tripped
         if trip is None or self.halted is not None:
             return None
-        self.halted = RunHalted(_trip_line(trip, dataset_names, self.served))
+        self.halted = RunHalted(_trip_line(trip, dataset_names, self.served, self.credentials))
         return self.halted
 
     def quiet(self, busy: bool, now: float) -> list[Held]:
@@ -179,18 +211,57 @@ class RunGuard:
         return self.breaker.take_all()
 
 
-def _trip_line(
-    trip: Trip, dataset_names: dict[int, str], served: dict[str, tuple[str, ...]]
-) -> str:
-    server, dataset_id = trip.key  # type: ignore[misc]
+def _refused_again(before: Failure | None, now: Failure) -> bool:
+    """Whether a refusal is the one the item was put back with (held when an earlier
+    run stopped): both are compared as the store keeps them, with the item's turn."""
+    if before is None or before.error_class != now.error_class:
+        return False
+    found = cause(before.error_class, before.message)
+    return found is not None and found == cause(now.error_class, now.message)
+
+
+#: The client's words for a redirect: ``HTTP 301 redirect to LOCATION: ...``.
+_REDIRECT = re.compile(r"HTTP (\d{3}) redirect to (\S+?):? redirects are not followed")
+
+
+def _answered(trip: Trip) -> str:
+    """What the server answered, as the line says it: ``HTTP 400 'its words'``, or
+    ``HTTP 301 (a redirect to LOCATION)``."""
+    if trip.error_class == "redirect":
+        found = _REDIRECT.match(trip.message)
+        if found is None:
+            return f"a redirect ({trip.message})"
+        return f"HTTP {found[1]} (a redirect to {found[2]})"
     status = trip.error_class.removeprefix("http_")
-    said = trip.message.removeprefix(f"HTTP {status}: ")
-    name = dataset_names.get(dataset_id, dataset_id)
-    advice = trip.advice
-    if trip.error_class == "http_404" and served.get(server):
-        advice += f" (the server lists: {', '.join(served[server])})"
-    return (
-        f"halted: server {server} answered HTTP {status} {said!r} to {trip.items} different "
-        f"items of dataset {name!r} in a row, with no answer in between; {advice}. No item "
-        "was failed for it: fix the setting and run again."
+    said = trip.message.removeprefix(f"HTTP {status}").removeprefix(":").strip()
+    return f"HTTP {status} {said!r}" if said else f"HTTP {status}"
+
+
+def _trip_line(
+    trip: Trip,
+    dataset_names: dict[int, str],
+    served: dict[str, tuple[str, ...]],
+    sent: Mapping[str, str],
+) -> str:
+    names = list(dict.fromkeys(_name(d, dataset_names) for d in trip.datasets))
+    which = (
+        f"dataset {names[0]!r}"
+        if len(names) == 1
+        else "datasets " + ", ".join(repr(name) for name in names)
     )
+    advice = trip.advice
+    if trip.error_class in ("http_401", "http_403"):
+        status = int(trip.error_class.removeprefix("http_"))
+        advice = refused_advice(sent.get(trip.server, "api_key"), status)
+    if trip.error_class == "http_404" and served.get(trip.server):
+        advice += f" (the server lists: {', '.join(served[trip.server])})"
+    return (
+        f"halted: server {trip.server} answered {_answered(trip)} to {trip.items} different "
+        f"items of {which} in a row, with no answer in between; {advice}. No item was failed "
+        "for it: fix the setting and run again."
+    )
+
+
+def _name(dataset: Hashable, dataset_names: dict[int, str]) -> str:
+    dataset_id = dataset[0] if isinstance(dataset, tuple) else dataset
+    return dataset_names.get(dataset_id, str(dataset_id))  # type: ignore[arg-type]

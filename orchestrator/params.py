@@ -5,7 +5,7 @@ input line's own fields. The same value is refused with the same words in all th
 A value a server cannot use must stop at the door: NaN and infinities have no JSON form
 (they go out as ``null``, and the server's defaults are used for the whole dataset), a
 negative temperature or a zero ``max_tokens`` fails every request, and a ``max_tokens``
-past 32 bits fits no column or server.
+past 32 bits fits no column or server. A model is a name: a string with something in it.
 """
 
 from __future__ import annotations
@@ -59,7 +59,19 @@ def _n(value: object) -> str:
     return "" if value == 1 and not isinstance(value, bool) else "1 (one answer per request)"
 
 
-CHECKS = {"max_tokens": _max_tokens, "temperature": _temperature, "top_p": _top_p, "n": _n}
+def _model(value: object) -> str:
+    if not isinstance(value, str):
+        return "a string"
+    return "" if value.strip() else "a non-empty string"
+
+
+CHECKS = {
+    "model": _model,
+    "max_tokens": _max_tokens,
+    "temperature": _temperature,
+    "top_p": _top_p,
+    "n": _n,
+}
 
 
 def expected(name: str, value: object) -> str:

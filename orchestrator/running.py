@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,16 +30,16 @@ class RunOutcome:
 
 
 def without_credentials(
-    specs: list[ServerSpec], api_key: str | None, basic_auth_file: Path | None
+    specs: list[ServerSpec], api_key: str | None, shared: Any = None
 ) -> tuple[list[ServerSpec], dict[str, Any]]:
     """The servers under their URLs without userinfo, and the Basic credentials to send
-    each (orchestrator.urls): no password reaches a log line, a row or a label."""
+    each (theirs, else ``shared``, the ``--basic-auth-file``'s; orchestrator.urls): no
+    password reaches a log line, a row or a label."""
     import structlog
 
     from orchestrator.servers import ServerSpec
-    from orchestrator.urls import read_basic_auth, server_credentials
+    from orchestrator.urls import server_credentials
 
-    shared = read_basic_auth(basic_auth_file) if basic_auth_file else None
     shown, auth = server_credentials([s.url for s in specs], api_key=api_key, shared=shared)
     in_urls = [url for url, spec in zip(shown, specs, strict=True) if url != spec.url.strip()]
     if in_urls:
@@ -56,8 +55,9 @@ def without_credentials(
 @dataclass(frozen=True, slots=True)
 class RunSettings:
     """What ``orchestrator run`` and ``Queue.run`` take beyond the servers, with the
-    command's defaults; made into the worker's and the client's configuration in one
-    place (:func:`configs`)."""
+    command's defaults, checked by the rules of ``orchestrator.checks.RUN`` (the
+    command's options take theirs from the same); made into the worker's and the
+    client's configuration in one place (:func:`configs`)."""
 
     concurrency: int | str = 64
     datasets: tuple[str, ...] = ()
@@ -71,6 +71,11 @@ class RunSettings:
     stream: bool = False
     stream_idle_timeout: float = 120.0
     max_response_mb: float = 64.0
+
+    def __post_init__(self) -> None:
+        from orchestrator.checks import RUN, check_all
+
+        check_all({name: getattr(self, name) for name in RUN}, RUN)
 
 
 def configs(

@@ -34,6 +34,7 @@ import structlog
 from orchestrator import error_classes as ec
 from orchestrator.autoconcurrency import Sample
 from orchestrator.errors import ConfigError
+from orchestrator.urls import mask, split_on_space, take_userinfo, with_userinfo
 
 if TYPE_CHECKING:
     from orchestrator.autoconcurrency import Controller
@@ -76,6 +77,11 @@ def parse_cap(text: str) -> Cap:
     return number
 
 
+#: A comment starts with ``#`` at the start of a line or after white space: a ``#`` inside
+#: a URL (a password's, say) is the URL's, refused with it rather than cut off and shown.
+_COMMENT = re.compile(r"(?:^|(?<=\s))#")
+
+
 def parse_servers_file(path: Path) -> list[ServerSpec]:
     """Read a servers file; a bad line stops it with ``FILE:LINE: what is wrong``."""
     try:
@@ -87,11 +93,11 @@ def parse_servers_file(path: Path) -> list[ServerSpec]:
     specs: list[ServerSpec] = []
     seen: dict[str, int] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
+        line = _COMMENT.split(raw, 1)[0].strip()
         if not line:
             continue
         where = f"{path}:{number}"
-        raw_url, *options = line.split()
+        raw_url, *options = split_on_space(line, where)
         url, note = check_server_url(raw_url, where)
         if note:
             log.info("server_url_corrected", source=where, note=note)
@@ -100,7 +106,7 @@ def parse_servers_file(path: Path) -> list[ServerSpec]:
             key, sep, value = option.partition("=")
             if key != "concurrency" or not sep:
                 raise ConfigError(
-                    f"{where}: unknown option {option!r}; expected concurrency=N or "
+                    f"{where}: unknown option {mask(option)!r}; expected concurrency=N or "
                     "concurrency=auto"
                 )
             try:
@@ -109,7 +115,7 @@ def parse_servers_file(path: Path) -> list[ServerSpec]:
                 raise ConfigError(f"{where}: {exc}") from None
         key = _same(url)
         if key in seen:
-            raise ConfigError(f"{where}: {url} is already listed on line {seen[key]}")
+            raise ConfigError(f"{where}: {mask(url)} is already listed on line {seen[key]}")
         seen[key] = number
         specs.append(ServerSpec(url, cap))
     if not specs:
@@ -125,14 +131,17 @@ def check_server_url(url: str, source: str) -> tuple[str, str | None]:
     """A server URL as the worker uses it (``scheme://host:port[/prefix]``), and a note
     when it was corrected; a URL that can never work is refused naming ``source``.
 
-    The one check for ``--server``, ``ORCHESTRATOR_SERVERS`` and a servers file, so each
-    refuses the same URLs with the same words.
+    The one check for ``--server``, ``ORCHESTRATOR_SERVERS``, a servers file and the
+    Python API's ``servers=``, so each refuses the same URLs with the same words; any
+    credentials in it are kept (the client sends them) but never shown: whatever may be
+    credentials, up to the last ``@``, is masked in every message.
     """
     given = url.strip()
     text = given if "://" in given else "http://" + given
-    problem = f"{source}: {_masked(given)!r} is not a server URL"
+    problem = f"{source}: {mask(given)!r} is not a server URL"
+    bare, userinfo = take_userinfo(text, source)
     try:
-        parts = urlsplit(text)
+        parts = urlsplit(bare)
         port = parts.port
     except ValueError as exc:
         why = "the port must be a whole number from 1 to 65535" if "ort" in str(exc) else exc
@@ -148,24 +157,20 @@ def check_server_url(url: str, source: str) -> tuple[str, str | None]:
         raise ConfigError(f"{problem}: a server URL has no ?query or #fragment")
     path = parts.path.rstrip("/")
     prefix = path.removesuffix("/v1")
-    fixed = urlunsplit((scheme, parts.netloc, prefix, "", ""))
+    fixed = with_userinfo(urlunsplit((scheme, parts.netloc, prefix, "", "")), userinfo)
     for endpoint in _ENDPOINTS:
         if path.endswith(endpoint):
             trimmed = path[: -len(endpoint)].removesuffix("/v1")
-            base = _masked(urlunsplit((scheme, parts.netloc, trimmed, "", "")))
+            base = urlunsplit((scheme, parts.netloc, trimmed, "", ""))
             raise ConfigError(
                 f"{problem}: give the server's base URL, without the endpoint path "
                 f"{endpoint!r} (the client adds it): {base}"
             )
     if fixed == given:
         return fixed, None
-    note = f"{_masked(given)} taken as {_masked(fixed)} (the client adds /v1 and the endpoints)"
+    shown = mask(fixed)
+    note = f"{mask(given)} taken as {shown} (the client adds /v1 and the endpoints)"
     return fixed, note
-
-
-def _masked(url: str) -> str:
-    """A URL fit for a message: any password in it replaced."""
-    return re.sub(r"//[^/@]*@", "//***@", url)
 
 
 def merge_servers(urls: Iterable[str], specs: Iterable[ServerSpec]) -> list[ServerSpec]:

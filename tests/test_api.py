@@ -282,3 +282,172 @@ def test_the_sync_facade_undoes_a_requeue(
         assert q.undo_requeue(dry_run=True).restored == 2
         assert q.undo_requeue().restored == 2
         assert q.status().counts["done"] == 2
+
+
+def _program(code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """A program of its own using the API, as a user's script runs it: its own interpreter,
+    every warning shown (ResourceWarning included), so that what it prints is all it does."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-W", "always::ResourceWarning", "-c", code, *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+AFTER_CLOSE = """
+import asyncio, sys
+import orchestrator as orc
+
+def calls(q):
+    return {
+        "enqueue": lambda: q.enqueue([{"prompt": "y"}], dataset="d", model="m"),
+        "enqueue_config": lambda: q.enqueue_config("run.toml"),
+        "run": lambda: q.run(servers=["http://127.0.0.1:9"]),
+        "status": lambda: q.status(),
+        "results": lambda: q.results(),
+        "export": lambda: q.export("out.jsonl"),
+        "requeue": lambda: q.requeue(),
+        "undo_requeue": lambda: q.undo_requeue(),
+        "pause": lambda: q.pause("d"),
+        "resume": lambda: q.resume("d"),
+    }
+
+q = orc.open_sync(sys.argv[1])
+q.enqueue([{"id": "a", "prompt": "x"}], dataset="d", model="m")
+made = q.results()
+q.close()
+q.close()
+for name, call in {**calls(q), "results made before": lambda: next(iter(made))}.items():
+    try:
+        list(call()) if name == "results" else call()
+    except orc.ConfigError as exc:
+        print("sync", name, "ConfigError:", exc)
+
+async def main():
+    async with orc.open(sys.argv[1]) as q:
+        pass
+    for name, call in calls(q).items():
+        try:
+            if name == "results":
+                [row async for row in call()]
+            else:
+                await call()
+        except orc.ConfigError as exc:
+            print("async", name, "ConfigError:", exc)
+
+asyncio.run(main())
+"""
+
+
+def test_calls_after_close_raise_the_documented_error(tmp_path: Path, db_url: str) -> None:
+    """Every call of a closed queue, blocking or not, is a ConfigError that says so; no
+    coroutine is left unawaited, nothing is printed."""
+    done = _program(AFTER_CLOSE, db_url, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == ""
+    lines = done.stdout.splitlines()
+    names = ["enqueue", "enqueue_config", "run", "status", "results", "export", "requeue"]
+    names += ["undo_requeue", "pause", "resume"]
+    expected = [f"sync {n}" for n in [*names, "results made before"]]
+    expected += [f"async {n}" for n in names]
+    assert [line.split(" ConfigError:")[0] for line in lines] == expected
+    assert all("the queue is closed" in line for line in lines), lines
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+LEFT_EARLY = """
+import asyncio, gc, sqlite3, sys, time
+import orchestrator as orc
+from tests.helpers import is_postgres, query
+
+db = sys.argv[1]
+
+
+def bump(conn):
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("UPDATE datasets SET priority = priority + 1")
+    conn.execute("UPDATE datasets SET priority = priority - 1")
+    conn.execute("COMMIT")
+
+
+def held():
+    \"\"\"Does a read transaction stay open? PostgreSQL lists it; on SQLite a reader keeps
+    the WAL from being checkpointed past the frames of its snapshot.\"\"\"
+    if is_postgres(db):
+        sql = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+               " AND state LIKE 'idle in transaction%'")
+        return query(db, sql)[0][0] > 0
+    conn = sqlite3.connect(db, timeout=0, isolation_level=None)
+    try:
+        bump(conn)
+        busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        bump(conn)  # frames in the WAL for the next reader's snapshot
+        return busy == 1
+    finally:
+        conn.close()
+
+
+def released(case):
+    gc.collect()
+    deadline = time.monotonic() + 60
+    while held():
+        if time.monotonic() > deadline:
+            print("HELD", case, flush=True)
+            sys.exit(1)
+        time.sleep(0.05)
+    print("released", case, flush=True)
+
+
+async def released_async(case):
+    await asyncio.to_thread(released, case)
+
+
+rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"}]} for i in range(50)]
+with orc.open_sync(db) as q:
+    q.enqueue(rows, dataset="d", passthrough=True)
+    held()
+    next(iter(q.results()))
+    released("sync next")
+    for row in q.results():
+        break
+    released("sync break")
+    kept = q.results()
+    next(kept)
+    assert held()
+released("sync kept past close")
+del kept
+
+
+async def main():
+    async with orc.open(db) as q:
+        await anext(aiter(q.results()))
+        await released_async("async next")
+        async for row in q.results():
+            break
+        await released_async("async break")
+        kept = q.results()
+        await anext(kept)
+        async for row in q.results():
+            break
+    await released_async("async at the end of the block")
+    return kept
+
+
+kept = asyncio.run(main())
+del kept
+gc.collect()
+print("end", flush=True)
+"""
+
+
+def test_results_left_early_are_closed_quietly(tmp_path: Path, db_url: str) -> None:
+    """A results iterator given up before its end (dropped after one row, a loop left with
+    ``break``, one still open when the queue closes), blocking or not: its read
+    transaction ends, and nothing is printed."""
+    done = _program(LEFT_EARLY, db_url, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    cases = ["sync next", "sync break", "sync kept past close", "async next", "async break"]
+    assert done.stdout.splitlines() == [
+        *(f"released {case}" for case in [*cases, "async at the end of the block"]),
+        "end",
+    ]
+    assert done.stderr == ""

@@ -96,6 +96,18 @@ async def test_wrong_model_is_permanent_with_reason(sim: StartSim, client: Infer
     assert "nope" in str(info.value)
 
 
+async def test_a_fastapi_422_reads_as_its_errors_without_the_echoed_body(
+    sim: StartSim, client: InferenceClient
+) -> None:
+    url = await sim(required_fields=("model", "max_tokens"))
+    with pytest.raises(PermanentError) as info:
+        await client.chat(url, {"messages": [{"role": "user", "content": "a secret prompt"}]})
+    assert info.value.error_class == "http_422"
+    assert str(info.value) == (
+        "HTTP 422: body.model: Field required; body.max_tokens: Field required"
+    )
+
+
 async def test_refused_connection_is_an_outage(client: InferenceClient) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerUnavailable) as info:

@@ -4,7 +4,12 @@ showing what the database holds, and following it as workers change it."""
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +22,7 @@ from orchestrator.monitor.dashboard import SqliteSource, make_app
 from orchestrator.store import Database, samples
 from tests.browser import Browser
 from tests.conftest import StartSim
-from tests.helpers import cli, query
+from tests.helpers import REPO, STARTED, cli, query
 from tests.test_samples import fill, truth
 
 ROWS = """Object.fromEntries([...document.querySelectorAll('#datasets tbody tr')].map(tr =>
@@ -176,6 +181,70 @@ async def test_page_shows_the_database_and_follows_it(
 
 async def test_dashboard_refuses_a_missing_database(tmp_path: Path) -> None:
     result = cli("dashboard", "--db", str(tmp_path / "nothing.db"), "--port", "0")
-    assert result.returncode == 2
-    assert "no such database" in result.stderr
+    assert result.returncode == 3  # as for every command that reads a missing database
+    assert f"no database at {tmp_path / 'nothing.db'}" in result.stderr
     assert not (tmp_path / "nothing.db").exists()
+
+
+def _dashboard_process(db: str) -> tuple[subprocess.Popen[str], str]:
+    """``orchestrator dashboard`` as a process on a free port, and its URL."""
+    cmd = [sys.executable, "-m", "orchestrator", "--log-json", "dashboard", "--port", "0"]
+    proc = subprocess.Popen([*cmd, "--db", db], stderr=subprocess.PIPE, text=True, cwd=REPO)
+    STARTED.append(proc)  # type: ignore[arg-type]
+    assert proc.stderr is not None
+    line = ""
+    while "dashboard_listening" not in line:
+        line = proc.stderr.readline()
+        assert line, "the dashboard exited before it listened"
+    return proc, json.loads(line)["url"]
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_a_window_of_no_seconds_is_refused_alike_everywhere(tmp_path: Path, db_url: str) -> None:
+    """``--window`` of status, watch, report and dashboard, the dashboard's ``?window=`` and
+    ``Queue.status(window=)``: one rule (a finite number of seconds, at least 1), one
+    wording, and nothing read with a window of -5."""
+    import orchestrator as orc
+
+    with orc.open_sync(db_url) as q:
+        q.enqueue([{"id": "a", "prompt": "x"}], dataset="d", model="m")
+        for window, words in (
+            (-5, "must be at least 1, got -5"),
+            (0, "must be at least 1, got 0"),
+            (math.nan, "must be a finite number, got nan"),
+        ):
+            with pytest.raises(orc.ConfigError, match=f"^window: {words}"):
+                q.status(window=window)
+        assert q.status(window=60).counts["pending"] == 1
+    report = tmp_path / "report.html"
+    commands = {"status": [], "watch": ["--count", "1"], "report": [str(report)]}
+    commands["dashboard"] = ["--port", "0"]
+    bad = {"-5": "must be at least 1, got -5", "0": "must be at least 1, got 0"}
+    bad |= {"nan": "must be a finite number, got nan", "inf": "must be a finite number, got inf"}
+    for command, extra in commands.items():
+        for value, words in bad.items():
+            done = cli(command, *extra, "--window", value, "--db", db_url)
+            assert done.returncode == 2, (command, value, done.stderr)
+            assert f"Invalid value for '--window': {words}" in done.stderr, done.stderr
+    assert not report.exists()
+    proc, url = _dashboard_process(db_url)
+    try:
+        for value, words in {
+            **bad,
+            "x": "must be a number, got x",
+            "": "must be a number",
+        }.items():
+            status, body = _get(f"{url}api/status?window={value}")
+            assert (status, f"window {words}" in body) == (400, True), (value, status, body)
+        status, body = _get(f"{url}api/status?window=60")
+        assert status == 200 and json.loads(body)["window_seconds"] == 60
+    finally:
+        proc.terminate()
+        proc.wait(30)

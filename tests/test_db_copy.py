@@ -141,8 +141,10 @@ def test_copy_refuses_a_source_behind_and_the_same_database(tmp_path: Path) -> N
     lite = tmp_path / "old.db"
     sqlite3.connect(lite).close()  # a file without the schema
     result = cli("db", "copy", "--from", str(lite), "--to", str(tmp_path / "new.db"))
-    assert result.returncode != 0 and "db upgrade" in result.stderr
+    # The source is checked as every read-only command checks it, before the target.
+    assert result.returncode == 3 and "empty database" in result.stderr
+    assert not (tmp_path / "new.db").exists()
     same = cli("db", "copy", "--from", str(lite), "--to", str(lite))
     assert same.returncode == 2 and "same database" in same.stderr
     missing = cli("db", "copy", "--from", str(tmp_path / "nope.db"), "--to", str(lite))
-    assert missing.returncode == 2 and "no such database file" in missing.stderr
+    assert missing.returncode == 3 and f"no database at {tmp_path / 'nope.db'}" in missing.stderr

@@ -108,7 +108,7 @@ def test_another_applications_sqlite_file_is_left_alone(tmp_path: Path) -> None:
         ["status", "--json"],
         ["export", str(tmp_path / "o.jsonl")],
         ["run", "--server", URL],
-        ["requeue", "--error-class", "x"],
+        ["requeue", "--error-class", "timeout"],
         ["enqueue", str(write_jsonl(tmp_path / "in.jsonl", prompts(2))), "-d", "d"],
         ["db", "upgrade"],
     ):

@@ -380,6 +380,28 @@ def test_a_redirect_is_a_configuration_error_naming_location(
     assert f"redirect to {location}" in said
 
 
+def test_redirects_to_every_item_stop_the_run_with_a_plain_line(
+    tmp_path: Path, hostile: Callable[..., Hostile]
+) -> None:
+    target = hostile()
+    server = hostile("--redirect", f"301={target.url}")
+    db = tmp_path / "q.db"
+    enqueue(db, 8)
+    result = cli(
+        "run", "--server", server.url, "--exit-when-done", "--db", str(db), timeout=120
+    )  # fmt: skip
+    assert result.returncode == 5, result.stderr
+    line = [s for s in result.stderr.splitlines() if s.startswith("error: ")][-1]
+    assert line == (
+        f"error: halted: server {server.url} answered HTTP 301 (a redirect to "
+        f"{target.url}/v1/chat/completions) to 5 different items of dataset 'd' in a row, "
+        "with no answer in between; check the server URL: redirects are not followed, give "
+        "the URL the server answers at (the Location the redirect names, if it is the same "
+        "server). No item was failed for it: fix the setting and run again."
+    )
+    assert query(db, "SELECT DISTINCT state, attempts FROM items") == [("pending", 0)]
+
+
 # ------------------------------------------------------------ 16: oversized answers
 
 

@@ -28,6 +28,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "errors",
             "eta",
             "lazy",
+            "lengths",
             "logs",
             "params",
             "procinfo",
@@ -36,7 +37,7 @@ LAYERS: tuple[frozenset[str], ...] = (
         }
     ),
     frozenset({"store", "client"}),
-    frozenset({"server_metrics", "formats", "metrics", "sim"}),
+    frozenset({"server_metrics", "formats", "checks", "metrics", "sim"}),
     frozenset({"servers", "runfile", "guard"}),
     frozenset({"worker"}),
     frozenset({"monitor"}),

@@ -646,9 +646,12 @@ def test_prepared_lines_match_records(tmp_path: Path) -> None:
     assert [str(e) for e in errors] == [str(e) for e in record_errors]
     assert [e.line for e in errors] == [3, 9]
     assert prepared == [
-        (r.line, r.key, r.fmt, r.digest, orjson.dumps(r.request).decode()) for r in records
+        (r.line, r.key, r.fmt, r.digest, orjson.dumps(r.request).decode(), r.predicted_tokens)
+        for r in records
     ]
     assert [p.line for p in prepared] == [1, 2, 4, 6, 7, 8]
+    # The dropped answer of line 2 ("dropped", 7 bytes) predicts the new one's length.
+    assert [p.predicted_tokens for p in prepared] == [0, 2, 0, 0, 0, 0]
     assert all(p.digest == canonical_digest(orjson.loads(p.body)) for p in prepared)
 
 

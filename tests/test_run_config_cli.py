@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from orchestrator.cli import enqueue as cli_enqueue
 from orchestrator.cli import main
 from orchestrator.formats import readers
-from orchestrator.runfile import COMPLETION_FRACTION, load_run
+from orchestrator.runfile import load_run
 from tests.helpers import prompts, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,6 +161,16 @@ BAD_CONFIGS = [
     pytest.param('max_tokens = "many"\n', "must be an integer", id="wrong-type"),
     pytest.param("top_p = 1.5\n", "must be in (0, 1], got 1.5", id="impossible-value"),
     pytest.param("concurrency = 0\n", "must be at least 1, got 0", id="impossible-concurrency"),
+    pytest.param(
+        "extra_body = { top_k = nan }\n",
+        'dataset[1] "a".extra_body.top_k: must be a finite number, got nan',
+        id="nan-in-extra-body",
+    ),
+    pytest.param(
+        "chat_template_kwargs = { budget = -inf }\n",
+        "chat_template_kwargs.budget: must be a finite number, got -inf",
+        id="infinity-in-chat-template-kwargs",
+    ),
 ]
 
 
@@ -318,13 +328,15 @@ def test_plan_from_the_database(tmp_path: Path) -> None:
     # b: 2 + 3 turns; b2 has one generated and is still running for the other two.
     assert (b["name"], b["mode"], b["rows"], b["requests"]) == ("b", "all", 2, 5)
     assert (b["done"], b["running"], b["pending"], b["failed"]) == (1, 2, 2, 0)
-    per = COMPLETION_FRACTION * 1000
-    assert not b["measured"] and b["tokens_per_request"] == per
-    assert (b["generated_tokens"], b["remaining_tokens"]) == (round(5 * per), round(4 * per))
+    # Its lines hold their answers ("a" each, a token an item): the 4 turns left count at
+    # those, not at 0.35 x max_tokens.
+    assert not b["measured"] and b["predicted"] == 4
+    assert (b["generated_tokens"], b["remaining_tokens"]) == (2, 2)
+    assert b["tokens_per_request"] == 0.4
     assert (f["mode"], f["rows"], f["requests"], f["remaining_tokens"]) == ("passthrough", 2, 0, 0)
     total = plan["total"]
-    assert total["remaining_tokens"] == 40 + 1400
-    assert total["duration_seconds"] == 144.0
+    assert total["remaining_tokens"] == 40 + 2
+    assert total["duration_seconds"] == 4.2
     assert total["db_bytes"] == sum(d["db_bytes"] for d in plan["datasets"])
 
     code, out, err = invoke("plan", "--db", str(db), "--tokens-per-second", "10")
@@ -351,7 +363,7 @@ def test_plan_from_the_database(tmp_path: Path) -> None:
     ]
     total_row = next(line for line in lines if line.startswith("total"))
     assert total_row.split()[1:7] == ["8", "9", "3", "2", "3", "1"]
-    assert "1,440 tokens still to generate, 2m 24s at 10 tok/s" in out
+    assert "42 tokens still to generate, 4s at 10 tok/s" in out
 
 
 def test_plan_of_a_run_file_counts_answers_done(tmp_path: Path) -> None:
@@ -382,7 +394,7 @@ def test_plan_of_a_run_file_counts_answers_done(tmp_path: Path) -> None:
 def test_plan_refusals(tmp_path: Path) -> None:
     db = tmp_path / "none.db"
     code, _, err = invoke("plan", "--db", str(db))
-    assert code == 2 and f"no database at {db}" in err
+    assert code == 3 and f"no database at {db}" in err  # as for every read (docs/CONFIG.md)
     assert not db.exists()
     config = small_run(tmp_path, "top_p = 2\n")
     code, out, err = invoke("plan", "--config", str(config), "--db", str(db))

@@ -5,6 +5,7 @@ real closed port."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from structlog.testing import capture_logs
 from orchestrator import servers
 from orchestrator.client import ClientConfig, InferenceClient
 from orchestrator.servers import ServerPool
-from tests.helpers import REPO, SimProcess, cli, events, item_rows, prompts, write_jsonl
+from tests.helpers import REPO, SimProcess, cli, events, item_rows, prompts, query, write_jsonl
 
 SimFactory = Callable[..., SimProcess]
 
@@ -28,15 +29,17 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def queue(tmp_path: Path, n: int = 200, *options: str, name: str = "d") -> Path:
-    db = tmp_path / "q.db"
+def queue(
+    tmp_path: Path, n: int = 200, *options: str, name: str = "d", db: Path | str | None = None
+) -> Path | str:
+    db = db or tmp_path / "q.db"
     src = write_jsonl(tmp_path / f"{name}.jsonl", prompts(n, prefix=name))
     result = cli("enqueue", str(src), "-d", name, "--db", str(db), *options)
     assert result.returncode == 0, result.stderr
     return db
 
 
-def run(db: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
+def run(db: Path | str, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
     return cli(
         "--log-json", "run", "--db", str(db), "--exit-when-done", *args, env=env, timeout=timeout
     )
@@ -48,7 +51,7 @@ def last_line(stderr: str) -> str:
     return lines[-1] if lines else ""
 
 
-def untouched(db: Path) -> bool:
+def untouched(db: Path | str) -> bool:
     """Every item pending with no attempt spent."""
     return {(state, attempts) for _, state, attempts in item_rows(db)} == {("pending", 0)}
 
@@ -69,9 +72,9 @@ def test_the_example_runs_against_the_simulated_server_as_it_is(
 
 
 def test_a_model_the_server_does_not_serve_stops_the_run_and_fails_nothing(
-    tmp_path: Path, sim_process: SimFactory
+    tmp_path: Path, db_url: str, sim_process: SimFactory
 ) -> None:
-    db = queue(tmp_path, 200, "--model", "Qwen/Qwen3-8B")
+    db = queue(tmp_path, 200, "--model", "Qwen/Qwen3-8B", db=db_url)
     server = sim_process("--model", "sim-model")
     result = run(db, "--server", server.url)
     assert result.returncode == 5, result.stderr
@@ -81,6 +84,11 @@ def test_a_model_the_server_does_not_serve_stops_the_run_and_fails_nothing(
     assert untouched(db)  # every attempt given back
     # One trial item at a time until the breaker tripped: a handful of requests.
     assert server.stats()["chat_requests"] <= 8
+    # Run again without a fix: the trial takes items not held before, and stops again.
+    again = run(db, "--server", server.url)
+    assert again.returncode == 5, last_line(again.stderr)
+    assert untouched(db)
+    assert server.stats()["chat_requests"] <= 16
 
 
 @pytest.mark.parametrize("key", [None, "wrong"], ids=["missing", "wrong"])
@@ -114,6 +122,58 @@ def test_a_parameter_the_server_refuses_stops_the_run(
     assert untouched(db)
 
 
+def test_a_422_that_echoes_each_request_stops_the_run(
+    tmp_path: Path, sim_process: SimFactory
+) -> None:
+    """FastAPI's 422 quotes each request back (``input``): no two texts match, yet it is
+    the same refusal."""
+    db = queue(tmp_path, 30)  # no --model: the server wants one
+    server = sim_process("--require-field", "model")
+    result = run(db, "--server", server.url)
+    assert result.returncode == 5, last_line(result.stderr)
+    assert last_line(result.stderr) == (
+        f"error: halted: server {server.url} answered HTTP 422 'body.model: Field required' "
+        "to 5 different items of dataset 'd' in a row, with no answer in between; check the "
+        "dataset's parameters (--param, [defaults] and [[dataset]] keys). No item was failed "
+        "for it: fix the setting and run again."
+    )
+    assert untouched(db)
+
+
+def test_a_wrong_model_in_many_small_datasets_stops_the_run(
+    tmp_path: Path, sim_process: SimFactory
+) -> None:
+    """Ten datasets of four items, each refused 404: a server's refusal counts across
+    datasets, so none is too small to stop the run."""
+    db = tmp_path / "q.db"
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        '[defaults]\nmodel = "Qwen/Qwen3-8B"\nmax_tokens = 16\n'
+        + "".join(f'[[dataset]]\nname = "d{n}"\nfile = "d{n}.jsonl"\n' for n in range(10))
+    )
+    for n in range(10):
+        write_jsonl(tmp_path / f"d{n}.jsonl", prompts(4, prefix=f"d{n}-"))
+    assert cli("enqueue", "--config", str(run_file), "--db", str(db)).returncode == 0
+    server = sim_process("--model", "sim-model")
+    result = run(db, "--server", server.url)
+    assert result.returncode == 5, last_line(result.stderr)
+    line = last_line(result.stderr)
+    found = re.fullmatch(
+        rf"error: halted: server {re.escape(server.url)} answered HTTP 404 'The model "
+        r"`Qwen/Qwen3-8B` does not exist.' to (\d+) different items of datasets "
+        r"((?:'d\d', )+'d\d') in a row, with no answer in between; check the dataset's model "
+        r"name and the server URL's path \(the server lists: sim-model\)\. No item was "
+        r"failed for it: fix the setting and run again\.",
+        line,
+    )
+    assert found, line
+    # However many were refused before it stopped (at least the five that trip it), no
+    # dataset had five items of its own to give.
+    assert 5 <= int(found[1]) <= 40
+    assert len(found[2].split(", ")) >= 2
+    assert untouched(db), query(db, "SELECT key, state, attempts, last_error FROM items")
+
+
 def test_a_400_only_some_items_get_fails_those_items_alone(
     tmp_path: Path, sim_process: SimFactory
 ) -> None:
@@ -136,6 +196,75 @@ def test_a_400_only_some_items_get_fails_those_items_alone(
     assert failed == {f"p{i:06d}" for i in [*range(0, 60, 4), 1]}
     assert sum(state == "done" for state in states.values()) == 60 - len(failed)
     assert last_line(result.stderr).startswith("incomplete: finished with 44 done, 16 failed")
+
+
+# ------------------------------------------------------------------- bad items
+
+BAD = "[bad-item]"
+ALTERNATE = "messages must alternate between user and assistant"
+
+
+def marked(n: int, bad: set[int]) -> list[dict[str, object]]:
+    """``n`` prompts, those at the positions in ``bad`` carrying the marker the
+    simulated server refuses (``--refuse``)."""
+    rows = prompts(n)
+    for i in bad:
+        rows[i]["messages"][0]["content"] += f" {BAD}"  # type: ignore[index]
+    return rows
+
+
+def enqueue_rows(db: str | Path, rows: list[dict[str, object]], tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    result = cli("enqueue", str(src), "-d", "d", "--max-tokens", "16", "--db", str(db))
+    assert result.returncode == 0, result.stderr
+
+
+def states(db: str | Path) -> dict[str, tuple[str, str | None, str | None]]:
+    rows = query(db, "SELECT key, state, error_class, last_error FROM items ORDER BY position")
+    return {key: (state, error_class, last_error) for key, state, error_class, last_error in rows}
+
+
+def test_a_few_bad_items_in_the_first_burst_fail_alone(
+    tmp_path: Path, sim_process: SimFactory
+) -> None:
+    """Five items the server refuses with the same 400, among 300, all in the first
+    burst of 256 (sent once the trial has been in flight 2 s unrefused): refused
+    seconds before the first answer is in, they fail alone once it comes, and the rest
+    is done."""
+    bad = {10, 70, 130, 190, 250}
+    db = tmp_path / "q.db"
+    enqueue_rows(db, marked(300, bad), tmp_path)
+    server = sim_process("--latency", "5", "--refuse", f"{BAD}={ALTERNATE}")
+    result = run(db, "--server", server.url, "--concurrency", "256")
+    assert result.returncode == 6, last_line(result.stderr)
+    assert last_line(result.stderr).startswith("incomplete: finished with 295 done, 5 failed")
+    found = states(db)
+    failed = {key for key, (state, *_) in found.items() if state == "failed"}
+    assert failed == {f"p{i:06d}" for i in bad}
+    assert {found[key][1:] for key in failed} == {("http_400", f"HTTP 400: {ALTERNATE}")}
+
+
+@pytest.mark.parametrize("good", [20, 0], ids=["among-good-items", "alone"])
+def test_items_held_when_the_breaker_tripped_fail_alone_on_the_next_run(
+    tmp_path: Path, db_url: str, sim_process: SimFactory, good: int
+) -> None:
+    """The first five items all refused the same way: the run stops (a setting, for all
+    it can tell). Run again: the trial takes an item not held before; the held ones,
+    refused the same way again, fail alone, and the rest is done."""
+    enqueue_rows(db_url, marked(5 + good, set(range(5))), tmp_path)
+    server = sim_process("--refuse", f"{BAD}={ALTERNATE}")
+    first = run(db_url, "--server", server.url)
+    assert first.returncode == 5, last_line(first.stderr)
+    assert f"answered HTTP 400 '{ALTERNATE}' to 5 different items" in last_line(first.stderr)
+    assert {(state, attempts) for _, state, attempts in item_rows(db_url)} == {("pending", 0)}
+
+    again = run(db_url, "--server", server.url)
+    assert again.returncode == 6, last_line(again.stderr)
+    found = states(db_url)
+    assert [found[f"p{i:06d}"] for i in range(5)] == [
+        ("failed", "http_400", f"HTTP 400: {ALTERNATE}")
+    ] * 5
+    assert all(found[f"p{i:06d}"][0] == "done" for i in range(5, 5 + good))
 
 
 def test_exit_when_done_with_a_paused_dataset_is_not_success(

@@ -677,18 +677,22 @@ def test_plan_counts_and_assumed_tokens(tmp_path: Path) -> None:
     prompts, turns, final, tokens = plan.datasets
 
     assert (prompts.rows, prompts.requests, prompts.mode) == (3, 3, "last")
-    # 0.35 x (1000 + 100 + 1000): the second row's own max_tokens wins.
-    assert prompts.generated_tokens == prompts.remaining_tokens == round(2100 * COMPLETION_FRACTION)
-    assert not prompts.measured
-    assert prompts.tokens_per_request == pytest.approx(735 / 3)
-    assert prompts.duration_seconds == pytest.approx(73.5)
+    # 0.35 x (1000 + 100): the second row's own max_tokens wins; the third row holds an
+    # answer ("a", a token) and counts at its length.
+    assert prompts.generated_tokens == prompts.remaining_tokens == 385 + 1
+    assert not prompts.measured and prompts.predicted == 1
+    assert prompts.tokens_per_request == pytest.approx(386 / 3)
+    assert prompts.duration_seconds == pytest.approx(38.6)
     assert prompts.request_bytes == request_bytes(tmp_path / "prompts.jsonl")
-    assert prompts.output_bytes == 735 * BYTES_PER_TOKEN * 2
+    assert prompts.output_bytes == 386 * BYTES_PER_TOKEN * 2
     assert prompts.overhead_bytes == 3 * PER_REQUEST_OVERHEAD
-    assert prompts.db_bytes == prompts.request_bytes + 735 * 8 + 3 * PER_REQUEST_OVERHEAD
+    assert prompts.db_bytes == prompts.request_bytes + 386 * 8 + 3 * PER_REQUEST_OVERHEAD
 
     assert (turns.rows, turns.requests, turns.mode) == (7, 2 + 3 + 1 + 2 + 2 + 1 + 1, "all")
-    assert turns.generated_tokens == round(12 * 200 * COMPLETION_FRACTION)
+    # The rows that hold every turn to generate (7 turns in 4 rows) count at the length of
+    # their answers, a token each; the other 5 turns are assumed.
+    assert turns.predicted == 7
+    assert turns.generated_tokens == 4 + round(5 * 200 * COMPLETION_FRACTION)
     assert turns.max_tokens == 200
     # Each turn carries the conversation before it: more bytes than the rows' last requests.
     assert turns.request_bytes > request_bytes(tmp_path / "turns.jsonl")
@@ -702,8 +706,8 @@ def test_plan_counts_and_assumed_tokens(tmp_path: Path) -> None:
     assert tokens.request_bytes == sum(len(line) for line in lines)
 
     assert (plan.rows, plan.requests, plan.done) == (14, 15, 0)
-    assert plan.generated_tokens == 735 + 840
-    assert plan.duration_seconds == pytest.approx((735 + 840) / 10)
+    assert plan.generated_tokens == 386 + 354
+    assert plan.duration_seconds == pytest.approx((386 + 354) / 10)
     assert plan.db_bytes == sum(d.db_bytes for d in plan.datasets)
 
 
@@ -713,18 +717,20 @@ def test_plan_tokens_from_done_stats(tmp_path: Path) -> None:
     plan = plan_run(plans, tokens_per_second=4, done_stats=stats)
     prompts, turns = plan.datasets[:2]
     assert prompts.measured and prompts.done == 2
-    assert prompts.tokens_per_request == 50
-    assert prompts.generated_tokens == 150
-    assert prompts.remaining_tokens == 50
-    assert prompts.duration_seconds == pytest.approx(12.5)
-    assert prompts.output_bytes == 150 * BYTES_PER_TOKEN * 2
+    # The two rows without an answer of their own at the measured mean, the third at
+    # its answer's length (a token); a third of the requests are left.
+    assert prompts.generated_tokens == 2 * 50 + 1
+    assert prompts.tokens_per_request == pytest.approx(101 / 3)
+    assert prompts.remaining_tokens == round(101 / 3)
+    assert prompts.duration_seconds == pytest.approx(34 / 4)
+    assert prompts.output_bytes == 101 * BYTES_PER_TOKEN * 2
     # No answers done yet: still the assumption.
-    assert not turns.measured and turns.generated_tokens == 840
-    assert plan.remaining_tokens == 50 + 840
-    assert plan.duration_seconds == pytest.approx(890 / 4)
+    assert not turns.measured and turns.generated_tokens == 354
+    assert plan.remaining_tokens == 34 + 354
+    assert plan.duration_seconds == pytest.approx(388 / 4)
 
     text = render_plan(plan)
-    assert " 50 m " in text and " 70 a " in text
+    assert " 34 p " in text and " 30 p " in text
     assert " ".join(text.splitlines()[0].split()) == (
         "dataset format mode rows requests done max_tokens tok/request tokens time left database"
     )
@@ -908,7 +914,8 @@ def test_plan_stored_and_done_stats() -> None:
         stored("turns", "all", answers=1, completion_tokens=90, answer_turns=3, requests=7),
         stored("passed", "passthrough", requests=0, done=0, running=0, pending=0, answers=0),
     ]
-    assert done_stats(held) == {"measured": (1, 60.0), "turns": (1, 30.0)}
+    # The third figure: new answers per predicted token (1: no item had a prediction).
+    assert done_stats(held) == {"measured": (1, 60.0, 1.0), "turns": (1, 30.0, 1.0)}
     plan = plan_stored(held, tokens_per_second=10)
     measured, assumed, no_limit, turns, passed = plan.datasets
     assert (measured.generated_tokens, measured.remaining_tokens) == (240, 180)

@@ -22,6 +22,7 @@ from orchestrator.sim import (
     answer_matches,
     parse_fault,
     parse_outage,
+    parse_refusal,
     request_digest,
     serve,
     write_sample,
@@ -246,6 +247,36 @@ async def test_wrong_model_gets_404(start_sim: StartSim, session: aiohttp.Client
     status, body = await chat(session, base, model="served")
     assert status == 200
     assert body["model"] == "served"
+
+
+async def test_refused_text_gets_the_same_400(start_sim: StartSim, session: aiohttp.ClientSession):
+    base = await start_sim(refusals={"[bad]": "Invalid image URL"})
+    for n in (1, 2):
+        status, body = await chat(session, base, [{"role": "user", "content": f"{n} [bad]"}])
+        assert (status, body["message"], body["code"]) == (400, "Invalid image URL", 400)
+    status, _ = await chat(session, base, [{"role": "user", "content": "fine"}])
+    assert status == 200
+    assert (await stats(session, base))["invalid"] == 2
+
+
+async def test_a_missing_required_field_gets_fastapis_422_echoing_the_body(
+    start_sim: StartSim, session: aiohttp.ClientSession
+):
+    base = await start_sim(required_fields=("model",))
+    status, body = await chat(session, base, temperature=0.5)
+    assert status == 422
+    assert body == {
+        "detail": [
+            {
+                "type": "missing",
+                "loc": ["body", "model"],
+                "msg": "Field required",
+                "input": {"messages": MESSAGES, "temperature": 0.5},
+            }
+        ]
+    }
+    status, _ = await chat(session, base, model="m")
+    assert status == 200
 
 
 async def test_health_and_models(start_sim: StartSim, session: aiohttp.ClientSession):
@@ -481,6 +512,10 @@ def test_parse_specs():
     for bad in ("30", "a:b", "-1:5", "5:0", "5:-2"):
         with pytest.raises(ValueError, match="outage spec"):
             parse_outage(bad)
+    assert parse_refusal("[bad]=Invalid image URL") == ("[bad]", "Invalid image URL")
+    for bad in ("[bad]", "=msg", "x= "):
+        with pytest.raises(ValueError, match="refusal spec"):
+            parse_refusal(bad)
 
 
 @pytest.mark.parametrize(

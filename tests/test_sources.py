@@ -10,6 +10,7 @@ pyarrow writes the Parquet, CSV and Arrow files the tests read; ``datasets`` wri
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import pty
 import re
@@ -370,6 +371,104 @@ def test_messages_column_for_every_kind_of_dataset(db_url: str, tmp_path: Path) 
     assert (
         "q.parquet:row 1: a passthrough row must end with the assistant's answer" in refused.stderr
     )
+
+
+# --- predicted answer lengths (the longest-first claim's ranking) ----------------------------
+
+# Conversations whose answer turns hold 40, 0 and 120 bytes of text: 10, 0 and 30 tokens
+# (orchestrator.lengths.BYTES_PER_TOKEN), as the model would write them again.
+_HELD = [
+    [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a" * 40}],
+    [{"role": "user", "content": "q1"}],
+    [
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "b" * 40},
+        {"role": "user", "content": "q3"},
+        {"role": "assistant", "content": "c" * 80},
+    ],
+]
+
+
+def predicted(db: str, dataset: str) -> list[tuple[str, int]]:
+    """(key, predicted_tokens) of the dataset's items, in queue order."""
+    return query(
+        db,
+        "SELECT i.key, i.predicted_tokens FROM items i JOIN datasets d ON d.id = i.dataset_id"
+        " WHERE d.name = ? ORDER BY i.position",
+        dataset,
+    )
+
+
+def test_every_source_stores_the_length_of_the_answers_its_rows_hold(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A table's row read as a line, a conversation from --messages-column, an Arrow file
+    and a template's assistant part predict the answer as the JSONL line does: the
+    trailing answers dropped (last), every answer turn (all)."""
+    rows = [{"id": f"r{i}", "messages": chat} for i, chat in enumerate(_HELD)]
+    write_jsonl(tmp_path / "lines.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    chats = [{"id": f"r{i}", "chat": chat} for i, chat in enumerate(_HELD)]
+    pq.write_table(pa.Table.from_pylist(chats), tmp_path / "chats.parquet")
+    with (
+        pa.OSFile(str(tmp_path / "rows.arrow"), "wb") as sink,
+        pa.ipc.new_file(sink, pa.Table.from_pylist(rows).schema) as writer,
+    ):
+        writer.write_table(pa.Table.from_pylist(rows))
+    last = {"r0": 10, "r1": 0, "r2": 20}
+    every = {"r0": 10, "r1": 0, "r2": 30}
+    cases = [
+        ("jsonl", tmp_path / "lines.jsonl", [], last),
+        ("parquet", tmp_path / "rows.parquet", [], last),
+        ("arrow", tmp_path / "rows.arrow", [], last),
+        ("column", tmp_path / "chats.parquet", ["--messages-column", "chat"], last),
+        ("jsonl-all", tmp_path / "lines.jsonl", ["--regenerate", "all"], every),
+        ("parquet-all", tmp_path / "rows.parquet", ["--regenerate", "all"], every),
+        (
+            "column-all",
+            tmp_path / "chats.parquet",
+            ["--messages-column", "chat", "--regenerate", "all"],
+            every,
+        ),
+    ]
+    for name, source, options, want in cases:
+        result = enqueue(db_url, source, "-d", name, *options)
+        assert result.returncode == 0, (name, result.stderr)
+        assert predicted(db_url, name) == list(want.items()), name
+
+    template = tmp_path / "t.toml"
+    template.write_text(
+        '[[messages]]\nrole = "user"\ncontent = "{problem}"\n'
+        '[[messages]]\nrole = "assistant"\ncontent = "{answer}"\n'
+    )
+    answers = [{"id": "t0", "problem": "p", "answer": "x" * 400}]
+    pq.write_table(pa.Table.from_pylist(answers), tmp_path / "answers.parquet")
+    source = tmp_path / "answers.parquet"
+    built = enqueue(db_url, source, "-d", "tpl", "--template-file", str(template))
+    assert built.returncode == 0, built.stderr
+    assert predicted(db_url, "tpl") == [("t0", 100)]
+
+
+def test_plan_counts_a_parquet_run_files_rows_at_their_answers_length(tmp_path: Path) -> None:
+    chats = [{"id": f"r{i}", "chat": chat} for i, chat in enumerate(_HELD)]
+    pq.write_table(pa.Table.from_pylist(chats), tmp_path / "chats.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"id": f"r{i}", "messages": c} for i, c in enumerate(_HELD)]),
+        tmp_path / "rows.parquet",
+    )
+    config = tmp_path / "run.toml"
+    config.write_text(
+        '[defaults]\nmodel = "m"\nmax_tokens = 1000\n\n'
+        '[[dataset]]\nname = "column"\nfile = "chats.parquet"\nmessages_column = "chat"\n\n'
+        '[[dataset]]\nname = "rows"\nfile = "rows.parquet"\nregenerate = "all"\n'
+    )
+    done = cli("plan", "--config", str(config), "--db", str(tmp_path / "none.db"), "--json")
+    assert done.returncode == 0, done.stderr
+    column, rows = json.loads(done.stdout)["datasets"]
+    # 10 + 20 tokens held; the row without an answer at 0.35 x 1000.
+    assert (column["predicted"], column["generated_tokens"]) == (2, 30 + 350)
+    # Every turn: 10; 10 + 30 over two turns; the prompt-only row's one turn at 350.
+    assert (rows["predicted"], rows["generated_tokens"]) == (3, 40 + 350)
 
 
 def test_compressed_jsonl_and_standard_input_read_as_the_plain_file(

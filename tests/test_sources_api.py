@@ -125,7 +125,9 @@ async def test_a_parquet_path_and_its_table_differ_only_in_their_keys(
 
 async def test_objects_that_are_no_source_are_refused(db_url: str) -> None:
     async with orc.open(db_url) as q:
-        with pytest.raises(ConfigError, match="cannot read int as a source"):
+        with pytest.raises(
+            ConfigError, match="records: must be a path, a table or an iterable of dicts, got 42"
+        ):
             await q.enqueue(42, dataset="d")  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="has no splits to choose from"):
             await q.enqueue(pa.Table.from_pylist(ROWS), dataset="d", split="train")

@@ -282,3 +282,103 @@ def test_worker_runs_without_writable_executable_memory(
     assert result.returncode == 0, result.stderr
     stopped = [e for e in events(result.stderr) if e["event"] == "worker_stopped"]
     assert stopped and stopped[0]["completed"] == 50
+
+
+# ------------------------------------------------------------------ restarts
+
+#: Signals systemd counts as a clean end (systemd.service(5), "Restart="): not restarted.
+CLEAN_SIGNALS = {"SIGHUP", "SIGINT", "SIGTERM", "SIGPIPE"}
+
+
+def service_settings(unit: str) -> dict[str, list[str]]:
+    """The ``[Service]`` section's assignments, each key's values in order."""
+    settings: dict[str, list[str]] = {}
+    section = ""
+    for line in unit.splitlines():
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]" and "=" in line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+def systemd_restarts(unit: str, returncode: int) -> bool:
+    """Whether systemd restarts the service after its main process ended with
+    ``returncode`` (negative: killed by that signal), as systemd.service(5) says for
+    ``Restart=on-failure``, ``RestartPreventExitStatus=`` and ``SuccessExitStatus=``."""
+    settings = service_settings(unit)
+    assert settings["Restart"] == ["on-failure"], settings.get("Restart")
+    prevent = {v for line in settings.get("RestartPreventExitStatus", []) for v in line.split()}
+    success = {v for line in settings.get("SuccessExitStatus", []) for v in line.split()}
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        names = {name, name.removeprefix("SIG")}
+        return name not in CLEAN_SIGNALS and not names & (prevent | success)
+    if returncode == 0 or str(returncode) in success:
+        return False
+    return str(returncode) not in prevent
+
+
+def _exit_codes(tmp_path: Path, sim_process: Callable[..., SimProcess]) -> dict[str, int]:
+    """How real ``orchestrator run`` processes end, one per cause a service meets."""
+    got: dict[str, int] = {}
+
+    def queue(name: str, *options: str) -> Path:
+        db = tmp_path / f"{name}.db"
+        src = write_jsonl(tmp_path / f"{name}.jsonl", prompts(3, prefix=name))
+        assert cli("enqueue", str(src), "-d", name, "--db", str(db), *options).returncode == 0
+        return db
+
+    def run(cause: str, db: Path, url: str, *extra: str, env: dict[str, str] | None = None) -> None:
+        args = ["run", "--server", url, "--db", str(db), "--exit-when-done", *extra]
+        got[cause] = cli(*args, env=env, timeout=120).returncode
+
+    sim = sim_process("--latency", "0", "--max-model-len", "4000")
+    run("done", queue("done"), sim.url)
+    run("bad option", queue("option"), "ftp://127.0.0.1:1")
+    run("no database", tmp_path / "missing.db", sim.url)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nothing_there = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    run("servers unreachable", queue("outage"), nothing_there, "--give-up-after", "2")
+    keyed = SimProcess("--latency", "0", env={"SIM_API_KEY": "right"})
+    keyed.start()
+    try:
+        run("circuit breaker", queue("key"), keyed.url, env={"ORCHESTRATOR_API_KEY": "wrong"})
+    finally:
+        keyed.stop()
+    run("items failed", queue("long", "--max-tokens", "4000"), sim.url)
+    paused = queue("paused")
+    assert cli("pause", "paused", "--db", str(paused)).returncode == 0
+    run("paused left", paused, sim.url)
+    crashed = start_worker(queue("crash"), nothing_there)
+    crashed.kill()
+    got["crash"] = crashed.wait(timeout=30)
+    return got
+
+
+def test_the_unit_restarts_only_what_a_restart_can_fix(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """A setting, the database, the breaker or unfinished items need a person: the
+    unit stops there instead of retrying every RestartSec for ever (the breaker's
+    trial items sent again each time). A crash and an outage are restarted."""
+    unit = cli("deploy", "systemd", "--executable", EXAMPLE_EXECUTABLE)
+    assert unit.returncode == 0, unit.stderr
+    codes = _exit_codes(tmp_path, sim_process)
+    assert codes == {
+        "done": 0,
+        "bad option": 2,
+        "no database": 3,
+        "servers unreachable": 4,
+        "circuit breaker": 5,
+        "items failed": 6,
+        "paused left": 7,
+        "crash": -signal.SIGKILL,
+    }
+    restarted = {cause for cause, code in codes.items() if systemd_restarts(unit.stdout, code)}
+    assert restarted == {"servers unreachable", "crash"}
+    assert systemd_restarts(unit.stdout, 1)  # an unhandled exception: a crash too
+    assert systemd_restarts(unit.stdout, -signal.SIGABRT)  # the watchdog's kill
+    assert not systemd_restarts(unit.stdout, -signal.SIGTERM)  # systemctl stop

@@ -4,10 +4,15 @@ One module per group of commands; each imports what it needs inside its commands
 that ``orchestrator --help`` and the read-only fast paths (status, export on SQLite)
 load neither SQLAlchemy nor asyncio. No SQL and no HTTP here. Errors from
 ``orchestrator.errors`` become a one-line message on stderr and the error's exit code
-(2 bad input or options, 3 storage).
+(2 bad input or options, 3 storage). A reader that went away (``| head``) ends a command
+quietly with status 141, as SIGPIPE ends other tools; a closed standard output (``>&-``)
+is refused before anything runs.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 import click
 
@@ -24,13 +29,35 @@ from orchestrator.cli import (
     sim,
     status,
 )
-from orchestrator.cli.common import LOG_LEVELS, configure_logs, defer_logs
+from orchestrator.cli.common import (
+    LOG_LEVELS,
+    configure_logs,
+    defer_logs,
+    quiet_broken_pipe,
+    refuse_closed_stdout,
+)
 
 # Commands that set up logging only when they leave their sqlite3 fast path.
 _LAZY_LOGGING = frozenset({"status", "export"})
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Commands(click.Group):
+    """The command group; a reader that stops reading (``| head``) ends a command quietly."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            result = super().invoke(ctx)
+            if sys.stdout is not None:
+                sys.stdout.flush()  # what is still buffered fails here, not at exit
+            return result
+        except BrokenPipeError:
+            quiet_broken_pipe()
+
+
+@click.group(
+    cls=_Commands,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.version_option(__version__, prog_name="orchestrator")
 @click.option(
     "--log-level",
@@ -47,6 +74,7 @@ _LAZY_LOGGING = frozenset({"status", "export"})
 @click.pass_context
 def main(ctx: click.Context, log_level: str, log_json: bool | None) -> None:
     """Durable, resumable batch generation against OpenAI-compatible servers."""
+    refuse_closed_stdout()
     defer_logs(log_level, log_json)
     if ctx.invoked_subcommand not in _LAZY_LOGGING:
         configure_logs()

@@ -8,6 +8,7 @@ fast paths load this module, and never SQLAlchemy, asyncio or structlog.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import sys
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
+from orchestrator import checks
 from orchestrator.errors import ConfigError, OrchestratorError
 
 if TYPE_CHECKING:
@@ -41,10 +43,42 @@ db_option = click.option(
 
 
 def split_servers(
-    _ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
 ) -> tuple[str, ...]:
-    """``--server`` may repeat, and ORCHESTRATOR_SERVERS holds several, space-separated."""
-    return tuple(s for entry in values for s in entry.split())
+    """``--server`` may repeat, and ORCHESTRATOR_SERVERS holds several, space-separated.
+
+    Each URL goes through the one check of every server source here, as it is parsed,
+    so that every command taking servers refuses the same URLs, masks the same
+    credentials, and names where the URL came from.
+    """
+    if not values:
+        return ()
+    from_env = ctx.get_parameter_source(param.name or "") == click.core.ParameterSource.ENVIRONMENT
+    source = "ORCHESTRATOR_SERVERS" if from_env else "--server"
+    # click splits the variable at white space itself: one text again, so that white
+    # space inside a URL's credentials is told from two servers as on a command line.
+    entries = (" ".join(values),) if from_env else values
+    return run_sync(lambda: _checked_servers(entries, source))
+
+
+def _checked_servers(values: tuple[str, ...], source: str) -> tuple[str, ...]:
+    """The URLs, refused (``servers.check_server_url``) or corrected with a note."""
+    import structlog
+
+    from orchestrator.servers import check_server_url
+    from orchestrator.urls import split_on_space
+
+    checked = []
+    for entry in values:
+        for url in split_on_space(entry, source):
+            fixed, note = check_server_url(url, source)
+            if note:
+                configure_logs()
+                structlog.get_logger("orchestrator.cli").info(
+                    "server_url_corrected", source=source, note=note
+                )
+            checked.append(fixed)
+    return tuple(checked)
 
 
 servers_option = click.option(
@@ -58,12 +92,39 @@ servers_option = click.option(
     "(env ORCHESTRATOR_SERVERS, space-separated).",
 )
 
+
+class Checked(click.ParamType):
+    """An option's value by a rule of ``orchestrator.checks``: the option refuses what the
+    Python API refuses, in the same words (``must be at least 1, got -5``)."""
+
+    def __init__(self, rule: checks.Rule) -> None:
+        self.rule = rule
+        inner = rule.rule if isinstance(rule, checks.OrNone) else rule
+        self._parse: Callable[[str], Any] | None = None
+        self.name = "text"
+        if isinstance(inner, checks.Integer):
+            self._parse, self.name = int, "integer"
+        elif isinstance(inner, checks.Number):
+            self._parse, self.name = float, "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        parsed = value
+        if isinstance(value, str) and self._parse is not None:
+            with contextlib.suppress(ValueError):
+                parsed = self._parse(value.strip())
+        want = self.rule.expected(parsed)
+        if want:
+            given = value if self._parse is not None else checks.shown(value)
+            self.fail(f"must be {want}, got {given}", param, ctx)
+        return parsed
+
+
 window_option = click.option(
     "--window",
-    type=click.FloatRange(min=1),
+    type=Checked(checks.WINDOW),
     default=300.0,
     show_default=True,
-    help="Seconds of recent history for the recent rates.",
+    help="Seconds of recent history for the recent rates (at least 1).",
 )
 
 api_key_file_option = click.option(
@@ -112,9 +173,43 @@ def run_sync(fn: Callable[[], T]) -> T:
     except OrchestratorError as exc:
         fail(str(exc), exc.exit_code)
     except OSError as exc:
+        if exc.errno == errno.EPIPE:
+            raise  # the reader went away: a quiet end (``quiet_broken_pipe``), no message
         # A file the command had to read or write, and the system's reason, in one line.
         where = f"{exc.filename}: " if exc.filename else ""
         fail(f"{where}{exc.strerror or exc}", ConfigError.exit_code)
+
+
+# What a shell reports for a writer that SIGPIPE ended (`seq 1000000 | head -1`).
+BROKEN_PIPE_EXIT = 128 + 13
+
+
+def quiet_broken_pipe() -> NoReturn:
+    """End as a writer whose reader has gone: nothing more printed, exit status 141.
+
+    Standard output and error are pointed at /dev/null first, so that flushing what is
+    still buffered at exit cannot fail again.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            os.dup2(devnull, fd)
+    os.close(devnull)
+    sys.exit(BROKEN_PIPE_EXIT)
+
+
+def refuse_closed_stdout() -> None:
+    """Stop before anything runs when standard output is closed (``>&-``).
+
+    Python then drops every print without a word, so a command's output would be lost;
+    and the next file opened could take descriptor 1.
+    """
+    if sys.stdout is None:
+        fail(
+            "standard output is closed (>&-): nothing could be written to it; redirect "
+            "it to a file, or to /dev/null to discard it",
+            ConfigError.exit_code,
+        )
 
 
 def fail(message: str, exit_code: int) -> NoReturn:
@@ -174,15 +269,28 @@ def progress_shown(label: str) -> Iterator[Callable[[int], None] | None]:
 
 
 def read_api_key(api_key_file: Path | None) -> str | None:
-    """The API key from ``--api-key-file``, else env ORCHESTRATOR_API_KEY."""
+    """The API key from ``--api-key-file``, else env ORCHESTRATOR_API_KEY: the white
+    space around it dropped, one with any inside refused naming where it came from."""
+    from orchestrator import urls
+
     if api_key_file is not None:
-        try:
-            return api_key_file.read_text().strip() or None
-        except OSError as exc:
-            raise click.BadParameter(
-                f"{api_key_file}: {exc.strerror}", param_hint="--api-key-file"
-            ) from exc
-    return os.environ.get("ORCHESTRATOR_API_KEY") or None
+        return run_sync(lambda: urls.read_api_key(api_key_file))
+    env = os.environ.get("ORCHESTRATOR_API_KEY")
+    return run_sync(lambda: urls.api_key(env, "ORCHESTRATOR_API_KEY"))
+
+
+def read_basic_auth(basic_auth_file: Path | None) -> Any:
+    """The ``aiohttp.BasicAuth`` of ``--basic-auth-file`` (or its environment variable),
+    None without one; a file that is missing, unreadable or not USER:PASSWORD is refused
+    naming the option or variable it came from."""
+    if basic_auth_file is None:
+        return None
+    from orchestrator import urls
+
+    ctx = click.get_current_context()
+    from_env = ctx.get_parameter_source("basic_auth_file") == click.core.ParameterSource.ENVIRONMENT
+    source = "ORCHESTRATOR_BASIC_AUTH_FILE" if from_env else "--basic-auth-file"
+    return run_sync(lambda: urls.read_basic_auth(basic_auth_file, source))
 
 
 def echo_json(document: Any) -> None:

@@ -13,6 +13,7 @@ from orchestrator.cli.common import (
     basic_auth_file_option,
     db_option,
     read_api_key,
+    read_basic_auth,
     run_async,
     run_sync,
     servers_option,
@@ -47,8 +48,9 @@ def doctor(
     from orchestrator.servers import ServerSpec
 
     api_key = read_api_key(api_key_file)
+    shared = read_basic_auth(basic_auth_file)
     specs, basic_auth = run_sync(
-        lambda: without_credentials([ServerSpec(s) for s in servers], api_key, basic_auth_file)
+        lambda: without_credentials([ServerSpec(s) for s in servers], api_key, shared)
     )
     urls = tuple(spec.url for spec in specs)
     config = DoctorConfig(db=db, servers=urls, api_key=api_key, basic_auth=basic_auth, **expected)

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from orchestrator.checks import COLUMNS, DATASET
 from orchestrator.cli.common import (
+    Checked,
     db_option,
     end_progress,
     on_database,
@@ -19,7 +21,7 @@ from orchestrator.cli.common import (
     tty_progress,
 )
 from orchestrator.formats.choices import INPUT_FORMATS
-from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import ON_TRUNCATED, REGENERATE
 
 if TYPE_CHECKING:
     from orchestrator.enqueueing import Enqueued, EnqueueOptions, PlanFailed
@@ -82,7 +84,9 @@ _SAMPLING = (
     help="Enqueue every dataset of a run file (docs/CONFIG.md) instead of one SOURCE; the "
     "file is checked as a whole first.",
 )
-@click.option("--dataset", "-d", help="Dataset name (created on first use).")
+@click.option(
+    "--dataset", "-d", type=Checked(DATASET["dataset"]), help="Dataset name (created on first use)."
+)
 @click.option("--model", help="Model name sent with every request of the dataset.")
 @click.option("--max-tokens", type=click.IntRange(min=1), help="max_tokens of each request.")
 @click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature.")
@@ -96,12 +100,12 @@ _SAMPLING = (
 )
 @click.option(
     "--concurrency",
-    type=click.IntRange(min=1, max=INT_MAX),
+    type=Checked(DATASET["concurrency"]),
     help="Most requests of this dataset in flight at once, across all workers.",
 )
 @click.option(
     "--priority",
-    type=click.IntRange(min=-INT_MAX, max=INT_MAX),
+    type=Checked(DATASET["priority"]),
     help="Higher priority datasets are worked on first.",
 )
 @click.option(
@@ -140,17 +144,20 @@ _SAMPLING = (
 @click.option(
     "--prompt-column",
     metavar="COL",
+    type=Checked(COLUMNS["prompt_column"]),
     help="Read each row's user message from this text column (any table or JSONL source).",
 )
 @click.option(
     "--messages-column",
     metavar="COL",
+    type=Checked(COLUMNS["messages_column"]),
     help="Read each row's conversation from this column: a list of messages with OpenAI "
     "(role/content) or ShareGPT (from/value) keys, or its JSON text.",
 )
 @click.option(
     "--template",
     metavar="TEXT",
+    type=Checked(COLUMNS["template"]),
     help="Build the user message from the row's columns: 'Solve this.\\n\\n{problem}'; "
     "{a.b} is field b of struct column a, {{ and }} are braces, \\n a newline.",
 )
@@ -162,17 +169,31 @@ _SAMPLING = (
 @click.option(
     "--system",
     metavar="TEXT",
+    type=Checked(COLUMNS["system"]),
     help="A system message put first in every row built by the options above (not a "
     "template; \\n a newline).",
 )
-@click.option("--id-column", metavar="COL", help="The item key's column (else id, else place).")
 @click.option(
-    "--tools-column", metavar="COL", help="The request's tools: a list, or its JSON text."
+    "--id-column",
+    metavar="COL",
+    type=Checked(COLUMNS["id_column"]),
+    help="The item key's column (else id, else place).",
 )
-@click.option("--split", help="The split of a DatasetDict folder or a Hub dataset (hf://) to read.")
+@click.option(
+    "--tools-column",
+    metavar="COL",
+    type=Checked(COLUMNS["tools_column"]),
+    help="The request's tools: a list, or its JSON text.",
+)
+@click.option(
+    "--split",
+    type=Checked(DATASET["split"]),
+    help="The split of a DatasetDict folder or a Hub dataset (hf://) to read.",
+)
 @click.option(
     "--hf-config",
     metavar="NAME",
+    type=Checked(DATASET["config"]),
     help="The configuration (subset) of a Hub dataset (hf://ORG/NAME).",
 )
 @click.option(
@@ -251,7 +272,7 @@ def _options(
         raise click.UsageError("Missing option '--dataset' / '-d'.", ctx)
     named = {k: settings[k] for k in ("max_tokens", "temperature", "top_p")}
     body = request_body(_parse_params(settings["params"]), model=settings["model"], **named)
-    _check_params(body, named)
+    _check_params(body, {**named, "model": settings["model"]})
     sampling = _given(settings, _SAMPLING)
     if settings["passthrough"] and sampling:
         raise click.UsageError(

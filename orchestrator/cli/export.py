@@ -142,10 +142,11 @@ def _export_any(
 
 
 def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> None:
+    from orchestrator.atomicfile import is_stdout
     from orchestrator.quality import flag_names
 
-    # `export -`: the lines are standard output, so the summary goes to stderr.
-    piped = str(out) == "-"
+    # `export -`, /dev/stdout: the lines are standard output, so the summary goes to stderr.
+    piped = is_stdout(out)
     where = f"{len(report.files):,} files in {out}" if chosen.split else str(out)
     where = "standard output" if piped else where
     click.echo(f"exported {report.lines:,} items to {where}", err=piped)

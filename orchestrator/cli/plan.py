@@ -8,8 +8,7 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import db_option, echo_json, fail, on_database, run_sync
-from orchestrator.errors import ConfigError
+from orchestrator.cli.common import db_option, echo_json, on_database, run_sync
 
 DEFAULT_TOKENS_PER_SECOND = 850.0
 """``plan``'s default rate: the total tokens per second of a typical single-GPU reasoning
@@ -40,22 +39,22 @@ def plan(config: Path | None, tokens_per_second: float, as_json: bool, db: str |
 
     plans = run_sync(lambda: runfile.load_run(config)) if config is not None else None
     path = sqlite_path(db)
-    exists = path is None or os.path.exists(path)
-    if plans is None and not exists:
-        fail(
-            f"no database at {path}: nothing to plan (plan a run file with --config)",
-            ConfigError.exit_code,
-        )
-    held = _stored(db) if exists else []
     if plans is not None:
+        # A run file is planned before its database exists: then nothing is done yet.
+        held = _stored(db) if path is None or os.path.exists(path) else []
         stats = runfile.done_stats(held)
         result = run_sync(
             lambda: runfile.plan_run(plans, tokens_per_second=tokens_per_second, done_stats=stats)
         )
-    elif not held:
-        click.echo(f"no datasets in {path or db}: nothing to plan (plan a run file with --config)")
-        return
     else:
+        # Without one, the database is what is planned: a missing one is refused (exit 3)
+        # as by every command that reads it.
+        held = _stored(db)
+        if not held:
+            click.echo(
+                f"no datasets in {path or db}: nothing to plan (plan a run file with --config)"
+            )
+            return
         result = runfile.plan_stored(held, tokens_per_second=tokens_per_second)
     if as_json:
         echo_json(runfile.plan_json(result))

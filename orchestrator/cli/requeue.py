@@ -37,7 +37,7 @@ from orchestrator.errors import ConfigError
 )
 @click.option(
     "--max-tokens",
-    type=click.IntRange(min=1),
+    type=int,
     help="Give the requeued items this max_tokens (e.g. more room for truncated answers).",
 )
 @click.option(
@@ -50,11 +50,14 @@ from orchestrator.errors import ConfigError
 @click.option(
     "--undo",
     is_flag=True,
-    help="Take back the latest requeue: its items not claimed since get their state and "
-    "answers back.",
+    help="Take back the latest requeue (with --dataset: the latest that moved items of "
+    "those datasets, and only those): its items not claimed since, or failed since, get "
+    "their state and answers back.",
 )
 @db_option
+@click.pass_context
 def requeue(
+    ctx: click.Context,
     datasets: tuple[str, ...],
     state: str,
     error_class: str | None,
@@ -68,16 +71,39 @@ def requeue(
     """Send items back to pending with their attempts reset.
 
     Done items need a filter (--dataset, --flag, --error-class) or --all; their answers
-    are kept aside, and `requeue --undo` puts them back until the items run again.
+    are kept aside, and `requeue --undo` puts them back, unless the items were answered
+    again since.
     """
     if undo:
-        _undo(db, dry_run=dry_run)
+        _refuse_with_undo(ctx)
+        _undo(db, datasets, dry_run=dry_run)
         return
-    selection = _selection(state, datasets, error_class, flag_names, everything)
+    selection = _selection(state, datasets, error_class, flag_names, everything, max_tokens)
     result = on_database(
         db, lambda d: _requeue(d, selection, dry_run, max_tokens), "read" if dry_run else "write"
     )
     _say_requeued(result, selection.state)
+
+
+# What selects the items of a new requeue: an undo takes a recorded one back instead.
+_SELECTING = {
+    "state": "--state",
+    "error_class": "--error-class",
+    "flag_names": "--flag",
+    "max_tokens": "--max-tokens",
+    "everything": "--all",
+}
+
+
+def _refuse_with_undo(ctx: click.Context) -> None:
+    """--undo with a selection would ignore it: refuse it instead."""
+    given = [
+        flag
+        for name, flag in _SELECTING.items()
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+    ]
+    if given:
+        raise click.UsageError(f"--undo takes only --dataset and --dry-run, not {', '.join(given)}")
 
 
 async def _requeue(
@@ -98,6 +124,7 @@ def _selection(
     error_class: str | None,
     flag_names: tuple[str, ...],
     everything: bool,
+    max_tokens: int | None,
 ) -> Any:
     """The options through the library's guard; what it refuses is a usage error."""
     from orchestrator.quality import parse_flags
@@ -113,6 +140,7 @@ def _selection(
             error_class=error_class,
             flags=flags,
             everything=everything,
+            max_tokens=max_tokens,
             spelling=requeues.COMMAND,
         )
     except ConfigError as exc:
@@ -125,26 +153,56 @@ def _say_requeued(result: int | dict[tuple[str, str], int], state: str) -> None:
         click.echo(f"would requeue {total:,} {state} items (dry run, nothing changed)")
         for (name, item_state), n in result.items():
             click.echo(f"  {name}  {item_state} {n:,}")
+        if total and state == "done":
+            click.echo(
+                f"  their {total:,} answers leave the export until generated again; should "
+                "that fail, `orchestrator requeue --undo` brings them back"
+            )
         return
     click.echo(f"requeued {result:,} {state} items")
     if result and state == "done":
-        click.echo("  their answers are kept aside: `orchestrator requeue --undo` puts them back")
+        click.echo(
+            "  their answers are kept aside: `orchestrator requeue --undo` puts them back, "
+            "also for items whose new run fails"
+        )
 
 
-def _undo(db: str | None, *, dry_run: bool) -> None:
+def _undo(db: str | None, datasets: tuple[str, ...], *, dry_run: bool) -> None:
     """``requeue --undo``: the latest requeue, taken back (--dry-run: only say what)."""
+    from orchestrator.store import check_datasets
     from orchestrator.store import requeue as requeues
 
-    undo = requeues.undo_preview if dry_run else requeues.undo
-    report = on_database(db, undo, mode="read" if dry_run else "write")
+    async def go(database: Any) -> Any:
+        await check_datasets(database, datasets)
+        if dry_run:
+            return await requeues.undo_preview(database, dataset_names=datasets)
+        return await requeues.undo(database, dataset_names=datasets)
+
+    report = on_database(db, go, mode="read" if dry_run else "write")
+    click.echo(_undo_message(report, datasets, dry_run=dry_run))
+
+
+def _undo_message(report: Any, datasets: tuple[str, ...], *, dry_run: bool) -> str:
+    """What an undo did (or would do), in one line."""
     if report.requeue_id is None:
-        click.echo("nothing to undo: no requeue since the last undo")
-        return
+        if not datasets or report.latest is None:
+            return "nothing to undo: no requeue since the last undo"
+        moved = ", ".join(report.latest_datasets) or "no dataset still requeued"
+        return (
+            f"nothing to undo for dataset {', '.join(datasets)}: the latest requeue, "
+            f"#{report.latest}, moved items of {moved}"
+        )
     verb = "would put back" if dry_run else "put back"
-    click.echo(
-        f"{verb} {report.restored:,} items of requeue #{report.requeue_id} "
-        f"({report.kept:,} claimed since are left as they are)"
-    )
+    text = f"{verb} {report.restored:,} items of requeue #{report.requeue_id}"
+    if report.refailed:
+        text += f", {report.refailed:,} of them had failed when run again"
+    text += f" ({report.kept:,} claimed since and answered, or running, are left as they are)"
+    if report.left:
+        text += (
+            f"; its {report.left:,} items of other datasets stay requeued "
+            "(`orchestrator requeue --undo` takes them back)"
+        )
+    return text
 
 
 def _set_paused(dataset: str, paused: bool, db: str | None) -> None:

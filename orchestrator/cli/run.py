@@ -8,12 +8,15 @@ from typing import Any
 
 import click
 
+from orchestrator.checks import RUN
 from orchestrator.cli.common import (
+    Checked,
     api_key_file_option,
     basic_auth_file_option,
     db_option,
     on_database,
     read_api_key,
+    read_basic_auth,
     run_sync,
     servers_option,
 )
@@ -21,7 +24,7 @@ from orchestrator.errors import StorageError
 
 max_response_option = click.option(
     "--max-response-mb",
-    type=click.FloatRange(min=0.001),
+    type=Checked(RUN["max_response_mb"]),
     default=64.0,
     show_default=True,
     help="Most MiB of one answer's body; a larger one fails the item (response_too_large) "
@@ -35,43 +38,21 @@ def _servers(
     key_file: Path | None,
     auth_file: Path | None,
 ) -> tuple[list[Any], dict[str, Any], str | None]:
-    """The servers of --server and --servers-file, checked, their Basic credentials
-    and the API key."""
+    """The servers of --server (checked as parsed) and --servers-file, their Basic
+    credentials and the API key."""
     from orchestrator.running import without_credentials
     from orchestrator.servers import merge_servers, parse_servers_file
 
-    checked = _checked_servers(servers)
     listed = run_sync(lambda: parse_servers_file(servers_file)) if servers_file else []
     api_key = read_api_key(key_file)
-    merged = merge_servers(checked, listed)
-    specs, basic_auth = run_sync(lambda: without_credentials(merged, api_key, auth_file))
+    shared = read_basic_auth(auth_file)
+    merged = merge_servers(servers, listed)
+    specs, basic_auth = run_sync(lambda: without_credentials(merged, api_key, shared))
     if not specs:
         raise click.UsageError(
             "give at least one --server URL (or --servers-file, or ORCHESTRATOR_SERVERS)"
         )
     return specs, basic_auth, api_key
-
-
-def _checked_servers(servers: tuple[str, ...]) -> tuple[str, ...]:
-    """``--server`` / ORCHESTRATOR_SERVERS URLs through the one URL check of every server
-    source (a servers file's lines get the same): refused with the source named, or
-    corrected (a ``/v1``, a trailing slash) with a note."""
-    import structlog
-
-    from orchestrator.servers import check_server_url
-
-    ctx = click.get_current_context()
-    from_env = ctx.get_parameter_source("servers") == click.core.ParameterSource.ENVIRONMENT
-    source = "ORCHESTRATOR_SERVERS" if from_env else "--server"
-    checked = []
-    for url in servers:
-        fixed, note = run_sync(lambda url=url: check_server_url(url, source))
-        if note:
-            structlog.get_logger("orchestrator.cli").info(
-                "server_url_corrected", source=source, note=note
-            )
-        checked.append(fixed)
-    return tuple(checked)
 
 
 def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
@@ -89,7 +70,7 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     "--servers-file",
     type=click.Path(path_type=Path, dir_okay=False),
     help="More servers, one URL a line, each optionally with its own concurrency=N|auto "
-    "('#' starts a comment).",
+    "('#' starts a comment, at a line's start or after white space).",
 )
 @click.option(
     "--concurrency",
@@ -109,36 +90,36 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
 )
 @click.option(
     "--give-up-after",
-    type=click.FloatRange(min=0, min_open=True),
+    type=Checked(RUN["give_up_after"]),
     metavar="SECONDS",
     help="Stop (exit 4) when no server has answered for this long; by default a worker "
     "waits for its servers as long as it takes.",
 )
 @click.option(
     "--request-timeout",
-    type=click.FloatRange(min=1),
+    type=Checked(RUN["request_timeout"]),
     default=3600.0,
     show_default=True,
     help="Seconds a whole request may take, streamed or not (long reasoning answers need long).",
 )
 @click.option(
     "--lease-seconds",
-    type=click.FloatRange(min=2),
+    type=Checked(RUN["lease_seconds"]),
     default=120.0,
     show_default=True,
     help="Lease length; renewed every quarter of it while a request is in flight.",
 )
-@click.option("--max-attempts", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--max-attempts", type=Checked(RUN["max_attempts"]), default=8, show_default=True)
 @click.option(
     "--retry-backoff",
-    type=click.FloatRange(min=0.01),
+    type=Checked(RUN["retry_backoff"]),
     default=2.0,
     show_default=True,
     help="First retry delay in seconds; doubles per attempt (±25 %), capped at 300.",
 )
 @click.option(
     "--grace",
-    type=click.FloatRange(min=0),
+    type=Checked(RUN["grace"]),
     default=30.0,
     show_default=True,
     help="Seconds in-flight requests get to finish after SIGTERM/SIGINT.",
@@ -151,7 +132,7 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
 )
 @click.option(
     "--stream-idle-timeout",
-    type=click.FloatRange(min=1),
+    type=Checked(RUN["stream_idle_timeout"]),
     default=120.0,
     show_default=True,
     help="Seconds a stream may go without a data event (SSE comments do not count).",

@@ -162,8 +162,9 @@ def dashboard(
 def report(out: Path, window: float, servers: tuple[str, ...], db: str | None) -> None:
     """The dashboard's page as one static HTML file, data included (no network needed)."""
     configure_logs()
+    from orchestrator.atomicfile import is_stdout
     from orchestrator.monitor.dashboard import gather_report, write_report
 
     data = run_async(gather_report(db, servers=servers, window=window))
     run_sync(lambda: write_report(out, data))
-    click.echo(f"wrote {out}")
+    click.echo(f"wrote {out}", err=is_stdout(out))

@@ -66,6 +66,13 @@ class Columns:
     tools_column: str | None = None
     """The request's ``tools``: a list of tool objects, or its JSON text."""
 
+    def __post_init__(self) -> None:
+        # Each value by its rule (``orchestrator.checks.COLUMNS``): the command's options
+        # and a run file's keys are checked by the same ones before they get here.
+        from orchestrator.checks import COLUMNS, check_all
+
+        check_all(self.given(), COLUMNS)
+
     @property
     def builder(self) -> str | None:
         """Which option builds the messages, if any."""
@@ -95,16 +102,11 @@ def problems(
     mode: str = "last",
     say: Callable[[str], str] = _say_key,
 ) -> list[tuple[str, str]]:
-    """Every problem with ``columns`` for a dataset read with ``fmt`` and ``mode``, as
-    (option, reason) pairs; empty when they work. ``say`` spells an option's name the
-    caller's way (``--prompt-column``, ``prompt_column``)."""
+    """Every problem with the mix of ``columns`` for a dataset read with ``fmt`` and
+    ``mode``, as (option, reason) pairs; empty when they work (each value passed its rule
+    when ``Columns`` was made). ``say`` spells an option's name the caller's way
+    (``--prompt-column``, ``prompt_column``)."""
     found: list[tuple[str, str]] = []
-    for name, value in columns.given().items():
-        if name == "template_file":
-            if not isinstance(value, str | os.PathLike) or not os.fspath(value):
-                found.append((name, f"{say(name)} must be a path"))
-        elif not isinstance(value, str) or not value.strip():
-            found.append((name, f"{say(name)} must be a non-empty string"))
     chosen = [name for name in _BUILDERS if getattr(columns, name) is not None]
     if len(chosen) > 1:
         found.append(
@@ -173,14 +175,14 @@ def mapper(columns: Columns, mode: str, say: Callable[[str], str] = _say_key) ->
 
     def map_row(row: dict[str, Any]) -> Mapped:
         messages, fmt = builder(row)
-        messages, turns = _for_mode(mode, messages)
+        messages, turns, predicted = _for_mode(mode, messages)
         request: dict[str, Any] = {"messages": messages}
         if tools_column is not None:
             tools = _tools(row, tools_column)
             if tools is not None:
                 request["tools"] = tools
         key = _key(row, id_column) if id_column is not None else _own_key(row)
-        return key, request, fmt, turns, (None, None)
+        return key, request, fmt, turns, (None, None), predicted
 
     return map_row
 
@@ -355,7 +357,7 @@ def _conversation(row: dict[str, Any], column: str) -> tuple[list[dict[str, Any]
         raise RowError(f"column {column!r}: {exc}") from None
 
 
-def _for_mode(mode: str, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+def _for_mode(mode: str, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, int]:
     return lines.conversation_for(mode, messages)
 
 

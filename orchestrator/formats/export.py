@@ -2,7 +2,9 @@
 
 Every file is written beside its destination under a temporary name, flushed to disk and
 renamed over the destination once all of an export's files are complete: a crash
-mid-export leaves the previous files intact, and a reader never sees half a file. Order
+mid-export leaves the previous files intact, and a reader never sees half a file. A stream
+(standard output, a FIFO, ``>(cmd)``, ``/dev/stdout``: ``atomicfile.open_stream``) has
+nothing to rename and is written in place, as the lines come. Order
 and bytes depend only on the committed rows, so exporting twice gives identical files.
 
 The stored message and usage are orjson's own encoding of what was received (the store
@@ -39,7 +41,7 @@ import orjson
 from orchestrator import atomicfile
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
-from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES
+from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES  # noqa: F401
 from orchestrator.quality import TOOL_MISMATCH, flag_names
 from orchestrator.store import access
 from orchestrator.store.outputs import (
@@ -58,6 +60,7 @@ from orchestrator.store.outputs import (
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from orchestrator.store.access import Batches
     from orchestrator.store.engine import Database
     from orchestrator.store.reader import Rows
 
@@ -98,12 +101,9 @@ class ExportOptions:
     include_failed: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ConfigError(f"unknown export format {self.format!r}: {', '.join(FORMATS)}")
-        if self.reasoning not in REASONING_MODES:
-            raise ConfigError(
-                f"unknown reasoning mode {self.reasoning!r}: {', '.join(REASONING_MODES)}"
-            )
+        from orchestrator.checks import EXPORT, check_all
+
+        check_all({name: getattr(self, name) for name in EXPORT}, EXPORT)
 
     @property
     def plain(self) -> bool:
@@ -488,7 +488,7 @@ def _fast(options: ExportOptions, dataset: DatasetRef) -> bool:
 
 
 def _check_target(target: Path) -> None:
-    if target == STDOUT:
+    if target == STDOUT or atomicfile.is_stream(target):
         return
     if target.is_dir():
         raise ConfigError(f"{target}: is a directory; give a file name")
@@ -509,6 +509,7 @@ _WRITE_ERRORS = {
     errno.EPERM: "permission denied: export to a directory you can write",
     errno.ENOTDIR: "a part of the path is a file, not a directory",
     errno.ENOENT: "its directory does not exist",
+    errno.EBADF: "it names a file descriptor that is not open",
 }
 
 
@@ -519,7 +520,8 @@ def _write_error(target: Path, exc: OSError) -> ConfigError:
 
 
 class _Staged:
-    """Files written under temporary names, renamed over their targets together at the end.
+    """Files written under temporary names, renamed over their targets together at the end
+    (streams are written in place).
 
     While any temporary file exists, SIGTERM does what SIGINT does (from the main thread:
     ``KeyboardInterrupt``, or the event loop's cancellation), so that a stop by a service
@@ -537,6 +539,16 @@ class _Staged:
             yield sys.stdout.buffer
             sys.stdout.buffer.flush()
             return
+        try:
+            stream = atomicfile.open_stream(target)
+        except OSError as exc:
+            raise _write_error(target, exc) from None
+        if stream is not None:
+            # A FIFO, a device, ``>(cmd)``, /dev/stdout: written in place, as it comes.
+            with self._file_errors(target), open(stream, "wb", buffering=_BUFFER) as fh:
+                yield fh
+                fh.flush()
+            return
         self._interrupt_on_sigterm()
         try:
             # Mode kept (or the umask's for a new file), symlinks written through.
@@ -544,13 +556,19 @@ class _Staged:
         except OSError as exc:
             raise _write_error(target, exc) from None
         self._pending.append((tmp, target))
+        with self._file_errors(target), open(fd, "wb", buffering=_BUFFER) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _file_errors(target: Path) -> Iterator[None]:
+        """The file's own faults as one line; a database read error (or a reader that
+        went away: EPIPE) stays what it is."""
         try:
-            with open(fd, "wb", buffering=_BUFFER) as fh:
-                yield fh
-                fh.flush()
-                os.fsync(fh.fileno())
+            yield
         except OSError as exc:
-            # Only the file's own faults: a database read error stays what it is.
             if exc.errno not in _WRITE_ERRORS:
                 raise
             raise _write_error(target, exc) from None
@@ -628,10 +646,12 @@ class _Job:
         self.outputs: list[tuple[Path, list[DatasetRef]]] = []
         self.failures: list[tuple[Path, list[DatasetRef]]] = []
         batch = options.format == "openai-batch"
-        if target == STDOUT and (options.split or (batch and options.include_failed is None)):
+        stream = target == STDOUT or atomicfile.is_stream(target)
+        if stream and (options.split or (batch and options.include_failed is None)):
             raise ConfigError(
-                "export - writes one stream to standard output: --split needs a directory, "
-                "and --format openai-batch needs --include-failed FILE for the failed items"
+                f"{target}: a stream (standard output, a pipe, a device), written as one: "
+                "--split needs a directory, and --format openai-batch needs "
+                "--include-failed FILE for the failed items"
             )
         if options.split:
             if target.exists() and not target.is_dir():
@@ -825,14 +845,15 @@ def _line_batches(
             out.clear()
 
 
-async def iter_lines(
+def line_batches(
     database: Database,
     *,
     dataset_names: Sequence[str] = (),
     options: ExportOptions | None = None,
-) -> AsyncIterator[bytes]:
+) -> Batches[list[bytes]]:
     """The done items' lines one export file would hold, in its order, without a file:
-    the same line shapes as :func:`export_database` (one read transaction throughout).
+    the same line shapes as :func:`export_database` (one read transaction throughout,
+    ended by the last batch or the iterator's ``aclose``).
 
     ``split`` and ``include_failed`` name files and do not apply; each line is the bytes
     of one JSON object, without its newline.
@@ -843,9 +864,21 @@ async def iter_lines(
             "the lines of an export are one stream: split and include_failed name files"
         )
     produce = functools.partial(_line_batches, dataset_names=dataset_names, options=chosen)
-    async for lines in access.read_batches(database, produce):
-        for line in lines:
-            yield line
+    return access.read_batches(database, produce)
+
+
+async def iter_lines(
+    database: Database,
+    *,
+    dataset_names: Sequence[str] = (),
+    options: ExportOptions | None = None,
+) -> AsyncIterator[bytes]:
+    """:func:`line_batches`, a line at a time."""
+    batches = line_batches(database, dataset_names=dataset_names, options=options)
+    async with batches:
+        async for lines in batches:
+            for line in lines:
+                yield line
 
 
 async def export_jsonl(

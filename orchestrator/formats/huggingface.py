@@ -22,7 +22,7 @@ from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats.source import Part, Rows, Wanted, projection
 from orchestrator.formats.tables import BATCH_ROWS, TableSource, batch_rows
 
-__all__ = ["INSTALL", "HubSource", "dataset_source", "load"]
+__all__ = ["INSTALL", "HubSource", "dataset_source", "is_dataset", "load"]
 
 INSTALL = "pip install 'orchestrator[hf]'"
 
@@ -113,6 +113,13 @@ def _guarded(tables: Iterator[Any], where: str) -> Iterator[Any]:
         if table is None:
             return
         yield table
+
+
+def is_dataset(obj: object) -> bool:
+    """Whether ``obj`` is a ``datasets`` object ``dataset_source`` reads."""
+    datasets = sys.modules["datasets"]
+    kinds = (datasets.Dataset, datasets.IterableDataset)
+    return isinstance(obj, (*kinds, datasets.DatasetDict, datasets.IterableDatasetDict))
 
 
 def dataset_source(obj: object, split: str | None) -> TableSource | None:

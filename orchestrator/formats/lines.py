@@ -17,6 +17,11 @@ regenerate the final answer, which is what re-running a chat dataset through a n
 means. ``ITEM_PARSERS`` read whole conversations (``regenerate="all"``) and rows that
 already hold their answer (pass-through) instead. Every function here raises ``RowError``
 with the reason only; the reader adds where the row is.
+
+A row read for an answer also says how long that answer will likely be: the tokens of the
+answer turns it holds that the model writes again (the trailing ones dropped, or every
+target turn for ``regenerate="all"``), ``orchestrator.lengths.answer_tokens``; 0 when it
+holds none. The store keeps it per item (``predicted_tokens``), the claim ranks by it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import orjson
 
 from orchestrator import params
 from orchestrator.conversation import targets
+from orchestrator.lengths import answer_tokens
 
 ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
 _ROLE_SET = frozenset(ROLES)
@@ -81,42 +87,53 @@ class RowError(Exception):
 _loads = orjson.loads
 
 Usage = tuple[int | None, int | None]
-Mapped = tuple[str | None, dict[str, Any], str, int, Usage]
+Mapped = tuple[str | None, dict[str, Any], str, int, Usage, int]
 """A row read: (its own key, None when it has none; what is stored; format; turns to
-generate; a pass-through row's (prompt, completion) token counts)."""
+generate; a pass-through row's (prompt, completion) token counts; predicted answer
+tokens, 0 for none)."""
 ItemParser = Callable[[dict[str, Any]], Mapped]
 
 
-def parse_line(raw: bytes, lineno: int) -> tuple[str, dict[str, Any], str]:
-    """A JSONL prompt line's key (its line number when it has no id), request and
-    format, or ``RowError``: the path nearly every line of a large file takes."""
+def parse_line(raw: bytes, lineno: int) -> tuple[str, dict[str, Any], str, int]:
+    """A JSONL prompt line's key (its line number when it has no id), request, format
+    and predicted answer tokens, or ``RowError``: the path nearly every line of a large
+    file takes."""
     try:
         obj = _loads(raw)
     except orjson.JSONDecodeError as exc:
         raise RowError(json_reason(raw, exc)) from None
     if type(obj) is not dict:  # orjson makes plain dicts only
         raise RowError(f"expected a JSON object, got {kind(obj)}")
-    key, request, fmt = parse_object(obj)
-    return str(lineno) if key is None else key, request, fmt
+    key, request, fmt, predicted = parse_object(obj)
+    return str(lineno) if key is None else key, request, fmt, predicted
 
 
-def parse_object(obj: dict[str, Any]) -> tuple[str | None, dict[str, Any], str]:
-    """A prompt row's own key (None without one), request and format, or ``RowError``."""
+def parse_object(obj: dict[str, Any]) -> tuple[str | None, dict[str, Any], str, int]:
+    """A prompt row's own key (None without one), request, format and predicted answer
+    tokens (those of the trailing assistant turns dropped), or ``RowError``."""
+    predicted = 0
     if "messages" in obj:
         fmt = "messages"
         # Inline: this is the line format of nearly every large file.
-        request = {"messages": _chat_messages(obj["messages"])}
+        value = obj["messages"]
+        kept = _chat_messages(value)
+        request = {"messages": kept}
+        if kept is not value:
+            predicted = _dropped_tokens(value, kept)
         if not _FIELD_NAMES.isdisjoint(obj):
             _add_request_fields(request, obj)
     elif "conversations" in obj:
         fmt = "sharegpt"
-        request = _sharegpt_request(obj)
+        request, predicted = _sharegpt_last(obj)
     elif "prompt" in obj:
         fmt = "prompt"
         request = _prompt_request(obj)
     elif "body" in obj or ("custom_id" in obj and ("url" in obj or "method" in obj)):
         fmt = "openai-batch"
         request = _batch_request(obj)
+        value = obj["body"]["messages"]
+        if request["messages"] is not value:
+            predicted = _dropped_tokens(value, request["messages"])
     else:
         if "input_ids" in obj:
             raise RowError(_TOKENS_NOT_PROMPTS)
@@ -132,7 +149,22 @@ def parse_object(obj: dict[str, Any]) -> tuple[str | None, dict[str, Any], str]:
         key = _key(obj["custom_id"], "custom_id")
     else:
         key = None
-    return key, request, fmt
+    return key, request, fmt, predicted
+
+
+def _target_tokens(messages: list[dict[str, Any]], turns: list[int]) -> int:
+    """A whole conversation's answer turns (``turns``, its ``targets``), each of which the
+    model writes again; 0 when it lacks one (it ends before its final answer): part of
+    its length is unknown."""
+    if not turns or turns[-1] >= len(messages):
+        return 0
+    return answer_tokens(messages[i] for i in turns)
+
+
+def _dropped_tokens(full: list[dict[str, Any]], kept: list[dict[str, Any]]) -> int:
+    """The trailing answer turns ``_finish_messages`` dropped (``kept`` is a prefix of
+    ``full``): the model writes them again, so their length predicts the new answer's."""
+    return answer_tokens(full[len(kept) :]) if len(kept) < len(full) else 0
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -222,17 +254,21 @@ def _key(value: object, field: str) -> str:
 # --- formats -------------------------------------------------------------------------------
 
 
-def _sharegpt_request(
-    obj: dict[str, Any],
-    finish: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
-) -> dict[str, Any]:
-    """The request of a ShareGPT line; ``finish`` None drops trailing assistant turns."""
-    messages = _sharegpt_messages(obj)
-    request: dict[str, Any] = {
-        "messages": _finish_messages(messages) if finish is None else finish(messages)
-    }
+def _sharegpt_request(obj: dict[str, Any]) -> dict[str, Any]:
+    """The request of a ShareGPT line with every turn kept (``regenerate="all"``)."""
+    request: dict[str, Any] = {"messages": _sharegpt_messages(obj)}
     _add_request_fields(request, _sharegpt_tools(obj))
     return request
+
+
+def _sharegpt_last(obj: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The request of a ShareGPT line with its trailing assistant turns dropped, and the
+    tokens of what was dropped."""
+    messages = _sharegpt_messages(obj)
+    kept = _finish_messages(messages)
+    request: dict[str, Any] = {"messages": kept}
+    _add_request_fields(request, _sharegpt_tools(obj))
+    return request, _dropped_tokens(messages, kept)
 
 
 def _sharegpt_messages(obj: dict[str, Any]) -> list[dict[str, Any]]:
@@ -306,14 +342,10 @@ def _batch_request(
 # --- whole conversations and pass-through rows ------------------------------------------------
 
 
-def _keep(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return messages
-
-
 def _parse_last(obj: dict[str, Any]) -> Mapped:
     """``parse_object`` as an item parser: one turn, no token counts."""
-    key, request, fmt = parse_object(obj)
-    return key, request, fmt, 1, (None, None)
+    key, request, fmt, predicted = parse_object(obj)
+    return key, request, fmt, 1, (None, None), predicted
 
 
 def _parse_all(obj: dict[str, Any]) -> Mapped:
@@ -324,7 +356,7 @@ def _parse_all(obj: dict[str, Any]) -> Mapped:
         _add_request_fields(request, obj)
     elif "conversations" in obj:
         fmt = "sharegpt"
-        request = _sharegpt_request(obj, _keep)
+        request = _sharegpt_request(obj)
     elif "prompt" in obj:
         fmt = "prompt"
         request = _prompt_request(obj)
@@ -333,10 +365,12 @@ def _parse_all(obj: dict[str, Any]) -> Mapped:
         request = _batch_request(obj, _messages)
     else:
         raise RowError(_TOKENS_NOT_PROMPTS if "input_ids" in obj else _UNRECOGNISED)
-    turns = len(targets(request["messages"]))
+    messages = request["messages"]
+    turns = targets(messages)
     if not turns:
         raise RowError("no user message")
-    return _line_key(obj, fmt), request, fmt, turns, (None, None)
+    predicted = _target_tokens(messages, turns)
+    return _line_key(obj, fmt), request, fmt, len(turns), (None, None), predicted
 
 
 def _parse_passthrough(obj: dict[str, Any]) -> Mapped:
@@ -368,7 +402,7 @@ def _parse_passthrough(obj: dict[str, Any]) -> Mapped:
         raise RowError("a passthrough row must end with the assistant's answer")
     if not any(m["role"] == "user" for m in messages):
         raise RowError("no user message")
-    return _line_key(obj, fmt), stored, fmt, 1, _usage(obj)
+    return _line_key(obj, fmt), stored, fmt, 1, _usage(obj), 0
 
 
 # Keys of a ShareGPT row that its OpenAI form holds as messages.
@@ -390,7 +424,7 @@ def _parse_tokens(obj: dict[str, Any]) -> Mapped:
             raise RowError("loss_mask must hold 0 and 1 only")
         if 1 not in mask:
             raise RowError("loss_mask is all 0: the row teaches nothing")
-    return _line_key(obj, "tokens"), obj, "tokens", 1, _usage(obj)
+    return _line_key(obj, "tokens"), obj, "tokens", 1, _usage(obj), 0
 
 
 def _parse_token_rows(obj: dict[str, Any]) -> Mapped:
@@ -676,22 +710,26 @@ def any_messages(value: object) -> tuple[list[dict[str, Any]], str]:
     return [_sharegpt_message(i, entry) for i, entry in enumerate(value, start=1)], "sharegpt"
 
 
-def conversation_for(mode: str, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """``messages`` as a row read for ``mode`` keeps them, and the turns to generate: the
-    line formats' rules (trailing answers dropped for ``last``; every assistant turn for
-    ``all``; the answer required for ``passthrough``)."""
+def conversation_for(
+    mode: str, messages: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], int, int]:
+    """``messages`` as a row read for ``mode`` keeps them, the turns to generate and the
+    predicted answer tokens: the line formats' rules (trailing answers dropped for
+    ``last``, their length the prediction; every assistant turn for ``all``; the answer
+    required for ``passthrough``, which predicts nothing: it is stored as done)."""
     if mode == "last":
-        return _finish_messages(messages), 1
+        kept = _finish_messages(messages)
+        return kept, 1, _dropped_tokens(messages, kept)
     if mode == "all":
-        turns = len(targets(messages))
+        turns = targets(messages)
         if not turns:
             raise RowError("no user message")
-        return messages, turns
+        return messages, len(turns), _target_tokens(messages, turns)
     if messages[-1]["role"] != "assistant":
         raise RowError("a passthrough row must end with the assistant's answer")
     if not any(m["role"] == "user" for m in messages):
         raise RowError("no user message")
-    return messages, 1
+    return messages, 1, 0
 
 
 def parse_json_value(text: str) -> object:

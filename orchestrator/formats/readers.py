@@ -98,6 +98,10 @@ class Record:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     """A pass-through row's own ``usage`` counts, if it has them."""
+    predicted_tokens: int = 0
+    """The length of the answer turns the row holds and the model writes again (the
+    trailing ones dropped, or every target turn for ``all``), in tokens estimated from
+    their text (``orchestrator.lengths.answer_tokens``); 0 when it holds none."""
 
 
 class Prepared(NamedTuple):
@@ -114,13 +118,15 @@ class Prepared(NamedTuple):
     """The same digest as ``Record.digest``."""
     body: str
     """The request as JSON text (``orjson.dumps(Record.request)``): what is stored and sent."""
+    predicted_tokens: int
+    """As ``Record.predicted_tokens``."""
 
 
 class PreparedItem(NamedTuple):
     """A ``Prepared`` line read for ``regenerate="all"`` or pass-through, which store more.
 
     The first five fields are ``Prepared``'s; a separate type keeps the plain prompt lines,
-    nearly all of any large run, at five fields bound straight into the INSERT.
+    nearly all of any large run, at six fields bound straight into the INSERT.
     """
 
     line: int
@@ -132,6 +138,7 @@ class PreparedItem(NamedTuple):
     turns: int
     prompt_tokens: int | None
     completion_tokens: int | None
+    predicted_tokens: int
 
 
 _T = TypeVar("_T")
@@ -395,10 +402,10 @@ class _Parsers:
 
         def parse(raw: Raw, number: int) -> Any:
             obj = raw if type(raw) is dict else parse_json(raw)  # type: ignore[arg-type]
-            key, request, fmt, turns, usage = item_parser(obj)
+            key, request, fmt, turns, usage, predicted = item_parser(obj)
             if key is None:
                 key = prefix + str(number)
-            return build(offset + number, key, request, fmt, mode, turns, usage)
+            return build(offset + number, key, request, fmt, mode, turns, usage, predicted)
 
         return parse if self.mapper is not None else _only(self.fmt, parse)
 
@@ -418,16 +425,16 @@ def _only(fmt: str, parse: Callable[[Any, int], _L]) -> Callable[[Any, int], _L]
 
 
 def _parse_line(raw: bytes, lineno: int) -> Record:
-    key, request, fmt = parse_line(raw, lineno)
+    key, request, fmt, predicted = parse_line(raw, lineno)
     digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-    return Record(lineno, key, request, digest, fmt)
+    return Record(lineno, key, request, digest, fmt, predicted_tokens=predicted)
 
 
 def _prepare_line(raw: bytes, lineno: int) -> Prepared:
-    key, request, fmt = parse_line(raw, lineno)
+    key, request, fmt, predicted = parse_line(raw, lineno)
     digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
     # tuple.__new__: the NamedTuple's own __new__ is Python code, called a million times.
-    return _new_tuple(Prepared, (lineno, key, fmt, digest, _dumps(request).decode()))
+    return _new_tuple(Prepared, (lineno, key, fmt, digest, _dumps(request).decode(), predicted))
 
 
 def _prepare_row(prefix: str, offset: int, lines: bool) -> Callable[[Raw, int], Prepared]:
@@ -436,12 +443,12 @@ def _prepare_row(prefix: str, offset: int, lines: bool) -> Callable[[Raw, int], 
     before them."""
 
     def prepare(obj: dict[str, Any], number: int) -> Prepared:
-        key, request, fmt = parse_object(obj)
+        key, request, fmt, predicted = parse_object(obj)
         if key is None:
             key = prefix + str(number)
         digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
         body = _dumps(request).decode()
-        return _new_tuple(Prepared, (offset + number, key, fmt, digest, body))
+        return _new_tuple(Prepared, (offset + number, key, fmt, digest, body, predicted))
 
     if not lines:
         return prepare  # type: ignore[return-value]
@@ -452,25 +459,46 @@ _Usage = tuple[int | None, int | None]
 
 
 def _build_prepared(
-    line: int, key: str, request: dict, fmt: str, mode: str, turns: int, usage: _Usage
+    line: int,
+    key: str,
+    request: dict,
+    fmt: str,
+    mode: str,
+    turns: int,
+    usage: _Usage,
+    predicted: int,
 ) -> Prepared:
     digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-    return _new_tuple(Prepared, (line, key, fmt, digest, _dumps(request).decode()))
+    return _new_tuple(Prepared, (line, key, fmt, digest, _dumps(request).decode(), predicted))
 
 
 def _build_item(
-    line: int, key: str, request: dict, fmt: str, mode: str, turns: int, usage: _Usage
+    line: int,
+    key: str,
+    request: dict,
+    fmt: str,
+    mode: str,
+    turns: int,
+    usage: _Usage,
+    predicted: int,
 ) -> PreparedItem:
     digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
     body = _dumps(request).decode()
-    return PreparedItem(line, key, fmt, digest, body, mode, turns, usage[0], usage[1])
+    return PreparedItem(line, key, fmt, digest, body, mode, turns, usage[0], usage[1], predicted)
 
 
 def _build_record(
-    line: int, key: str, request: dict, fmt: str, mode: str, turns: int, usage: _Usage
+    line: int,
+    key: str,
+    request: dict,
+    fmt: str,
+    mode: str,
+    turns: int,
+    usage: _Usage,
+    predicted: int,
 ) -> Record:
     digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-    return Record(line, key, request, digest, fmt, mode, turns, usage[0], usage[1])
+    return Record(line, key, request, digest, fmt, mode, turns, usage[0], usage[1], predicted)
 
 
 _BUILDERS: dict[tuple[str, bool], Callable[..., Any]] = {

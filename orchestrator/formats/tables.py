@@ -25,7 +25,7 @@ from orchestrator.formats.source import Part, Rows, Wanted, projection
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["BATCH_ROWS", "TableSource", "batch_rows", "table_source"]
+__all__ = ["BATCH_ROWS", "TableSource", "batch_rows", "is_table", "table_source"]
 
 BATCH_ROWS = 4096
 """Rows per record batch read: large enough to make the conversion cheap per row, small
@@ -164,6 +164,22 @@ def table_source(obj: object, split: str | None) -> TableSource | None:
 
         return dataset_source(obj, split)
     return None
+
+
+def is_table(obj: object) -> bool:
+    """Whether ``obj`` is one of the tables ``table_source`` reads: what the API's
+    argument check (``orchestrator.checks.Records``) takes besides paths and rows."""
+    pa = sys.modules.get("pyarrow")
+    if pa is not None and isinstance(obj, pa.Table | pa.RecordBatch | pa.RecordBatchReader):
+        return True
+    pandas = sys.modules.get("pandas")
+    if pandas is not None and isinstance(obj, pandas.DataFrame):
+        return True
+    if "datasets" in sys.modules:
+        from orchestrator.formats.huggingface import is_dataset
+
+        return is_dataset(obj)
+    return False
 
 
 def _plain(split: str | None, source: TableSource) -> TableSource:

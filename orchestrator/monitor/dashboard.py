@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import math
 import os
 import socket
 import time
@@ -31,15 +30,16 @@ import orjson
 import structlog
 from aiohttp import web
 
-from orchestrator import atomicfile
+from orchestrator import atomicfile, checks
 from orchestrator.errors import ConfigError, SchemaError
 from orchestrator.monitor import status as status_view
 from orchestrator.store import access, samples
-from orchestrator.store.migrate import SCHEMA_REVISION
+from orchestrator.store.migrate import check_sqlite
 from orchestrator.store.reader import sqlite_path
 from orchestrator.store.stats import WINDOW_SECONDS
 
 if TYPE_CHECKING:
+    from orchestrator.store.engine import Database
     from orchestrator.store.reader import Rows
 
 log = structlog.get_logger("orchestrator.dashboard")
@@ -84,14 +84,11 @@ class SqliteSource:
         self.path = path
 
     def check(self) -> None:
-        if not os.path.exists(self.path):
-            raise ConfigError(f"{self.path}: no such database")
+        """The checks of every read-only command (``migrate.check_sqlite``), then a read."""
+        check_sqlite(self.path, "read")
         reader = access.fast_reader(self.path)
         if reader is None:
-            raise SchemaError(
-                f"{self.path}: not an orchestrator database at schema {SCHEMA_REVISION} "
-                "(run `orchestrator db upgrade` first; the dashboard only reads)"
-            )
+            raise SchemaError(f"{self.path}: cannot be read as a current database")
         reader.close()
 
     async def _read(self, fn: Callable[[Rows], T]) -> T:
@@ -120,20 +117,15 @@ class SqliteSource:
 class EngineSource:
     """Any other database (PostgreSQL), through the store's engine; never upgraded."""
 
-    def __init__(self, db: str):
-        from orchestrator.store.engine import create_database
+    def __init__(self, database: Database):
+        self.database = database
 
-        self.database = create_database(db)
+    @classmethod
+    async def open(cls, db: str) -> EngineSource:
+        """Opened as every read-only command opens a database (``mode="read"``)."""
+        from orchestrator.store import open_database
 
-    async def check(self) -> None:
-        from orchestrator.store.migrate import current_revision
-
-        current = await current_revision(self.database)
-        if current != SCHEMA_REVISION:
-            raise SchemaError(
-                f"{self.database.where}: schema {current!r}, not {SCHEMA_REVISION!r} "
-                "(run `orchestrator db upgrade` first; the dashboard only reads)"
-            )
+        return cls(await open_database(db, mode="read"))
 
     async def status(self, window: float) -> dict[str, Any]:
         return await status_view.snapshot(self.database, window=window)
@@ -155,13 +147,7 @@ async def open_source(db: str | None) -> Source:
         source = SqliteSource(path)
         source.check()
         return source
-    engine = EngineSource(db or "")
-    try:
-        await engine.check()
-    except BaseException:
-        await engine.close()
-        raise
-    return engine
+    return await EngineSource.open(db or "")
 
 
 # ------------------------------------------------------------------ servers
@@ -193,6 +179,7 @@ class ServerViews:
 
 # ------------------------------------------------------------------ the app
 
+_UNIX_TIME = checks.Number()
 _SOURCE = web.AppKey("source", Source)
 _SERVERS = web.AppKey("servers", ServerViews)
 _WINDOW = web.AppKey("window", float)
@@ -260,15 +247,20 @@ def _host_check(hosts: Iterable[str]) -> Any:
     return check
 
 
-def _finite(request: web.Request, name: str, default: float, what: str) -> float:
-    """A query number; NaN and infinities are no numbers of seconds."""
-    try:
-        value = float(request.query.get(name, default))
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise web.HTTPBadRequest(text=f"{name} must be {what}")
-    return value
+def _number(request: web.Request, name: str, default: float, rule: checks.Rule) -> float:
+    """A query number by the rule the same value has everywhere (``orchestrator.checks``):
+    NaN and infinities are no numbers of seconds, nor is a window of -5."""
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    value: object = raw
+    with contextlib.suppress(ValueError):
+        value = float(raw)
+    want = rule.expected(value)
+    if want:
+        given = raw[:40] if raw.strip() else repr(raw)
+        raise web.HTTPBadRequest(text=f"{name} must be {want}, got {given}")
+    return value  # type: ignore[return-value]
 
 
 @web.middleware
@@ -305,14 +297,14 @@ async def _page(request: web.Request) -> web.Response:
 
 
 async def _status(request: web.Request) -> web.Response:
-    window = _finite(request, "window", request.app[_WINDOW], "a number of seconds")
+    window = _number(request, "window", request.app[_WINDOW], checks.WINDOW)
     snap = await request.app[_SOURCE].status(window)
     snap["servers"] = await request.app[_SERVERS].get()
     return _json(snap)
 
 
 async def _samples(request: web.Request) -> web.Response:
-    since = _finite(request, "since", 0.0, "a Unix time")
+    since = _number(request, "since", 0.0, _UNIX_TIME)
     return _json(await request.app[_SOURCE].history(since))
 
 
@@ -377,7 +369,16 @@ async def gather_report(
 
 
 def write_report(out: Path, data: dict[str, Any]) -> None:
-    """Written to a temporary file beside ``out`` and renamed: all or nothing."""
+    """Written to a temporary file beside ``out`` and renamed: all or nothing. A stream (a
+    FIFO, ``>(cmd)``, /dev/stdout: ``atomicfile.open_stream``) is written in place."""
+    try:
+        stream = atomicfile.open_stream(out)
+    except OSError as exc:
+        raise ConfigError(f"{out}: cannot write there ({exc.strerror or exc})") from exc
+    if stream is not None:
+        with os.fdopen(stream, "w", encoding="utf-8") as fh:
+            fh.write(embed(data))
+        return
     folder = out.resolve().parent
     if not folder.is_dir():
         raise ConfigError(f"{out}: directory {folder} does not exist")

@@ -14,6 +14,9 @@ Why the settings are what they are:
 * ``TimeoutStartSec=15min``: a worker waits for its inference server before it is ready;
   an inference server that takes longer to load fails the start, and
   ``Restart=on-failure`` tries again.
+* ``RestartPreventExitStatus=``: the exit codes that need a person
+  (``orchestrator.errors.NEEDS_A_PERSON``); restarting on them would refuse the same
+  way, or send the trial items again, every ``RestartSec`` for ever.
 * The sandbox: the worker needs to read its installation, write its database directory
   and open TCP connections. Everything else is taken away.
 """
@@ -25,8 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.errors import ConfigError
-from orchestrator.urls import display
+from orchestrator.errors import NEEDS_A_PERSON, ConfigError
+from orchestrator.urls import split
 
 DEFAULT_USER = "orchestrator"
 DEFAULT_DB = "/var/lib/orchestrator/orchestrator.db"
@@ -61,8 +64,10 @@ KillMode=mixed
 TimeoutStopSec=90
 Restart=on-failure
 RestartSec=5
-# Exit code 2 is a bad option or configuration: restarting will not fix it.
-RestartPreventExitStatus=2
+# Exit codes that need a person, not a restart: 2 a bad option or setting, 3 the
+# database refused, 5 a setting every request is refused for, 6 items failed, 7 items
+# left in paused datasets. A crash, a hung loop or unreachable servers (4) restart.
+RestartPreventExitStatus={prevent}
 UMask=0077
 
 # Sandbox: read the installation, write the database directory, talk TCP.
@@ -148,8 +153,8 @@ def render_unit(spec: UnitSpec) -> str:
     """The unit file text: ``orchestrator-worker.service`` or the ``@`` template."""
     db = sqlite_path(spec.db)
     for server in spec.servers:
-        shown = display(server)
-        if shown != server.strip():
+        shown, auth = split(server, "--server")
+        if auth is not None:
             raise ConfigError(
                 f"--server {shown}: its URL holds credentials, which a unit file would show "
                 "to anyone who can read it; give the URL without them and put USER:PASSWORD "
@@ -200,5 +205,6 @@ def render_unit(spec: UnitSpec) -> str:
         env_file=env_file,
         data_dir=db.parent,
         exec_start=exec_start,
+        prevent=" ".join(str(code) for code in NEEDS_A_PERSON),
     )
     return text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -17,15 +18,15 @@ from typing import Any
 
 import aiohttp
 import structlog
-from alembic.script import ScriptDirectory
 
 from orchestrator import client as inference
 from orchestrator.client import base_url
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import EmptyDatabase, OrchestratorError
 from orchestrator.monitor.status import snapshot
-from orchestrator.store import Database, create_database, list_datasets, resolve_url
-from orchestrator.store.migrate import alembic_config, current_revision, head_revision
+from orchestrator.store import Database, list_datasets, open_database, resolve_url
+from orchestrator.store.migrate import SCHEMA_REVISION
 from orchestrator.store.outputs import output_bytes
+from orchestrator.urls import credentials_sent, refused_advice
 
 log = structlog.get_logger("orchestrator.doctor")
 
@@ -94,7 +95,11 @@ def _sqlite_file(db: str | None) -> Path | None:
 
 
 async def check_database(config: DoctorConfig, facts: _DbFacts) -> Check:
-    """Reachable and at the schema head this orchestrator knows; never upgraded here."""
+    """Reachable and at the schema head this orchestrator knows; never upgraded here.
+
+    Opened as every read-only command opens it (``open_database(mode="read")``): the same
+    checks, the same advice, and nothing of the file changed, whatever it turns out to be.
+    """
     path = _sqlite_file(config.db)
     if path is not None and not path.exists():
         return Check(
@@ -104,36 +109,13 @@ async def check_database(config: DoctorConfig, facts: _DbFacts) -> Check:
             info=True,
         )
     try:
-        database = create_database(config.db)
+        database = await open_database(config.db, mode="read")
+    except EmptyDatabase as exc:
+        # Before the first enqueue an empty database is as fine as a missing one.
+        return Check("database", None, str(exc), info=True)
     except OrchestratorError as exc:
         return Check("database", False, str(exc))
     try:
-        current = await current_revision(database)
-        head = head_revision()
-        if current is None:
-            return Check(
-                "database",
-                False,
-                f"{database.where}: no schema yet (this orchestrator's is {head}); "
-                "run `orchestrator db upgrade`",
-            )
-        script = ScriptDirectory.from_config(alembic_config())
-        try:
-            script.get_revision(current)
-        except Exception:
-            return Check(
-                "database",
-                False,
-                f"{database.where}: schema {current} is newer than this orchestrator knows "
-                f"({head}); upgrade orchestrator",
-            )
-        if current != head:
-            return Check(
-                "database",
-                False,
-                f"{database.where}: schema {current} is behind {head}; stop the workers and "
-                "run `orchestrator db upgrade`",
-            )
         await _learn(database, facts)
     except OrchestratorError as exc:
         return Check("database", False, str(exc))
@@ -143,7 +125,7 @@ async def check_database(config: DoctorConfig, facts: _DbFacts) -> Check:
     return Check(
         "database",
         True,
-        f"{database.where}: schema {current}, {total:,} items "
+        f"{database.where}: schema {SCHEMA_REVISION}, {total:,} items "
         f"({facts.counts.get('done', 0):,} done)",
     )
 
@@ -178,14 +160,18 @@ async def check_server(
     took = (time.monotonic() - started) * 1000
     checks = [
         Check(name, status == 200, f"/health answered {status} in {took:.0f} ms"),
-        await _check_models(session, url, wanted, config.timeout),
+        await _check_models(session, url, wanted, config.timeout, _sent(server, config)),
         _check_clock(url, date, received, config.clock_tolerance),
     ]
     return checks
 
 
+def _sent(server: str, config: DoctorConfig) -> str:
+    return credentials_sent(server, config.api_key, config.basic_auth)
+
+
 async def _check_models(
-    session: aiohttp.ClientSession, url: str, wanted: list[str], seconds: float
+    session: aiohttp.ClientSession, url: str, wanted: list[str], seconds: float, sent: str
 ) -> Check:
     name = f"models {url}"
     try:
@@ -195,7 +181,7 @@ async def _check_models(
     except (inference.RequestFailed, ValueError) as exc:
         return Check(name, False, f"/v1/models: {str(exc) or type(exc).__name__}")
     if body is None:
-        hint = " (check the API key)" if status in (401, 403) else ""
+        hint = f" ({refused_advice(sent, status)})" if status in (401, 403) else ""
         return Check(name, False, f"/v1/models answered {status}{hint}")
     try:
         served = sorted(str(m["id"]) for m in body["data"])
@@ -252,6 +238,13 @@ def check_disk(config: DoctorConfig, facts: _DbFacts) -> Check:
     needed = answers + WAL_ALLOWANCE
     if not path.parent.is_dir():
         return Check("disk", False, f"directory {path.parent} does not exist")
+    if os.statvfs(path.parent).f_flag & os.ST_RDONLY:
+        return Check(
+            "disk",
+            False,
+            f"{path.parent} is on a read-only file system: workers cannot write the "
+            "database there (status, export and report can read it)",
+        )
     free = shutil.disk_usage(path.parent).free
     # Every figure adds up: size + answers = ends near; answers + WAL = needed.
     detail = (

@@ -49,12 +49,12 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from orchestrator import params
+from orchestrator import checks, params
 from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats import columns as row_columns
 from orchestrator.formats.readers import INPUT_FORMATS, PASSTHROUGH_FORMATS
 from orchestrator.formats.source import open_source
-from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import ON_TRUNCATED, REGENERATE
 
 __all__ = ["FORMATS", "DatasetPlan", "Problem", "RunConfigError", "load_run"]
 
@@ -191,27 +191,12 @@ def _kind(value: object) -> str:
     return "a date or time"
 
 
-def _integer(minimum: int | None = None) -> Check:
-    """An integer from ``minimum`` up to what every database's INTEGER column holds."""
+def _by(expected: Callable[[object], str]) -> Check:
+    """A key checked by the rule the same setting has everywhere (``orchestrator.checks``,
+    ``orchestrator.params``), in a run file's words for what was given."""
 
     def check(value: object) -> list[tuple[str, str]]:
-        if isinstance(value, bool) or not isinstance(value, int):
-            return [("", f"must be an integer, got {_kind(value)}")]
-        if minimum is not None and value < minimum:
-            return [("", f"must be at least {minimum}, got {value}")]
-        if abs(value) > INT_MAX:
-            low = -INT_MAX if minimum is None else minimum
-            return [("", f"must be {low} to {INT_MAX}, got {value}")]
-        return []
-
-    return check
-
-
-def _param(name: str) -> Check:
-    """``orchestrator.params``' check, the one ``enqueue`` options and input lines get."""
-
-    def check(value: object) -> list[tuple[str, str]]:
-        want = params.expected(name, value)
+        want = expected(value)
         if not want:
             return []
         number = isinstance(value, int | float) and not isinstance(value, bool)
@@ -220,18 +205,17 @@ def _param(name: str) -> Check:
     return check
 
 
+def _param(name: str) -> Check:
+    """``orchestrator.params``' check, the one ``enqueue`` options and input lines get."""
+    return _by(lambda value: params.expected(name, value))
+
+
 def _string(value: object) -> list[tuple[str, str]]:
     if not isinstance(value, str):
         return [("", f"must be a string, got {_kind(value)}")]
     if not value.strip():
         return [("", "must not be empty")]
     return []
-
-
-def _name(value: object) -> list[tuple[str, str]]:
-    if isinstance(value, str) and len(value) > 200:
-        return [("", f"must be at most 200 characters, got {len(value)}")]
-    return _string(value)
 
 
 def _boolean(value: object) -> list[tuple[str, str]]:
@@ -252,12 +236,18 @@ def _choice(choices: tuple[str, ...]) -> Check:
     return check
 
 
+_FINITE = checks.Number()
+
+
 def _json_value(value: object, where: str) -> list[tuple[str, str]]:
-    """TOML dates and times have no JSON form: refuse them anywhere in a request table."""
+    """TOML dates and times, NaN and infinities have no JSON form (a NaN would be sent as
+    null): refuse them anywhere in a request table."""
     if isinstance(value, dict):
         return [p for k, v in value.items() for p in _json_value(v, f"{where}.{k}")]
     if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in _json_value(v, f"{where}[{i}]")]
+    if isinstance(value, float) and (want := _FINITE.expected(value)):
+        return [(where, f"must be {want}, got {value} (it has no JSON form)")]
     if isinstance(value, str | int | float | bool):
         return []
     return [(where, "a date or time has no JSON form: write it as a string")]
@@ -281,30 +271,31 @@ def _extra_body(value: object) -> list[tuple[str, str]]:
 
 
 _CHECKS: dict[str, Check] = {
-    "name": _name,
+    "name": _by(checks.DATASET_NAME.expected),
     "file": _string,
     "format": _choice(FORMATS),
-    "priority": _integer(),
+    "priority": _by(checks.DATASET["priority"].expected),
     "passthrough": _boolean,
-    "model": _string,
+    "model": _param("model"),
     "max_tokens": _param("max_tokens"),
     "temperature": _param("temperature"),
     "top_p": _param("top_p"),
-    "concurrency": _integer(1),
+    "concurrency": _by(checks.DATASET["concurrency"].expected),
     "regenerate": _choice(REGENERATE),
     "on_truncated": _choice(ON_TRUNCATED),
     "chat_template_kwargs": _table,
     "extra_body": _extra_body,
     "hf": _string,
-    "split": _string,
-    "config": _string,
-    "prompt_column": _string,
-    "messages_column": _string,
-    "template": _string,
+    "split": _by(checks.DATASET["split"].expected),
+    "config": _by(checks.DATASET["config"].expected),
+    "prompt_column": _by(checks.COLUMNS["prompt_column"].expected),
+    "messages_column": _by(checks.COLUMNS["messages_column"].expected),
+    "template": _by(checks.COLUMNS["template"].expected),
+    # A path, as file is: a string, resolved against the run file's folder.
     "template_file": _string,
-    "system": _string,
-    "id_column": _string,
-    "tools_column": _string,
+    "system": _by(checks.COLUMNS["system"].expected),
+    "id_column": _by(checks.COLUMNS["id_column"].expected),
+    "tools_column": _by(checks.COLUMNS["tools_column"].expected),
 }
 _OWN_KEYS = ("name", "file", "hf")
 """Keys of each dataset alone: [defaults] cannot hold them."""

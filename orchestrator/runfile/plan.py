@@ -16,6 +16,7 @@ import orjson
 
 from orchestrator.errors import ConfigError
 from orchestrator.formats.readers import iter_records
+from orchestrator.lengths import BYTES_PER_TOKEN, COMPLETION_FRACTION, LengthStats, expected
 
 if TYPE_CHECKING:
     from orchestrator.runfile.load import DatasetPlan
@@ -33,11 +34,6 @@ __all__ = [
     "plan_stored",
 ]
 
-COMPLETION_FRACTION = 0.35
-"""Mean answer length as a fraction of max_tokens, until answers are measured: reasoning
-models at max_tokens 8k-16k typically write a third of the limit, with a long tail."""
-BYTES_PER_TOKEN = 4
-"""UTF-8 bytes per generated token, for English text and code; more for other scripts."""
 OUTPUT_COPIES = 2
 """An answer's text is stored twice: the content and reasoning columns, and the message
 JSON the server sent (outputs table)."""
@@ -81,6 +77,10 @@ class DatasetEstimate:
     failed: int | None = None
     """Requests of running, pending and failed items (``plan_stored`` only): with ``done``
     they add up to ``requests``."""
+    predicted: int = 0
+    """Requests counted at the length of the answer their line holds (times the ratio of
+    new to original lengths of the answers done so far, at most max_tokens): the figures
+    the claim ranks items by (``orchestrator.lengths``); the others as ``measured`` says."""
 
     @property
     def db_bytes(self) -> int:
@@ -139,14 +139,22 @@ def plan_run(
     """Estimate the run from the data files (read once each) and what is done so far.
 
     ``done_stats`` maps a dataset name to (answers done, their mean completion tokens), as
-    ``status`` reports them; a dataset with answers done is estimated from their mean
-    instead of ``completion_fraction`` × max_tokens. A bad line raises ``InputError``
-    (``FILE:LINE: reason``), as ``enqueue`` would.
+    ``status`` reports them, and optionally the ratio of new answers to the lengths their
+    lines predicted (``done_stats(stored)`` gives all three); a dataset with answers done
+    is estimated from their mean instead of ``completion_fraction`` × max_tokens. A line
+    that holds an answer of its own counts at that answer's length instead, times the
+    ratio. A bad line raises ``InputError`` (``FILE:LINE: reason``), as ``enqueue`` would.
     """
     _check_rates(tokens_per_second, completion_fraction)
-    stats = dict(done_stats or {})
+    stats = {name: (*v, 1.0)[:3] for name, v in (done_stats or {}).items()}
     estimates = tuple(
-        _estimate(plan, _scan(plan), stats.get(plan.name), completion_fraction, tokens_per_second)
+        _estimate(
+            plan,
+            _scan(plan, stats.get(plan.name, (0, 0.0, 1.0))[2]),
+            stats.get(plan.name),
+            completion_fraction,
+            tokens_per_second,
+        )
         for plan in plans
     )
     return RunPlan(
@@ -161,14 +169,19 @@ class _Scan(NamedTuple):
     rows: int
     requests: int
     budget: int
-    """Sum of the requests' max_tokens (a row's own max_tokens wins over the dataset's)."""
+    """Sum of the max_tokens of the requests whose line holds no answer (a row's own
+    max_tokens wins over the dataset's)."""
     request_bytes: int
+    predicted: int = 0
+    """Requests whose line holds an answer of its own..."""
+    predicted_tokens: int = 0
+    """...and their tokens: that answer's length times the scale, at most max_tokens."""
 
 
-def _scan(plan: DatasetPlan) -> _Scan:
+def _scan(plan: DatasetPlan, scale: float = 1.0) -> _Scan:
     """Read the data as ``enqueue`` will, so both accept and refuse the same rows."""
     default_cap = plan.params.get("max_tokens", 0)
-    rows = requests = budget = size = 0
+    rows = requests = budget = size = predicted = predicted_tokens = 0
     records = iter_records(
         plan.source,
         fmt=plan.format,
@@ -186,18 +199,36 @@ def _scan(plan: DatasetPlan) -> _Scan:
         request = record.request
         cap = request.get("max_tokens") or request.get("max_completion_tokens") or default_cap
         requests += record.turns
-        budget += cap * record.turns
-    return _Scan(rows, requests, budget, size)
+        if record.predicted_tokens:
+            predicted += record.turns
+            tokens = scale * record.predicted_tokens
+            predicted_tokens += round(min(tokens, cap * record.turns) if cap else tokens)
+        else:
+            budget += cap * record.turns
+    return _Scan(rows, requests, budget, size, predicted, predicted_tokens)
 
 
-def done_stats(stored: Sequence[StoredDataset]) -> dict[str, tuple[int, float]]:
-    """``plan_run``'s ``done_stats`` from a database: requests done and their mean tokens,
-    for the datasets whose answers report tokens."""
+def done_stats(stored: Sequence[StoredDataset]) -> dict[str, tuple[int, float, float]]:
+    """``plan_run``'s ``done_stats`` from a database: requests done, their mean tokens and
+    the ratio of new answers to their lines' predictions, for the datasets whose answers
+    report tokens."""
     return {
-        s.name: (s.done, s.mean_completion_tokens)
+        s.name: (s.done, s.mean_completion_tokens, _scale(s))
         for s in stored
         if s.mode != "passthrough" and s.answers
     }
+
+
+def _scale(s: StoredDataset) -> float:
+    """New answer tokens per predicted token, by the rule the claim ranks with."""
+    measured = LengthStats(
+        answers=s.answers,
+        tokens=s.completion_tokens,
+        predicted_answers=s.predicted_answers,
+        predicted_tokens=s.predicted_tokens,
+        actual_tokens=s.predicted_answer_tokens,
+    )
+    return expected(measured, None).scale
 
 
 def plan_stored(
@@ -259,6 +290,7 @@ def _priced(
     generated: int,
     remaining: int,
     tokens_per_second: float,
+    predicted: int = 0,
 ) -> DatasetEstimate:
     """The estimate of ``counted``: its time and database bytes, the same for both sources.
 
@@ -274,26 +306,31 @@ def _priced(
         duration_seconds=remaining / tokens_per_second,
         output_bytes=generated * BYTES_PER_TOKEN * OUTPUT_COPIES,
         overhead_bytes=rows * (ITEM_OVERHEAD_BYTES + OUTPUT_OVERHEAD_BYTES),
+        predicted=predicted,
     )
 
 
 def _estimate(
     plan: DatasetPlan,
     scan: _Scan,
-    stats: tuple[int, float] | None,
+    stats: tuple[int, float, float] | None,
     fraction: float,
     tokens_per_second: float,
 ) -> DatasetEstimate:
-    """From the data file: a pass-through file counts no requests, so no tokens either."""
-    done, mean = stats if stats is not None and not plan.passthrough else (0, 0.0)
+    """From the data file: a pass-through file counts no requests, so no tokens either.
+
+    Which requests are done is not known from the file: the tokens left are the
+    dataset's share of its requests left."""
+    done, mean, _ = stats if stats is not None and not plan.passthrough else (0, 0.0, 1.0)
     measured = done > 0
+    plain = scan.requests - scan.predicted
     if measured:
-        per_request = float(mean)
-        generated = round(scan.requests * per_request)
-        remaining = round(max(scan.requests - done, 0) * per_request)
+        generated = round(scan.predicted_tokens + plain * float(mean))
+        left = max(scan.requests - done, 0) / scan.requests if scan.requests else 0.0
+        remaining = round(generated * left)
     else:
-        generated = remaining = round(scan.budget * fraction)
-        per_request = generated / scan.requests if scan.requests else 0.0
+        generated = remaining = round(scan.predicted_tokens + scan.budget * fraction)
+    per_request = generated / scan.requests if scan.requests else 0.0
     counted = _Counted(
         name=plan.name,
         format=plan.format,
@@ -311,6 +348,7 @@ def _estimate(
         generated=generated,
         remaining=remaining,
         tokens_per_second=tokens_per_second,
+        predicted=scan.predicted,
     )
 
 
@@ -328,6 +366,12 @@ def _stored_estimate(
         per = s.mean_completion_tokens
     else:
         per = fraction * (max_tokens or 0)
+    # Items whose line held an answer count at their predictions, scaled as the claim
+    # ranks them; the done ones at what they generated.
+    predicted = 0 if passthrough else s.predicted_left_requests
+    plain_left = max(s.running + s.pending - predicted, 0)
+    remaining = plain_left * per + (_scale(s) * s.predicted_left_tokens if predicted else 0.0)
+    generated = s.completion_tokens + s.failed * per + remaining if predicted else s.requests * per
     counted = _Counted(
         name=s.name,
         format=s.format or "-",
@@ -343,11 +387,12 @@ def _stored_estimate(
     )
     return _priced(
         counted,
-        per_request=per,
+        per_request=generated / s.requests if predicted else per,
         measured=measured,
-        generated=round(s.requests * per),
-        remaining=round((s.running + s.pending) * per),
+        generated=round(generated),
+        remaining=round(remaining),
         tokens_per_second=tokens_per_second,
+        predicted=predicted,
     )
 
 
@@ -360,6 +405,14 @@ def _assumptions(
 ) -> tuple[str, ...]:
     senders = [d for d in estimates if d.mode != "passthrough"]
     notes = []
+    if any(d.predicted for d in senders):
+        notes.append(
+            "p: requests whose line holds an answer of its own counted at that answer's length "
+            f"({BYTES_PER_TOKEN} UTF-8 bytes a token) times the ratio of new answers to their "
+            "lines' answers done so far (1 until 8 are)"
+            + ("" if stored else ", at most max_tokens")
+            + ": what the claim ranks items by, longest first; the rest as below"
+        )
     if any(d.measured for d in senders):
         notes.append("m: tokens per request measured, the mean of the answers done so far")
     if any(not d.measured for d in senders):

@@ -32,7 +32,8 @@ def _rows(plan: RunPlan) -> Iterator[list[str]]:
     stored = plan.source == "database"
     for d in plan.datasets:
         sending = d.mode != "passthrough"
-        per = f"{d.tokens_per_request:,.0f} {'m' if d.measured else 'a'}" if sending else "-"
+        kind = "p" if d.predicted else "m" if d.measured else "a"
+        per = f"{d.tokens_per_request:,.0f} {kind}" if sending else "-"
         states = [
             f"{n:,}" if sending and n is not None else "-" for n in (d.running, d.pending, d.failed)
         ]
@@ -139,6 +140,7 @@ def plan_json(plan: RunPlan) -> dict[str, Any]:
             max_tokens=d.max_tokens,
             tokens_per_request=round(d.tokens_per_request, 1),
             measured=d.measured,
+            predicted=d.predicted,
             generated_tokens=d.generated_tokens,
             remaining_tokens=d.remaining_tokens,
             duration_seconds=round(d.duration_seconds, 1),

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
         SimConfig,
         parse_fault,
         parse_outage,
+        parse_refusal,
     )
     from orchestrator.sim.sample import write_sample
     from orchestrator.sim.server import (
@@ -34,6 +35,7 @@ __all__ = [
     "build_app",
     "parse_fault",
     "parse_outage",
+    "parse_refusal",
     "request_digest",
     "run_forever",
     "serve",
@@ -42,7 +44,14 @@ __all__ = [
 
 _HOMES = {name: "orchestrator.sim.server" for name in __all__}
 _HOMES["write_sample"] = "orchestrator.sim.sample"
-_CONFIG = ("REASONING_FIELDS", "REASONING_MODES", "SimConfig", "parse_fault", "parse_outage")
+_CONFIG = (
+    "REASONING_FIELDS",
+    "REASONING_MODES",
+    "SimConfig",
+    "parse_fault",
+    "parse_outage",
+    "parse_refusal",
+)
 _HOMES.update(dict.fromkeys(_CONFIG, "orchestrator.sim.config"))
 
 

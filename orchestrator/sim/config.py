@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchestrator.sim.lengths import LengthModel
 
 #: Fault kinds in the order their probability ranges are laid out on ``[0, 1)``.
 FAULT_KINDS: tuple[str, ...] = (
@@ -83,6 +87,17 @@ class SimConfig:
             benchmark of a slow server finishes in seconds.
         max_model_len: the context length (0: none): a request whose prompt and
             ``max_tokens`` exceed it gets vLLM's 400, which names its own lengths.
+        refusals: text -> message: a request whose messages contain the text gets a 400
+            with that message, the same for every such request (a bad item among good
+            ones: an image URL the server cannot fetch, roles that do not alternate).
+        required_fields: body fields a request must have, else FastAPI's 422, whose
+            ``detail`` echoes the whole request body (``input``), as pydantic does.
+        length_model: answer lengths by dataset (``orchestrator.sim.lengths``), drawn
+            from each request's digest; None: ``mean_tokens`` for every request.
+        trace: a file the batching model writes each decode step to, one JSON line:
+            ``t`` (simulated seconds since the first request, idle time included),
+            ``batch`` (requests decoded, one token each), ``queued``, ``finished``
+            (answers completed by the step) and ``kv`` (cache tokens in use).
     """
 
     model: str | None = None
@@ -104,6 +119,10 @@ class SimConfig:
     prefill_per_token: float = 0.00002
     time_scale: float = 1.0
     max_model_len: int = 0
+    refusals: dict[str, str] = field(default_factory=dict)
+    required_fields: tuple[str, ...] = ()
+    length_model: LengthModel | None = None
+    trace: str | None = None
 
     @property
     def batching(self) -> bool:
@@ -151,6 +170,9 @@ class SimConfig:
         total = sum(self.faults.values())
         if total > 1.0 + 1e-9:
             raise ValueError(f"fault rates add up to {total:g}, more than 1")
+        for text, message in self.refusals.items():
+            if not text or not message:
+                raise ValueError(f"refusal {text!r}={message!r} needs a text and a message")
         for start, duration in self.outages:
             if start < 0 or duration <= 0:
                 raise ValueError(
@@ -191,3 +213,13 @@ def parse_outage(spec: str) -> tuple[float, float]:
     if not (math.isfinite(start) and math.isfinite(duration)) or start < 0 or duration <= 0:
         raise ValueError(f"bad outage spec {spec!r}: needs START >= 0 and DURATION > 0")
     return start, duration
+
+
+def parse_refusal(spec: str) -> tuple[str, str]:
+    """Parse a CLI refusal spec ``TEXT=MESSAGE``: requests containing TEXT get a 400."""
+    text, sep, message = spec.partition("=")
+    if not sep or not text or not message.strip():
+        raise ValueError(
+            f"bad refusal spec {spec!r}: expected TEXT=MESSAGE, e.g. 'BAD=Invalid image URL'"
+        )
+    return text, message.strip()

@@ -21,6 +21,7 @@ from orchestrator.sim.config import (
     SimConfig,
     parse_fault,
     parse_outage,
+    parse_refusal,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -120,6 +121,22 @@ OPTIONS: tuple[SimOption, ...] = (
         show_default=False,
         help="Answer 503 everywhere from START for DURATION seconds.",
     ),
+    SimOption(
+        "--refuse",
+        "refusals",
+        metavar="TEXT=MESSAGE",
+        multiple=True,
+        show_default=False,
+        help="A request whose messages contain TEXT gets HTTP 400 MESSAGE (a bad item).",
+    ),
+    SimOption(
+        "--require-field",
+        "required_fields",
+        metavar="NAME",
+        multiple=True,
+        show_default=False,
+        help="A request without this body field gets FastAPI's 422, echoing the body.",
+    ),
     SimOption("--retry-after", "retry_after", float, 0),
     SimOption(
         "--reasoning",
@@ -176,6 +193,21 @@ OPTIONS: tuple[SimOption, ...] = (
         help="Batching: seconds per prompt token prefilled.",
     ),
     SimOption(
+        "--length-model",
+        "length_model",
+        metavar="FILE",
+        show_default=False,
+        help="Answer lengths by dataset (JSON; the request's metadata.dataset picks one): "
+        "lognormal, drawn from each prompt's digest.",
+    ),
+    SimOption(
+        "--trace",
+        "trace",
+        metavar="FILE",
+        show_default=False,
+        help="Batching: write every decode step to FILE (JSON lines, simulated time).",
+    ),
+    SimOption(
         "--time-scale",
         "time_scale",
         float,
@@ -204,6 +236,12 @@ def sim_config(values: dict[str, Any]) -> SimConfig:
     try:
         given["faults"] = dict(parse_fault(f) for f in given.get("faults", ()))
         given["outages"] = [parse_outage(o) for o in given.get("outages", ())]
+        given["refusals"] = dict(parse_refusal(r) for r in given.get("refusals", ()))
+        given["required_fields"] = tuple(given.get("required_fields", ()))
+        if given.get("length_model"):
+            from orchestrator.sim.lengths import load_length_model
+
+            given["length_model"] = load_length_model(given["length_model"])
         # From the environment, never the command line, where ps would show it.
         return SimConfig(**given, api_key=os.environ.get("SIM_API_KEY") or None)
     except ValueError as exc:

@@ -19,21 +19,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import math
 import random
 import signal
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import click
 import orjson
 from aiohttp import web
 
 from orchestrator.quality import split_think
+from orchestrator.sim.batching import BatchModel, Seq
 from orchestrator.sim.config import DEFAULT_MODEL, FAULT_KINDS, SimConfig
+from orchestrator.sim.lengths import dataset_of, quantile
 from orchestrator.sim.options import sim_config, sim_options
 
 __all__ = [
@@ -151,6 +152,22 @@ def _completion_length(digest: str, mean_tokens: int) -> int:
     return low + int(digest[:8], 16) % (high - low + 1)
 
 
+def _lengths(
+    body: dict[str, Any], digest: str, config: SimConfig, *, thinking: bool
+) -> tuple[int, int]:
+    """Answer and reasoning lengths: from the dataset's distribution when the length model
+    has one (split by its reasoning share), else about ``mean_tokens`` each."""
+    model = config.length_model
+    spec = model.distribution(dataset_of(body)) if model is not None else None
+    if spec is None:
+        answer = _completion_length(digest, config.mean_tokens)
+        # Another slice of the digest, so reasoning and answer lengths vary independently.
+        return answer, _completion_length(digest[8:], config.mean_tokens) if thinking else 0
+    total = spec.tokens(quantile(digest, config.seed))
+    reasoning = min(round(total * spec.reasoning), total - 1) if thinking else 0
+    return total - reasoning, reasoning
+
+
 def _answer_words(digest: str, seed: int, n: int) -> list[str]:
     # A str seed is hashed with sha512 by random.seed, so this is stable across processes.
     rng = random.Random(f"{seed}:{digest}")
@@ -245,63 +262,31 @@ class _Stats:
         }
 
 
-#: SGLang's admission estimate: a running request is expected to still need this share of
-#: its ``max_tokens``. It starts cautious, grows bolder each step, and goes back to
-#: cautious when the cache overflows.
-_NEW_TOKEN_RATIO_INIT = 0.7
-_NEW_TOKEN_RATIO_MIN = 0.1
-_NEW_TOKEN_RATIO_DECAY = (_NEW_TOKEN_RATIO_INIT - _NEW_TOKEN_RATIO_MIN) / 600
-
-
-@dataclass(eq=False, slots=True)
-class _Seq:
-    """One request inside the batching model."""
-
-    prompt: int
-    target: int  # tokens it will generate
-    limit: int  # tokens the server must expect it may generate (its max_tokens)
-    done: asyncio.Future[None]
-    generated: int = 0
-    place: str = "queued"  # queued | running | done
-
-    @property
-    def kv(self) -> int:
-        return self.prompt + self.generated
-
-
 class _Batcher:
-    """A continuous-batching server: one task advances simulated steps; requests wait on
-    futures, so a few hundred of them cost little CPU.
+    """The batching model (``orchestrator.sim.batching``) stepped in real time, scaled by
+    ``time_scale``: one task advances it; requests wait on futures, so a few hundred of
+    them cost little CPU.
 
-    Each step admits queued requests while the cache (less what the running ones are
-    expected to still need) holds them, then decodes one token of every running request;
-    when the cache cannot hold the step's tokens, the newest running requests are
-    retracted to the front of the queue.
+    It keeps the simulated clock too: every step's seconds, plus idle time scaled back,
+    from the first request on. A machine too busy to keep up slows the steps down but
+    not this clock, so a run's simulated duration does not depend on the load of the
+    machine it ran on. ``--trace FILE`` writes each step on it, one JSON line.
     """
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.capacity = config.kv_tokens or math.inf
-        self.max_running = config.max_running or math.inf
-        self.queue: deque[_Seq] = deque()
-        self.running: list[_Seq] = []
-        self.kv_used = 0
-        self.ratio = _NEW_TOKEN_RATIO_INIT
-        self.retracted = 0
-        self.steps = 0
-        self.peak_running = 0
-        self.peak_queued = 0
-        self.peak_usage = 0.0
+        self.model = BatchModel(config)
+        self.clock = 0.0
         self.recent_tokens: deque[list[int]] = deque()  # (second, tokens decoded)
+        self._idle_since: float | None = None
+        self._trace: IO[str] | None = None
+        if config.trace:
+            self._trace = open(config.trace, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def fits(self, tokens: int) -> bool:
-        return tokens <= self.capacity
-
-    @property
-    def usage(self) -> float:
-        return self.kv_used / self.config.kv_tokens if self.config.kv_tokens else 0.0
+        return self.model.fits(tokens)
 
     def throughput(self) -> float:
         now = int(time.monotonic())
@@ -314,40 +299,37 @@ class _Batcher:
 
     async def generate(self, prompt: int, target: int, limit: int) -> None:
         """Wait until the request has generated ``target`` tokens."""
-        seq = _Seq(prompt, target, max(limit, target), asyncio.get_running_loop().create_future())
-        self.queue.append(seq)
-        self.peak_queued = max(self.peak_queued, len(self.queue))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        seq = Seq(prompt, target, limit, done)
+        self.model.add(seq)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="sim batcher")
         self._wake.set()
         try:
-            await seq.done
+            await done
         finally:
-            self._drop(seq)
-
-    def _drop(self, seq: _Seq) -> None:
-        """Forget a request that left before its end (its client went away)."""
-        if seq.place == "queued":
-            self.queue.remove(seq)
-        elif seq.place == "running":
-            self.running.remove(seq)
-            self.kv_used -= seq.kv
-        seq.place = "done"
+            self.model.drop(seq)
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         clock = loop.time()
         while True:
-            if not self.running and not self.queue:
+            if not self.model.busy:
                 self._wake.clear()
+                self._idle_since = loop.time()
                 await self._wake.wait()
                 clock = loop.time()
+                if self.model.steps:
+                    self.clock += (clock - self._idle_since) / self.config.time_scale
                 continue
             clock += self._step() * self.config.time_scale
             delay = clock - loop.time()
@@ -356,71 +338,30 @@ class _Batcher:
             await asyncio.sleep(max(delay, 0.0))
 
     def _step(self) -> float:
-        """One scheduling round and decode step; returns its simulated seconds."""
-        prefill = 0
-        ratio = self.ratio
-        reserved = sum(ratio * (s.limit - s.generated) for s in self.running)
-        while self.queue and len(self.running) < self.max_running:
-            seq = self.queue[0]
-            need = seq.kv + ratio * (seq.limit - seq.generated)
-            if self.running and self.kv_used + reserved + need > self.capacity:
-                break
-            self.queue.popleft()
-            seq.place = "running"
-            self.running.append(seq)
-            self.kv_used += seq.kv
-            reserved += ratio * (seq.limit - seq.generated)
-            prefill += seq.kv
-        # Every running request adds a token to the cache; retract the newest until they fit.
-        while len(self.running) > 1 and self.kv_used + len(self.running) > self.capacity:
-            seq = self.running.pop()
-            self.kv_used -= seq.kv
-            seq.place = "queued"
-            self.queue.appendleft(seq)
-            self.retracted += 1
-            self.ratio = _NEW_TOKEN_RATIO_INIT
-        batch = len(self.running)
-        self.peak_running = max(self.peak_running, batch)
-        self.peak_queued = max(self.peak_queued, len(self.queue))
-        if self.config.kv_tokens:
-            self.peak_usage = max(self.peak_usage, (self.kv_used + batch) / self.config.kv_tokens)
-        kept: list[_Seq] = []
-        for seq in self.running:
-            seq.generated += 1
-            if seq.generated >= seq.target:
-                self.kv_used -= seq.prompt + seq.generated - 1
-                seq.place = "done"
-                if not seq.done.done():
-                    seq.done.set_result(None)
-            else:
-                kept.append(seq)
-        self.kv_used += len(kept)
-        self.running = kept
-        self.steps += 1
-        self.ratio = max(_NEW_TOKEN_RATIO_MIN, self.ratio - _NEW_TOKEN_RATIO_DECAY)
+        """One step of the model; wakes the requests it finished, returns its seconds."""
+        seconds, batch, finished = self.model.step()
+        for seq in finished:
+            if not seq.tag.done():
+                seq.tag.set_result(None)
+        self.clock += seconds
         now = int(time.monotonic())
         if self.recent_tokens and self.recent_tokens[-1][0] == now:
             self.recent_tokens[-1][1] += batch
         else:
             self.recent_tokens.append([now, batch])
-        config = self.config
-        return (
-            config.step_time + config.step_per_request * batch + config.prefill_per_token * prefill
-        )
+        if self._trace is not None:
+            line = {
+                "t": round(self.clock, 4),
+                "batch": batch,
+                "queued": len(self.model.queue),
+                "finished": len(finished),
+                "kv": self.model.kv_used,
+            }
+            self._trace.write(orjson.dumps(line).decode() + "\n")
+        return seconds
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "running": len(self.running),
-            "queued": len(self.queue),
-            "kv_used": self.kv_used,
-            "kv_tokens": self.config.kv_tokens,
-            "token_usage": self.usage,
-            "peak_running": self.peak_running,
-            "peak_queued": self.peak_queued,
-            "peak_token_usage": self.peak_usage,
-            "retracted": self.retracted,
-            "steps": self.steps,
-        }
+        return {**self.model.as_json(), "clock": self.clock}
 
 
 class _State:
@@ -511,6 +452,9 @@ def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
         return _bad_request(f"request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return _bad_request("request body must be a JSON object")
+    missing = [name for name in state.config.required_fields if name not in body]
+    if missing:
+        return _unprocessable(body, missing)
     messages = body.get("messages")
     if messages is None:
         return _bad_request("'messages' is a required property")
@@ -536,7 +480,21 @@ def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
     problem = _check_tools(body.get("tools"), body.get("tool_choice"))
     if problem:
         return _bad_request(problem)
+    text = orjson.dumps(messages).decode()
+    for marker, message in state.config.refusals.items():
+        if marker in text:
+            return _bad_request(message)
     return body
+
+
+def _unprocessable(body: dict[str, Any], missing: list[str]) -> web.Response:
+    """FastAPI's answer to a body that fails validation: each error echoes its input,
+    here the whole request, so no two requests get the same text."""
+    detail = [
+        {"type": "missing", "loc": ["body", name], "msg": "Field required", "input": body}
+        for name in missing
+    ]
+    return web.Response(status=422, body=orjson.dumps({"detail": detail}), content_type=_JSON)
 
 
 def _check_tools(tools: Any, choice: Any) -> str | None:
@@ -610,9 +568,7 @@ def _generate(body: dict[str, Any], digest: str, config: SimConfig, *, empty: bo
     request's token limit wherever it falls."""
     thinking = config.reasoning != "none" and not _thinking_off(body) and not empty
     tool = None if empty else _tool_to_call(body, digest, config)
-    answer_length = _completion_length(digest, config.mean_tokens)
-    # Another slice of the digest, so reasoning and answer lengths vary independently.
-    reasoning_length = _completion_length(digest[8:], config.mean_tokens) if thinking else 0
+    answer_length, reasoning_length = _lengths(body, digest, config, thinking=thinking)
     full = reasoning_length + answer_length
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     budget = min(full, limit) if limit else full
@@ -1021,8 +977,8 @@ def _metrics_text(state: _State) -> str:
 
     batcher = state.batcher
     if batcher is not None:
-        running, queued = len(batcher.running), len(batcher.queue)
-        usage, throughput = batcher.usage, batcher.throughput()
+        running, queued = len(batcher.model.running), len(batcher.model.queue)
+        usage, throughput = batcher.model.usage, batcher.throughput()
     else:
         running, queued = stats.running, 0
         usage = min(1.0, stats.running_tokens / _KV_CAPACITY_TOKENS)
@@ -1043,7 +999,7 @@ def _metrics_text(state: _State) -> str:
     counter(
         "sglang:num_retracted_requests",
         "Number of requests retracted (the KV cache overflowed).",
-        batcher.retracted if batcher is not None else 0,
+        batcher.model.retracted if batcher is not None else 0,
     )
 
     name = "sglang:e2e_request_latency_seconds"

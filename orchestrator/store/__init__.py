@@ -79,18 +79,13 @@ async def open_database(
     and upgrades an older schema; ``read`` refuses anything not at this schema and never
     changes the database. See :func:`orchestrator.store.migrate.check_open`.
     """
-    from orchestrator.store.engine import create_database, missing_database, resolve_url
-    from orchestrator.store.migrate import check_open, database_facts, ensure_schema, sqlite_facts
+    from orchestrator.store.engine import create_database, resolve_url
+    from orchestrator.store.migrate import check_open, check_sqlite, database_facts, ensure_schema
 
     url = resolve_url(db)
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        path = str(url.database)
-        facts = sqlite_facts(path)
-        if facts is None and mode != "create":
-            raise missing_database(path)
-        if facts is not None:
-            check_open(mode, path, revision=facts[0], tables=facts[1], adopt=adopt)
-    database = create_database(url)
+        check_sqlite(str(url.database), mode, adopt=adopt)
+    database = create_database(url, read_only=mode == "read")
     try:
         if not database.is_sqlite:
             revision, tables = await database_facts(database)

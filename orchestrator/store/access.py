@@ -12,14 +12,19 @@ Neither SQLAlchemy nor asyncio is imported here until the engine's path is taken
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Generator
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from orchestrator.store.reader import EngineRows, Reader, open_reader, sqlite_path
 
 if TYPE_CHECKING:
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
     from orchestrator.store.engine import Database
     from orchestrator.store.reader import Rows
 
@@ -80,40 +85,190 @@ async def read(database: Database, fn: Callable[[Rows], T]) -> T:
         return await conn.run_sync(lambda c: fn(EngineRows(c, database.where)))
 
 
-async def read_batches(
-    database: Database, fn: Callable[[Rows], Generator[T, None, None]]
-) -> AsyncIterator[T]:
-    """What ``fn`` yields over one read transaction, handed over as it comes.
+def read_batches(database: Database, fn: Callable[[Rows], Generator[T, None, None]]) -> Batches[T]:
+    """What ``fn`` yields over one read transaction, handed over as it comes (:class:`Batches`)."""
+    return Batches(database, fn)
+
+
+class Batches(Generic[T]):
+    """What ``fn`` yields over one read transaction, as an async iterator.
+
+    The transaction is held from the first ``next`` until the last batch, :meth:`aclose`
+    (or the end of ``async with``), or until the iterator is dropped: then it is ended at
+    once (sqlite3) or on its event loop (the engine), quietly, and ``Database.close``
+    waits for it. (An async generator would leave that to the loop's hooks, which close
+    nested generators in no order, print what goes wrong, and do nothing once the loop
+    is gone.)
 
     Each ``next`` runs where the adapter needs it: on a worker thread for the sqlite3
     reader, or inside ``run_sync`` on the engine's connection (its server-side cursor
     stays open between them).
     """
+
+    def __init__(self, database: Database, fn: Callable[[Rows], Generator[T, None, None]]):
+        self._database = database
+        self._fn = fn
+        self._held: _FileRead | _EngineRead | None = None
+        self._done = False
+        self._lock: asyncio.Lock | None = None
+
+    def __aiter__(self) -> Batches[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        import asyncio
+
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            if self._done:
+                raise StopAsyncIteration
+            try:
+                if self._held is None:
+                    self._held = await _hold(self._database, self._fn)
+                item = await self._held.step()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self._release()
+                raise
+            if item is _END:
+                await self._release()
+                raise StopAsyncIteration
+            return item  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        """End the read now (after a ``next`` in flight); later ``next`` calls stop."""
+        if self._lock is None:
+            self._done = True
+            return
+        async with self._lock:
+            await self._release()
+
+    async def __aenter__(self) -> Batches[T]:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def _release(self) -> None:
+        self._done = True
+        held, self._held = self._held, None
+        if held is not None:
+            await held.release()
+
+    def __del__(self) -> None:
+        held, self._held = getattr(self, "_held", None), None
+        if held is not None:
+            held.release_later()
+
+
+_END = object()
+
+
+class _FileRead:
+    """A read on the sqlite3 adapter (opened ``check_same_thread=False``: any thread
+    may step it or close it)."""
+
+    def __init__(self, reader: Reader, produced: Generator[Any, None, None], database: Database):
+        self.reader = reader
+        self.produced = produced
+        self.database = database
+
+    async def step(self) -> Any:
+        import asyncio
+
+        try:
+            return await asyncio.to_thread(next, self.produced, _END)
+        except sqlite3.Error as exc:
+            raise _storage_error(exc, self.database) from exc
+
+    async def release(self) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self.release_later)
+
+    def release_later(self) -> None:
+        """Close now, from whichever thread: no event loop is needed to end it."""
+        with contextlib.suppress(Exception):
+            self.produced.close()
+        self.reader.close()
+
+
+class _EngineRead:
+    """A read on the engine's connection: every step inside its ``run_sync``."""
+
+    def __init__(
+        self,
+        conn: AsyncConnection,
+        produced: Generator[Any, None, None],
+        database: Database,
+        loop: asyncio.AbstractEventLoop,
+    ):
+        self.conn = conn
+        self.produced = produced
+        self.database = database
+        self.loop = loop
+
+    async def step(self) -> Any:
+        from sqlalchemy.exc import DBAPIError
+
+        try:
+            return await self.conn.run_sync(lambda _c: next(self.produced, _END))
+        except DBAPIError as exc:
+            from orchestrator.store.engine import storage_error
+
+            raise storage_error(exc, self.database.url) from exc
+
+    async def release(self) -> None:
+        try:
+            await self.conn.run_sync(lambda _c: self.produced.close())
+        finally:
+            await self.conn.close()
+
+    def release_later(self) -> None:
+        """End the read on its own loop, from whichever thread dropped it; the database
+        keeps the task until it is done (and ``Database.close`` waits for it)."""
+        import asyncio
+
+        if self.loop.is_closed():
+            return
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is self.loop:
+            self._spawn()
+        else:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing to run on
+                self.loop.call_soon_threadsafe(self._spawn)
+
+    def _spawn(self) -> None:
+        task = self.loop.create_task(self._quiet_release())
+        self.database.reads_ending.add(task)
+        task.add_done_callback(self.database.reads_ending.discard)
+
+    async def _quiet_release(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.release()
+
+
+async def _hold(
+    database: Database, fn: Callable[[Rows], Generator[T, None, None]]
+) -> _FileRead | _EngineRead:
+    """One read transaction through whichever adapter fits, and ``fn``'s generator on it."""
     import asyncio
 
-    end = object()
-    reader = None
     if database.is_sqlite:
         database.check_file()
         reader = fast_reader(database, check_same_thread=False)
-    if reader is not None:
-        with reader:
-            produced = fn(reader)
-            try:
-                while (item := await asyncio.to_thread(next, produced, end)) is not end:
-                    yield item  # type: ignore[misc]
-            except sqlite3.Error as exc:
-                raise _storage_error(exc, database) from exc
-            finally:
-                produced.close()
-        return
-    async with database.read() as conn:
+        if reader is not None:
+            return _FileRead(reader, fn(reader), database)
+    conn = await database.begin_read()
+    try:
         produced = await conn.run_sync(lambda c: fn(EngineRows(c, database.where)))
-        try:
-            while (item := await conn.run_sync(lambda _c: next(produced, end))) is not end:
-                yield item  # type: ignore[misc]
-        finally:
-            await conn.run_sync(lambda _c: produced.close())
+    except BaseException:
+        await conn.close()
+        raise
+    return _EngineRead(conn, produced, database, asyncio.get_running_loop())
 
 
 def _storage_error(exc: sqlite3.Error, database: Database) -> Exception:

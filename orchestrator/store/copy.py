@@ -35,8 +35,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError, SchemaError
 from orchestrator.quality import NUL_CHAR
-from orchestrator.store.engine import Database, create_database, describe, insert_many, resolve_url
-from orchestrator.store.migrate import current_revision, head_revision, upgrade
+from orchestrator.store import open_database
+from orchestrator.store.engine import Database, create_database, insert_many, resolve_url
+from orchestrator.store.migrate import upgrade
 from orchestrator.store.queue import put_back, storable
 
 log = structlog.get_logger("orchestrator.store.copy")
@@ -76,23 +77,17 @@ async def copy_database(
     src_url, dst_url = resolve_url(source_url), resolve_url(target_url)
     if _same(src_url, dst_url):
         raise ConfigError("--from and --to name the same database")
-    if src_url.get_backend_name() == "sqlite":
-        import os
-
-        if not src_url.database or not os.path.exists(src_url.database):
-            raise ConfigError(f"{describe(src_url)}: no such database file")
-    source = create_database(src_url)
-    target = create_database(dst_url)
+    # Read as every read-only command reads: at this schema, and never changed; checked
+    # before the target is touched.
+    source = await open_database(source_url, mode="read")
+    try:
+        target = create_database(dst_url)
+    except BaseException:
+        await source.close()
+        raise
     report = CopyReport(source=source.where, target=target.where)
     started = time.monotonic()
     try:
-        head = head_revision()
-        at = await current_revision(source)
-        if at != head:
-            raise SchemaError(
-                f"{source.where}: schema {at or 'empty'}, this orchestrator's is {head}: "
-                f"run `orchestrator db upgrade --db {source_url}` first"
-            )
         await _refuse_non_empty(target)
         await upgrade(target)
         async with source.read() as read:

@@ -46,6 +46,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from orchestrator.errors import StorageError
+from orchestrator.store.reader import not_a_file, read_uri
 
 log = structlog.get_logger("orchestrator.store")
 
@@ -108,17 +109,6 @@ def _open_failure(path: str) -> str:
     return "cannot open the database file"
 
 
-def missing_database(path: str) -> StorageError:
-    """A mistyped --db must not start an empty run: say where we looked, and why there."""
-    env = os.environ.get("ORCHESTRATOR_DB")
-    return StorageError(
-        f"no database at {os.path.abspath(path)} (named by --db, else ORCHESTRATOR_DB "
-        f"({env or 'unset'}), else ./{DEFAULT_DB}; relative to the working directory "
-        f"{os.getcwd()}). Only `orchestrator enqueue` and `orchestrator db upgrade` create "
-        "a database: check the path, or set ORCHESTRATOR_DB"
-    )
-
-
 def _file_identity(url: URL) -> tuple[int, int] | None:
     """The (device, inode) of an SQLite database file, to tell it from a later one."""
     path = str(url.database or "")
@@ -145,7 +135,12 @@ def _sqlite_synchronous() -> str:
 
 def _prepare_sqlite_file(path: str) -> None:
     """Create the database file readable by its owner only, before SQLite creates it."""
-    if path in ("", ":memory:") or os.path.exists(path):
+    if path in ("", ":memory:"):
+        return
+    if os.path.exists(path):
+        problem = not_a_file(path)
+        if problem:
+            raise StorageError(problem)
         return
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
@@ -177,15 +172,19 @@ def _create_failure(folder: str, exc: OSError) -> str:
 class Database:
     """An async engine plus the rules for using it: one writer, immediate transactions."""
 
-    def __init__(self, engine: AsyncEngine, url: URL):
+    def __init__(self, engine: AsyncEngine, url: URL, *, read_only: bool = False):
         self.engine = engine
         self.url = url
         self.is_sqlite = url.get_backend_name() == "sqlite"
+        #: Opened to read only (``create_database(read_only=True)``): writes are refused.
+        self.read_only = read_only
         self._write_lock = asyncio.Lock()
         self._sync_engine: sa.Engine | None = None
         self._writer_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._file = _file_identity(url) if self.is_sqlite else None
         self._gone: StorageError | None = None
+        # Reads given up before their end, being ended on the loop (store.access.Batches).
+        self.reads_ending: set[asyncio.Future[None]] = set()
         if self._file is not None:
             event.listen(engine.sync_engine, "do_connect", self._before_connect)
 
@@ -227,6 +226,12 @@ class Database:
     def where(self) -> str:
         return describe(self.url)
 
+    def _check_writable(self) -> None:
+        if self._gone is not None:
+            raise self._gone
+        if self.read_only:
+            raise StorageError(f"{self.where}: opened to read only; nothing was written")
+
     @contextlib.asynccontextmanager
     async def write(self) -> AsyncIterator[AsyncConnection]:
         """A write transaction: serialised in this process, BEGIN IMMEDIATE on SQLite.
@@ -234,8 +239,7 @@ class Database:
         A lock held by another process longer than ``busy_timeout`` is retried with
         jittered backoff rather than surfacing "database is locked".
         """
-        if self._gone is not None:
-            raise self._gone
+        self._check_writable()
         async with self._write_lock:
             conn = await self._begin_write()
             try:
@@ -262,8 +266,7 @@ class Database:
         if not self.is_sqlite or self.url.database in (None, "", ":memory:"):
             async with self.write() as conn:
                 return await conn.run_sync(fn)
-        if self._gone is not None:
-            raise self._gone
+        self._check_writable()
         async with self._write_lock:
             if self._writer_thread is None:
                 self._writer_thread = concurrent.futures.ThreadPoolExecutor(
@@ -342,13 +345,31 @@ class Database:
     @contextlib.asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
         """A read-only snapshot (deferred BEGIN on SQLite, so it never takes the write lock)."""
+        conn = await self.begin_read()
+        try:
+            yield conn
+        except DBAPIError as exc:
+            raise storage_error(exc, self.url) from exc
+        finally:
+            await conn.close()
+
+    async def begin_read(self) -> AsyncConnection:
+        """A connection in a read-only snapshot, for a read held across the caller's own
+        awaits (``store.access.Batches``): closing it ends the snapshot."""
         if self._gone is not None:
             raise self._gone
         try:
-            async with self._reader.connect() as conn, conn.begin():
-                yield conn
+            conn = await self._reader.connect()
         except DBAPIError as exc:
             raise storage_error(exc, self.url) from exc
+        try:
+            await conn.begin()
+        except BaseException as exc:
+            await conn.close()
+            if isinstance(exc, DBAPIError):
+                raise storage_error(exc, self.url) from exc
+            raise
+        return conn
 
     @property
     def _reader(self) -> AsyncEngine:
@@ -378,6 +399,8 @@ class Database:
             log.warning("checkpoint_skipped", mode=mode, error=str(getattr(exc, "orig", exc)))
 
     async def close(self) -> None:
+        if self.reads_ending:
+            await asyncio.gather(*self.reads_ending, return_exceptions=True)
         if self._writer_thread is not None:
             if self._sync_engine is not None:
                 loop = asyncio.get_running_loop()
@@ -428,11 +451,23 @@ async def _quiet_rollback(conn: AsyncConnection) -> None:
         await conn.rollback()
 
 
-def create_database(db: str | os.PathLike[str] | URL | None = None) -> Database:
+def create_database(
+    db: str | os.PathLike[str] | URL | None = None, *, read_only: bool = False
+) -> Database:
+    """The database ``db`` names, not connected yet.
+
+    ``read_only``: an SQLite file is read as ``store.reader.read_uri`` says, with
+    ``query_only`` on and none of the writer's pragmas (no switch to WAL): reading it
+    changes nothing, and a missing file is not created. Writes are refused.
+    """
     url = db if isinstance(db, URL) else resolve_url(db)
     kwargs: dict[str, Any] = {}
     if url.get_backend_name() == "sqlite":
-        _prepare_sqlite_file(str(url.database or ""))
+        path = str(url.database or "")
+        if not read_only:
+            _prepare_sqlite_file(path)
+        elif path not in ("", ":memory:") and not path.startswith("file:"):
+            read_uri(path)  # a directory, or a WAL that cannot be read, is said at once
         kwargs["connect_args"] = {"timeout": BUSY_TIMEOUT_MS / 1000}
     elif url.get_backend_name() == "postgresql":
         # READ COMMITTED, said outright: each statement sees what was committed before it
@@ -442,29 +477,36 @@ def create_database(db: str | os.PathLike[str] | URL | None = None) -> Database:
         kwargs["isolation_level"] = "READ COMMITTED"
     engine = create_async_engine(url, **kwargs)
     if url.get_backend_name() == "sqlite":
-        _install_sqlite_hooks(engine.sync_engine)
-    return Database(engine, url)
+        _install_sqlite_hooks(engine.sync_engine, read_only=read_only)
+    return Database(engine, url, read_only=read_only)
 
 
-def _install_sqlite_hooks(engine: sa.Engine) -> None:
-    synchronous = _sqlite_synchronous()
+def _install_sqlite_hooks(engine: sa.Engine, *, read_only: bool = False) -> None:
+    pragmas = (
+        f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}",
+        *(("PRAGMA query_only = ON",) if read_only else _writer_pragmas()),
+        "PRAGMA foreign_keys = ON",
+        # 8 MiB a connection: the hot pages (the front of the pending index, the
+        # rows in flight, the end of outputs) fit, and a worker's memory stays flat
+        # however many items are done (a larger cache only filled up with them).
+        "PRAGMA cache_size = -8192",
+    )
+
+    if read_only:
+
+        @event.listens_for(engine, "do_connect")
+        def _read_only_open(_dialect: Any, _record: Any, cargs: list[Any], cparams: Any) -> None:
+            path = str(engine.url.database or "")
+            if path not in ("", ":memory:") and not path.startswith("file:"):
+                cargs[:1] = [read_uri(path)]
+                cparams["uri"] = True
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         # Take transaction control away from the driver; _on_begin emits our own BEGIN.
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
-        for pragma in (
-            f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}",
-            "PRAGMA journal_mode = WAL",
-            f"PRAGMA synchronous = {synchronous}",
-            "PRAGMA foreign_keys = ON",
-            "PRAGMA journal_size_limit = 67108864",
-            # 8 MiB a connection: the hot pages (the front of the pending index, the
-            # rows in flight, the end of outputs) fit, and a worker's memory stays flat
-            # however many items are done (a larger cache only filled up with them).
-            "PRAGMA cache_size = -8192",
-        ):
+        for pragma in pragmas:
             cursor.execute(pragma)
         cursor.close()
 
@@ -472,3 +514,12 @@ def _install_sqlite_hooks(engine: sa.Engine) -> None:
     def _on_begin(conn: sa.Connection) -> None:
         mode = conn.get_execution_options().get("sqlite_begin", "IMMEDIATE")
         conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def _writer_pragmas() -> tuple[str, ...]:
+    """What a connection that may write sets: WAL, and how hard a commit is synced."""
+    return (
+        "PRAGMA journal_mode = WAL",
+        f"PRAGMA synchronous = {_sqlite_synchronous()}",
+        "PRAGMA journal_size_limit = 67108864",
+    )

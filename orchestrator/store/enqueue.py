@@ -68,17 +68,20 @@ class RecordLike(Protocol):
     def prompt_tokens(self) -> int | None: ...
     @property
     def completion_tokens(self) -> int | None: ...
+    @property
+    def predicted_tokens(self) -> int: ...
 
 
-Prepared = tuple[int, str, str, str, str]
-"""A record with its request already encoded: ``(line, key, fmt, digest, body)``
-(``orchestrator.formats.Prepared``). The order is part of the contract: batches are
-bound to the INSERT as they come, without building another tuple per line."""
+Prepared = tuple[int, str, str, str, str, int]
+"""A record with its request already encoded: ``(line, key, fmt, digest, body,
+predicted_tokens)`` (``orchestrator.formats.Prepared``). The order is part of the
+contract: batches are bound to the INSERT as they come, without building another tuple
+per line."""
 
-PreparedItem = tuple[int, str, str, str, str, str, int, int | None, int | None]
-"""``Prepared`` plus ``(mode, turns, prompt_tokens, completion_tokens)``
-(``orchestrator.formats.PreparedItem``): lines read for ``regenerate="all"`` or
-pass-through."""
+PreparedItem = tuple[int, str, str, str, str, str, int, int | None, int | None, int]
+"""The first five of ``Prepared``, then ``(mode, turns, prompt_tokens,
+completion_tokens, predicted_tokens)`` (``orchestrator.formats.PreparedItem``): lines
+read for ``regenerate="all"`` or pass-through."""
 
 
 @dataclass(slots=True)
@@ -198,7 +201,7 @@ def _prepared(
         return chain((first,), it)
     if getattr(first, "mode", "last") == "last":
         return (
-            (r.line, r.key, r.fmt, r.digest, orjson.dumps(r.request).decode())
+            (r.line, r.key, r.fmt, r.digest, orjson.dumps(r.request).decode(), r.predicted_tokens)
             for r in chain((first,), it)  # type: ignore[union-attr]
         )
     return (
@@ -212,6 +215,7 @@ def _prepared(
             r.turns,
             r.prompt_tokens,
             r.completion_tokens,
+            r.predicted_tokens,
         )
         for r in chain((first,), it)  # type: ignore[union-attr]
     )
@@ -231,7 +235,7 @@ _READ_AS = {
 
 def _check_mode(info: DatasetInfo, mode: str, first: tuple[Any, ...]) -> None:
     """Lines read for another kind of dataset would be stored wrong: refuse them."""
-    read = first[5] if len(first) > 5 else "last"
+    read = first[5] if len(first) > 6 else "last"  # a PreparedItem names its mode
     if read != mode:
         raise ConfigError(
             f"dataset {info.name!r} {_MODE_NAMES[mode]}, but the lines were read for a "
@@ -294,7 +298,7 @@ async def _writer(conn: AsyncConnection, database: Database, context: _Context) 
         driver = (await conn.get_raw_connection()).driver_connection
         if isinstance(driver, aiosqlite.Connection):
             limit = await _in_driver_thread(driver, _variable_limit)
-            # The statement binds 3 + 5 (or 6) per line, the key lookup 1 + 1 per line.
+            # The statement binds 3 + 6 (or 7) per line, the key lookup 1 + 1 per line.
             width = _WIDTHS[context.mode]
             return _SqliteWriter(context, driver, database, min(BATCH, (limit - 3) // width))
     return _Writer(context, conn)
@@ -325,12 +329,15 @@ class _Writer:
         dataset_id, base, now = c.info.id, c.base, c.now
         assert self.conn is not None
         if c.mode == "last":
-            rows = [(dataset_id, r[1], base + r[0], r[4], r[3], now, now) for r in fresh]
-            await insert_many(self.conn, "items", _INSERT_COLUMNS, rows)
+            rows = [(dataset_id, r[1], base + r[0], r[4], r[3], now, now, r[5]) for r in fresh]
+            await insert_many(self.conn, "items", (*_INSERT_COLUMNS, "predicted_tokens"), rows)
             c.report.turns += len(rows)
         elif c.mode == "all":
-            rows = [(dataset_id, r[1], base + r[0], r[4], r[3], now, now, r[6]) for r in fresh]
-            await insert_many(self.conn, "items", (*_INSERT_COLUMNS, "turns"), rows)
+            rows = [
+                (dataset_id, r[1], base + r[0], r[4], r[3], now, now, r[9], r[6]) for r in fresh
+            ]
+            columns = (*_INSERT_COLUMNS, "predicted_tokens", "turns")
+            await insert_many(self.conn, "items", columns, rows)
             c.report.turns += sum(r[6] for r in fresh)
         else:
             rows = [
@@ -432,8 +439,8 @@ class _SqliteWriter(_Writer):
     async def write(self, batch: list[Any]) -> None:
         await self.flush()
         if self.context.mode == "all":
-            # (line, key, fmt, digest, body, turns): what the statement binds.
-            batch = [(*r[:5], r[6]) for r in batch]
+            # (line, key, fmt, digest, body, predicted_tokens, turns): what it binds.
+            batch = [(*r[:5], r[9], r[6]) for r in batch]
         if self.checked:
             present = self.context.report.already_present
             batch = await self._fresh(batch)
@@ -470,7 +477,7 @@ class _SqliteWriter(_Writer):
         except sqlite3.Error as exc:
             raise storage_error(exc, self.database.url) from exc
         report.added += len(batch)
-        report.turns += sum(r[5] for r in batch) if self.context.mode == "all" else len(batch)
+        report.turns += sum(r[6] for r in batch) if self.context.mode == "all" else len(batch)
 
     async def close(self) -> None:
         pending, self._pending = self._pending, None
@@ -523,23 +530,25 @@ def _insert_in_thread(
 
 
 @functools.lru_cache(maxsize=8)
-def _insert_sql(n: int, width: int = 5) -> str:
+def _insert_sql(n: int, width: int = 6) -> str:
     """A multi-row INSERT of ``n`` prepared lines bound as they are.
 
     Parameters: ?1 dataset id, ?2 now, ?3 base position, then each line's
-    ``(line, key, fmt, digest, body)``, plus ``turns`` when ``width`` is 6; the format is
-    bound but not stored.
+    ``(line, key, fmt, digest, body, predicted_tokens)``, plus ``turns`` when ``width``
+    is 7; the format is bound but not stored.
     """
-    turns = width == 6
+    turns = width == 7
     values = ", ".join(
-        f"(?1, ?{p + 1}, ?3 + ?{p}, ?{p + 4}, ?{p + 3}, ?2, ?2" + (f", ?{p + 5})" if turns else ")")
+        f"(?1, ?{p + 1}, ?3 + ?{p}, ?{p + 4}, ?{p + 3}, ?2, ?2, ?{p + 5}"
+        + (f", ?{p + 6})" if turns else ")")
         for p in range(4, 4 + width * n, width)
     )
-    columns = ", ".join(f'"{c}"' for c in (*_INSERT_COLUMNS, *(("turns",) if turns else ())))
+    names = (*_INSERT_COLUMNS, "predicted_tokens", *(("turns",) if turns else ()))
+    columns = ", ".join(f'"{c}"' for c in names)
     return f"INSERT INTO items ({columns}) VALUES {values}"
 
 
-_WIDTHS = {"last": 5, "all": 6}
+_WIDTHS = {"last": 6, "all": 7}
 """Parameters bound per line by the SQLite writer, by mode."""
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.errors import SchemaError, StorageError
+from orchestrator.errors import EmptyDatabase, SchemaError, StorageError
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from orchestrator.store.engine import Database
 
 # The head of migrations/versions; a test keeps the two equal.
-SCHEMA_REVISION = "0008"
+SCHEMA_REVISION = "0009"
 
 _OUR_TABLES = {"datasets", "items", "outputs"}
 # The PostgreSQL advisory lock that serialises schema upgrades ("orch" in ASCII).
@@ -165,7 +165,7 @@ def check_open(
                 "upgrade --into-existing` to add the queue's tables to it"
             )
         if mode != "create":
-            raise StorageError(
+            raise EmptyDatabase(
                 f"{where}: empty database, no orchestrator schema yet (nothing was enqueued "
                 "into it); `orchestrator enqueue` creates the schema"
             )
@@ -195,25 +195,21 @@ def _known(revision: str) -> bool:
 
 
 def sqlite_facts(path: str) -> tuple[str | None, list[str]] | None:
-    """(schema revision, table names) of an SQLite file, read without changing it; None
-    when there is no file. Plain sqlite3 in read-only mode: no WAL switch, no journal."""
+    """(schema revision, table names) of an SQLite file, read without changing it
+    (``store.reader.connect``: no WAL switch, no journal, nothing left beside it); None
+    when there is no file."""
+    import os
     import sqlite3
-    from pathlib import Path
 
-    if not Path(path).exists():
+    from orchestrator.store.reader import connect
+
+    if not os.path.exists(path):
         return None
-    uri = Path(path).absolute().as_uri() + "?mode=ro"
     try:
-        return _sqlite_facts(sqlite3.connect(uri, uri=True, timeout=30), path)
-    except sqlite3.OperationalError as exc:
-        if "unable to open" not in str(exc):
-            raise StorageError(f"{path}: cannot open the database file ({exc})") from exc
-    # A WAL file on a read-only file system cannot be opened without its shared-memory
-    # file: read it as immutable instead (nothing else can be writing to it there).
-    try:
-        return _sqlite_facts(sqlite3.connect(uri + "&immutable=1", uri=True), path)
+        conn = connect(path)
     except sqlite3.Error as exc:
         raise StorageError(f"{path}: cannot open the database file ({exc})") from exc
+    return _sqlite_facts(conn, path)
 
 
 def _sqlite_facts(conn: Any, path: str) -> tuple[str | None, list[str]]:
@@ -233,8 +229,8 @@ def _sqlite_facts(conn: Any, path: str) -> tuple[str | None, list[str]]:
             revision = rows[0][0] if rows else None
             tables.remove("alembic_version")
         return revision, tables
-    except sqlite3.OperationalError:
-        raise
+    except sqlite3.OperationalError as exc:
+        raise StorageError(f"{path}: cannot read the database file ({exc})") from exc
     except sqlite3.DatabaseError as exc:
         raise StorageError(
             f"{path}: the file is not an orchestrator (SQLite) database ({exc})"
@@ -242,6 +238,33 @@ def _sqlite_facts(conn: Any, path: str) -> tuple[str | None, list[str]]:
     finally:
         with contextlib.suppress(sqlite3.Error):
             conn.close()
+
+
+def check_sqlite(path: str, mode: str, *, adopt: bool = False) -> None:
+    """What an open for ``mode`` checks of an SQLite file before anything else touches it:
+    it exists (unless ``mode`` is ``create``), is a file, and holds what ``check_open``
+    allows. Read with plain sqlite3, read-only: a refused file is left as it was."""
+    facts = sqlite_facts(path)
+    if facts is None:
+        if mode != "create":
+            raise missing_database(path)
+        return
+    check_open(mode, path, revision=facts[0], tables=facts[1], adopt=adopt)
+
+
+def missing_database(path: str) -> StorageError:
+    """A mistyped --db must not start an empty run: say where we looked, and why there."""
+    import os
+
+    from orchestrator.store.reader import DEFAULT_DB
+
+    env = os.environ.get("ORCHESTRATOR_DB")
+    return StorageError(
+        f"no database at {os.path.abspath(path)} (named by --db, else ORCHESTRATOR_DB "
+        f"({env or 'unset'}), else ./{DEFAULT_DB}; relative to the working directory "
+        f"{os.getcwd()}). Only `orchestrator enqueue` and `orchestrator db upgrade` create "
+        "a database: check the path, or set ORCHESTRATOR_DB"
+    )
 
 
 async def database_facts(database: Database) -> tuple[str | None, list[str]]:
@@ -265,10 +288,7 @@ async def upgrade_database(db: str | None, *, adopt: bool = False) -> tuple[str 
 
     url = resolve_url(db)
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        facts = sqlite_facts(str(url.database))
-        if facts is not None:
-            revision, tables = facts
-            check_open("create", str(url.database), revision=revision, tables=tables, adopt=adopt)
+        check_sqlite(str(url.database), "create", adopt=adopt)
     database = create_database(url)
     try:
         if not database.is_sqlite:

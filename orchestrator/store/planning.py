@@ -50,6 +50,16 @@ class StoredDataset:
     """Their sum: every turn of the item each."""
     answer_turns: int
     """The turns those outputs cover (one each for ``last``)."""
+    predicted_left: int = 0
+    """Running and pending items whose line held an answer (``items.predicted_tokens``)..."""
+    predicted_left_tokens: int = 0
+    """...the sum of those predictions..."""
+    predicted_left_requests: int = 0
+    """...and the requests (turns) they still have."""
+    predicted_answers: int = 0
+    """Outputs of items with a prediction, their completion tokens, and the predictions."""
+    predicted_answer_tokens: int = 0
+    predicted_tokens: int = 0
 
     @property
     def mean_completion_tokens(self) -> float:
@@ -65,6 +75,7 @@ async def stored_datasets(database: Database) -> list[StoredDataset]:
     much of the file is requests.
     """
     left = items.c.turns - items.c.turn
+    has_prediction = items.c.predicted_tokens > 0
     async with database.read() as conn:
         by_state = (
             await conn.execute(
@@ -86,10 +97,25 @@ async def stored_datasets(database: Database) -> list[StoredDataset]:
                     sa.func.count(),
                     sa.func.sum(outputs.c.completion_tokens),
                     sa.func.sum(items.c.turns),
+                    sa.func.count(sa.case((has_prediction, 1))),
+                    sa.func.sum(sa.case((has_prediction, outputs.c.completion_tokens))),
+                    sa.func.sum(sa.case((has_prediction, items.c.predicted_tokens))),
                 )
                 .select_from(outputs.join(items, items.c.id == outputs.c.item_id))
                 .where(outputs.c.completion_tokens.is_not(None))
                 .group_by(outputs.c.dataset_id)
+            )
+        ).all()
+        predicted = (
+            await conn.execute(
+                sa.select(
+                    items.c.dataset_id,
+                    sa.func.count(),
+                    sa.func.sum(items.c.predicted_tokens),
+                    sa.func.sum(left),
+                )
+                .where(items.c.state.in_(("pending", "running")), items.c.predicted_tokens > 0)
+                .group_by(items.c.dataset_id)
             )
         ).all()
         rows = (await conn.execute(sa.select(datasets).order_by(datasets.c.name))).all()
@@ -105,22 +131,26 @@ async def stored_datasets(database: Database) -> list[StoredDataset]:
         else:
             c["done"] += int(turn or 0)
             c[state] += int(todo or 0)
-    tokens = {d: (n, int(t or 0), int(turns or 0)) for d, n, t, turns in answers}
-
-    return [_stored(row, counts.get(row.id), tokens.get(row.id)) for row in rows]
+    tokens = {a[0]: tuple(int(v or 0) for v in a[1:]) for a in answers}
+    ahead = {p[0]: tuple(int(v or 0) for v in p[1:]) for p in predicted}
+    return [_stored(row, counts.get(row.id), tokens.get(row.id), ahead.get(row.id)) for row in rows]
 
 
 def _stored(
-    row: sa.Row[Any], counts: dict[str, Any] | None, tokens: tuple[int, int, int] | None
+    row: sa.Row[Any],
+    counts: dict[str, Any] | None,
+    tokens: tuple[int, ...] | None,
+    ahead: tuple[int, ...] | None,
 ) -> StoredDataset:
     """A pass-through dataset has items and their bytes, but no requests and no answers."""
     c = dict.fromkeys(_COUNTS, 0) | (counts or {})
-    answers = tokens or (0, 0, 0)
+    answers = tokens or (0,) * 6
     passthrough = bool(row.passthrough)
     if passthrough:
         c = dict.fromkeys(_COUNTS, 0) | {"items": c["items"], "bytes": c["bytes"]}
-        answers = (0, 0, 0)
-    n_answers, completion, answer_turns = answers
+        answers, ahead = (0,) * 6, None
+    n_answers, completion, answer_turns, predicted_n, predicted_actual, predicted = answers
+    left_n, left_tokens, left_requests = ahead or (0, 0, 0)
     return StoredDataset(
         name=row.name,
         format=row.input_format,
@@ -136,4 +166,10 @@ def _stored(
         answers=n_answers,
         completion_tokens=completion,
         answer_turns=answer_turns,
+        predicted_left=left_n,
+        predicted_left_tokens=left_tokens,
+        predicted_left_requests=left_requests,
+        predicted_answers=predicted_n,
+        predicted_answer_tokens=predicted_actual,
+        predicted_tokens=predicted,
     )

@@ -16,6 +16,11 @@
 * ``reap`` returns items whose lease expired, or whose holder on this host is dead, to
   pending, or to failed once their attempts are spent: an item that kills its worker
   every time still ends.
+* ``reopen`` (requeue) and ``restore`` (its undo) move items no worker holds; they are
+  fenced by the state the item is in, under a lock on its row (:func:`hold`).
+
+An item has an ``outputs`` row exactly while it is done: every transition into done
+writes it, every transition out of done sets it aside, in the same transaction.
 """
 
 from __future__ import annotations
@@ -24,16 +29,30 @@ import functools
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import sqlalchemy as sa
+import structlog
 
 from orchestrator.answer import Answer
+from orchestrator.lengths import Expected
 from orchestrator.store.engine import Database, insert_rows
-from orchestrator.store.schema import attempt_errors, datasets, item_turns, items
+from orchestrator.store.schema import (
+    attempt_errors,
+    datasets,
+    item_turns,
+    items,
+    outputs,
+    requeued_items,
+    superseded_outputs,
+    superseded_turns,
+)
+
+log = structlog.get_logger("orchestrator.store")
 
 # Bound parameter lists so one statement stays well under SQLite's variable limit.
 _CHUNK = 400
@@ -63,6 +82,9 @@ class Lease:
     generated_tokens: int = 0
     generated_flags: int = 0
     generated_latency: float = 0.0
+    # The error the item was last put back to pending with (a retry, or a release: the
+    # run guard's, when it stopped a run while holding it), as stored; None: none.
+    last_failure: Failure | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +232,13 @@ class Claim:
     #: ``started`` caches the datasets found to have had theirs, across claims.
     scouts: int = 0
     started: set[int] = field(default_factory=set)
+    #: Take items never put back (no error kept) before any other: a dataset's trial
+    #: item is then not one the run guard held when an earlier run stopped.
+    fresh_first: bool = False
+    #: How each dataset's items rank (``orchestrator.lengths``): the datasets of one
+    #: priority are claimed from together, the longest answers first. A dataset not
+    #: listed ranks its items by their prediction alone.
+    lengths: Mapping[int, Expected] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -286,7 +315,8 @@ class Queue:
         suspect_slots: int | None = None,
         now: float | None = None,
     ) -> list[Lease]:
-        """Lease up to ``want`` items: higher priority first, then dataset, then position.
+        """Lease up to ``want`` items: higher priority first, then the longest predicted
+        answers of the datasets of that priority (input order among equals).
 
         A dataset's ``concurrency`` caps its running items across every worker sharing
         the database; paused datasets are skipped. See :class:`Claim` for suspects.
@@ -585,61 +615,132 @@ def _turn_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
 
 
 def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
-    token = secrets.token_hex(16)
-    expires = now + claim.lease_seconds
+    """Scouts first (``Claim.scouts``), then priority by priority, longest first."""
+    lease = _LeaseOf(claim.owner, secrets.token_hex(16), now + claim.lease_seconds, now)
     candidates, running = _claimable_datasets(conn, claim.dataset_names)
+    leases = _scouts(conn, claim, candidates, running, lease) if claim.scouts > 0 else []
+    left = claim.want - len(leases)
+    suspect_slots = claim.suspect_slots
+    for level in _levels(candidates):
+        if left <= 0:
+            break
+        room = {
+            dataset_id: left if cap is None else min(left, cap - running.get(dataset_id, 0))
+            for dataset_id, cap, _ in level
+        }
+        room = {dataset_id: n for dataset_id, n in room.items() if n > 0}
+        if len(room) == 1:
+            [(dataset_id, n)] = room.items()
+            sequence = [dataset_id] * n
+        else:
+            sequence = _longest_first(conn, room, left, claim.lengths, now)
+        got: dict[int, deque[Lease]] = {}
+        for dataset_id, n in Counter(sequence).items():
+            if suspect_slots is None:
+                taken = []
+                if claim.fresh_first:
+                    taken = _claim_from(conn, dataset_id, n, None, lease, fresh=True)
+                taken += _claim_from(conn, dataset_id, n - len(taken), None, lease)
+            else:
+                taken = []
+                if suspect_slots > 0:
+                    taken = _claim_from(conn, dataset_id, min(n, suspect_slots), True, lease)
+                    suspect_slots -= len(taken)
+                taken += _claim_from(conn, dataset_id, n - len(taken), False, lease)
+            got[dataset_id] = deque(taken)
+            left -= len(taken)
+        # In rank order across the datasets: the worker starts them in this order.
+        leases.extend(got[d].popleft() for d in sequence if got[d])
+    return leases
+
+
+@dataclass(frozen=True, slots=True)
+class _LeaseOf:
+    """What every lease of one claim shares."""
+
+    owner: str
+    token: str
+    expires: float
+    now: float
+
+
+def _levels(
+    candidates: Sequence[tuple[int, int | None, int]],
+) -> Iterator[list[tuple[int, int | None, int]]]:
+    """The candidate datasets (best first) grouped by priority."""
+    level: list[tuple[int, int | None, int]] = []
+    for candidate in candidates:
+        if level and candidate[2] != level[0][2]:
+            yield level
+            level = []
+        level.append(candidate)
+    if level:
+        yield level
+
+
+_HEADS = (
+    "SELECT predicted_tokens FROM items WHERE dataset_id = :dataset AND state = 'pending'"
+    " AND not_before <= :now ORDER BY predicted_tokens DESC, position LIMIT :n"
+)
+
+
+def _longest_first(
+    conn: sa.Connection,
+    room: Mapping[int, int],
+    want: int,
+    lengths: Mapping[int, Expected],
+    now: float,
+) -> list[int]:
+    """The datasets of one priority to take the next ``want`` items from, in turn: the
+    longest ranked answers among the first ``room`` of each (an index range of
+    ``ix_items_longest``); ties go to the dataset listed first."""
+    st = _Statements(conn)
+    ranked: list[tuple[float, int, int]] = []
+    for order, (dataset_id, n) in enumerate(room.items()):
+        rank = lengths.get(dataset_id, _AS_PREDICTED).rank
+        heads = st.rows(_HEADS, {"dataset": dataset_id, "now": now, "n": n})
+        ranked.extend((-rank(row[0]), order, dataset_id) for row in heads)
+    ranked.sort()
+    return [dataset_id for _, _, dataset_id in ranked[:want]]
+
+
+_AS_PREDICTED = Expected()
+
+
+def _scouts(
+    conn: sa.Connection,
+    claim: Claim,
+    candidates: Sequence[tuple[int, int | None, int]],
+    running: dict[int, int],
+    lease: _LeaseOf,
+) -> list[Lease]:
+    """The first few items of each dataset that has had fewer, in input order: a fair
+    sample of its answers for the ETA and the ranking, whatever their lengths."""
     leases: list[Lease] = []
     left = claim.want
-    suspect_slots = claim.suspect_slots
-    if claim.scouts > 0:
-        for dataset_id, concurrency in candidates:
-            if left <= 0:
-                break
-            if dataset_id in claim.started:
-                continue
-            taken = _taken(conn, dataset_id, claim.scouts)
-            if taken >= claim.scouts:
-                claim.started.add(dataset_id)
-                continue
-            n = min(left, claim.scouts - taken)
-            if concurrency is not None:
-                n = min(n, concurrency - running.get(dataset_id, 0))
-            # A dataset whose every item is back to pending may hold the items a dead
-            # worker was on: scouts are never those, when suspects are rationed.
-            fresh = None if claim.suspect_slots is None else False
-            got = _claim_from(
-                conn, dataset_id, n, fresh, token=token, owner=claim.owner, expires=expires, now=now
-            )
-            if len(got) < n:
-                # Nothing more to take now (a small dataset, or items in backoff):
-                # looking again every round would find nothing either.
-                claim.started.add(dataset_id)
-            running[dataset_id] = running.get(dataset_id, 0) + len(got)
-            leases.extend(got)
-            left -= len(got)
-    for dataset_id, concurrency in candidates:
+    for dataset_id, concurrency, _ in candidates:
         if left <= 0:
             break
-        n = left
+        if dataset_id in claim.started:
+            continue
+        taken = _taken(conn, dataset_id, claim.scouts)
+        if taken >= claim.scouts:
+            claim.started.add(dataset_id)
+            continue
+        n = min(left, claim.scouts - taken)
         if concurrency is not None:
             n = min(n, concurrency - running.get(dataset_id, 0))
-        if n <= 0:
-            continue
-        claim_from = functools.partial(
-            _claim_from, conn, dataset_id, token=token, owner=claim.owner, expires=expires, now=now
-        )
-        got: list[Lease] = []
-        if suspect_slots is None:
-            got = claim_from(n, None)
-        else:
-            if suspect_slots > 0:
-                got = claim_from(min(n, suspect_slots), True)
-                suspect_slots -= len(got)
-            got += claim_from(n - len(got), False)
+        # A dataset whose every item is back to pending may hold the items a dead
+        # worker was on: scouts are never those, when suspects are rationed.
+        fresh = None if claim.suspect_slots is None else False
+        got = _claim_from(conn, dataset_id, n, fresh, lease, in_input_order=True)
+        if len(got) < n:
+            # Nothing more to take now (a small dataset, or items in backoff):
+            # looking again every round would find nothing either.
+            claim.started.add(dataset_id)
+        running[dataset_id] = running.get(dataset_id, 0) + len(got)
         leases.extend(got)
         left -= len(got)
-        if left <= 0:
-            break
     return leases
 
 
@@ -660,15 +761,16 @@ _RUNNING = "SELECT count(*) FROM items WHERE dataset_id = :dataset AND state = '
 
 def _claimable_datasets(
     conn: sa.Connection, names: Sequence[str] | None
-) -> tuple[list[tuple[int, int | None]], dict[int, int]]:
-    """Datasets to claim from, best first, and the running count of each capped one."""
+) -> tuple[list[tuple[int, int | None, int]], dict[int, int]]:
+    """Datasets to claim from, best first, as (id, concurrency cap, priority), and the
+    running count of each capped one."""
     st = _Statements(conn)
-    sql = "SELECT id, concurrency FROM datasets WHERE NOT paused AND NOT passthrough"
+    sql = "SELECT id, concurrency, priority FROM datasets WHERE NOT paused AND NOT passthrough"
     listed, params = _names("n", list(names or ()))
     if names:
         sql += f" AND name IN ({listed})"
-    candidates = [(r[0], r[1]) for r in st.rows(sql + " ORDER BY priority DESC, id", params)]
-    capped = sorted(dataset_id for dataset_id, cap in candidates if cap is not None)
+    candidates = [(r[0], r[1], r[2]) for r in st.rows(sql + " ORDER BY priority DESC, id", params)]
+    capped = sorted(dataset_id for dataset_id, cap, _ in candidates if cap is not None)
     if capped and st.postgres:
         # Claims from many processes at once: a capped dataset's count and its claim
         # happen under a lock on its row, so that two claims cannot both see room for
@@ -685,9 +787,14 @@ def _claimable_datasets(
     return candidates, running
 
 
-def _claim_sql(suspects: bool | None, postgres: bool) -> str:
-    """Take up to :n pending items of a dataset in input order: suspects only, none, or
-    (None) any.
+@functools.lru_cache(maxsize=32)
+def _claim_sql(
+    suspects: bool | None, postgres: bool, in_input_order: bool = False, fresh: bool = False
+) -> str:
+    """Take up to :n pending items of a dataset, longest predicted answer first (or in
+    input order): suspects only, none, or (None) any; ``fresh``: only items never put
+    back (no error kept). Suspects go in input order (``ix_items_suspect``): they are
+    taken one at a time.
 
     On PostgreSQL rows another claim has locked are skipped, not waited for; a row
     claimed and committed since this statement's snapshot is re-checked under the lock
@@ -700,13 +807,21 @@ def _claim_sql(suspects: bool | None, postgres: bool) -> str:
             if suspects
             else " AND (error_class IS NULL OR error_class != :lost)"
         )
+    if fresh:
+        only += " AND error_class IS NULL"
     lock = " FOR UPDATE SKIP LOCKED" if postgres else ""
+    # Input order by id for scouts: ix_items_dataset_state holds it (its entries end in
+    # the row id), where ordering by position would sort every pending row.
+    order = (
+        "position" if suspects else "id" if in_input_order else "predicted_tokens DESC, position"
+    )
     return (
         "UPDATE items SET state = 'running', attempts = attempts + 1, lease_token = :token,"
         " lease_owner = :owner, lease_expires_at = :expires, updated_at = :now"
         " WHERE id IN (SELECT id FROM items WHERE dataset_id = :dataset AND state = 'pending'"
-        f" AND not_before <= :now{only} ORDER BY position LIMIT :n{lock})"
-        " RETURNING id, key, position, request, attempts, error_class, turn, turns"
+        f" AND not_before <= :now{only} ORDER BY {order} LIMIT :n{lock})"
+        " RETURNING id, key, position, request, attempts, error_class, turn, turns,"
+        " last_error, predicted_tokens"
     )
 
 
@@ -715,31 +830,35 @@ def _claim_from(
     dataset_id: int,
     n: int,
     suspects: bool | None,
+    lease: _LeaseOf,
     *,
-    token: str,
-    owner: str,
-    expires: float,
-    now: float,
+    in_input_order: bool = False,
+    fresh: bool = False,
 ) -> list[Lease]:
-    """Claim ``n`` of a dataset's items: suspects only, none, or (None) any."""
+    """Claim ``n`` of a dataset's items: suspects only, none, or (None) any; ``fresh``:
+    only those never put back; the leases in the order they were ranked."""
     if n <= 0:
         return []
     st = _Statements(conn)
     params: dict[str, Any] = {
-        "token": token,
-        "owner": owner,
-        "expires": expires,
-        "now": now,
+        "token": lease.token,
+        "owner": lease.owner,
+        "expires": lease.expires,
+        "now": lease.now,
         "dataset": dataset_id,
         "n": n,
     }
     if suspects is not None:
         params["lost"] = LEASE_LOST
-    rows = st.rows(_claim_sql(suspects, st.postgres), params)
-    rows.sort(key=lambda r: r[2])
+    rows = st.rows(_claim_sql(suspects, st.postgres, in_input_order, fresh), params)
+    if suspects or in_input_order:
+        rows.sort(key=lambda r: r[2])
+    else:
+        rows.sort(key=lambda r: (-r[9], r[2]))
     resumed = _generated_turns(conn, [r[0] for r in rows if r[6] > 0])
+    token, expires = lease.token, lease.expires
     leases = []
-    for item_id, key, _, request, attempts, error_class, turn, turns in rows:
+    for item_id, key, _, request, attempts, error_class, turn, turns, last_error, _ in rows:
         before = resumed.get(item_id, _NOTHING_GENERATED)
         leases.append(
             Lease(
@@ -757,6 +876,7 @@ def _claim_from(
                 generated_tokens=before.tokens,
                 generated_flags=before.flags,
                 generated_latency=before.latency,
+                last_failure=Failure(error_class, last_error or "") if error_class else None,
             )
         )
     return leases
@@ -816,6 +936,7 @@ def _complete(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now:
     )
     done = [(lease, out) for lease, out in results if lease.item_id in accepted]
     if done:
+        _clear_leftovers(conn, [lease for lease, _ in done], outputs_too=True)
         insert_rows(
             conn, "outputs", _OUTPUT_COLUMNS, [_output_row(lease, out, now) for lease, out in done]
         )
@@ -823,6 +944,29 @@ def _complete(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now:
         if turns:
             insert_rows(conn, "item_turns", _TURN_COLUMNS, [_turn_row(*t, now) for t in turns])
     return accepted
+
+
+def _clear_leftovers(conn: sa.Connection, leases: Sequence[Lease], *, outputs_too: bool) -> None:
+    """Drop rows a running item cannot have: an output (only done items have one) and
+    turns from the one being written on (the lease's earlier turns are all it has).
+
+    The transitions keep both true; a row there anyway (left by an undo of an earlier
+    version, which put answers back under items a worker had claimed) would fail the
+    round on a duplicate key, every time the item is run again. It is logged and replaced.
+    """
+    st = _Statements(conn)
+    stale: list[tuple[Any, ...]] = []
+    if outputs_too:
+        for chunk in _chunks([lease.item_id for lease in leases]):
+            ids, params = _names("i", chunk)
+            sql = f"DELETE FROM outputs WHERE item_id IN ({ids}) RETURNING item_id"
+            stale += st.rows(sql, params)
+    for lease in leases:
+        if lease.turns > 1:
+            sql = "DELETE FROM item_turns WHERE item_id = :i AND turn >= :t RETURNING item_id"
+            stale += st.rows(sql, {"i": lease.item_id, "t": lease.turn})
+    if stale:
+        log.warning("leftover_rows_replaced", items=sorted({row[0] for row in stale}))
 
 
 def _advance(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now: float) -> set[int]:
@@ -839,9 +983,10 @@ def _advance(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now: 
             [(lease.item_id, lease.token)],
             {"turn": lease.turn + 1, "attempts": 1, "updated_at": now},
         )
-    rows = [_turn_row(lease, out, now) for lease, out in results if lease.item_id in accepted]
-    if rows:
-        insert_rows(conn, "item_turns", _TURN_COLUMNS, rows)
+    kept = [(lease, out) for lease, out in results if lease.item_id in accepted]
+    if kept:
+        _clear_leftovers(conn, [lease for lease, _ in kept], outputs_too=False)
+        insert_rows(conn, "item_turns", _TURN_COLUMNS, [_turn_row(*t, now) for t in kept])
     return accepted
 
 
@@ -882,3 +1027,134 @@ def _settle(
     if log_rows:
         conn.execute(attempt_errors.insert(), log_rows)
     return changed
+
+
+# -------------------------------------------------------------------- requeue and undo
+# Items no worker holds (pending, done, failed) have no lease to fence them by. A requeue
+# or an undo holds their rows first, then changes those in the state it expects, in one
+# transaction: a claim (SKIP LOCKED) passes a held row by, and a row a claim took first
+# is running when the hold re-reads it, so it is not held. On SQLite the write
+# transaction (BEGIN IMMEDIATE) holds the whole file.
+
+#: The states an undo takes an item back from: not claimed since the requeue, or claimed
+#: and failed (the answer it had is worth more than the failure).
+RESTORABLE = ("pending", "failed")
+
+
+def hold(conn: sa.Connection, query: sa.Select[Any]) -> list[sa.Row[Any]]:
+    """The rows of ``query`` (which selects from ``items``), locked on PostgreSQL until
+    the transaction ends, in id order (two holders never deadlock)."""
+    query = query.order_by(items.c.id)
+    if conn.dialect.name == "postgresql":
+        query = query.with_for_update(of=items, key_share=True)
+    return list(conn.execute(query))
+
+
+def reopen(
+    conn: sa.Connection,
+    ids: Sequence[int],
+    state: str,
+    values: Mapping[str, Any],
+    *,
+    requeue_id: int,
+) -> set[int]:
+    """Held items still in ``state`` (done or failed) back to pending, for a requeue.
+
+    Their output moves to ``superseded_outputs`` under ``requeue_id`` (a failed item has
+    none, unless an earlier version left one); a done item's generated turns move too,
+    since it starts again from the first turn, while a failed one resumes from its own.
+    """
+    changed: list[int] = []
+    for chunk in _chunks(ids):
+        changed += conn.execute(
+            items.update()
+            .where(items.c.id.in_(list(chunk)), items.c.state == state)
+            .values(**values)
+            .returning(items.c.id)
+        ).scalars()
+    moves = [(outputs, superseded_outputs)]
+    if state == "done":
+        moves.append((item_turns, superseded_turns))
+    for chunk in _chunks(changed):
+        for live, kept in moves:
+            _move(conn, live, kept, live.c.item_id.in_(list(chunk)), requeue_id, aside=True)
+    return set(changed)
+
+
+def restore(conn: sa.Connection, requeue_id: int, ids: Sequence[int], now: float) -> set[int]:
+    """Held items of a requeue, still pending or failed, given back what the requeue
+    recorded of them (``requeued_items``): state, attempts, error, turn, request, and a
+    done item's answer and turns from the superseded tables.
+
+    A failed item keeps the turns before its own; the rest are the failed run's.
+    """
+    former = requeued_items
+    values: dict[str, Any] = {
+        name: former.c[name]
+        for name in ("state", "attempts", "error_class", "last_error", "finished_at", "turn")
+    }
+    values |= {
+        "request": sa.func.coalesce(former.c.request, items.c.request),
+        "not_before": 0,
+        "updated_at": now,
+    }
+    # A done item comes back only with its answer: done with no output is no state.
+    answer_kept = (
+        sa.select(superseded_outputs.c.item_id)
+        .where(
+            superseded_outputs.c.requeue_id == requeue_id,
+            superseded_outputs.c.item_id == former.c.item_id,
+        )
+        .exists()
+    )
+    changed: list[tuple[int, str]] = []
+    for chunk in _chunks(ids):
+        changed += conn.execute(
+            items.update()
+            .where(
+                items.c.id == former.c.item_id,
+                former.c.requeue_id == requeue_id,
+                items.c.id.in_(list(chunk)),
+                items.c.state.in_(RESTORABLE),
+                sa.or_(former.c.state != "done", answer_kept),
+            )
+            .values(values)
+            .returning(items.c.id, items.c.state)
+        ).all()
+    done = [item_id for item_id, state in changed if state == "done"]
+    for chunk in _chunks(done):
+        for live, kept in ((outputs, superseded_outputs), (item_turns, superseded_turns)):
+            conn.execute(live.delete().where(live.c.item_id.in_(list(chunk))))
+            where = sa.and_(kept.c.requeue_id == requeue_id, kept.c.item_id.in_(list(chunk)))
+            _move(conn, kept, live, where, requeue_id, aside=False)
+    others = [item_id for item_id, state in changed if state != "done"]
+    for chunk in _chunks(others):
+        later = sa.select(items.c.turn).where(items.c.id == item_turns.c.item_id)
+        conn.execute(
+            item_turns.delete().where(
+                item_turns.c.item_id.in_(list(chunk)), item_turns.c.turn >= later.scalar_subquery()
+            )
+        )
+    return {item_id for item_id, _ in changed}
+
+
+def _move(
+    conn: sa.Connection,
+    source: sa.Table,
+    target: sa.Table,
+    where: sa.ColumnElement[bool],
+    requeue_id: int,
+    *,
+    aside: bool,
+) -> None:
+    """Rows from a live table to its superseded twin (``aside``) or back, then gone from
+    where they were."""
+    live = source if aside else target
+    names = [c.name for c in live.columns]
+    if aside:
+        picked = sa.select(sa.literal(requeue_id, sa.Integer), *[source.c[n] for n in names])
+        names = ["requeue_id", *names]
+    else:
+        picked = sa.select(*[source.c[n] for n in names])
+    conn.execute(target.insert().from_select(names, picked.where(where)))
+    conn.execute(source.delete().where(where))

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     import sqlalchemy as sa
 
+from orchestrator.errors import StorageError
 from orchestrator.store.migrate import SCHEMA_REVISION
 
 # The same defaults as orchestrator.store.engine (not imported: it loads SQLAlchemy).
@@ -105,26 +106,97 @@ class Reader:
         self.close()
 
 
-def open_reader(path: str, *, check_same_thread: bool = True) -> Reader | None:
-    """A read transaction on an existing SQLite file at the current schema, else None.
+def not_a_file(path: str) -> str | None:
+    """What is wrong with ``path`` as a database file before SQLite is asked, or None.
 
-    Opened ``mode=rw`` so that a missing file is not created (the store decides that),
-    with ``query_only`` so that nothing here can write.
+    SQLite opens a directory and then fails on it as a "disk I/O error"; said plainly here.
     """
-    uri = Path(path).absolute().as_uri() + "?mode=rw"
-    try:
-        conn = sqlite3.connect(
-            uri,
-            uri=True,
-            isolation_level=None,
-            timeout=BUSY_TIMEOUT_MS / 1000,
-            check_same_thread=check_same_thread,
+    if os.path.isdir(path):
+        return (
+            f"{path}: is a directory, not a database file (--db names the file, "
+            f"e.g. {os.path.join(path, DEFAULT_DB)})"
         )
-    except sqlite3.Error:
-        return None
+    return None
+
+
+def read_uri(path: str) -> str:
+    """The URI that reads the existing SQLite file ``path`` without changing it.
+
+    * A writable directory: ``mode=rw``, with ``query_only`` set by the caller. A WAL
+      database needs its ``-wal`` and ``-shm`` files to be read; a read-write connection
+      removes them again when it is the last to close, where a ``mode=ro`` one leaves them
+      behind. Nothing is written to the file itself.
+    * A directory that cannot be written (a read-only file system, or no permission):
+      ``mode=ro``. A WAL database whose ``-shm`` exists is read through it (a writer on
+      another mount may be live). Without one, nobody has the file open: it is read as
+      ``immutable``, unless its ``-wal`` holds commits not yet in the file (a writer that
+      crashed), which only a writable directory can fold in; then refused.
+    """
+    problem = not_a_file(path)
+    if problem:
+        raise StorageError(problem)
+    uri = Path(path).absolute().as_uri()
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.access(folder, os.W_OK) and os.access(path, os.W_OK):
+        return f"{uri}?mode=rw"
+    if os.path.exists(f"{path}-shm") or not _wal_mode(path):
+        return f"{uri}?mode=ro"
+    wal = f"{path}-wal"
+    if os.path.exists(wal) and os.path.getsize(wal) > 0:
+        raise StorageError(
+            f"{path}: its write-ahead log {wal} holds commits not yet in the database file, "
+            "and its directory cannot be written (a read-only file system, or no "
+            "permission), so they cannot be read: read it where it can be written (mount "
+            "it read-write, or copy the file together with its -wal file elsewhere)"
+        )
+    return f"{uri}?mode=ro&immutable=1"
+
+
+def _wal_mode(path: str) -> bool:
+    """Whether the file's header says WAL mode (bytes 18 and 19 are 2)."""
+    try:
+        with open(path, "rb") as fh:
+            header = fh.read(20)
+    except OSError:
+        return False
+    return len(header) == 20 and header[18:20] == b"\x02\x02"
+
+
+def connect(path: str, *, check_same_thread: bool = True) -> sqlite3.Connection:
+    """An sqlite3 connection that reads ``path`` and cannot write (:func:`read_uri`).
+
+    Raises ``StorageError`` for a path that cannot be read so, ``sqlite3.Error`` for what
+    SQLite refuses.
+    """
+    conn = sqlite3.connect(
+        read_uri(path),
+        uri=True,
+        isolation_level=None,
+        timeout=BUSY_TIMEOUT_MS / 1000,
+        check_same_thread=check_same_thread,
+    )
     try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA query_only = ON")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def open_reader(path: str, *, check_same_thread: bool = True) -> Reader | None:
+    """A read transaction on an existing SQLite file at the current schema, else None.
+
+    Opened by :func:`connect`: a missing file is not created (the store decides that), and
+    nothing here can write.
+    """
+    if not os.path.exists(path):
+        return None
+    try:
+        conn = connect(path, check_same_thread=check_same_thread)
+    except (sqlite3.Error, StorageError):
+        return None
+    try:
         conn.execute("BEGIN")
         # The first read fixes the snapshot: the revision and the figures come from it.
         rows = conn.execute("SELECT version_num FROM alembic_version").fetchall()

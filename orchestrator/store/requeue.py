@@ -4,8 +4,12 @@ A requeue of done items used to delete their answers: one ``requeue --state done
 a filter dropped a whole run's. Now every requeue is recorded (``requeues``), each item it
 moved keeps its former state (``requeued_items``), and the answers and turns of done items
 move to ``superseded_outputs`` / ``superseded_turns`` in the same transaction. ``undo``
-puts back the latest requeue's items that have not been claimed since; the superseded
-answers of items that were generated again stay where they are.
+puts back the latest requeue's items that are pending (not claimed since) or failed (run
+again, and failed: the answer they had comes back); the superseded answers of items
+generated again stay where they are.
+
+Both hold the item rows they move while workers claim and complete around them
+(``store.queue``: the state changes themselves are there).
 """
 
 from __future__ import annotations
@@ -18,18 +22,12 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
-from orchestrator.errors import ConfigError
+from orchestrator.error_classes import is_known, unknown
+from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.params import expected, shown
 from orchestrator.store.engine import Database
-from orchestrator.store.schema import (
-    datasets,
-    item_turns,
-    items,
-    outputs,
-    requeued_items,
-    requeues,
-    superseded_outputs,
-    superseded_turns,
-)
+from orchestrator.store.queue import RESTORABLE, hold, reopen, restore
+from orchestrator.store.schema import datasets, items, outputs, requeued_items, requeues
 
 _CHUNK = 400
 
@@ -86,6 +84,7 @@ class Spelling:
     state_done: str
     filters: str
     everything: str
+    max_tokens: str
     hint: str = ""
 
 
@@ -93,9 +92,10 @@ COMMAND = Spelling(
     "--state done",
     "--dataset, --flag, --error-class",
     "--all",
+    "--max-tokens",
     "; --dry-run shows what would move",
 )
-API = Spelling("state='done'", "datasets, flags, error_class", "all=True")
+API = Spelling("state='done'", "datasets, flags, error_class", "all=True", "max_tokens")
 
 
 def checked_selection(
@@ -105,13 +105,20 @@ def checked_selection(
     error_class: str | None = None,
     flags: int = 0,
     everything: bool = False,
+    max_tokens: int | None = None,
     spelling: Spelling = API,
 ) -> Selection:
     """The items a requeue may move, or ConfigError: quality flags imply done items, and
-    done items (whose answers would be generated again) need a filter or ``everything``."""
+    done items (whose answers would be generated again) need a filter or ``everything``.
+    An error class no item can have and a ``max_tokens`` no server takes are refused
+    here, for the command and the API alike, dry run or not."""
     state = "done" if flags else state
     if state not in ("failed", "done"):
         raise ConfigError(f"requeue state must be failed or done, not {state!r}")
+    if error_class is not None and not is_known(error_class):
+        raise ConfigError(unknown(error_class))
+    if max_tokens is not None and (want := expected("max_tokens", max_tokens)):
+        raise ConfigError(f"{spelling.max_tokens}: must be {want}, got {shown(max_tokens)}")
     if state == "done" and not (dataset_names or flags or error_class or everything):
         raise ConfigError(
             f"requeue {spelling.state_done} sends answers back to be generated again: name "
@@ -150,8 +157,8 @@ def _pending_values(state: str, now: float) -> dict[str, Any]:
     return values
 
 
-def _keep(conn: sa.Connection, requeue_id: int, ids: list[int], state: str, changed: bool) -> None:
-    """Record the items' former state, and set their answers aside (done items)."""
+def _record(conn: sa.Connection, requeue_id: int, ids: list[int], changed: bool) -> None:
+    """Record the held items' former state (and request, when ``changed``)."""
     rid = sa.literal(requeue_id, sa.Integer)
     kept = [c.name for c in requeued_items.columns if c.name not in ("requeue_id", "request")]
     request = items.c.request if changed else sa.null()
@@ -163,17 +170,6 @@ def _keep(conn: sa.Connection, requeue_id: int, ids: list[int], state: str, chan
             ),
         )
     )
-    if state != "done":
-        return
-    for source, target in ((outputs, superseded_outputs), (item_turns, superseded_turns)):
-        names = [c.name for c in source.columns]
-        conn.execute(
-            target.insert().from_select(
-                ["requeue_id", *names],
-                sa.select(rid, *source.columns).where(source.c.item_id.in_(ids)),
-            )
-        )
-        conn.execute(source.delete().where(source.c.item_id.in_(ids)))
 
 
 async def requeue(
@@ -187,13 +183,14 @@ async def requeue(
 
     Done items start again from the first turn; their answers are kept aside until undone.
     A failed multi-turn item resumes at the turn that failed. ``max_tokens`` raises the
-    requeued items' own limit (an item's fields win over its dataset's).
+    requeued items' own limit (an item's fields win over its dataset's). The items are
+    held first: one another requeue or an undo moved meanwhile is not moved twice.
     """
     now = time.time() if now is None else now
     where = selection.where()
 
     def run(conn: sa.Connection) -> int:
-        chosen = conn.execute(sa.select(items.c.id, items.c.request).where(*where)).all()
+        chosen = hold(conn, sa.select(items.c.id, items.c.request).where(*where))
         if not chosen:
             return 0
         requeue_id = conn.execute(
@@ -210,127 +207,219 @@ async def requeue(
         for start in range(0, len(chosen), _CHUNK):
             chunk = chosen[start : start + _CHUNK]
             ids = [item_id for item_id, _ in chunk]
-            _keep(conn, requeue_id, ids, selection.state, max_tokens is not None)
-            conn.execute(items.update().where(items.c.id.in_(ids)).values(**values))
+            _record(conn, requeue_id, ids, max_tokens is not None)
+            reopen(conn, ids, selection.state, values, requeue_id=requeue_id)
             if max_tokens is not None:
-                for item_id, request in chunk:
-                    body = orjson.loads(request)
-                    body.pop("max_completion_tokens", None)
-                    body["max_tokens"] = max_tokens
-                    conn.execute(
-                        items.update()
-                        .where(items.c.id == item_id)
-                        .values(request=orjson.dumps(body).decode())
-                    )
+                _set_max_tokens(conn, chunk, max_tokens)
         return len(chosen)
 
     async with database.write() as conn:
         return await conn.run_sync(run)
 
 
+def _set_max_tokens(conn: sa.Connection, chosen: Sequence[Any], max_tokens: int) -> None:
+    for item_id, request in chosen:
+        body = orjson.loads(request)
+        body.pop("max_completion_tokens", None)
+        body["max_tokens"] = max_tokens
+        conn.execute(
+            items.update()
+            .where(items.c.id == item_id, items.c.state == "pending")
+            .values(request=orjson.dumps(body).decode())
+        )
+
+
+class UndoConflict(OrchestratorError):
+    """Another undo took the same requeue back while this one waited for it."""
+
+
 @dataclass(frozen=True, slots=True)
 class UndoReport:
-    """What ``requeue --undo`` took back (or, in a dry run, would): the requeue's id
-    (None: no requeue since the last undo), its items given their state and answers back,
-    and those claimed since, left as they are."""
+    """What ``requeue --undo`` took back (or, in a dry run, would).
+
+    ``requeue_id`` is None when there is nothing to undo (for the datasets named: then
+    ``latest`` and ``latest_datasets`` say which requeue is the latest, and what it moved).
+    """
 
     requeue_id: int | None
+    #: Items given their state and answers back.
     restored: int = 0
-    # Items claimed since the requeue: generated again (or being), so left as they are.
+    #: Items claimed since and answered again, or running: left as they are.
     kept: int = 0
+    #: Of ``restored``: items that were run again and failed.
+    refailed: int = 0
+    #: Undo by dataset: the requeue's items of other datasets, still requeued.
+    left: int = 0
+    latest: int | None = None
+    latest_datasets: tuple[str, ...] = ()
 
 
-async def undo(database: Database, *, now: float | None = None) -> UndoReport:
-    """Take back the latest requeue not yet undone: its items that are still pending get
-    their former state, attempts, errors and (done items) answers back."""
+async def undo(
+    database: Database, *, dataset_names: Sequence[str] = (), now: float | None = None
+) -> UndoReport:
+    """Take back the latest requeue not yet undone (of these datasets' items, when named):
+    its items still pending, or failed since, get their former state, attempts, errors,
+    request and (done items) answers back. The rest were answered again, or are being.
+
+    Raises :class:`UndoConflict` when another undo took the same requeue back meanwhile.
+    """
     now = time.time() if now is None else now
 
     def run(conn: sa.Connection) -> UndoReport:
-        requeue_id, rows = _latest(conn)
-        if requeue_id is None:
-            return UndoReport(None)
-        back = [r for r in rows if r.now_state == "pending"]
-        for start in range(0, len(back), _CHUNK):
-            _restore(conn, requeue_id, back[start : start + _CHUNK], now)
-        conn.execute(requeues.update().where(requeues.c.id == requeue_id).values(undone_at=now))
-        return UndoReport(requeue_id, restored=len(back), kept=len(rows) - len(back))
+        found = _target(conn, dataset_names)
+        if found.requeue_id is None:
+            return found
+        _hold_requeue(conn, found.requeue_id, dataset_names)
+        return _take_back(conn, found.requeue_id, dataset_names, now)
 
     async with database.write() as conn:
         return await conn.run_sync(run)
 
 
-async def undo_preview(database: Database) -> UndoReport:
-    """What :func:`undo` would do now. Changes nothing."""
-
-    def run(conn: sa.Connection) -> UndoReport:
-        requeue_id, rows = _latest(conn)
-        back = sum(r.now_state == "pending" for r in rows)
-        return UndoReport(requeue_id, restored=back, kept=len(rows) - back)
-
-    async with database.read() as conn:
-        return await conn.run_sync(run)
-
-
-def _latest(conn: sa.Connection) -> tuple[int | None, Sequence[Any]]:
-    """The latest requeue not undone, and its items with the state each is in now.
-
-    An item still pending was not claimed since: it can have its former state back.
-    """
-    requeue_id = conn.execute(
-        sa.select(requeues.c.id)
-        .where(requeues.c.undone_at.is_(None))
-        .order_by(requeues.c.id.desc())
-        .limit(1)
-    ).scalar()
-    if requeue_id is None:
-        return None, []
-    rows = conn.execute(
-        sa.select(requeued_items, items.c.state.label("now_state"))
-        .join(items, items.c.id == requeued_items.c.item_id)
-        .where(requeued_items.c.requeue_id == requeue_id)
-    ).all()
-    return requeue_id, rows
-
-
-def _restore(conn: sa.Connection, requeue_id: int, rows: Sequence[Any], now: float) -> None:
-    ids = [r.item_id for r in rows]
-    done = [r.item_id for r in rows if r.state == "done"]
-    if done:
-        for live, kept in ((outputs, superseded_outputs), (item_turns, superseded_turns)):
-            names = [c.name for c in live.columns]
-            conn.execute(live.delete().where(live.c.item_id.in_(done)))
-            conn.execute(
-                live.insert().from_select(
-                    names,
-                    sa.select(*[kept.c[n] for n in names]).where(
-                        kept.c.requeue_id == requeue_id, kept.c.item_id.in_(done)
-                    ),
-                )
-            )
-            conn.execute(
-                kept.delete().where(kept.c.requeue_id == requeue_id, kept.c.item_id.in_(done))
-            )
-    for r in rows:
-        values: dict[str, Any] = {
-            "state": r.state,
-            "attempts": r.attempts,
-            "error_class": r.error_class,
-            "last_error": r.last_error,
-            "finished_at": r.finished_at,
-            "turn": r.turn,
-            "not_before": 0,
-            "updated_at": now,
-        }
-        if r.request is not None:
-            values["request"] = r.request
-        conn.execute(
-            items.update().where(items.c.id == r.item_id, items.c.state == "pending").values(values)
+def _hold_requeue(conn: sa.Connection, requeue_id: int, names: Sequence[str]) -> None:
+    """Lock the requeue's row (PostgreSQL; SQLite's write transaction holds the file) and
+    check that no other undo took it, or these datasets' part of it, back meanwhile."""
+    lock = sa.select(requeues.c.id).where(
+        requeues.c.id == requeue_id, requeues.c.undone_at.is_(None)
+    )
+    if conn.dialect.name == "postgresql":
+        lock = lock.with_for_update()
+    gone = conn.execute(lock).first() is None
+    if not gone and names:
+        gone = conn.execute(_items_of(requeue_id, names).limit(1)).first() is None
+    if gone:
+        raise UndoConflict(
+            f"requeue #{requeue_id} was taken back by another undo at the same time; nothing "
+            "changed (`orchestrator requeue --undo --dry-run` shows what an undo would take now)"
         )
-    conn.execute(
-        requeued_items.delete().where(
-            requeued_items.c.requeue_id == requeue_id, requeued_items.c.item_id.in_(ids)
-        )
+
+
+def _take_back(
+    conn: sa.Connection, requeue_id: int, names: Sequence[str], now: float
+) -> UndoReport:
+    """The undo of a held requeue: its restorable items held and restored, its record of
+    them dropped, and the requeue marked undone once no item of it is left."""
+    mine = _items_of(requeue_id, names)
+    held = hold(
+        conn,
+        sa.select(items.c.id, items.c.state).where(
+            items.c.id.in_(mine), items.c.state.in_(RESTORABLE)
+        ),
+    )
+    put_back = restore(conn, requeue_id, [item_id for item_id, _ in held], now)
+    recorded = requeued_items.c.requeue_id == requeue_id
+    considered = conn.execute(
+        sa.select(sa.func.count())
+        .select_from(requeued_items)
+        .where(recorded, requeued_items.c.item_id.in_(mine))
+    ).scalar_one()
+    conn.execute(requeued_items.delete().where(recorded, requeued_items.c.item_id.in_(mine)))
+    left = _left(conn, requeue_id)
+    if not left:
+        conn.execute(requeues.update().where(requeues.c.id == requeue_id).values(undone_at=now))
+    return UndoReport(
+        requeue_id,
+        restored=len(put_back),
+        kept=considered - len(put_back),
+        refailed=sum(state == "failed" for item_id, state in held if item_id in put_back),
+        left=left,
     )
 
 
-__all__ = ["Selection", "UndoReport", "preview", "requeue", "undo", "undo_preview"]
+async def undo_preview(database: Database, *, dataset_names: Sequence[str] = ()) -> UndoReport:
+    """What :func:`undo` would do now. Changes nothing."""
+    async with database.read() as conn:
+        return await conn.run_sync(lambda c: _target(c, dataset_names))
+
+
+def _dataset_ids(names: Sequence[str]) -> sa.Select[Any]:
+    return sa.select(datasets.c.id).where(datasets.c.name.in_(list(names)))
+
+
+def _items_of(requeue_id: int, names: Sequence[str]) -> sa.Select[Any]:
+    """The ids of the requeue's items still recorded (of these datasets, when named)."""
+    query = sa.select(requeued_items.c.item_id).where(requeued_items.c.requeue_id == requeue_id)
+    if names:
+        query = query.where(
+            requeued_items.c.item_id.in_(
+                sa.select(items.c.id).where(items.c.dataset_id.in_(_dataset_ids(names)))
+            )
+        )
+    return query
+
+
+def _left(conn: sa.Connection, requeue_id: int) -> int:
+    return conn.execute(
+        sa.select(sa.func.count())
+        .select_from(requeued_items)
+        .where(requeued_items.c.requeue_id == requeue_id)
+    ).scalar_one()
+
+
+def _target(conn: sa.Connection, names: Sequence[str]) -> UndoReport:
+    """The requeue an undo takes back, with what it would do now; or (None) what the
+    latest requeue is, when none touched the datasets named.
+
+    The latest not undone, or with ``names`` the latest not undone with items of them
+    still recorded. An item still pending was not claimed since; one failed was claimed
+    and failed: both can have their former state back.
+    """
+    open_ = sa.select(requeues.c.id).where(requeues.c.undone_at.is_(None))
+    if names:
+        touched = sa.select(requeued_items.c.requeue_id).where(
+            requeued_items.c.item_id.in_(
+                sa.select(items.c.id).where(items.c.dataset_id.in_(_dataset_ids(names)))
+            )
+        )
+        chosen = open_.where(requeues.c.id.in_(touched))
+    else:
+        chosen = open_
+    requeue_id = conn.execute(chosen.order_by(requeues.c.id.desc()).limit(1)).scalar()
+    if requeue_id is None:
+        latest = conn.execute(open_.order_by(requeues.c.id.desc()).limit(1)).scalar()
+        return UndoReport(None, latest=latest, latest_datasets=_touched(conn, latest))
+    now_states = dict(
+        conn.execute(
+            sa.select(items.c.state, sa.func.count())
+            .where(items.c.id.in_(_items_of(requeue_id, names)))
+            .group_by(items.c.state)
+        ).all()
+    )
+    restored = sum(now_states.get(state, 0) for state in RESTORABLE)
+    return UndoReport(
+        requeue_id,
+        restored=restored,
+        kept=sum(now_states.values()) - restored,
+        refailed=now_states.get("failed", 0),
+        left=_left(conn, requeue_id) - sum(now_states.values()) if names else 0,
+    )
+
+
+def _touched(conn: sa.Connection, requeue_id: int | None) -> tuple[str, ...]:
+    """The datasets whose items a requeue still holds, by name."""
+    if requeue_id is None:
+        return ()
+    query = (
+        sa.select(datasets.c.name)
+        .distinct()
+        .select_from(
+            requeued_items.join(items, items.c.id == requeued_items.c.item_id).join(
+                datasets, datasets.c.id == items.c.dataset_id
+            )
+        )
+        .where(requeued_items.c.requeue_id == requeue_id)
+        .order_by(datasets.c.name)
+    )
+    return tuple(conn.execute(query).scalars())
+
+
+__all__ = [
+    "Selection",
+    "UndoConflict",
+    "UndoReport",
+    "checked_selection",
+    "preview",
+    "requeue",
+    "undo",
+    "undo_preview",
+]

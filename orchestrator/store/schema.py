@@ -74,16 +74,22 @@ items = sa.Table(
     # already generated are in item_turns, so a conversation resumes where it stopped.
     sa.Column("turn", sa.Integer, nullable=False, server_default="0"),
     sa.Column("turns", sa.Integer, nullable=False, server_default="1"),
+    # The answer's length in tokens as the input line predicts it: the original answer
+    # it holds (the turns the model writes again), estimated from their text; 0: none.
+    # Claims take the longest first (``store.queue``).
+    sa.Column("predicted_tokens", sa.Integer, nullable=False, server_default="0"),
     sa.UniqueConstraint("dataset_id", "key"),
     sa.CheckConstraint("state IN ('pending', 'running', 'done', 'failed')", name="state_valid"),
     # A running row always carries its fence; no other state does.
     sa.CheckConstraint("(state = 'running') = (lease_token IS NOT NULL)", name="lease_iff_running"),
 )
 
-# "Next pending" stays an index range scan however many rows are done.
+# "Next pending, longest first" stays an index range scan however many rows are done
+# (migration 0009); a dataset of prompts (all 0) is read in input order.
 sa.Index(
-    "ix_items_claimable",
+    "ix_items_longest",
     items.c.dataset_id,
+    items.c.predicted_tokens.desc(),
     items.c.position,
     sqlite_where=items.c.state == "pending",
     postgresql_where=items.c.state == "pending",

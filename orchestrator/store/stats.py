@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.lengths import MEASURED_AFTER
 from orchestrator.quality import ALL_FLAGS
 
 if TYPE_CHECKING:
@@ -74,6 +75,17 @@ _QUERIES: dict[str, str] = {
         "SELECT dataset_id, flags, count(*) FROM outputs WHERE flags != 0"
         " GROUP BY dataset_id, flags"
     ),
+    # Predicted answer lengths of the items left (migration 0009): the pending ones along
+    # the partial index ix_items_longest, which holds the prediction; the running ones
+    # along ix_items_running, a few rows.
+    "predicted_pending": (
+        "SELECT dataset_id, count(*), coalesce(sum(predicted_tokens), 0) FROM items"
+        " WHERE state = 'pending' AND predicted_tokens > 0 GROUP BY dataset_id"
+    ),
+    "predicted_running": (
+        "SELECT dataset_id, count(*), coalesce(sum(predicted_tokens), 0) FROM items"
+        " WHERE state = 'running' AND predicted_tokens > 0 GROUP BY dataset_id"
+    ),
     "workers": (
         "SELECT id, host, pid, started_at, heartbeat_at, stopped_at, in_flight, completed,"
         " progress_at FROM workers WHERE stopped_at IS NULL OR stopped_at >= :since"
@@ -90,12 +102,18 @@ _LENGTHS = (
     " AND completion_tokens IS NOT NULL ORDER BY created_at DESC LIMIT :limit"
 )
 
-# What a dataset's latest answers cost, for the ETA: a bounded read of the newest rows.
+# What a dataset's latest answers cost, for the ETA: a bounded read of the newest rows,
+# each with its item's predicted length (a primary-key lookup): the seconds per predicted
+# token of those that had one.
 COST_SAMPLE = 200
 _COSTS = (
-    "SELECT count(*), coalesce(sum(latency), 0), coalesce(sum(completion_tokens), 0) FROM"
-    " (SELECT latency, completion_tokens FROM outputs WHERE dataset_id = :dataset"
-    " ORDER BY created_at DESC LIMIT :limit) AS latest"
+    "SELECT count(*), coalesce(sum(latency), 0), coalesce(sum(completion_tokens), 0),"
+    " count(CASE WHEN predicted > 0 THEN 1 END),"
+    " coalesce(sum(CASE WHEN predicted > 0 THEN latency END), 0),"
+    " coalesce(sum(predicted), 0) FROM"
+    " (SELECT o.latency, o.completion_tokens, i.predicted_tokens AS predicted"
+    " FROM outputs AS o JOIN items AS i ON i.id = o.item_id WHERE o.dataset_id = :dataset"
+    " ORDER BY o.created_at DESC LIMIT :limit) AS latest"
 )
 
 # The latest messages of each error class, so that why items are retried is visible
@@ -189,6 +207,11 @@ def _document(
     window: float,
 ) -> Snapshot:
     state_counts, errors_by, failed_by, flags_by = _by_dataset(rows)
+    predicted_by: dict[int, dict[str, Any]] = defaultdict(dict)
+    for state in ("pending", "running"):
+        for ds_id, n, tokens in rows[f"predicted_{state}"]:
+            predicted_by[ds_id][f"predicted_{state}"] = n
+            predicted_by[ds_id][f"predicted_{state}_tokens"] = int(tokens)
     span_by = {r[0]: tuple(r[1:]) for r in rows["span"]}
     overall_by = {r[0]: (*r[1:], *span_by.get(r[0], (None, None))) for r in rows["overall"]}
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
@@ -208,6 +231,7 @@ def _document(
             work.append(
                 {"dataset_id": ds_id, "entry": entry, "cost": costs.get(ds_id), "params": ds_params}
                 | {"paused": paused, "cap": concurrency, "priority": priority}
+                | {"predicted": predicted_by.get(ds_id, {})}
             )
         entries.append(
             {
@@ -340,6 +364,9 @@ def _worker(row: Sequence[Any], now: float) -> dict[str, Any]:
     }
 
 
+_NO_COST = (0, 0.0, 0, 0, 0.0, 0)
+
+
 def _work(
     dataset_id: int,
     entry: dict[str, Any],
@@ -348,11 +375,13 @@ def _work(
     paused: bool,
     cap: int | None,
     priority: int,
+    predicted: dict[str, Any],
     *,
     busy: float,
 ) -> dict[str, Any]:
-    """What the ETA needs of a dataset: items left, its latest answers' cost, its cap."""
-    sample, seconds, tokens = cost or (0, 0.0, 0)
+    """What the ETA needs of a dataset: items left (and their predicted lengths), its
+    latest answers' cost, its cap."""
+    sample, seconds, tokens, measured, predicted_seconds, predicted_tokens = cost or _NO_COST
     mean_seconds = seconds / sample if sample else None
     try:
         max_tokens = json.loads(params or "{}").get("max_tokens")
@@ -371,6 +400,12 @@ def _work(
         "max_tokens": max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
         # Little's law: requests in flight = answer rate x time in the system.
         "in_flight": _rate(entry["recent"]["done"], busy) * (mean_seconds or 0.0),
+        **predicted,
+        "seconds_per_predicted": (
+            predicted_seconds / predicted_tokens
+            if measured >= MEASURED_AFTER and predicted_tokens
+            else None
+        ),
     }
 
 

@@ -75,7 +75,7 @@ class Caller:
         try:
             completion = await self.client.chat(server, body)
         except Exception as exc:  # a bug here must not take the other requests down
-            return await self._failed(lease, server, exc)
+            return await self._failed(lease, info, server, exc)
         finally:
             self.pool.request_ended(server)
         usage = completion.usage or {}
@@ -93,7 +93,9 @@ class Caller:
         )
         return classify.answered(lease, info, body, completion, self.config)
 
-    async def _failed(self, lease: Lease, server: str, exc: Exception) -> Outcome:
+    async def _failed(
+        self, lease: Lease, info: DatasetInfo, server: str, exc: Exception
+    ) -> Outcome:
         """Classify a request's failure; the server's accounting hears of it too."""
         if isinstance(exc, ServerUnavailable):
             self.pool.mark_down(server, str(exc))
@@ -108,7 +110,7 @@ class Caller:
             return classify.retry_or_fail(lease, exc, exc.retry_after, self.config)
         if isinstance(exc, PermanentError):
             failure = Failure(exc.error_class, where(lease) + str(exc))
-            return Rejected(lease, server, str(exc), failure)
+            return Rejected(lease, server, str(exc), failure, info.params_hash)
         if not isinstance(exc, InferenceError):
             log.exception("item_crashed", item=lease.item_id, key=lease.key)
             exc = InferenceError(f"{type(exc).__name__}: {exc}", error_class=ec.INTERNAL)

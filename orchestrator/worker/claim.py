@@ -20,9 +20,11 @@ from typing import Any
 import structlog
 
 from orchestrator.guard import RunGuard
+from orchestrator.lengths import Expected, expected
 from orchestrator.servers import ServerPool
 from orchestrator.store import Database, Lease, list_datasets
 from orchestrator.store.datasets import DatasetInfo
+from orchestrator.store.lengths import length_stats
 from orchestrator.store.queue import Claim
 from orchestrator.worker.config import WorkerConfig, WorkerStats
 
@@ -45,17 +47,25 @@ class Claimed:
 
 
 class Catalog:
-    """The datasets' parameters and policies; reread every few seconds, so an
-    ``enqueue --update`` reaches running workers for the items they claim next."""
+    """The datasets' parameters and policies, and how their items rank by answer length
+    (``orchestrator.lengths``); reread every few seconds, so an ``enqueue --update``
+    reaches running workers for the items they claim next and the ranking follows the
+    answers measured."""
 
     def __init__(self, database: Database, names: tuple[str, ...]) -> None:
         self.database = database
         self.infos: dict[int, DatasetInfo] = {}
+        self.lengths: dict[int, Expected] = {}
         self._names = set(names)
         self._loaded = 0.0
 
     async def load(self) -> None:
         self.infos = {d.id: d for d in await list_datasets(self.database)}
+        sending = [d.id for d in self.infos.values() if not d.passthrough]
+        measured = await length_stats(self.database, sending)
+        self.lengths = {
+            i: expected(measured.get(i), self.infos[i].params.get("max_tokens")) for i in sending
+        }
         self._loaded = time.monotonic()
 
     def stale(self) -> bool:
@@ -117,6 +127,8 @@ class Claims:
         self._next_suspect_probe = 0.0
         self._rate = _Rate()
         self._trial_claim: int | None = None  # the dataset of the round's trial claim
+        #: A claim is being written: items (a trial, say) may be on their way.
+        self.claiming = False
 
     @property
     def in_flight(self) -> int:
@@ -125,6 +137,11 @@ class Claims:
 
     def plan(self) -> Claim | None:
         """How much to ask for in the committer's next round (None: nothing)."""
+        claim = self._plan()
+        self.claiming = claim is not None
+        return claim
+
+    def _plan(self) -> Claim | None:
         if self._stopping.is_set() or not self.pool.available.is_set():
             return None
         now = time.monotonic()
@@ -133,9 +150,11 @@ class Claims:
         trial = self.guard.trial(scope, self.held, now)
         if trial is not None and self.active + len(self.buffer) < concurrency:
             # One item of a dataset not yet answered in this run, before any more of it:
-            # any item, a dead worker's too (its only ones left may be those).
+            # one never put back if there is one, else any item, a dead worker's too
+            # (its only ones left may be those).
             self._trial_claim = trial.id
-            return Claim(self.owner, 1, self.config.lease_seconds, (trial.name,), None)
+            lease_seconds = self.config.lease_seconds
+            return Claim(self.owner, 1, lease_seconds, (trial.name,), None, fresh_first=True)
         if now < self._next_claim:
             return None
         prefetch = min(concurrency // 2, int(self._rate.per_second() * 0.02))
@@ -157,10 +176,12 @@ class Claims:
             suspect_slots,
             scouts=SCOUTS,
             started=self._started,
+            lengths=self.catalog.lengths,
         )
 
     def deliver(self, leases: list[Lease], claim: Claim) -> None:
         """Hold what the committer claimed, and start what fits."""
+        self.claiming = False
         trial, self._trial_claim = self._trial_claim, None
         if trial is not None:
             now = time.monotonic()

@@ -111,6 +111,7 @@ def next_turn(lease: Lease, result: Output) -> Lease:
         + ((result.usage or {}).get("completion_tokens") or 0),
         generated_flags=lease.generated_flags | result.flags,
         generated_latency=lease.generated_latency + result.latency,
+        last_failure=None,  # the error it was put back with was an earlier turn's
     )
 
 

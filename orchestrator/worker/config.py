@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from orchestrator.autoconcurrency import Limits
+from orchestrator.checks import RUN, check_all, checked
 from orchestrator.errors import ConfigError
 from orchestrator.servers import Cap
 
@@ -60,21 +61,16 @@ class WorkerConfig:
         if not self.servers:
             raise ConfigError("at least one --server is needed")
         for cap in (self.concurrency, *self.server_caps.values()):
-            if cap != "auto" and (not isinstance(cap, int) or cap < 1):
-                raise ConfigError(f"--concurrency must be at least 1 or 'auto', got {cap!r}")
+            checked("concurrency", cap, RUN["concurrency"])
         unknown = set(self.server_caps) - set(self.servers)
         if unknown:
             raise ConfigError(f"a cap is given for servers not in use: {sorted(unknown)}")
+        # The settings a run is given, by the rules its options and arguments have.
+        given = {"lease_seconds": self.lease_seconds, "max_attempts": self.max_attempts}
+        given |= {"grace": self.grace_seconds, "give_up_after": self.give_up_after}
+        check_all(given, RUN)
         if self.failure_limit < 1:
             raise ConfigError("failure_limit must be at least 1")
-        if self.lease_seconds < 2:
-            raise ConfigError("--lease-seconds must be at least 2")
-        if self.max_attempts < 1:
-            raise ConfigError("--max-attempts must be at least 1")
-        if self.grace_seconds < 0:
-            raise ConfigError("--grace must not be negative")
-        if self.give_up_after is not None and self.give_up_after <= 0:
-            raise ConfigError("--give-up-after must be more than 0 seconds")
         if self.breaker_items < 1:
             raise ConfigError("breaker_items must be at least 1")
 

@@ -16,6 +16,8 @@ from orchestrator import client as inference
 from orchestrator.client import InferenceClient
 from orchestrator.errors import RunStopped
 from orchestrator.guard import Held, RunGuard
+from orchestrator.store import Lease, Output
+from orchestrator.store.datasets import DatasetInfo
 from orchestrator.worker.claim import Catalog
 from orchestrator.worker.committer import Committer
 from orchestrator.worker.outcomes import Done, Failed, Outcome, Rejected, Release
@@ -32,20 +34,26 @@ class Gate:
     client: InferenceClient
     halt: Callable[[RunStopped], None]
 
-    def passes(self, outcome: Outcome) -> bool:
-        """Whether the outcome goes to the committer now (a rejection is the gate's)."""
+    def started(self, lease: Lease, info: DatasetInfo) -> None:
+        """An item's request goes out with these settings: evidence on its way."""
+        self.guard.sent(lease.item_id, lease.dataset_id, info.params_hash)
+
+    def passes(self, item_id: int, outcome: Outcome | None) -> bool:
+        """Whether an item's outcome goes to the committer now (a rejection is the
+        gate's; None: the item ended without one). Its request is back after this."""
         if isinstance(outcome, Rejected):
             self._rejected(outcome)
-            return False
-        if isinstance(outcome, Done):
-            self.answered(outcome.output.server, outcome.lease.dataset_id)
-        else:
+        elif isinstance(outcome, Done):
+            self.answered(outcome.output.server, outcome.lease.dataset_id, outcome.output)
+        elif outcome is not None:
             self.guard.settled(outcome.lease.dataset_id, outcome.kind)
-        return True
+        self.guard.returned(item_id)
+        self._halt_if_tripped()
+        return outcome is not None and not isinstance(outcome, Rejected)
 
-    def answered(self, server: str, dataset_id: int) -> None:
-        """An answer: what was held for its dataset there fails on its own."""
-        for entry in self.guard.answered(server, dataset_id):
+    def answered(self, server: str, dataset_id: int, output: Output) -> None:
+        """An answer: what was held for its dataset and settings there fails on its own."""
+        for entry in self.guard.answered(server, dataset_id, output.params_hash):
             self.committer.submit(Failed(entry.lease, entry.failure))
 
     def quiet(self, busy: bool) -> None:
@@ -73,13 +81,17 @@ class Gate:
         """Held until the breaker decides: failed alone, or released when it trips."""
         entry = Held(outcome.lease, outcome.failure)
         was_tripped = self.guard.breaker.tripped is not None
-        if not self.guard.rejected(outcome.server, entry, outcome.message):
+        if not self.guard.rejected(outcome.server, entry, outcome.message, outcome.settings):
             self.committer.submit(Failed(outcome.lease, outcome.failure))
         elif was_tripped:
             self.release_held(entry)
-        elif self.guard.breaker.tripped is not None:
-            halted = self.guard.trip({d.id: d.name for d in self.catalog.infos.values()})
-            if halted is not None:
-                self.halt(halted)
-            self.release_held()
         self.committer.poke()  # the slot is free: the next trial item may go
+
+    def _halt_if_tripped(self) -> None:
+        """The breaker has just tripped: the run halts, what it held goes back."""
+        if self.guard.breaker.tripped is None or self.guard.halted is not None:
+            return
+        halted = self.guard.trip({d.id: d.name for d in self.catalog.infos.values()})
+        if halted is not None:
+            self.halt(halted)
+        self.release_held()

@@ -31,6 +31,7 @@ from orchestrator.guard import RunGuard
 from orchestrator.servers import ServerPool
 from orchestrator.store import Database, Queue
 from orchestrator.store import workers as worker_rows
+from orchestrator.urls import credentials_sent
 from orchestrator.worker import classify, keeper, stop, summary
 from orchestrator.worker.call import Caller
 from orchestrator.worker.claim import Catalog, Claimed, Claims
@@ -71,7 +72,7 @@ class Worker:
         self.pool = _pool(config, client, self._capacity_changed)
         self.catalog = Catalog(database, config.datasets)
         # Trial items, served models and the circuit breaker (orchestrator.guard).
-        self.guard = RunGuard(config.breaker_items, config.trial_seconds)
+        self.guard = RunGuard(config.breaker_items, config.trial_seconds, _sent(config, client))
         self._stopping = asyncio.Event()
         self.claims = Claims(
             self.owner,
@@ -139,26 +140,27 @@ class Worker:
         outcome: Outcome | None = None
         try:
             info = await self.catalog.get(held.lease.dataset_id)
+            self.gate.started(held.lease, info)
             outcome = await self.caller.item(held, info)
         finally:
             # The slot is free once the answer is in; the write happens in a later round.
             self.claims.slot_freed()
-            if outcome is not None:
-                self._hand_over(outcome)
-            else:
-                self.committer.poke()
+            self._hand_over(held.lease.item_id, outcome)
 
-    def _hand_over(self, outcome: Outcome) -> None:
+    def _hand_over(self, item_id: int, outcome: Outcome | None) -> None:
         """Queue an item's outcome for writing, past the run guard."""
-        if self.gate.passes(outcome):
+        if self.gate.passes(item_id, outcome):
+            assert outcome is not None
             self.committer.submit(outcome)
+        elif outcome is None:
+            self.committer.poke()
 
     def _settled(self, entry: Outcome, accepted: bool) -> None:
         """The committer wrote an outcome (``accepted``: its lease was still ours)."""
         entry.written(accepted)
         lease = entry.lease
         if isinstance(entry, Advance) and accepted:
-            self.gate.answered(entry.output.server, lease.dataset_id)
+            self.gate.answered(entry.output.server, lease.dataset_id, entry.output)
             self.stats.turns += 1
             if self.metrics is not None:
                 summary.observe(self.metrics, self.catalog.name(lease.dataset_id), entry)
@@ -201,7 +203,9 @@ class Worker:
                     await self.catalog.load()
                     if self.metrics is not None:
                         self.metrics.set_items(await self.queue.counts())
-            self.gate.quiet(bool(self.claims.in_flight))
+            # A claim being written is evidence on its way too: a slow round between
+            # two datasets' trials must not decide what is held.
+            self.gate.quiet(bool(self.claims.in_flight) or self.claims.claiming)
             if (
                 self.config.exit_when_done
                 and not self.claims.held
@@ -295,6 +299,15 @@ def _pool(
             cap = controllers[server].cap
         caps[server] = cap
     return ServerPool(caps, client, config, controllers=controllers, on_change=on_change)
+
+
+def _sent(config: WorkerConfig, client: InferenceClient) -> dict[str, str]:
+    """The credentials each server is sent, for what a refusal tells to check."""
+    settings = client.config
+    return {
+        server: credentials_sent(server, settings.api_key, settings.basic_auth)
+        for server in config.servers
+    }
 
 
 def _export_gauges(metrics: WorkerMetrics, claims: Claims, pool: ServerPool) -> None:

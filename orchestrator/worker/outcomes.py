@@ -84,6 +84,8 @@ class Rejected(Outcome):
     server: str
     message: str
     failure: Failure
+    #: The hash of the dataset's parameters the request was asked with.
+    settings: str
 
 
 #: Outcomes that carry a failure (an error class and a reason).
