@@ -174,11 +174,27 @@ class Queue:
         passthrough: bool = False,
         update: bool = False,
         skip_invalid: bool = False,
+        prompt_column: str | None = None,
+        messages_column: str | None = None,
+        template: str | None = None,
+        template_file: str | os.PathLike[str] | None = None,
+        system: str | None = None,
+        id_column: str | None = None,
+        tools_column: str | None = None,
+        split: str | None = None,
+        config: str | None = None,
     ) -> EnqueueReport:
-        """Add records (a JSONL path, or dicts in any input format) to ``dataset``:
-        ``orchestrator enqueue``'s options by their Python names. All or nothing, unless
-        ``skip_invalid``: then bad rows are left out and listed in the report's ``invalid``.
+        """Add records to ``dataset``: ``orchestrator enqueue``'s options by their Python
+        names (``--hf-config`` is ``config``). All or nothing, unless ``skip_invalid``:
+        then bad rows are left out and listed in the report's ``invalid``.
+
+        ``records`` is what the command's SOURCE is (a JSONL, Parquet, CSV or Arrow file, a
+        folder, a glob, ``hf://ORG/NAME``), a ``datasets.Dataset`` / ``IterableDataset``
+        (a ``DatasetDict`` with ``split``), a ``pyarrow.Table`` / ``RecordBatchReader``, a
+        pandas ``DataFrame``, or dicts in any input format.
         """
+        from orchestrator.formats.columns import Columns
+
         checked("skip_invalid", skip_invalid, FLAG)
         named = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         body = request_body(params, model=model, **named)
@@ -196,6 +212,17 @@ class Queue:
             passthrough=passthrough,
             update=update,
             sampling=tuple(name for name, value in given.items() if value is not None),
+            columns=Columns(
+                prompt_column=prompt_column,
+                messages_column=messages_column,
+                template=template,
+                template_file=template_file,
+                system=system,
+                id_column=id_column,
+                tools_column=tools_column,
+            ),
+            split=split,
+            config=config,
         )
         invalid: list[InputError] = []
         on_invalid = invalid.append if skip_invalid else None

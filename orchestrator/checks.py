@@ -133,14 +133,19 @@ class PathName:
 
 @dataclass(frozen=True, slots=True)
 class Records:
-    """What ``enqueue`` reads: a JSONL file's path, or an iterable of rows. A single dict,
-    a string's letters or a bytes' numbers are no rows."""
+    """What ``enqueue`` reads: a path (a file, a folder, a glob, ``-``, ``hf://``), a table
+    a program holds (``pyarrow``, pandas, ``datasets``), or an iterable of rows. A single
+    dict, a string's letters or a bytes' numbers are no rows."""
 
     def expected(self, value: object) -> str:
         if not PathName().expected(value):
             return ""
+        from orchestrator.formats.tables import is_table
+
+        if is_table(value):
+            return ""
         rows = isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping)
-        return "" if rows else "a JSONL file's path or an iterable of dicts"
+        return "" if rows else "a path, a table or an iterable of dicts"
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +267,12 @@ RUN: dict[str, Rule] = {
 #: What a dataset's name may be (every source of one: options, run files, the API).
 DATASET_NAME = Text(max_length=200)
 
+#: A name that picks one of a source's parts: a column, a split, a Hub configuration.
+PART_NAME = OrNone(Text())
+
+#: Text written into every request as given: a template, a system message.
+PROMPT_TEXT = OrNone(Text())
+
 #: A dataset's settings (``orchestrator enqueue``'s options, ``Queue.enqueue``'s
 #: arguments, a run file's keys), by the field names of ``EnqueueOptions``.
 DATASET: dict[str, Rule] = {
@@ -274,6 +285,21 @@ DATASET: dict[str, Rule] = {
     "on_truncated": OrNone(Choice(ON_TRUNCATED)),
     "passthrough": FLAG,
     "update": FLAG,
+    "split": PART_NAME,
+    "config": PART_NAME,
+}
+
+#: How a table's rows are read (``enqueue``'s column options, ``Queue.enqueue``'s
+#: arguments, a run file's keys), by the field names of
+#: ``orchestrator.formats.columns.Columns``.
+COLUMNS: dict[str, Rule] = {
+    "prompt_column": PART_NAME,
+    "messages_column": PART_NAME,
+    "template": PROMPT_TEXT,
+    "template_file": OrNone(PATH),
+    "system": PROMPT_TEXT,
+    "id_column": PART_NAME,
+    "tools_column": PART_NAME,
 }
 
 #: How an export is shaped and where it goes (``orchestrator export``'s options,

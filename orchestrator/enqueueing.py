@@ -1,5 +1,6 @@
 """Adding prompts to a dataset: the one way both ``orchestrator enqueue`` and the Python
-API (``orchestrator.api``) do it, so a file and a list of dicts get the same checks.
+API (``orchestrator.api``) do it, so a file, a Parquet folder, a Hub dataset and a list of
+dicts get the same checks.
 
 The options a dataset is made with are settled here against what the database already
 holds (a file added to an existing dataset is read the way the dataset was made).
@@ -8,18 +9,22 @@ holds (a file added to an existing dataset is read the way the dataset was made)
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import ConfigError, InputError, OrchestratorError
 
 if TYPE_CHECKING:
+    from orchestrator.formats.columns import Columns
+    from orchestrator.formats.readers import Reading
     from orchestrator.runfile import DatasetPlan
     from orchestrator.store import Database, DatasetSpec, EnqueueReport
 
-#: What ``enqueue`` takes: a JSONL file's path, or rows (dicts in any input format).
-Source = str | os.PathLike[str] | Iterable[Any]
+#: What ``enqueue`` takes: a path (a JSONL, Parquet, CSV or Arrow file, a folder of them, a
+#: glob, ``-``, ``hf://ORG/NAME``), a table (``datasets``, ``pyarrow``, pandas), or rows
+#: (dicts in any input format). ``orchestrator.formats.source.open_source`` reads them.
+Source = str | os.PathLike[str] | Iterable[Any] | Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +47,14 @@ class EnqueueOptions:
     passthrough: bool = False
     update: bool = False
     sampling: tuple[str, ...] = ()
+    columns: Columns | None = None
+    """How rows are read by their columns (prompt, messages, template, id, tools)."""
+    split: str | None = None
+    config: str | None = None
+    """A Hub dataset's (or DatasetDict's) split, and a Hub dataset's configuration."""
+    spelling: Mapping[str, str] = field(default_factory=dict)
+    """Option names in the caller's words for messages (``prompt_column`` ->
+    ``--prompt-column``); the key itself where absent."""
 
     def __post_init__(self) -> None:
         from orchestrator.checks import DATASET, check_all
@@ -50,13 +63,69 @@ class EnqueueOptions:
 
 
 def is_path(source: Source) -> bool:
-    """A path names a file; anything else iterable is rows."""
+    """A path names a file, a folder, a glob, ``-`` or ``hf://``; anything else is rows."""
     return isinstance(source, str | os.PathLike)
 
 
 def source_name(source: Source) -> str:
     """How errors and the report name the source: the path, or ``<records>``."""
     return os.fsdecode(source) if is_path(source) else "<records>"  # type: ignore[arg-type]
+
+
+def read(
+    source: Source,
+    *,
+    fmt: str,
+    regenerate: str,
+    passthrough: bool,
+    columns: Columns | None,
+    split: str | None,
+    config: str | None,
+    spelling: Mapping[str, str] | None = None,
+    on_invalid: Callable[[InputError], None] | None = None,
+) -> Reading[Any]:
+    """``source`` opened and checked for a dataset read this way, its rows not read yet:
+    the one reading every enqueue (a command's, the API's, a run file's) goes through."""
+    from orchestrator.formats import iter_prepared
+
+    names = spelling or {}
+    return iter_prepared(
+        source,
+        on_invalid=on_invalid,
+        fmt=fmt,
+        regenerate=regenerate,
+        passthrough=passthrough,
+        columns=columns,
+        split=split,
+        config=config,
+        say=lambda key: names.get(key, key),
+    )
+
+
+async def store_reading(
+    database: Database,
+    spec: DatasetSpec,
+    reading: Reading[Any],
+    *,
+    on_invalid: Callable[[InputError], None] | None,
+    progress: Callable[[int], None] | None,
+    update: bool,
+) -> EnqueueReport:
+    """A reading's rows into the store, in one transaction, named by their places."""
+    from orchestrator.store import enqueue as do_enqueue
+
+    return await do_enqueue(
+        database,
+        spec,
+        reading,
+        path=reading.name,
+        on_invalid=on_invalid,
+        progress=progress,
+        update=update,
+        hash_source=False,
+        source_sha256=reading.sha256(),
+        place=reading.place,
+    )
 
 
 async def enqueue_source(
@@ -69,9 +138,7 @@ async def enqueue_source(
 ) -> EnqueueReport:
     """Read ``source`` the way its dataset is made and add its items in one transaction."""
     from orchestrator.checks import RECORDS, checked
-    from orchestrator.formats import iter_prepared, iter_prepared_rows
     from orchestrator.store import DatasetSpec
-    from orchestrator.store import enqueue as do_enqueue
     from orchestrator.store.datasets import get_dataset
 
     checked("records", source, RECORDS)
@@ -93,20 +160,19 @@ async def enqueue_source(
         on_truncated=options.on_truncated,
         passthrough=passing,
     )
-    read = {"on_invalid": on_invalid, "fmt": options.format, "regenerate": mode}
-    if is_path(source):
-        records = iter_prepared(source, passthrough=passing, **read)  # type: ignore[arg-type]
-    else:
-        records = iter_prepared_rows(source, passthrough=passing, **read)  # type: ignore[arg-type]
-    return await do_enqueue(
-        database,
-        spec,
-        records,
-        path=source_name(source),
+    reading = read(
+        source,
+        fmt=options.format,
+        regenerate=mode,
+        passthrough=passing,
+        columns=options.columns,
+        split=options.split,
+        config=options.config,
+        spelling=options.spelling,
         on_invalid=on_invalid,
-        progress=progress,
-        update=options.update,
-        hash_source=is_path(source),
+    )
+    return await store_reading(
+        database, spec, reading, on_invalid=on_invalid, progress=progress, update=options.update
     )
 
 
@@ -169,8 +235,6 @@ async def enqueue_plans(
     ``progress(plan)`` gives a file's progress callback; ``each`` hears of every dataset
     enqueued as it is. A dataset that fails stops there: the result says which.
     """
-    from orchestrator.formats import iter_prepared
-    from orchestrator.store import enqueue as do_enqueue
     from orchestrator.store.datasets import refusals
 
     specs = [_plan_spec(plan) for plan in plans]
@@ -188,20 +252,18 @@ async def enqueue_plans(
         on_invalid = invalid.append if skip_invalid else None
         shown = progress(plan) if progress is not None else None
         try:
-            report = await do_enqueue(
-                database,
-                spec,
-                iter_prepared(
-                    plan.file,
-                    on_invalid=on_invalid,
-                    fmt=plan.format,
-                    regenerate=plan.regenerate,
-                    passthrough=plan.passthrough,
-                ),
-                path=str(plan.file),
+            reading = read(
+                plan.source,
+                fmt=plan.format,
+                regenerate=plan.regenerate,
+                passthrough=plan.passthrough,
+                columns=plan.columns,
+                split=plan.split,
+                config=plan.config,
                 on_invalid=on_invalid,
-                progress=shown,
-                update=update,
+            )
+            report = await store_reading(
+                database, spec, reading, on_invalid=on_invalid, progress=shown, update=update
             )
         except OrchestratorError as exc:
             return PlanFailed(plan, exc, done)

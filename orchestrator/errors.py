@@ -36,15 +36,26 @@ class OrchestratorError(Exception):
 
 
 class InputError(OrchestratorError):
-    """A bad input file: the message names ``FILE:LINE`` where it can."""
+    """A bad input file: the message names ``FILE:LINE`` where it can, or ``FILE:row N``
+    for a row of a table (Parquet, CSV, Arrow), whose rows are not lines."""
 
     exit_code = 2
 
-    def __init__(self, message: str, *, path: str | None = None, line: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        line: int | None = None,
+        row: int | None = None,
+    ):
         self.path = path
         self.line = line
+        self.row = row
         self.reason = message
         where = path if line is None else f"{path}:{line}"
+        if row is not None:
+            where = f"{path}:row {row}"
         super().__init__(f"{where}: {message}" if where else message)
 
 

@@ -151,6 +151,15 @@ VALID: dict[str, dict[str, Callable[[object], bool]]] = {
         "passthrough": FLAG,
         "update": FLAG,
         "skip_invalid": FLAG,
+        "prompt_column": _maybe(_text),
+        "messages_column": _maybe(_text),
+        "template": _maybe(_text),
+        "template_file": _maybe(_path),
+        "system": _maybe(_text),
+        "id_column": _maybe(_text),
+        "tools_column": _maybe(_text),
+        "split": _maybe(_text),
+        "config": _maybe(_text),
     },
     "enqueue_config": {"config": _path, "update": FLAG, "skip_invalid": FLAG},
     "run": {
@@ -442,7 +451,17 @@ ENQUEUE_OPTIONS = [
     ("--priority", "99999999999", 99999999999, "must be -2147483647 to 2147483647"),
     ("--dataset", "", "", "must be a non-empty string"),
     ("--model", " ", " ", "must be a non-empty string"),
+    ("--prompt-column", " ", " ", "must be a non-empty string"),
+    ("--messages-column", "", "", "must be a non-empty string"),
+    ("--template", " ", " ", "must be a non-empty string"),
+    ("--system", "", "", "must be a non-empty string"),
+    ("--id-column", " ", " ", "must be a non-empty string"),
+    ("--tools-column", "", "", "must be a non-empty string"),
+    ("--split", " ", " ", "must be a non-empty string"),
+    ("--hf-config", "", "", "must be a non-empty string"),
 ]
+# The Python names of the options whose name differs from the command's.
+_ARGUMENT = {"hf-config": "config"}
 
 
 @pytest.mark.parametrize(("option", "value", "given", "words"), ENQUEUE_OPTIONS)
@@ -456,7 +475,8 @@ def test_enqueue_refuses_what_queue_enqueue_refuses_in_the_same_words(
     done = cli("enqueue", str(data), *named, option, value, "--db", db_url)
     assert done.returncode == 2, done.stderr
     assert option in done.stderr and words in done.stderr, done.stderr
-    name = option.removeprefix("--")
+    spelled = option.removeprefix("--")
+    name = _ARGUMENT.get(spelled, spelled.replace("-", "_"))
     arguments = {"dataset": "d2", name: given}
     with orc.open_sync(db_url) as q, pytest.raises(orc.ConfigError) as caught:
         q.enqueue(data, **arguments)

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from orchestrator.errors import ConfigError, InputError
-from orchestrator.formats import FORMATS, Record, iter_prepared, iter_records, readers
+from orchestrator.formats import FORMATS, Record, iter_prepared, iter_records, jsonl, lines, readers
 from tests.helpers import ANSWER, CALL, RESULT
 
 USER = {"role": "user", "content": "hi"}
@@ -68,7 +68,7 @@ def test_formats_constant() -> None:
 
 
 def test_request_fields_all_checked() -> None:
-    assert set(readers.REQUEST_FIELDS) == set(readers._FIELD_CHECKS)
+    assert set(readers.REQUEST_FIELDS) == set(lines._FIELD_CHECKS)
 
 
 def test_messages_format_keeps_request_fields_only(tmp_path: Path) -> None:
@@ -529,10 +529,15 @@ def test_missing_file(tmp_path: Path) -> None:
     assert info.value.line is None
 
 
-def test_directory(tmp_path: Path) -> None:
+def test_directory_without_data_files(tmp_path: Path) -> None:
+    """A folder is a source of shards: one with none is refused, naming what it lacks."""
+    (tmp_path / "notes.txt").write_text("not data")
     with pytest.raises(InputError) as info:
-        list(iter_records(tmp_path, on_invalid=lambda e: None))
-    assert str(info.value) == f"{tmp_path}: is a directory, not a file"
+        iter_records(tmp_path, on_invalid=lambda e: None)  # raised on the call
+    assert str(info.value) == (
+        f"{tmp_path}: is a directory with no data files in it (*.parquet, *.arrow, *.jsonl, "
+        "*.csv, *.tsv; the text ones also as .gz, .zst)"
+    )
     assert info.value.line is None
 
 
@@ -556,7 +561,7 @@ def test_open_failure_is_a_file_error(tmp_path: Path, monkeypatch: pytest.Monkey
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(readers, "open", refuse, raising=False)
+    monkeypatch.setattr(jsonl, "open", refuse, raising=False)
     with pytest.raises(InputError) as info:
         list(iter_records(path, on_invalid=lambda e: None))
     assert str(info.value) == f"{path}: permission denied"

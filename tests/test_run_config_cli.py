@@ -207,7 +207,7 @@ def test_config_and_per_dataset_options_do_not_mix(tmp_path: Path) -> None:
     assert code == 2
     assert "--config takes every dataset setting from the run file: drop --dataset, --model" in err
     code, _, err = invoke("enqueue", "--db", str(db))
-    assert code == 2 and "Missing argument 'FILE' (or --config RUN.toml)" in err
+    assert code == 2 and "Missing argument 'SOURCE' (or --config RUN.toml)" in err
     assert not db.exists()
 
 

@@ -224,12 +224,6 @@ BAD = [
         id="missing-file",
     ),
     pytest.param(
-        '[[dataset]]\nname = "d"\nfile = "."\nmax_tokens = 1\n',
-        'dataset[1] "d".file',
-        "is a directory",
-        id="file-is-directory",
-    ),
-    pytest.param(
         GOOD_DATASET.replace("100", '"100"'),
         'dataset[1] "d".max_tokens',
         'must be an integer, got a string ("100")',
@@ -454,6 +448,20 @@ def test_every_problem_is_reported_together(tmp_path: Path) -> None:
     message = str(info.value)
     assert message.startswith(f"{path}: 5 problems:\n")
     assert '\n  dataset[3] "c".max_tokens: must be at least 1, got -3' in message
+
+
+def test_a_folder_without_data_files_is_refused(tmp_path: Path) -> None:
+    """A folder is a source of shards; one with none in it is the dataset's problem."""
+    path = write_config(
+        tmp_path / "cfg", '[[dataset]]\nname = "d"\nfile = "empty"\nmax_tokens = 1\n'
+    )
+    (tmp_path / "cfg" / "empty").mkdir()
+    with pytest.raises(RunConfigError) as info:
+        load_run(path)
+    [problem] = info.value.problems
+    assert problem.where == 'dataset[1] "d".file'
+    assert problem.reason.startswith("is a directory with no data files in it (")
+    assert problem.reason.endswith(f": {tmp_path / 'cfg' / 'empty'}")
 
 
 def test_config_file_problems(tmp_path: Path) -> None:
@@ -820,6 +828,41 @@ def test_the_documented_example_is_valid(tmp_path: Path) -> None:
     assert plans["final_chats"].passthrough and plans["final_chats"].params == {
         "model": "Qwen/Qwen3-8B"
     }
+
+
+def test_the_documented_table_sources_example_is_valid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second example: a glob of Parquet shards, a Hub dataset (here a local folder
+    laid out as its repository, which load_dataset resolves from the working directory)
+    and a save_to_disk folder, with their files made as the example names them."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    text = (REPO / "docs" / "CONFIG.md").read_text()
+    example = text.split("```toml\n")[2].split("```", 1)[0]
+    (tmp_path / "numina" / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"problem": ["1+1?"]}), tmp_path / "numina/data/train-0.parquet")
+    (tmp_path / "ORG" / "squad-like" / "data").mkdir(parents=True)
+    qa = pa.table({"id": ["q1"], "question": ["who?"], "context": ["me."]})
+    pq.write_table(qa, tmp_path / "ORG/squad-like/data/train-00000-of-00001.parquet")
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "qa.toml").write_text(
+        'system = "Answer from the context."\nuser = "Context: {context}\\n{question}"\n'
+    )
+    datasets.Dataset.from_dict(
+        {"conversations": [[{"from": "human", "value": "hi"}]]}
+    ).save_to_disk(tmp_path / "exports" / "sharegpt")
+    monkeypatch.chdir(tmp_path)
+    plans = by_name(load_run(write_config(tmp_path, example)))
+    assert list(plans) == ["math", "qa", "sharegpt"]
+    assert plans["math"].columns is not None and plans["math"].columns.template
+    assert (plans["qa"].source, plans["qa"].split) == ("hf://ORG/squad-like", "train")
+    assert plans["sharegpt"].columns is None
+    assert plan_run(list(plans.values()), tokens_per_second=1).rows == 3
 
 
 def test_plan_reads_rows_as_enqueue_does(tmp_path: Path) -> None:

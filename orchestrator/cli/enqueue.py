@@ -1,14 +1,16 @@
-"""``orchestrator enqueue``: a JSONL file, or every dataset of a run file, into the queue."""
+"""``orchestrator enqueue``: a source (a JSONL, Parquet, CSV or Arrow file, a folder, a
+glob, standard input, a Hub dataset), or every dataset of a run file, into the queue."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from orchestrator.checks import DATASET
+from orchestrator.checks import COLUMNS, DATASET
 from orchestrator.cli.common import (
     Checked,
     db_option,
@@ -42,6 +44,26 @@ _SETTINGS = (
     ("--regenerate", "regenerate"),
     ("--on-truncated", "on_truncated"),
     ("--passthrough", "passthrough"),
+    ("--prompt-column", "prompt_column"),
+    ("--messages-column", "messages_column"),
+    ("--template", "template"),
+    ("--template-file", "template_file"),
+    ("--system", "system"),
+    ("--id-column", "id_column"),
+    ("--tools-column", "tools_column"),
+    ("--split", "split"),
+    ("--hf-config", "hf_config"),
+)
+# How the library's messages name an option: as the command spells it.
+_SPELLING = {name: option for option, name in _SETTINGS} | {"format": "--format"}
+_COLUMN_OPTIONS = (
+    "prompt_column",
+    "messages_column",
+    "template",
+    "template_file",
+    "system",
+    "id_column",
+    "tools_column",
 )
 _SAMPLING = (
     "--max-tokens",
@@ -55,11 +77,11 @@ _SAMPLING = (
 
 
 @click.command()
-@click.argument("file", required=False, type=click.Path(path_type=Path))
+@click.argument("source", metavar="SOURCE", required=False)
 @click.option(
     "--config",
     type=click.Path(path_type=Path),
-    help="Enqueue every dataset of a run file (docs/CONFIG.md) instead of one FILE; the "
+    help="Enqueue every dataset of a run file (docs/CONFIG.md) instead of one SOURCE; the "
     "file is checked as a whole first.",
 )
 @click.option(
@@ -120,17 +142,80 @@ _SAMPLING = (
     "are sent with them (each output records the parameters it was made with).",
 )
 @click.option(
-    "--skip-invalid", is_flag=True, help="Skip bad lines (listed and counted) instead of failing."
+    "--prompt-column",
+    metavar="COL",
+    type=Checked(COLUMNS["prompt_column"]),
+    help="Read each row's user message from this text column (any table or JSONL source).",
+)
+@click.option(
+    "--messages-column",
+    metavar="COL",
+    type=Checked(COLUMNS["messages_column"]),
+    help="Read each row's conversation from this column: a list of messages with OpenAI "
+    "(role/content) or ShareGPT (from/value) keys, or its JSON text.",
+)
+@click.option(
+    "--template",
+    metavar="TEXT",
+    type=Checked(COLUMNS["template"]),
+    help="Build the user message from the row's columns: 'Solve this.\\n\\n{problem}'; "
+    "{a.b} is field b of struct column a, {{ and }} are braces, \\n a newline.",
+)
+@click.option(
+    "--template-file",
+    type=click.Path(path_type=Path),
+    help="A TOML file of templates: system and user, or [[messages]] with role and content.",
+)
+@click.option(
+    "--system",
+    metavar="TEXT",
+    type=Checked(COLUMNS["system"]),
+    help="A system message put first in every row built by the options above (not a "
+    "template; \\n a newline).",
+)
+@click.option(
+    "--id-column",
+    metavar="COL",
+    type=Checked(COLUMNS["id_column"]),
+    help="The item key's column (else id, else place).",
+)
+@click.option(
+    "--tools-column",
+    metavar="COL",
+    type=Checked(COLUMNS["tools_column"]),
+    help="The request's tools: a list, or its JSON text.",
+)
+@click.option(
+    "--split",
+    type=Checked(DATASET["split"]),
+    help="The split of a DatasetDict folder or a Hub dataset (hf://) to read.",
+)
+@click.option(
+    "--hf-config",
+    metavar="NAME",
+    type=Checked(DATASET["config"]),
+    help="The configuration (subset) of a Hub dataset (hf://ORG/NAME).",
+)
+@click.option(
+    "--skip-invalid", is_flag=True, help="Skip bad rows (listed and counted) instead of failing."
 )
 @db_option
 @click.pass_context
-def enqueue(ctx: click.Context, file: Path | None, config: Path | None, **options: Any) -> None:
-    """Add the prompts of a JSONL FILE to a dataset (all of them, or none on a bad line).
+def enqueue(ctx: click.Context, source: str | None, config: Path | None, **options: Any) -> None:
+    """Add the prompts of SOURCE to a dataset (all of them, or none on a bad row).
 
-    Lines may be OpenAI chat ({"messages": [...]}), ShareGPT ({"conversations": [...]}),
-    {"prompt": "..."} or OpenAI batch request lines ({"custom_id", "body": {...}}). The
-    item key is the line's "id" or "custom_id", else its line number. Enqueuing the same
-    file again adds nothing.
+    SOURCE is a JSONL file (.jsonl, .jsonl.gz, .jsonl.zst), a Parquet, CSV/TSV or Arrow
+    file, a folder of such shards or a datasets save_to_disk folder (--split for a
+    DatasetDict), a glob ('data/train-*.parquet'), - for JSONL on standard input, or
+    hf://ORG/NAME for a Hugging Face Hub dataset (--split, --hf-config; needs
+    pip install 'orchestrator[hf]').
+
+    Rows may be OpenAI chat ({"messages": [...]}), ShareGPT ({"conversations": [...]}),
+    {"prompt": "..."} or OpenAI batch request lines ({"custom_id", "body": {...}}); or
+    say which columns hold what: --prompt-column, --messages-column, --template. The
+    item key is the row's "id" or "custom_id" (or --id-column), else its place: the
+    line number in a JSONL file, FILE:N for a table's N-th row. Enqueuing the same
+    source again adds nothing.
 
     With --config RUN.toml, every dataset of the run file instead, each file in its own
     transaction, in the file's order.
@@ -139,23 +224,24 @@ def enqueue(ctx: click.Context, file: Path | None, config: Path | None, **option
 
     db, update, skip_invalid = (options.pop(k) for k in ("db", "update", "skip_invalid"))
     if config is not None:
-        _config_alone(ctx, file, options)
+        _config_alone(ctx, source, options)
         _enqueue_config(config, update=update, skip_invalid=skip_invalid, db=db)
         return
-    chosen = _options(ctx, file, options, update=update)
+    chosen = _options(ctx, source, options, update=update)
     invalid: list[InputError] = []
     on_invalid = invalid.append if skip_invalid else None
-    with progress_shown(f"reading {file}:") as progress:
+    with progress_shown(f"reading {source}:") as progress:
         report = on_database(
-            db, lambda d: enqueue_source(d, chosen, file, on_invalid=on_invalid, progress=progress)
+            db,
+            lambda d: enqueue_source(d, chosen, source, on_invalid=on_invalid, progress=progress),
         )
     _show_skipped(invalid, report)
-    click.echo(_enqueued(report, str(file)))
+    click.echo(_enqueued(report, str(source)))
 
 
-def _config_alone(ctx: click.Context, file: Path | None, settings: dict[str, Any]) -> None:
+def _config_alone(ctx: click.Context, file: str | None, settings: dict[str, Any]) -> None:
     """With --config, every dataset setting comes from the run file: none may be given."""
-    given = (["FILE"] if file is not None else []) + _given(settings)
+    given = (["SOURCE"] if file is not None else []) + _given(settings)
     if given:
         raise click.UsageError(
             f"--config takes every dataset setting from the run file: drop {', '.join(given)}",
@@ -174,13 +260,14 @@ def _given(settings: dict[str, Any], among: tuple[str, ...] | None = None) -> li
 
 
 def _options(
-    ctx: click.Context, file: Path | None, settings: dict[str, Any], *, update: bool
+    ctx: click.Context, source: str | None, settings: dict[str, Any], *, update: bool
 ) -> EnqueueOptions:
     """The dataset's settings from the options, checked as the library checks any source's."""
     from orchestrator.enqueueing import EnqueueOptions, request_body
+    from orchestrator.formats.columns import Columns
 
-    if file is None:
-        raise click.UsageError("Missing argument 'FILE' (or --config RUN.toml).", ctx)
+    if source is None:
+        raise click.UsageError("Missing argument 'SOURCE' (or --config RUN.toml).", ctx)
     if settings["dataset"] is None:
         raise click.UsageError("Missing option '--dataset' / '-d'.", ctx)
     named = {k: settings[k] for k in ("max_tokens", "temperature", "top_p")}
@@ -204,7 +291,22 @@ def _options(
         passthrough=settings["passthrough"],
         update=update,
         sampling=tuple(sampling),
+        columns=Columns(**{name: _unescaped(name, settings[name]) for name in _COLUMN_OPTIONS}),
+        split=settings["split"],
+        config=settings["hf_config"],
+        spelling=_SPELLING,
     )
+
+
+_ESCAPES = re.compile(r"\\(n|t|\\)")
+
+
+def _unescaped(name: str, value: Any) -> Any:
+    """A template or system message as typed in a shell: ``\\n`` a newline, ``\\t`` a
+    tab, ``\\\\`` a backslash (a run file and Python have escapes of their own)."""
+    if name not in ("template", "system") or value is None:
+        return value
+    return _ESCAPES.sub(lambda m: {"n": "\n", "t": "\t"}.get(m[1], "\\"), value)
 
 
 def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
@@ -281,13 +383,13 @@ def _enqueue_config(config: Path, *, update: bool, skip_invalid: bool, db: str |
     shown: list[Callable[[int], None] | None] = []
 
     def progress(plan: Any) -> Callable[[int], None] | None:
-        shown.append(tty_progress(f"reading {plan.file}:"))
+        shown.append(tty_progress(f"reading {plan.source}:"))
         return shown[-1]
 
     def each(entry: Enqueued) -> None:
         end_progress(shown.pop())
         _show_skipped(entry.invalid, entry.report)
-        click.echo(_enqueued(entry.report, str(entry.plan.file)))
+        click.echo(_enqueued(entry.report, entry.plan.source))
 
     result = on_database(
         db,

@@ -1,8 +1,10 @@
-"""Input and output file formats: readers turn JSONL lines into ready-to-send requests,
-the export turns done items into training files.
+"""Input and output formats: readers turn a source's rows (JSONL, Parquet, CSV, Arrow, the
+Hub, tables in memory) into ready-to-send requests, the export turns done items into
+training files.
 
 Names are loaded on first use, so that a command offering the formats' names as choices
-(``formats.choices``) starts without the readers' orjson.
+(``formats.choices``) starts without the readers' orjson, and pyarrow loads only when a
+table is read.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING
 from orchestrator.lazy import exports
 
 if TYPE_CHECKING:
+    from orchestrator.formats.columns import Columns
     from orchestrator.formats.readers import (
         FORMATS,
         INPUT_FORMATS,
@@ -19,23 +22,35 @@ if TYPE_CHECKING:
         PASSTHROUGH_FORMATS,
         Prepared,
         PreparedItem,
+        Reading,
         Record,
         iter_prepared,
         iter_prepared_rows,
         iter_records,
     )
+    from orchestrator.formats.source import open_source
 
 __all__ = [
     "FORMATS",
     "INPUT_FORMATS",
     "MODES",
     "PASSTHROUGH_FORMATS",
+    "Columns",
     "Prepared",
     "PreparedItem",
+    "Reading",
     "Record",
     "iter_prepared",
     "iter_prepared_rows",
     "iter_records",
+    "open_source",
 ]
 
-__getattr__ = exports(__name__, dict.fromkeys(__all__, "readers"))
+__getattr__ = exports(
+    __name__,
+    {
+        **dict.fromkeys(__all__, "readers"),
+        "Columns": "columns",
+        "open_source": "source",
+    },
+)

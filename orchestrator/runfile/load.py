@@ -16,10 +16,17 @@ Format::
 
     [[dataset]]
     name = "toolcalls"              # 1 to 200 characters, unique
-    file = "data/toolcalls.jsonl"   # relative to the config file's folder
+    file = "data/toolcalls.jsonl"   # relative to the config file's folder: a JSONL, Parquet,
+                                    # CSV/TSV or Arrow file, a folder of shards, a save_to_disk
+                                    # folder, or a glob ("data/train-*.parquet")
+    # hf = "ORG/NAME"               # instead of file: a Hub dataset (needs orchestrator[hf])
+    # split = "train"               # a Hub dataset's or a DatasetDict folder's split
+    # config = "default"            # a Hub dataset's configuration
     format = "auto"                 # auto | messages | sharegpt | prompt | openai-batch | tokens
     priority = 0                    # higher first
     passthrough = false             # rows already in the target model's format: stored as done
+    # prompt_column / messages_column / template / template_file: what builds the messages
+    # system, id_column, tools_column: see docs/CONFIG.md
     # plus any key of [defaults], overriding it
 
 A dataset's value replaces the default; ``chat_template_kwargs`` and ``extra_body`` tables
@@ -36,15 +43,17 @@ import os
 import stat
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import orjson
 
 from orchestrator import checks, params
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, InputError
+from orchestrator.formats import columns as row_columns
 from orchestrator.formats.readers import INPUT_FORMATS, PASSTHROUGH_FORMATS
+from orchestrator.formats.source import open_source
 from orchestrator.store.columns import ON_TRUNCATED, REGENERATE
 
 __all__ = ["FORMATS", "DatasetPlan", "Problem", "RunConfigError", "load_run"]
@@ -76,8 +85,9 @@ class DatasetPlan:
     """
 
     name: str
-    file: Path
-    """Absolute: relative paths are resolved against the config file's folder."""
+    file: Path | None
+    """Absolute: relative paths are resolved against the config file's folder. None for a
+    Hub dataset (``hf``)."""
     format: str
     """One of ``FORMATS``."""
     params: dict[str, Any]
@@ -92,6 +102,17 @@ class DatasetPlan:
     transient failure, or ``fail`` the item."""
     passthrough: bool
     """The rows are stored as they are, as done; no request is sent."""
+    hf: str | None = None
+    """A Hub dataset (``ORG/NAME``) read instead of a file."""
+    split: str | None = None
+    config: str | None = None
+    columns: row_columns.Columns | None = None
+    """How rows are read by their columns; None: as JSONL lines."""
+
+    @property
+    def source(self) -> str:
+        """What ``enqueue`` reads: the file's path, or ``hf://ORG/NAME``."""
+        return f"hf://{self.hf}" if self.hf is not None else str(self.file)
 
 
 class Problem(NamedTuple):
@@ -264,9 +285,23 @@ _CHECKS: dict[str, Check] = {
     "on_truncated": _choice(ON_TRUNCATED),
     "chat_template_kwargs": _table,
     "extra_body": _extra_body,
+    "hf": _string,
+    "split": _by(checks.DATASET["split"].expected),
+    "config": _by(checks.DATASET["config"].expected),
+    "prompt_column": _by(checks.COLUMNS["prompt_column"].expected),
+    "messages_column": _by(checks.COLUMNS["messages_column"].expected),
+    "template": _by(checks.COLUMNS["template"].expected),
+    # A path, as file is: a string, resolved against the run file's folder.
+    "template_file": _string,
+    "system": _by(checks.COLUMNS["system"].expected),
+    "id_column": _by(checks.COLUMNS["id_column"].expected),
+    "tools_column": _by(checks.COLUMNS["tools_column"].expected),
 }
+_OWN_KEYS = ("name", "file", "hf")
+"""Keys of each dataset alone: [defaults] cannot hold them."""
+_COLUMN_KEYS = tuple(f.name for f in fields(row_columns.Columns))
 _DATASET_KEYS = tuple(_CHECKS)
-_DEFAULT_KEYS = tuple(k for k in _CHECKS if k not in ("name", "file"))
+_DEFAULT_KEYS = tuple(k for k in _CHECKS if k not in _OWN_KEYS)
 _TOP_KEYS = ("defaults", "dataset")
 _REQUEST_DEFAULTS = {"regenerate": "last", "on_truncated": "keep"}
 
@@ -331,7 +366,7 @@ class _Checker:
         for key, value in table.items():
             path = f"{where}.{key}"
             if key not in known:
-                if key in ("name", "file"):
+                if key in _OWN_KEYS:
                     self.add(path, "belongs to each [[dataset]], not to [defaults]")
                 else:
                     self.add(path, _unknown_key(key, known, section="dataset"))
@@ -382,19 +417,24 @@ class _Checker:
             where = f"{where} {_quote(name)}"
         before = len(self.problems)
         own = self.checked(entry, where, _DATASET_KEYS)
-        for key in ("name", "file"):
-            if key not in entry:
-                self.add(f"{where}.{key}", "missing (required)")
+        if "name" not in entry:
+            self.add(f"{where}.name", "missing (required)")
+        if "file" not in entry and "hf" not in entry:
+            self.add(f"{where}.file", "missing (required): a file, or hf for a Hub dataset")
+        if "file" in entry and "hf" in entry:
+            self.add(f"{where}.hf", "a dataset reads a file or a Hub dataset (hf), not both")
 
         if "name" in own:
             if own["name"] in seen:
                 self.add(f"{where}.name", f"duplicate: {seen[own['name']]} has the same name")
             else:
                 seen[own["name"]] = where
-        file = self.file(own["file"], f"{where}.file") if "file" in own else None
-
         passthrough = own.get("passthrough", defaults.get("passthrough", False))
         fmt = own.get("format", defaults.get("format", "auto"))
+        split = own.get("split", defaults.get("split"))
+        config = own.get("config", defaults.get("config"))
+        file = self.source(own, where, split, config)
+        columns = self.columns(own, defaults, where, fmt, passthrough)
         from_defaults = " (from [defaults])" if "format" not in own else ""
         if passthrough:
             for key in (*_SAMPLING_KEYS, *_REQUEST_KEYS):
@@ -425,28 +465,78 @@ class _Checker:
                 )
         if len(self.problems) > before or file is None:
             return None
-        return _plan(own, defaults, file)
+        plan = _plan(own, defaults, file if isinstance(file, Path) else None)
+        return replace(plan, hf=own.get("hf"), split=split, config=config, columns=columns)
 
-    def file(self, value: str, where: str) -> Path | None:
-        path = Path(os.path.abspath(self.base / Path(value).expanduser()))
+    def source(
+        self, own: dict[str, Any], where: str, split: str | None, config: str | None
+    ) -> Path | str | None:
+        """The dataset's file (absolute) or Hub name, opened as ``enqueue`` will open it:
+        a missing file, an empty folder, an unknown split is a problem here."""
+        if "hf" in own and "file" in own:
+            return None  # reported already: one or the other
+        if "hf" in own:
+            spec = f"hf://{own['hf']}"
+            if self._opened(spec, f"{where}.hf", split, config):
+                return str(own["hf"])
+            return None
+        if "file" not in own:
+            return None
+        where = f"{where}.file"
+        path = Path(os.path.abspath(self.base / Path(own["file"]).expanduser()))
         try:
             st = path.stat()
-        except FileNotFoundError:
-            self.add(where, f"no such file: {path}")
+        except OSError:
+            st = None  # a glob, or missing: opening it says which
+        if st is not None and stat.S_ISREG(st.st_mode):
+            if st.st_size == 0:
+                self.add(where, f"is empty: {path}")
+                return None
+            if not os.access(path, os.R_OK):
+                self.add(where, f"not readable: {path}")
+                return None
+        return path if self._opened(str(path), where, split, config) else None
+
+    def _opened(self, spec: str, where: str, split: str | None, config: str | None) -> bool:
+        try:
+            open_source(spec, split=split, config=config)
+        except InputError as exc:
+            self.add(where, f"{exc.reason}: {exc.path}" if exc.path else exc.reason)
+            return False
+        except ConfigError as exc:
+            self.add(where, str(exc))
+            return False
+        return True
+
+    def columns(
+        self,
+        own: dict[str, Any],
+        defaults: dict[str, Any],
+        where: str,
+        fmt: str,
+        passthrough: bool,
+    ) -> row_columns.Columns | None:
+        """The dataset's column keys, checked as ``enqueue`` checks its options."""
+        values = {key: own.get(key, defaults.get(key)) for key in _COLUMN_KEYS}
+        if values["template_file"] is not None:
+            values["template_file"] = os.path.abspath(
+                self.base / Path(values["template_file"]).expanduser()
+            )
+        columns = row_columns.Columns(**values)
+        if not columns.given():
             return None
-        except OSError as exc:
-            self.add(where, f"cannot use {path}: {exc.strerror}")
-            return None
-        if stat.S_ISDIR(st.st_mode):
-            self.add(where, f"is a directory, not a file: {path}")
-            return None
-        if st.st_size == 0:
-            self.add(where, f"is empty: {path}")
-            return None
-        if not os.access(path, os.R_OK):
-            self.add(where, f"not readable: {path}")
-            return None
-        return path
+        regenerate = own.get("regenerate", defaults.get("regenerate", "last"))
+        mode = "passthrough" if passthrough else regenerate
+        found = row_columns.problems(columns, fmt=fmt, mode=mode)
+        for key, reason in found:
+            self.add(f"{where}.{key}", reason)
+        if not found:
+            try:
+                row_columns.check(columns, fmt=fmt, mode=mode)
+            except ConfigError as exc:
+                key = "template_file" if columns.template_file is not None else "template"
+                self.add(f"{where}.{key}", str(exc))
+        return columns
 
 
 def _passthrough_refusal(key: str) -> str:

@@ -179,11 +179,17 @@ class _Scan(NamedTuple):
 
 
 def _scan(plan: DatasetPlan, scale: float = 1.0) -> _Scan:
-    """Read the data file as ``enqueue`` will, so both accept and refuse the same lines."""
+    """Read the data as ``enqueue`` will, so both accept and refuse the same rows."""
     default_cap = plan.params.get("max_tokens", 0)
     rows = requests = budget = size = predicted = predicted_tokens = 0
     records = iter_records(
-        plan.file, fmt=plan.format, regenerate=plan.regenerate, passthrough=plan.passthrough
+        plan.source,
+        fmt=plan.format,
+        regenerate=plan.regenerate,
+        passthrough=plan.passthrough,
+        columns=plan.columns,
+        split=plan.split,
+        config=plan.config,
     )
     for record in records:
         rows += 1

@@ -116,6 +116,8 @@ async def enqueue(
     progress: Callable[[int], None] | None = None,
     update: bool = False,
     hash_source: bool = True,
+    source_sha256: str | None = None,
+    place: Place | None = None,
 ) -> EnqueueReport:
     """Insert every record of one file, or nothing.
 
@@ -127,10 +129,10 @@ async def enqueue(
     ``regenerate="all"`` or pass-through (``ConfigError`` otherwise, before anything is
     written). Pass-through rows are stored done, each with an empty output row, and are
     never claimed. ``update``: see ``datasets.declare``. ``hash_source=False``: ``path``
-    only names the records (rows given in memory), no file is hashed.
-    """
+    only names the records, ``source_sha256`` is their digest if any. ``place`` names a
+    record by its ``line`` where ``path:line`` would not (a folder's Parquet rows)."""
     now = time.time()
-    sha = file_sha256(path) if hash_source else None
+    sha = file_sha256(path) if hash_source else source_sha256
     async with database.write() as conn:
         baseline = (
             await conn.execute(sa.select(sa.func.coalesce(sa.func.max(items.c.id), 0)))
@@ -148,10 +150,9 @@ async def enqueue(
         )
         mode = "passthrough" if info.passthrough else info.regenerate
         report = EnqueueReport(dataset=spec.name, created=created, mode=mode)
-        if first is not None:
-            _check_mode(info, mode, first)
         seen = 0
         if first is not None:
+            _check_mode(info, mode, first)
             # A second file in the same dataset is ordered after the first.
             base = (
                 await conn.execute(
@@ -160,7 +161,7 @@ async def enqueue(
                     )
                 )
             ).scalar_one()
-            context = _Context(info, baseline, base, now, path, report, on_invalid, mode)
+            context = _Context(info, baseline, base, now, path, report, on_invalid, mode, place)
             writer = await _writer(conn, database, context)
             size = writer.batch_size
             try:
@@ -242,6 +243,10 @@ def _check_mode(info: DatasetInfo, mode: str, first: tuple[Any, ...]) -> None:
         )
 
 
+Place = Callable[[int], tuple[str, int | None, int | None]]
+"""A record's ``line`` to where it is: ``(path, line, row)`` as ``InputError`` takes them."""
+
+
 @dataclass(slots=True)
 class _Context:
     """What every batch of one file shares."""
@@ -256,6 +261,23 @@ class _Context:
     report: EnqueueReport
     on_invalid: Callable[[InputError], None] | None
     mode: str = "last"
+    place: Place | None = None
+
+    def error(self, reason: str, line: int) -> InputError:
+        """``reason`` for the record at ``line``, named where it is."""
+        if self.place is None:
+            return InputError(reason, path=self.path, line=line)
+        path, at_line, row = self.place(line)
+        return InputError(reason, path=path, line=at_line, row=row)
+
+    def first(self, line: int) -> str:
+        """Where the first record with a repeated key is: ``line 3``, or its file and row."""
+        if self.place is None:
+            return f"line {line}"
+        path, at_line, row = self.place(line)
+        if row is None:
+            return f"line {at_line}" if path == self.path else f"{path}:{at_line}"
+        return f"{path}:row {row}"
 
     def reject(self, error: InputError) -> None:
         if self.on_invalid is None:
@@ -363,17 +385,13 @@ class _Writer:
             if first_line is None and old is not None and old.id > c.baseline:
                 first_line = old.position - c.base
             if first_line is not None:
-                c.reject(
-                    InputError(
-                        f"duplicate key {key!r} (first on line {first_line})",
-                        path=c.path,
-                        line=line,
-                    )
-                )
+                first = c.first(first_line)
+                at = "on" if first.startswith("line ") else "at"
+                c.reject(c.error(f"duplicate key {key!r} (first {at} {first})", line))
                 continue
             if old is not None:
                 if old.digest != digest:
-                    c.reject(InputError(_changed(key, line, c.info.name), path=c.path, line=line))
+                    c.reject(c.error(_changed(key, line, c.info.name), line))
                 else:
                     c.report.already_present += 1
                 continue
