@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import orjson
 import structlog
 
 from orchestrator import error_classes as ec
@@ -69,7 +70,9 @@ class Caller:
                 )
             except ValueError as exc:
                 return Failed(lease, Failure(ec.CONVERSATION, where(lease) + str(exc)))
-        server = self.pool.pick()
+        # The prompt as text picks the server holding its prefix (the previous turn's,
+        # a retry's, another item's with the same system prompt) in its cache.
+        server = self.pool.pick(orjson.dumps(body.get("messages") or body.get("prompt")).decode())
         if server is None:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         self.pool.request_started(server)
