@@ -3,6 +3,7 @@ is much busier; every turn of a conversation lands where the one before it did."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from orchestrator.formats import iter_records
 from orchestrator.servers import PREFIX_BLOCK, ServerPool, prefix_blocks
 from orchestrator.store import Database, DatasetSpec, enqueue
 from tests.conftest import StartSim
-from tests.helpers import dialogue, query, write_jsonl
+from tests.helpers import cli, dialogue, query, write_jsonl
 from tests.test_servers import config, run_worker
 from tests.test_worker import sim_stats
 
@@ -109,7 +110,10 @@ async def test_every_turn_of_a_conversation_goes_to_the_same_server(
     )
     a = await sim(latency=0.01)
     b = await sim(latency=0.01)
-    stats = await run_worker(database, config((a, b)))
+    # Two slots each: when a turn is picked its own slot is free (kept while the turn
+    # before it was written), so its server is at most 1/2 busier than the other, within
+    # BALANCE_THRESHOLD: every turn must stay.
+    stats = await run_worker(database, config((a, b), concurrency=2))
     assert stats.completed == 24
     rows = query(
         db_url, "SELECT i.key, t.server FROM item_turns AS t JOIN items AS i ON i.id = t.item_id"
@@ -121,3 +125,26 @@ async def test_every_turn_of_a_conversation_goes_to_the_same_server(
     assert all(len(s) == 1 for s in servers.values()), servers
     # Both servers were used: affinity did not pile everything on one.
     assert (await sim_stats(a))["completed"] and (await sim_stats(b))["completed"]
+
+
+async def test_status_shows_the_share_the_prefix_caches_served(
+    database: Database, db_url: str, tmp_path: Path, sim: StartSim
+) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", _conversations(12))
+    spec = DatasetSpec("ds", regenerate="all")
+    await enqueue(database, spec, iter_records(path, regenerate="all"), path=str(path))
+    a = await sim(latency=0.01, prefix_cache=100_000)
+    b = await sim(latency=0.01, prefix_cache=100_000)
+    assert (await run_worker(database, config((a, b)))).completed == 12
+    # Each stored answer is a conversation's last turn: every word of its prompt but the
+    # final question was the previous turn's, cached where that turn went (16-word blocks).
+    rows = query(db_url, "SELECT prompt_tokens, cached_tokens FROM outputs")
+    assert len(rows) == 12
+    assert all(cached >= prompt - 20 for prompt, cached in rows), rows
+    shown = json.loads(cli("status", "--json", "--db", db_url).stdout)
+    cache = shown["totals"]["prompt_tokens"]
+    assert cache["total"] == sum(p for p, _ in rows)
+    assert cache["cached"] == sum(c for _, c in rows)
+    assert cache["cached_share"] == round(cache["cached"] / cache["total"], 4)
+    text = cli("status", "--db", db_url).stdout
+    assert f"{100 * cache['cached_share']:.1f}% of those counted" in text
