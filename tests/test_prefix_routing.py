@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from orchestrator import client as inference
 from orchestrator.formats import iter_records
+from orchestrator.metrics import WorkerMetrics
 from orchestrator.servers import PREFIX_BLOCK, ServerPool, prefix_blocks
 from orchestrator.store import Database, DatasetSpec, enqueue
 from tests.conftest import StartSim
@@ -90,6 +91,11 @@ def test_cached_tokens_are_read_from_each_server_kind() -> None:
     assert inference.with_cached(None, {"cache_n": 5}) is None
 
 
+def _sample(exposition: str, name: str) -> float:
+    line = next(x for x in exposition.splitlines() if x.startswith(name + " "))
+    return float(line.split()[-1])
+
+
 def _conversations(n: int) -> list[dict[str, Any]]:
     turns = [f"conversation {i} " + "words " * 120 for i in range(n)]
     return [
@@ -135,12 +141,16 @@ async def test_status_shows_the_share_the_prefix_caches_served(
     await enqueue(database, spec, iter_records(path, regenerate="all"), path=str(path))
     a = await sim(latency=0.01, prefix_cache=100_000)
     b = await sim(latency=0.01, prefix_cache=100_000)
-    assert (await run_worker(database, config((a, b)))).completed == 12
+    metrics = WorkerMetrics()
+    assert (await run_worker(database, config((a, b)), metrics)).completed == 12
     # Each stored answer is a conversation's last turn: every word of its prompt but the
     # final question was the previous turn's, cached where that turn went (16-word blocks).
     rows = query(db_url, "SELECT prompt_tokens, cached_tokens FROM outputs")
     assert len(rows) == 12
     assert all(cached >= prompt - 20 for prompt, cached in rows), rows
+    exposed = metrics.exposition().decode()
+    cached_turns = _sample(exposed, 'orchestrator_tokens_total{dataset="ds",kind="cached"}')
+    assert cached_turns >= sum(c for _, c in rows)  # every turn's, the last ones' included
     shown = json.loads(cli("status", "--json", "--db", db_url).stdout)
     cache = shown["totals"]["prompt_tokens"]
     assert cache["total"] == sum(p for p, _ in rows)
