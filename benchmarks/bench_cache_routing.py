@@ -65,13 +65,17 @@ def _text(seed: int, n: int) -> str:
     return " ".join(WORDS[(seed * 7 + i * 3 + i // 5) % len(WORDS)] + str(seed) for i in range(n))
 
 
+#: Items per system prompt in ``shared`` (``--group``).
+GROUP = 8
+
+
 def shared_rows(n: int) -> list[dict[str, Any]]:
-    """Groups of 8 items with one system prompt each, asked different short questions."""
+    """Groups of GROUP items with one system prompt each, asked different short questions."""
     return [
         {
             "id": f"s{i}",
             "messages": [
-                {"role": "system", "content": _text(i // 8, 400)},
+                {"role": "system", "content": _text(i // GROUP, 400)},
                 {"role": "user", "content": f"question {i}"},
             ],
             "max_tokens": 16,
@@ -212,8 +216,12 @@ def main() -> None:
     parser.add_argument("--workload", action="append", choices=tuple(WORKLOADS))
     parser.add_argument("--items", type=int, default=64)
     parser.add_argument("--scale", type=int, default=1, help="Simulator: items times this.")
+    parser.add_argument("--group", type=int, default=8, help="shared: items per system prompt.")
+    global GROUP
+    args = parser.parse_args()
+    GROUP = args.group
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    asyncio.run(main_async(parser.parse_args()))
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
