@@ -44,6 +44,7 @@ from orchestrator.sim.config import SimConfig  # noqa: E402
 from orchestrator.sim.server import serve  # noqa: E402
 from orchestrator.store import DatasetSpec, enqueue, open_database  # noqa: E402
 from orchestrator.worker import Worker, WorkerConfig  # noqa: E402
+from orchestrator.worker.call import Caller  # noqa: E402
 from scripts import llama_server  # noqa: E402
 
 WORDS = [
@@ -141,9 +142,19 @@ async def llama_servers(workload: str, count: int) -> AsyncIterator[list[str]]:
             s.stop()
 
 
-async def measure(backend: str, workload: str, n: int, servers_used: int, cache: bool) -> dict:
+async def _not_holding(self: Caller, server: str | None, landed: asyncio.Future[bool]) -> bool:
+    return await landed
+
+
+KEEP_SLOT = Caller._holding
+
+
+async def measure(
+    backend: str, workload: str, n: int, servers_used: int, cache: bool, keep: bool = True
+) -> dict:
     make, mode = WORKLOADS[workload]
     servers.CACHE_THRESHOLD = 0.5 if cache else math.inf
+    Caller._holding = KEEP_SLOT if keep else _not_holding  # type: ignore[method-assign]
     start = sim_servers if backend == "sim" else llama_servers
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "in.jsonl"
@@ -188,20 +199,21 @@ async def main_async(args: argparse.Namespace) -> None:
     for workload in workloads:
         n = args.items * (args.scale if args.backend == "sim" else 1)
         rows = []
-        for label, count, cache in (
-            ("one server", 1, True),
-            ("two, least-loaded", 2, False),
-            ("two, prefix-aware", 2, True),
+        for label, count, cache, keep in (
+            ("one server", 1, True, True),
+            ("two, least-loaded", 2, False, False),
+            ("two, l-l + slot kept", 2, False, True),
+            ("two, prefix-aware", 2, True, True),
         ):
-            r = await measure(args.backend, workload, n, count, cache)
+            r = await measure(args.backend, workload, n, count, cache, keep)
             share = r["cached"] / r["prompt"] if r["prompt"] else 0.0
             rows.append((label, r["done"], r["cached"], share, r["done"] / r["seconds"]))
         print(f"\n{args.backend} / {workload}: {n} items")
-        print(f"{'routing':<20} {'done':>6} {'cached tok':>11} {'cached %':>9} {'items/s':>8}")
+        print(f"{'routing':<22} {'done':>6} {'cached tok':>11} {'cached %':>9} {'items/s':>8}")
         for label, done, cached, share, rate in rows:
-            print(f"{label:<20} {done:>6} {cached:>11.0f} {100 * share:>8.1f}% {rate:>8.2f}")
+            print(f"{label:<22} {done:>6} {cached:>11.0f} {100 * share:>8.1f}% {rate:>8.2f}")
         ref = rows[0][2]
-        aware = rows[2]
+        aware = rows[3]
         print(
             f"prefix-aware cached tokens = {100 * aware[2] / ref:.0f}% of one server's;"
             f" throughput {aware[4] / rows[1][4]:.2f}x least-loaded"
