@@ -21,11 +21,14 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column("outputs", sa.Column("cached_tokens", sa.Integer, nullable=True))
+    # superseded_outputs keeps outputs' columns (a requeue moves rows there and back).
+    for table in ("outputs", "superseded_outputs"):
+        op.add_column(table, sa.Column("cached_tokens", sa.Integer, nullable=True))
     op.create_index("ix_outputs_cache", "outputs", ["dataset_id", "prompt_tokens", "cached_tokens"])
 
 
 def downgrade() -> None:
     op.drop_index("ix_outputs_cache", table_name="outputs")
     # Native DROP COLUMN (SQLite 3.35+), as in 0003.
-    op.execute("ALTER TABLE outputs DROP COLUMN cached_tokens")
+    for table in ("outputs", "superseded_outputs"):
+        op.execute(f"ALTER TABLE {table} DROP COLUMN cached_tokens")
