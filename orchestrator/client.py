@@ -502,7 +502,7 @@ class InferenceClient:
         message = choice.get("message")
         if not isinstance(message, dict):
             raise TransientError("the answer's choice has no message", error_class=ec.BAD_RESPONSE)
-        usage = doc.get("usage")
+        usage = with_cached(doc.get("usage"), doc.get("timings"))
         return _completion(
             message.get("content"),
             _reasoning_of(message),
@@ -577,7 +577,7 @@ class InferenceClient:
             "".join(got.reasoning) or None,
             [got.tool_calls[i] for i in sorted(got.tool_calls)] or None,
             got.finish_reason,
-            usage=got.usage,
+            usage=with_cached(got.usage, got.timings),
             latency=time.monotonic() - started,
             server=server,
             model=got.model,
@@ -625,6 +625,7 @@ class _Streamed:
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: Any = None
     usage: Any = None
+    timings: Any = None
     model: Any = None
     response_id: Any = None
 
@@ -642,6 +643,8 @@ class _Streamed:
         self.response_id = chunk.get("id") or self.response_id
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
+        if isinstance(chunk.get("timings"), dict):
+            self.timings = chunk["timings"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if isinstance(delta.get("content"), str):
@@ -707,7 +710,26 @@ def _completion(
 
 # Most tokens a usage count may say: the columns are 32-bit, and no answer comes near.
 _MAX_TOKENS = 2**31 - 1
-_USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+_USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
+
+
+def with_cached(usage: Any, timings: Any) -> Any:
+    """``usage`` with ``cached_tokens``: the prompt tokens the server took from its
+    prefix cache rather than computing them, when it says.
+
+    SGLang and vLLM say it in ``usage.prompt_tokens_details.cached_tokens``; llama.cpp's
+    ``llama-server`` in ``timings.cache_n`` (its ``prompt_n`` being those it computed).
+    A server that says neither leaves ``usage`` as it was: no count is not zero.
+    """
+    if not isinstance(usage, dict) or "cached_tokens" in usage:
+        return usage
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if cached is None and isinstance(timings, dict):
+        cached = timings.get("cache_n")
+    if cached is None:
+        return usage
+    return {**usage, "cached_tokens": cached}
 
 
 def _bad(message: str) -> TransientError:

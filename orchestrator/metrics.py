@@ -40,7 +40,8 @@ class WorkerMetrics:
         )
         self.tokens = Counter(
             "orchestrator_tokens",
-            "Tokens of the answers this worker committed.",
+            "Tokens of the answers this worker committed: prompt, completion, and cached"
+            " (prompt tokens the server took from its prefix cache).",
             ["dataset", "kind"],
             registry=r,
         )
@@ -88,7 +89,7 @@ class WorkerMetrics:
         """One outcome written (accepted by the store)."""
         self.outcomes.labels(dataset, outcome, error_class or "").inc()
         if outcome in ("complete", "advance"):
-            for kind in ("prompt", "completion"):
+            for kind in ("prompt", "completion", "cached"):
                 value = (usage or {}).get(f"{kind}_tokens")
                 if isinstance(value, int):
                     self.tokens.labels(dataset, kind).inc(value)

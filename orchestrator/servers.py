@@ -22,6 +22,7 @@ import contextlib
 import math
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -198,6 +199,65 @@ def _clock(epoch: float | None) -> str | None:
     return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
 
 
+#: Characters of prompt per block the prefix index remembers (a block is kept whole or
+#: not at all, as a server's radix cache keeps pages).
+PREFIX_BLOCK = 256
+#: Blocks remembered per server, least recently used forgotten first: about 25 MB of
+#: prompt text each, more than a server's KV cache holds.
+PREFIX_BLOCKS = 100_000
+#: Share of a prompt's blocks a server must hold for it to be sent there (SGLang's
+#: router's ``cache_threshold``); below it the prompt goes to the least-loaded server.
+CACHE_THRESHOLD = 0.5
+#: How much busier (in-flight over cap) the server holding the prefix may be than the
+#: least-loaded one and still get it: past that, the load is balanced instead (SGLang's
+#: ``balance_abs_threshold``, as a share of the cap since caps differ per server).
+BALANCE_THRESHOLD = 0.5
+
+
+def prefix_blocks(text: str) -> list[int]:
+    """Chained hashes of ``text``'s whole blocks: block ``i``'s hash stands for the
+    prompt up to its end, so two prompts share hashes exactly as long as they share
+    a prefix."""
+    hashes: list[int] = []
+    last = 0
+    for start in range(0, len(text) - PREFIX_BLOCK + 1, PREFIX_BLOCK):
+        last = hash((last, text[start : start + PREFIX_BLOCK]))
+        hashes.append(last)
+    return hashes
+
+
+class PrefixIndex:
+    """Which prompt prefixes each server has been sent lately: a model of the servers'
+    prefix caches, so a prompt goes where its prefix is cached (a conversation's next
+    turn, a retry, items sharing a system prompt) and is not computed again."""
+
+    def __init__(self, servers: Iterable[str], limit: int = PREFIX_BLOCKS):
+        self.limit = limit
+        self.blocks: dict[str, OrderedDict[int, None]] = {s: OrderedDict() for s in servers}
+
+    def matched(self, server: str, hashes: list[int]) -> int:
+        """Blocks of the prompt, from its start, that ``server`` holds."""
+        held = self.blocks[server]
+        count = 0
+        for value in hashes:
+            if value not in held:
+                break
+            count += 1
+        return count
+
+    def add(self, server: str, hashes: list[int]) -> None:
+        held = self.blocks[server]
+        for value in hashes:
+            held[value] = None
+            held.move_to_end(value)
+        while len(held) > self.limit:
+            held.popitem(last=False)
+
+    def forget(self, server: str) -> None:
+        """A server that went down comes back with its cache empty."""
+        self.blocks[server].clear()
+
+
 def _same(url: str) -> str:
     return url.strip().rstrip("/").removesuffix("/v1").lower()
 
@@ -272,6 +332,7 @@ class ServerPool:
         self.states = {
             url: ServerState(url, cap, controller=controllers.get(url)) for url, cap in caps.items()
         }
+        self.prefixes = PrefixIndex(self.states)
         self.available = asyncio.Event()
         self._on_change = on_change or (lambda: None)
         #: Looks at a server once, when it first answers, before any request goes to it;
@@ -289,14 +350,37 @@ class ServerPool:
         """Requests the healthy servers take at once: what the worker keeps in flight."""
         return sum(st.cap for st in self.states.values() if st.healthy)
 
-    def pick(self) -> str | None:
-        """The healthy server with the lowest in-flight/cap (the first listed on a tie)."""
+    def pick(self, prompt: str | None = None) -> str | None:
+        """The server for a request: the one holding most of ``prompt``'s prefix when it
+        holds at least ``CACHE_THRESHOLD`` of it and is not much busier than the
+        least-loaded one (``BALANCE_THRESHOLD``), else the healthy server with the lowest
+        in-flight/cap (the first listed on a tie). The prompt is then taken as cached
+        on the server picked."""
         best: ServerState | None = None
         load = math.inf
         for state in self.states.values():
             if state.healthy and state.load < load:
                 best, load = state, state.load
-        return None if best is None else best.url
+        if best is None or not prompt:
+            return None if best is None else best.url
+        hashes = prefix_blocks(prompt)
+        if hashes:
+            best = self._holder(hashes, load) or best
+            self.prefixes.add(best.url, hashes)
+        return best.url
+
+    def _holder(self, hashes: list[int], lowest: float) -> ServerState | None:
+        """The healthy server holding most of the prompt, if enough and not too busy."""
+        holder: ServerState | None = None
+        most = 0
+        for state in self.states.values():
+            if state.healthy and (n := self.prefixes.matched(state.url, hashes)) > most:
+                holder, most = state, n
+        if holder is None or most < CACHE_THRESHOLD * len(hashes):
+            return None
+        if holder.load - lowest > BALANCE_THRESHOLD or holder.in_flight >= holder.cap:
+            return None
+        return holder
 
     def set_cap(self, server: str, cap: int) -> None:
         self.states[server].cap = cap
@@ -307,6 +391,7 @@ class ServerPool:
         if state.probe is not None and not state.probe.done():
             return
         state.healthy = False
+        self.prefixes.forget(server)
         state.failures += 1
         state.errors = 0
         state.down_reason = reason

@@ -68,6 +68,17 @@ def _flag_lines(snap: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _cache_lines(prompt: dict[str, Any] | None) -> list[str]:
+    """The share of prompt tokens the servers' prefix caches served: what routing a
+    prompt to the server holding its prefix saves. Nothing when no server says."""
+    if not prompt or prompt.get("cached_share") is None:
+        return []
+    return [
+        f"prompt tokens {prompt['total']:,}, {prompt['cached']:,} from the servers' prefix"
+        f" caches ({100 * prompt['cached_share']:.1f}% of those counted)"
+    ]
+
+
 def render_status(snap: dict[str, Any]) -> str:
     window = int(snap["window_seconds"])
     header = [
@@ -102,6 +113,7 @@ def render_status(snap: dict[str, Any]) -> str:
             c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
         ]
         lines.append("  ".join(cells))
+    lines.extend(_cache_lines(snap["totals"].get("prompt_tokens")))
     errors = snap["totals"]["errors"]
     if errors:
         lines.append("")

@@ -38,6 +38,7 @@ class Seq:
     target: int  # tokens it will generate
     limit: int  # tokens the server must expect it may generate (its max_tokens)
     tag: Any = None
+    cached: int = 0  # prompt tokens its prefix cache held: not prefilled when first admitted
     generated: int = 0
     place: str = "queued"  # queued | running | done
 
@@ -135,7 +136,8 @@ class BatchModel:
             self.running.append(seq)
             self.kv_used += seq.kv
             reserved += ratio * (seq.limit - seq.generated)
-            prefill += seq.kv
+            prefill += seq.kv - seq.cached
+            seq.cached = 0  # retracted and admitted again, it is prefilled whole
         return prefill
 
     def _retract(self) -> None:

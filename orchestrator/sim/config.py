@@ -98,6 +98,10 @@ class SimConfig:
             ``t`` (simulated seconds since the first request, idle time included),
             ``batch`` (requests decoded, one token each), ``queued``, ``finished``
             (answers completed by the step) and ``kv`` (cache tokens in use).
+        prefix_cache: prompt tokens of a prefix cache (0: none): a prompt repeating the
+            start of one seen lately has those tokens reported as
+            ``usage.prompt_tokens_details.cached_tokens`` and not prefilled (batching),
+            or, without batching, the others cost ``prefill_per_token`` each.
     """
 
     model: str | None = None
@@ -123,6 +127,7 @@ class SimConfig:
     required_fields: tuple[str, ...] = ()
     length_model: LengthModel | None = None
     trace: str | None = None
+    prefix_cache: int = 0
 
     @property
     def batching(self) -> bool:
@@ -142,7 +147,7 @@ class SimConfig:
             )
         if not 0.0 <= self.tool_call_rate <= 1.0:
             raise ValueError(f"tool_call_rate must be within [0, 1], got {self.tool_call_rate!r}")
-        for name in ("kv_tokens", "max_running", "max_model_len"):
+        for name in ("kv_tokens", "max_running", "max_model_len", "prefix_cache"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not math.isfinite(self.time_scale) or self.time_scale <= 0:

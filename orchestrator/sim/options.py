@@ -193,6 +193,15 @@ OPTIONS: tuple[SimOption, ...] = (
         help="Batching: seconds per prompt token prefilled.",
     ),
     SimOption(
+        "--prefix-cache",
+        "prefix_cache",
+        int,
+        0,
+        show_default=False,
+        help="A prefix cache of this many prompt tokens: repeated prompt starts are reported"
+        " as cached_tokens and not prefilled.",
+    ),
+    SimOption(
         "--length-model",
         "length_model",
         metavar="FILE",

@@ -36,6 +36,7 @@ from orchestrator.sim.batching import BatchModel, Seq
 from orchestrator.sim.config import DEFAULT_MODEL, FAULT_KINDS, SimConfig
 from orchestrator.sim.lengths import dataset_of, quantile
 from orchestrator.sim.options import sim_config, sim_options
+from orchestrator.sim.prefix import PrefixCache, prompt_words
 
 __all__ = [
     "answer_matches",
@@ -297,10 +298,11 @@ class _Batcher:
         window = min(_THROUGHPUT_WINDOW, now - self.recent_tokens[0][0] + 1)
         return sum(tokens for _, tokens in self.recent_tokens) / window
 
-    async def generate(self, prompt: int, target: int, limit: int) -> None:
-        """Wait until the request has generated ``target`` tokens."""
+    async def generate(self, prompt: int, target: int, limit: int, cached: int = 0) -> None:
+        """Wait until the request has generated ``target`` tokens (``cached`` of its prompt
+        tokens held by the prefix cache are not prefilled)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        seq = Seq(prompt, target, limit, done)
+        seq = Seq(prompt, target, limit, done, cached=cached)
         self.model.add(seq)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="sim batcher")
@@ -369,6 +371,7 @@ class _State:
         self.config = config
         self.stats = _Stats()
         self.batcher = _Batcher(config) if config.batching else None
+        self.prefix = PrefixCache(config.prefix_cache) if config.prefix_cache else None
         self.fault_rng = random.Random(config.seed)
         self.started = time.monotonic()
         self.closing = asyncio.Event()
@@ -700,6 +703,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
         stats.invalid += 1
         return refused
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or 2 * config.mean_tokens
+    cached = state.prefix.serve(prompt_words(messages), answer.words) if state.prefix else None
     state.next_id += 1
     completion_id = f"chatcmpl-{digest}{state.next_id:08x}"
 
@@ -715,6 +719,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 completion_id=completion_id,
                 answer=answer,
                 prompt_tokens=prompt_tokens,
+                cached=cached,
                 include_usage=include_usage,
                 cut=fault == "malformed",
                 stall=fault == "stall",
@@ -723,7 +728,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
             )
         else:
             response = await _whole_answer(
-                request, state, body, answer, completion_id, prompt_tokens, limit, fault
+                request, state, body, answer, completion_id, prompt_tokens, limit, fault, cached
             )
     finally:
         stats.running_tokens -= prompt_tokens + n
@@ -796,13 +801,14 @@ async def _whole_answer(
     prompt_tokens: int,
     limit: int,
     fault: str | None,
+    cached: int | None = None,
 ) -> web.StreamResponse:
     """The answer in one body, once the time it takes to generate has passed."""
     config, n = state.config, answer.tokens
     if state.batcher is not None:
-        await state.batcher.generate(prompt_tokens, n, limit)
+        await state.batcher.generate(prompt_tokens, n, limit, cached or 0)
     else:
-        await _sleep(config.latency + config.per_token * n)
+        await _sleep(config.latency + config.per_token * n + _prefill(state, prompt_tokens, cached))
     if _client_gone(request):
         state.stats.aborted += 1
         return web.Response(status=499)
@@ -821,12 +827,25 @@ async def _whole_answer(
                 "finish_reason": answer.finish_reason,
             }
         ],
-        "usage": _usage(prompt_tokens, n),
+        "usage": _usage(prompt_tokens, n, cached),
     }
     return web.Response(body=orjson.dumps(doc), content_type=_JSON)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _prefill(state: _State, prompt_tokens: int, cached: int | None) -> float:
+    """Without batching, the seconds the uncached prompt tokens take, when the server
+    models a prefix cache (without one the prompt is free, as it always was)."""
+    if cached is None:
+        return 0.0
+    return state.config.prefill_per_token * (prompt_tokens - cached)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+    if cached is not None:
+        return {
+            **_usage(prompt_tokens, completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -868,6 +887,7 @@ async def _stream_answer(
     prompt_tokens: int,
     include_usage: bool,
     cut: bool,
+    cached: int | None = None,
     stall: bool = False,
     limit: int = 0,
     model: str = "",
@@ -888,9 +908,9 @@ async def _stream_answer(
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
     if batcher is not None:
-        await batcher.generate(prompt_tokens, answer.tokens, limit)
+        await batcher.generate(prompt_tokens, answer.tokens, limit, cached or 0)
     else:
-        await _sleep(config.latency)
+        await _sleep(config.latency + _prefill(state, prompt_tokens, cached))
     response = web.StreamResponse(
         status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -915,7 +935,7 @@ async def _stream_answer(
                 "created": created,
                 "model": model or _served({}, config),
                 "choices": [],
-                "usage": _usage(prompt_tokens, answer.tokens),
+                "usage": _usage(prompt_tokens, answer.tokens, cached),
             }
             await response.write(b"data: " + orjson.dumps(usage) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")

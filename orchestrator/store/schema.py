@@ -138,6 +138,8 @@ outputs = sa.Table(
     sa.Column("finish_reason", sa.Text, nullable=True),
     sa.Column("prompt_tokens", sa.Integer, nullable=True),
     sa.Column("completion_tokens", sa.Integer, nullable=True),
+    # Of the prompt tokens, those the server took from its prefix cache (None: not said).
+    sa.Column("cached_tokens", sa.Integer, nullable=True),
     # The assistant message as the server sent it (tool_calls and all), JSON text.
     sa.Column("message", sa.Text, nullable=False),
     sa.Column("usage", sa.Text, nullable=True),
@@ -162,6 +164,8 @@ sa.Index(
     outputs.c.created_at,
     outputs.c.completion_tokens,
 )
+# The cache share status shows, read from this narrow index like the totals above.
+sa.Index("ix_outputs_cache", outputs.c.dataset_id, outputs.c.prompt_tokens, outputs.c.cached_tokens)
 sa.Index("ix_outputs_started", outputs.c.dataset_id, outputs.c.created_at - outputs.c.latency)
 # Flagged answers only (truncated, empty, ...): status counts them from here, and an
 # unflagged answer, the usual kind, writes nothing to it.

@@ -47,6 +47,13 @@ _QUERIES: dict[str, str] = {
         "SELECT dataset_id, count(*), coalesce(sum(completion_tokens), 0)"
         " FROM outputs GROUP BY dataset_id"
     ),
+    # Prompt tokens, those a prefix cache served, and the answers that said (a server
+    # that never says is not a cache that never hits), from ix_outputs_cache.
+    "cache": (
+        "SELECT dataset_id, coalesce(sum(prompt_tokens), 0), coalesce(sum(cached_tokens), 0),"
+        " coalesce(sum(CASE WHEN cached_tokens IS NOT NULL THEN prompt_tokens END), 0)"
+        " FROM outputs GROUP BY dataset_id"
+    ),
     # First answer's start and last answer's end: one index seek each per dataset,
     # where a min() over every row would cost as much as the count above.
     "span": (
@@ -215,6 +222,7 @@ def _document(
     span_by = {r[0]: tuple(r[1:]) for r in rows["span"]}
     overall_by = {r[0]: (*r[1:], *span_by.get(r[0], (None, None))) for r in rows["overall"]}
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
+    cache_by = {r[0]: tuple(r[1:]) for r in rows["cache"]}
     names = {row[0]: row[1] for row in rows["datasets"]}
     entries = []
     work: list[dict[str, Any]] = []
@@ -227,6 +235,7 @@ def _document(
             window=window,
         )
         entry["completion_tokens"].update(_percentiles(lengths.get(ds_id, [])))
+        entry["prompt_tokens"] = _cache_figures(*cache_by.get(ds_id, (0, 0, 0)))
         if not passthrough:  # stored done at enqueue: no answer time to learn from
             work.append(
                 {"dataset_id": ds_id, "entry": entry, "cost": costs.get(ds_id), "params": ds_params}
@@ -258,6 +267,9 @@ def _document(
     busy = _span(min(starts), now, now, window) if starts else 0.0
     totals = _totals(entries, now=now, window=window)
     totals["eta_slots"] = None  # with eta_seconds, filled by the forecast
+    totals["prompt_tokens"] = _cache_figures(
+        *(sum(e["prompt_tokens"][k] for e in entries) for k in ("total", "cached", "said"))
+    )
     totals["completion_tokens"].update(
         _percentiles([n for sample in lengths.values() for n in sample])
     )
@@ -418,6 +430,13 @@ def _span(start: float | None, end: float, now: float, window: float) -> float:
     if start is None:
         return 0.0
     return max(min(end, now) - max(start, now - window), 0.0)
+
+
+def _cache_figures(total: int, cached: int, said: int) -> dict[str, Any]:
+    """Prompt tokens and the share a prefix cache served, over the answers whose server
+    said (None: none did, which is not a cache that never hits)."""
+    share = round(int(cached) / int(said), 4) if said else None
+    return {"total": int(total), "cached": int(cached), "said": int(said), "cached_share": share}
 
 
 def _dataset_figures(

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import orjson
 import structlog
 
 from orchestrator import error_classes as ec
@@ -53,9 +54,20 @@ class Caller:
                 return Done(lease, classify.stopped(lease, result))
             landed = asyncio.get_running_loop().create_future()
             self.submit(Advance(lease, result, landed))
-            if not await landed:
+            if not await self._holding(result.server, landed):
                 return None
             lease = held.lease = classify.next_turn(lease, result)
+
+    async def _holding(self, server: str | None, landed: asyncio.Future[bool]) -> bool:
+        """Wait for a turn's write with its server's slot kept: the next turn goes where
+        the conversation's prefix is cached, and a new item must not take that slot."""
+        if server not in self.pool.states:
+            return await landed
+        self.pool.request_started(server)
+        try:
+            return await landed
+        finally:
+            self.pool.request_ended(server)
 
     async def turn(self, lease: Lease, info: DatasetInfo) -> Outcome | Output:
         """One request: its answer, or what should become of the item."""
@@ -69,7 +81,9 @@ class Caller:
                 )
             except ValueError as exc:
                 return Failed(lease, Failure(ec.CONVERSATION, where(lease) + str(exc)))
-        server = self.pool.pick()
+        # The prompt as text picks the server holding its prefix (the previous turn's,
+        # a retry's, another item's with the same system prompt) in its cache.
+        server = self.pool.pick(orjson.dumps(body.get("messages") or body.get("prompt")).decode())
         if server is None:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         self.pool.request_started(server)
