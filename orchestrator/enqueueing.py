@@ -252,16 +252,7 @@ async def enqueue_plans(
         on_invalid = invalid.append if skip_invalid else None
         shown = progress(plan) if progress is not None else None
         try:
-            reading = read(
-                plan.source,
-                fmt=plan.format,
-                regenerate=plan.regenerate,
-                passthrough=plan.passthrough,
-                columns=plan.columns,
-                split=plan.split,
-                config=plan.config,
-                on_invalid=on_invalid,
-            )
+            reading = read(plan.source, **plan.reading, on_invalid=on_invalid)
             report = await store_reading(
                 database, spec, reading, on_invalid=on_invalid, progress=shown, update=update
             )

@@ -114,6 +114,19 @@ class DatasetPlan:
         """What ``enqueue`` reads: the file's path, or ``hf://ORG/NAME``."""
         return f"hf://{self.hf}" if self.hf is not None else str(self.file)
 
+    @property
+    def reading(self) -> dict[str, Any]:
+        """How its rows are read: the options of ``formats.read`` and ``iter_records``
+        beside the source, so that ``plan`` and ``enqueue`` read the same rows."""
+        return {
+            "fmt": self.format,
+            "regenerate": self.regenerate,
+            "passthrough": self.passthrough,
+            "columns": self.columns,
+            "split": self.split,
+            "config": self.config,
+        }
+
 
 class Problem(NamedTuple):
     where: str

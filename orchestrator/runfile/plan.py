@@ -182,15 +182,7 @@ def _scan(plan: DatasetPlan, scale: float = 1.0) -> _Scan:
     """Read the data as ``enqueue`` will, so both accept and refuse the same rows."""
     default_cap = plan.params.get("max_tokens", 0)
     rows = requests = budget = size = predicted = predicted_tokens = 0
-    records = iter_records(
-        plan.source,
-        fmt=plan.format,
-        regenerate=plan.regenerate,
-        passthrough=plan.passthrough,
-        columns=plan.columns,
-        split=plan.split,
-        config=plan.config,
-    )
+    records = iter_records(plan.source, **plan.reading)
     for record in records:
         rows += 1
         size += len(orjson.dumps(record.request))
