@@ -214,11 +214,7 @@ def _document(
     window: float,
 ) -> Snapshot:
     state_counts, errors_by, failed_by, flags_by = _by_dataset(rows)
-    predicted_by: dict[int, dict[str, Any]] = defaultdict(dict)
-    for state in ("pending", "running"):
-        for ds_id, n, tokens in rows[f"predicted_{state}"]:
-            predicted_by[ds_id][f"predicted_{state}"] = n
-            predicted_by[ds_id][f"predicted_{state}_tokens"] = int(tokens)
+    predicted_by = _predicted_by(rows)
     span_by = {r[0]: tuple(r[1:]) for r in rows["span"]}
     overall_by = {r[0]: (*r[1:], *span_by.get(r[0], (None, None))) for r in rows["overall"]}
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
@@ -273,10 +269,7 @@ def _document(
     totals["completion_tokens"].update(
         _percentiles([n for sample in lengths.values() for n in sample])
     )
-    by_class: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
-    for (_, cls), found in messages.items():
-        by_class[cls].extend(found)
-    totals["error_messages"] = _error_messages(totals["errors"], by_class, names)
+    totals["error_messages"] = _error_messages(totals["errors"], _by_class(messages), names)
     document = {
         "version": STATUS_VERSION,
         "generated_at": now,
@@ -288,6 +281,24 @@ def _document(
     }
     ids = [row[0] for row in rows["datasets"]]
     return Snapshot(document, ids, [_work(**w, busy=busy) for w in work], live)
+
+
+def _predicted_by(rows: Found) -> dict[int, dict[str, Any]]:
+    """Items still to answer and their predicted tokens, per dataset id and state."""
+    predicted_by: dict[int, dict[str, Any]] = defaultdict(dict)
+    for state in ("pending", "running"):
+        for ds_id, n, tokens in rows[f"predicted_{state}"]:
+            predicted_by[ds_id][f"predicted_{state}"] = n
+            predicted_by[ds_id][f"predicted_{state}_tokens"] = int(tokens)
+    return predicted_by
+
+
+def _by_class(messages: Messages) -> dict[str, list[tuple[Any, ...]]]:
+    """The datasets' latest error messages, pooled by class for the totals."""
+    by_class: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+    for (_, cls), found in messages.items():
+        by_class[cls].extend(found)
+    return by_class
 
 
 def _by_dataset(rows: Found) -> tuple[Any, Any, Any, Any]:
