@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
+import orjson
 import structlog
 
 from orchestrator import error_classes as ec
@@ -350,20 +351,22 @@ class ServerPool:
         """Requests the healthy servers take at once: what the worker keeps in flight."""
         return sum(st.cap for st in self.states.values() if st.healthy)
 
-    def pick(self, prompt: str | None = None) -> str | None:
+    def pick(self, prompt: object = None) -> str | None:
         """The server for a request: the one holding most of ``prompt``'s prefix when it
         holds at least ``CACHE_THRESHOLD`` of it and is not much busier than the
         least-loaded one (``BALANCE_THRESHOLD``), else the healthy server with the lowest
         in-flight/cap (the first listed on a tie). The prompt is then taken as cached
-        on the server picked."""
+        on the server picked. ``prompt`` is its text, or the request's messages, made
+        text only when there is a choice of server (one server has nothing to choose)."""
         best: ServerState | None = None
         load = math.inf
         for state in self.states.values():
             if state.healthy and state.load < load:
                 best, load = state, state.load
-        if best is None or not prompt:
+        if best is None or not prompt or len(self.states) < 2:
             return None if best is None else best.url
-        hashes = prefix_blocks(prompt)
+        text = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
+        hashes = prefix_blocks(text)
         if hashes:
             best = self._holder(hashes, load) or best
             self.prefixes.add(best.url, hashes)

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import orjson
 import structlog
 
 from orchestrator import error_classes as ec
@@ -83,7 +82,7 @@ class Caller:
                 return Failed(lease, Failure(ec.CONVERSATION, where(lease) + str(exc)))
         # The prompt as text picks the server holding its prefix (the previous turn's,
         # a retry's, another item's with the same system prompt) in its cache.
-        server = self.pool.pick(orjson.dumps(body.get("messages") or body.get("prompt")).decode())
+        server = self.pool.pick(body.get("messages") or body.get("prompt"))
         if server is None:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         self.pool.request_started(server)
