@@ -116,9 +116,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_cluster.
 def submit(
     cluster: slurm_cluster.SlurmCluster, tmp_path: Path, db: str, *args: str
 ) -> tuple[str, Path]:
-    result = cli(
-        "deploy", "slurm", "--db", db, "--output", str(tmp_path / "task-%A_%a.log"), *args
-    )  # fmt: skip
+    pattern = "task-%j.log" if "--nodes" in args else "task-%A_%a.log"
+    result = cli("deploy", "slurm", "--db", db, "--output", str(tmp_path / pattern), *args)
     assert result.returncode == 0, result.stderr
     path = tmp_path / "run.sbatch"
     path.write_text(result.stdout)
@@ -138,11 +137,15 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
     raise AssertionError(f"waited {timeout:g} s for {what}")
 
 
+@pytest.mark.parametrize("shape", ["array", "nodes"])
 def test_preempted_task_stops_cleanly_requeues_and_every_item_is_done_once(
     cluster: slurm_cluster.SlurmCluster,
     tmp_path: Path,
     pg_database: Callable[[], str],
+    shape: str,
 ) -> None:
+    """The array form: two tasks, one preempted (SIGTERM to its batch shell). The nodes
+    form: one node under srun, SIGTERM to its step, as Slurm sends it at the limit."""
     db = pg_database()
     rows = prompts(40, "s")
     source = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -150,19 +153,24 @@ def test_preempted_task_stops_cleanly_requeues_and_every_item_is_done_once(
     sim = SimProcess("--latency", "1.0")
     sim.start()
     try:
+        form = ["--array", "2"] if shape == "array" else ["--nodes", "1"]
         job, _ = submit(
-            cluster, tmp_path, db, "--array", "2", "--server", sim.url, "--grace", "10",
+            cluster, tmp_path, db, *form, "--server", sim.url, "--grace", "10",
             "--signal-lead", "60", "--run-args", "--concurrency 2 --retry-backoff 0.1",
         )  # fmt: skip
         wait_for(lambda: done(db) >= 6, 120, "the first answers")
-        # Preemption as a scheduler or an operator sends it: SIGTERM to the batch shell.
-        cluster.command("scancel", "--batch", "--signal=TERM", f"{job}_0", check=True)
+        if shape == "array":
+            # Preemption as an operator sends it to the array form: to the batch shell.
+            cluster.command("scancel", "--batch", "--signal=TERM", f"{job}_0", check=True)
+        else:
+            cluster.command("scancel", "--signal=TERM", job, check=True)
         cluster.wait(job, 300)
         served = sim.stats()
     finally:
         sim.stop()
     check_export(db, tmp_path / "out.jsonl", [r["id"] for r in rows])
-    log = (tmp_path / f"task-{job}_0.log").read_text()
+    name = f"task-{job}_0.log" if shape == "array" else f"task-{job}.log"
+    log = (tmp_path / name).read_text()
     assert "items left: requeued" in log and "restart 1" in log, log
     assert "the worker exited 0" in log, log
     # The stop let in-flight answers finish: every answer the server gave is stored.

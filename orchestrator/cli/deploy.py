@@ -101,10 +101,9 @@ def deploy_systemd(
 @click.option("--job-name", default="orchestrator", show_default=True, help="The job's name.")
 @click.option(
     "--output",
-    default="orchestrator-%x-%A_%a.log",
-    show_default=True,
     metavar="PATTERN",
-    help="Each task's log, in sbatch's filename pattern.",
+    help="Each task's log, in sbatch's filename pattern (default: "
+    "orchestrator-%x-%A_%a.log for an array, orchestrator-%x-%j.log for --nodes).",
 )
 @click.option(
     "--grace",

@@ -74,7 +74,7 @@ class SlurmSpec:
     cpus_per_task: int | None = None
     mem: str | None = None
     job_name: str = "orchestrator"
-    output: str = "orchestrator-%x-%A_%a.log"
+    output: str | None = None  # default: one log per task, by the shape
     grace: float = DEFAULT_GRACE
     signal_lead: int = DEFAULT_SIGNAL_LEAD
     max_restarts: int = DEFAULT_MAX_RESTARTS
@@ -130,7 +130,10 @@ def _check(spec: SlurmSpec) -> None:
 
 
 def _directives(spec: SlurmSpec) -> list[str]:
-    lines = [f"--job-name={spec.job_name}", f"--output={spec.output}", "--open-mode=append"]
+    output = spec.output or (
+        "orchestrator-%x-%j.log" if spec.nodes is not None else "orchestrator-%x-%A_%a.log"
+    )
+    lines = [f"--job-name={spec.job_name}", f"--output={output}", "--open-mode=append"]
     if spec.nodes is None:
         lines += [f"--array=0-{spec.array - 1}", "--nodes=1", "--ntasks=1"]
         lines.append(f"--signal=B:TERM@{spec.signal_lead}")
