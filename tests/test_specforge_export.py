@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 from orchestrator.formats.writers import specforge, turns
 from tests import oracle
 from tests.conftest import StartSim
-from tests.helpers import REPO, cli, write_jsonl
+from tests.helpers import REPO, SimProcess, cli, write_jsonl
 from tests.test_training_data import config, run_worker, tool_trace
 
 SPECFORGE = REPO / "tests" / "fixtures" / "specforge"
@@ -426,3 +427,37 @@ def test_the_vendored_scripts_name_their_commit() -> None:
     assert specforge.SPECFORGE_COMMIT == SPECFORGE_COMMIT
     for script in SPECFORGE.glob("*.py"):
         assert SPECFORGE_COMMIT in script.read_text().splitlines()[1], script
+
+
+def test_the_bundled_eagle3_run_for_specforge(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """The example run, answered by a reasoning server and exported one file per dataset:
+    each file is one SpecForge's validator passes, and nothing is lost between them."""
+    db = tmp_path / "run.db"
+    enqueued = cli("enqueue", "--config", str(REPO / "examples/eagle3/run.toml"), "--db", str(db))
+    assert enqueued.returncode == 0, enqueued.stderr
+    server = sim_process("--mean-tokens", "24", "--reasoning", "field", "--model", "Qwen/Qwen3-8B")
+    ran = cli("run", "--server", server.url, "--db", str(db), "--exit-when-done", timeout=240)
+    assert ran.returncode == 0, ran.stderr
+    out = tmp_path / "eagle"
+    done = cli("export", str(out), "--split", "--format", "specforge", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    written = skipped = failed = 0
+    for path in sorted(out.glob("*.jsonl")):
+        if path.stem.endswith(("_skipped", "_error")):
+            continue
+        rows = read_jsonl(path)
+        if rows:
+            checked = run_script("validate_regenerated_data.py", "--data-path", str(path),
+                                 "--strict-think-markers", cwd=tmp_path)  # fmt: skip
+            assert checked.returncode == 0 and "validation passed" in checked.stdout, path
+        refused = read_jsonl(path.with_name(f"{path.stem}_skipped.jsonl"))
+        assert all(validator_says(row) == row["error"] for row in refused), path
+        if path.stem == "pretokenised":
+            assert (len(rows), len(refused)) == (0, 20)
+        written, skipped = written + len(rows), skipped + len(refused)
+        failed += len(read_jsonl(path.with_name(f"{path.stem}_error.jsonl")))
+    status = orjson.loads(cli("status", "--json", "--db", str(db)).stdout)
+    assert written + skipped + failed == status["totals"]["counts"]["total"] == 324
+    assert f"skipped {skipped:,} rows" in done.stderr and written > skipped > 20
