@@ -24,6 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import orchestrator as orc
 from orchestrator.formats.writers import specforge, turns
 from tests import oracle
 from tests.conftest import StartSim
@@ -243,6 +244,16 @@ async def test_per_turn_rows_are_specforge_expansions(
     extra = {k for k in ours if k not in {e["id"] for e in theirs}}
     assert {ours[k]["source_id"] for k in extra} == {row["id"] for row in left_out}
     assert all(k.startswith("final/final-") for k in extra)
+
+    # The Python API writes the same bytes and reports what the command says.
+    async with orc.open(db_url) as q:
+        report = await q.export(tmp_path / "api.jsonl", format="specforge", per_turn=True)
+        listed = [row async for row in q.results(format="specforge", per_turn=True)]
+    assert (tmp_path / "api.jsonl").read_bytes() == rows.read_bytes()
+    assert listed == read_jsonl(rows)
+    assert report.summary is not None and report.summary.replace("api", "turns") in result.stderr
+    assert (report.lines, report.items) == (len(ours), len(source))
+    assert sum(report.skipped.values()) == len(read_jsonl(tmp_path / "turns_skipped.jsonl"))
 
 
 async def test_per_turn_rows_in_other_formats(db_url: str, tmp_path: Path, sim: StartSim) -> None:

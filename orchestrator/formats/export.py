@@ -135,7 +135,7 @@ class ExportOptions:
 
 @dataclass(slots=True)
 class ExportReport:
-    lines: int = 0  # done items written
+    lines: int = 0  # lines written: one per done item, or per generated turn (per_turn)
     excluded: int = 0  # done items left out for their quality flags
     failed: int = 0  # failed items written to failed_files
     files: list[Path] = field(default_factory=list)
