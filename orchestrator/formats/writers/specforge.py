@@ -175,5 +175,8 @@ def summary(counts: dict[str, int], files: list[Path]) -> str | None:
         f"{n:,} {REASONS.get(reason, reason)}"
         for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     )
-    where = str(files[0]) if len(files) == 1 else f"{len(files):,} _skipped.jsonl files"
+    if len(files) == 1:
+        where = str(files[0])
+    else:
+        where = f"{files[0].parent}/<dataset>_skipped.jsonl" if files else "no file"
     return f"skipped {total:,} rows SpecForge's validator refuses ({parts}): in {where}"
