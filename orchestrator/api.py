@@ -330,13 +330,14 @@ class Queue:
         reasoning: str = "separate",
         exclude_flags: str | Sequence[str] = (),
         provenance: bool = False,
+        per_turn: bool = False,
     ) -> Results[dict[str, Any]]:
         """Done items as plain dicts, each the line ``export`` would write, in its order:
         an async iterator over one read transaction (:class:`Results`)."""
         from orchestrator.formats.export import line_batches
 
         names = _names("dataset", dataset, _DATASETS)
-        chosen = _export_options(format, reasoning, exclude_flags, provenance)
+        chosen = _export_options(format, reasoning, exclude_flags, provenance, per_turn=per_turn)
         batches = line_batches(self.database, dataset_names=names, options=chosen)
         return self._held(Results(batches, orjson.loads))
 
@@ -396,13 +397,15 @@ class Queue:
         exclude_flags: str | Sequence[str] = (),
         include_failed: str | os.PathLike[str] | None = None,
         provenance: bool = False,
+        per_turn: bool = False,
     ) -> ExportReport:
-        """Write done items to ``out`` as ``orchestrator export`` does (all files, or none)."""
+        """Write done items to ``out`` as ``orchestrator export`` does (all files, or none).
+        ``report.summary`` names the rows ``format="specforge"`` skipped, by reason."""
         from orchestrator.formats.export import export_database
 
         checked("out", out, PATH)
         names = _names("datasets", datasets, _DATASETS)
-        more = {"split": split, "include_failed": include_failed}
+        more = {"split": split, "include_failed": include_failed, "per_turn": per_turn}
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
 

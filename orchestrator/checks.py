@@ -312,4 +312,5 @@ EXPORT: dict[str, Rule] = {
     "provenance": FLAG,
     "split": FLAG,
     "include_failed": OrNone(PATH),
+    "per_turn": FLAG,
 }
