@@ -97,10 +97,12 @@ _COMMENT = re.compile(r"(?:^|(?<=\s))#")
 
 @dataclass(frozen=True, slots=True)
 class LaunchLine:
-    """A servers file's ``launch = "CMD"`` line: a command with ``{port}``, and its cap."""
+    """A servers file's ``launch = "CMD"`` line: a command with ``{port}``, its cap, and
+    the port it must have (``port=N``; by default a free one is picked)."""
 
     command: str
     concurrency: Cap | None = None
+    port: int | None = None
 
 
 def parse_servers_file(path: Path) -> list[ServerSpec]:
@@ -151,9 +153,10 @@ def _options_cap(options: list[str], where: str) -> Cap | None:
     for option in options:
         key, sep, value = option.partition("=")
         if key != "concurrency" or not sep:
+            more = " (or port=N on a launch line)"
             raise ConfigError(
                 f"{where}: unknown option {mask(option)!r}; expected concurrency=N or "
-                "concurrency=auto"
+                f"concurrency=auto{more}"
             )
         try:
             cap = parse_cap(value)
@@ -163,7 +166,8 @@ def _options_cap(options: list[str], where: str) -> Cap | None:
 
 
 def _launch_line(line: str, where: str) -> LaunchLine:
-    """``launch = "CMD --port {port}" [concurrency=N]``: the command quoted as one word."""
+    """``launch = "CMD --port {port}" [concurrency=N] [port=N]``: the command quoted as
+    one word."""
     import shlex
 
     from orchestrator.launch.spec import check_command
@@ -175,7 +179,18 @@ def _launch_line(line: str, where: str) -> LaunchLine:
         raise ConfigError(f"{where}: {exc} (quote the launch command as one word)") from None
     if not words:
         raise ConfigError(f'{where}: launch = "COMMAND --port {{port}}" expected')
-    return LaunchLine(check_command(words[0], where), _options_cap(words[1:], where))
+    options, port = [], None
+    for option in words[1:]:
+        key, _, value = option.partition("=")
+        if key != "port":
+            options.append(option)
+        elif not value.isdigit() or not 0 < int(value) < 65536:
+            raise ConfigError(
+                f"{where}: port must be a whole number from 1 to 65535, not {value!r}"
+            )
+        else:
+            port = int(value)
+    return LaunchLine(check_command(words[0], where), _options_cap(options, where), port)
 
 
 #: Endpoint paths pasted after a base URL: the client adds them itself.

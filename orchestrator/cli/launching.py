@@ -155,8 +155,8 @@ def supervisor(
         )
     elif o["engine_model"] or o["engine_args"] or o["engine_bin"] or o["tp"] != 1:
         raise click.UsageError("--model, --tp, --engine-args and --engine-bin go with --engine")
-    commands = [(cmd, None) for cmd in o["launch"]]
-    commands += [(line.command, line.concurrency) for line in file_launches or []]
+    commands = [(cmd, None, None) for cmd in o["launch"]]
+    commands += [(ln.command, ln.concurrency, ln.port) for ln in file_launches or []]
 
     def build() -> Any:
         specs = build_specs(

@@ -31,7 +31,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Another process listens on ``port`` (connections of a server just killed, left
+    in TIME_WAIT, do not count: servers bind with SO_REUSEADDR)."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -151,6 +151,8 @@ def replicate(
         copies = replicas or 1
         if copies < 1:
             raise ConfigError("--replicas must be at least 1")
+        if copies > 1 and any(spec.port for spec in specs):
+            raise ConfigError("a launch line with a fixed port= cannot have replicas")
         return [spec for spec in specs for _ in range(copies)]
     if gpus_per_server < 1:
         raise ConfigError("--gpus-per-server must be at least 1")
@@ -167,7 +169,7 @@ def replicate(
         spec = specs[n % len(specs)]
         devices = ",".join(found[n * gpus_per_server : (n + 1) * gpus_per_server])
         env = {**spec.env, "CUDA_VISIBLE_DEVICES": devices}
-        out.append(LaunchSpec(spec.command, spec.concurrency, env))
+        out.append(LaunchSpec(spec.command, spec.concurrency, env, spec.port))
     return out
 
 
@@ -210,7 +212,7 @@ class SuperviseSettings:
 
 
 def build_specs(
-    commands: Sequence[tuple[str, Cap | None]],
+    commands: Sequence[tuple[str, Cap | None, int | None]],
     preset: Preset | None = None,
     *,
     source: str = "--launch",
@@ -219,7 +221,7 @@ def build_specs(
     gpus: Sequence[str] | None = None,
 ) -> list[LaunchSpec]:
     """The servers to launch: each command (checked), the preset's, then replicated."""
-    specs = [LaunchSpec(check_command(cmd, source), cap) for cmd, cap in commands]
+    specs = [LaunchSpec(check_command(c, source), cap, port=p) for c, cap, p in commands]
     if preset is not None:
         specs.append(LaunchSpec(check_command(preset_command(preset), "--engine")))
     if not specs:

@@ -158,8 +158,9 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_pipe, args=(int(fd_text), watchdog), daemon=True).start()
     code = watchdog.child.wait()
     _signal_group(signal.SIGKILL)  # what the server started dies with it
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+    if code < 0:  # end as the server did: by the same signal
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 
