@@ -66,14 +66,17 @@ class Launched:
         return self.spec.command.replace("{port}", str(self.port))
 
     def shown(self) -> dict[str, Any]:
-        pid = self.process.server_pid() if self.process is not None else None
+        process = self.process
+        pid = process.server_pid() if process is not None else None
+        live = self.state in ("starting", "up")
         return {
             "name": self.name,
             "url": self.url,
             "command": self.command,
             "env": dict(self.spec.env),
             "state": self.state,
-            "pid": pid if self.state in ("starting", "up") else None,
+            "pid": pid if live else None,
+            "watchdog_pid": process.proc.pid if live and process and process.proc else None,
             "restarts": self.restarts,
             "last_exit": self.last_exit,
             "log": str(self.log),
