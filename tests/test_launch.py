@@ -260,6 +260,16 @@ def test_a_killed_server_is_restarted_and_its_items_answered_once(tmp_path: Path
     )  # fmt: skip
     wait_for(lambda: done_count(db) >= 40, "40 items done")
     victim = next(s for s in states(db) if s["name"] == "server-1")
+    # status shows the worker's launched servers, their pids and logs.
+    shown = cli("status", "--db", str(db), "--json")
+    assert shown.returncode == 0, shown.stderr
+    launched = json.loads(shown.stdout)["launched"]
+    assert [(s["name"], s["state"], s["log"]) for s in launched] == [
+        (s["name"], "up", s["log"]) for s in states(db)
+    ]
+    text = cli("status", "--db", str(db)).stdout
+    assert f"server-1 {victim['url']}  up, pid {victim['pid']}, restarts 0" in text
+    assert f"log: {victim['log']}" in text
     os.kill(victim["pid"], signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
@@ -293,3 +303,17 @@ def test_a_server_that_keeps_dying_is_given_up_on_and_the_run_stops(tmp_path: Pa
     assert query(db, "SELECT max(attempts) FROM items WHERE state != 'done'")[0][0] <= 1
     assert query(db, "SELECT count(*) FROM items WHERE state = 'failed'")[0][0] == 0
     assert [s["state"] for s in states(db)] == ["given_up"]
+
+
+def test_queue_run_launches_as_the_command_does(tmp_path: Path) -> None:
+    import orchestrator as orc
+
+    db = tmp_path / "q.db"
+    rows = enqueue(db, 30)
+    with orc.open_sync(db) as q:
+        outcome = q.run(launch=[SIM], replicas=2, until_done=True)
+        assert outcome.stats.completed == 30
+        with pytest.raises(orc.ConfigError, match=r"has no \{port\}"):
+            q.run(launch=["llama-server --port 8080"])
+    check_done_once(db, rows)
+    assert [s["state"] for s in states(db)] == ["stopped", "stopped"]

@@ -137,7 +137,8 @@ def supervisor(
     to launch; None when there is nothing to launch."""
     from orchestrator.errors import ConfigError
     from orchestrator.launch.spec import Preset, SuperviseSettings, build_specs
-    from orchestrator.launch.supervisor import Supervisor, default_dir
+    from orchestrator.launch.state import default_dir
+    from orchestrator.launch.supervisor import Supervisor
     from orchestrator.store.reader import sqlite_path
 
     o = options

@@ -29,6 +29,7 @@ from orchestrator import procinfo
 from orchestrator.errors import ConfigError, ServersLost
 from orchestrator.launch.process import ServerProcess, describe_exit, free_port, port_in_use
 from orchestrator.launch.spec import LaunchSpec, SuperviseSettings
+from orchestrator.launch.state import STATE_FILE
 
 if TYPE_CHECKING:
     import aiohttp
@@ -40,7 +41,6 @@ log = structlog.get_logger("orchestrator.launch")
 #: Seconds between two looks while a server starts, and between two progress lines.
 READY_POLL = 0.5
 PROGRESS_EVERY = 15.0
-STATE_FILE = "servers.json"
 
 
 @dataclass(slots=True)
@@ -81,18 +81,6 @@ class Launched:
             "last_exit": self.last_exit,
             "log": str(self.log),
         }
-
-
-def default_dir(db_path: str | None) -> Path:
-    """Where launched servers' logs go: ``ORCHESTRATOR_LAUNCH_DIR``, else beside an
-    SQLite database (``DB.servers/``), else ``~/.local/state/orchestrator/servers``."""
-    env = os.environ.get("ORCHESTRATOR_LAUNCH_DIR")
-    if env:
-        return Path(env).expanduser()
-    if db_path:
-        return Path(db_path + ".servers")
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "orchestrator" / "servers"
 
 
 class Supervisor:
@@ -334,23 +322,3 @@ class Supervisor:
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(event.wait(), seconds)
-
-
-def read_states(base: Path) -> list[dict[str, Any]]:
-    """The launched servers of the workers still running that wrote under ``base`` (a
-    worker on another host counts as running until it says it stopped)."""
-    found: list[dict[str, Any]] = []
-    for path in sorted(base.glob(f"*/{STATE_FILE}")):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if doc.get("stopped"):
-            continue
-        if doc.get("host") == procinfo.hostname():
-            owner = f"{doc['host']}:{doc.get('worker_pid')}:0"
-            if procinfo.is_dead_local(owner):
-                continue
-        for server in doc.get("servers", []):
-            found.append({**server, "host": doc.get("host"), "worker_pid": doc.get("worker_pid")})
-    return found
