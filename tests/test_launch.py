@@ -317,3 +317,22 @@ def test_queue_run_launches_as_the_command_does(tmp_path: Path) -> None:
             q.run(launch=["llama-server --port 8080"])
     check_done_once(db, rows)
     assert [s["state"] for s in states(db)] == ["stopped", "stopped"]
+
+
+def test_doctor_and_plan_start_a_launched_server_briefly(tmp_path: Path) -> None:
+    db = tmp_path / "q.db"
+    enqueue(db, 3)
+    doctor = cli("doctor", "--db", str(db), "--launch", SIM + " --model m")
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "PASS  launch: server-1 ready at http://127.0.0.1:" in doctor.stdout
+    assert "serves m" in doctor.stdout
+    bad = cli("doctor", "--db", str(db), "--launch", "/nonexistent/sglang --port {port}")
+    assert bad.returncode == 1
+    assert "FAIL  launch: '/nonexistent/sglang --port" in bad.stdout
+    assert "exit status 127: command not found" in bad.stdout
+    planned = cli("plan", "--db", str(db), "--json", "--launch", SIM + " --max-model-len 4096")
+    assert planned.returncode == 0, planned.stderr
+    looked = json.loads(planned.stdout)["launched"]
+    assert (looked["context_length"], looked["metrics"]) == (4096, "sglang")
+    # Each started and stopped again (doctor's, plan's; the failed one given up on).
+    assert sorted(s["state"] for s in states(db)) == ["given_up", "stopped", "stopped"]

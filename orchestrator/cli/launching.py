@@ -101,8 +101,21 @@ _OPTIONS = [
 ]
 
 
+#: What ``doctor`` takes: commands only (its --model is the model servers must serve).
+COMMANDS_ONLY = ("launch", "startup_timeout", "launch_dir")
+
+
 def launch_options(command: F) -> F:
+    """Every launch option (``run``, ``plan``)."""
     for option in reversed(_OPTIONS):
+        command = option(command)
+    return command
+
+
+def launch_commands_options(command: F) -> F:
+    """``--launch``, ``--startup-timeout`` and ``--launch-dir`` only."""
+    chosen = [_OPTIONS[LAUNCH_KEYS.index(key)] for key in COMMANDS_ONLY]
+    for option in reversed(chosen):
         command = option(command)
     return command
 
@@ -125,9 +138,21 @@ LAUNCH_KEYS = (
 )
 
 
+_DEFAULTS = {
+    "launch": (),
+    "tp": 1,
+    "engine_args": "",
+    "startup_timeout": 1800.0,
+    "restart_backoff": 5.0,
+    "max_server_deaths": 5,
+    "server_death_window": 3600.0,
+}
+
+
 def take_launch_options(settings: dict[str, Any]) -> dict[str, Any]:
-    """The launch options, taken out of a command's keyword arguments."""
-    return {key: settings.pop(key) for key in LAUNCH_KEYS}
+    """The launch options, taken out of a command's keyword arguments (those a command
+    does not have at their defaults)."""
+    return {key: settings.pop(key, _DEFAULTS.get(key)) for key in LAUNCH_KEYS}
 
 
 def supervisor(

@@ -53,7 +53,7 @@ def describe_exit(code: int | None) -> str:
             name = f"signal {-code}"
         return f"killed by {name}"
     if code == 127:
-        return "exit status 127 (command not found?)"
+        return "exit status 127: command not found"
     return f"exit status {code}"
 
 
@@ -141,6 +141,10 @@ class ServerProcess:
                 text = fh.read().decode("utf-8", "replace")
         except OSError:
             return []
-        text = text.rsplit("\n==== ", 1)[-1]
-        kept = [line for line in text.splitlines() if line.strip()]
+        kept: list[str] = []
+        for line in text.splitlines():
+            if line.startswith("==== "):  # a start's header: only the latest start counts
+                kept = []
+            elif line.strip():
+                kept.append(line)
         return kept[-lines:]

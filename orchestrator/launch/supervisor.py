@@ -55,6 +55,7 @@ class Launched:
     restarts: int = 0
     deaths: list[float] = field(default_factory=list)
     last_exit: str | None = None
+    failure: str | None = None  # why it did not start, when it did not
     process: ServerProcess | None = None
 
     @property
@@ -136,6 +137,7 @@ class Supervisor:
         if why is None or self._stopping.is_set():
             return None
         server.state = "given_up"
+        server.failure = why
         message = f"{server.name}: {why}"
         log.error("server_launch_failed", server=server.url, command=server.command, error=why)
         self.on_given_up(server.url, message)
@@ -193,8 +195,13 @@ class Supervisor:
             if now - started >= limit:
                 return f"was not ready within {limit:g}s ({reason})"
             if now >= next_note:
-                log.info("server_still_starting", server=server.url, waited_s=round(now - started),
-                         timeout_s=limit, reason=reason)  # fmt: skip
+                log.info(
+                    "server_still_starting",
+                    server=server.url,
+                    waited_s=round(now - started),
+                    timeout_s=limit,
+                    reason=reason,
+                )
                 next_note = now + PROGRESS_EVERY
             await _sleep_unless(self._stopping, READY_POLL)
         return "not started: the run is stopping"
@@ -275,8 +282,15 @@ class Supervisor:
             self.settings.restart_backoff * 2 ** (deaths - 1), self.settings.restart_backoff_cap
         )
         server.state = "restarting"
-        log.warning("server_died", server=server.url, reason=why, deaths=deaths,
-                    restart_in_s=round(delay, 1), log=str(server.log), last_lines=tail)  # fmt: skip
+        log.warning(
+            "server_died",
+            server=server.url,
+            reason=why,
+            deaths=deaths,
+            restart_in_s=round(delay, 1),
+            log=str(server.log),
+            last_lines=tail,
+        )
         self._write_state()
         await _sleep_unless(self._stopping, delay)
         return not self._stopping.is_set()
@@ -322,3 +336,34 @@ class Supervisor:
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(event.wait(), seconds)
+
+
+async def look_briefly(supervisor: Supervisor, session: aiohttp.ClientSession) -> dict[str, Any]:
+    """Start the first server ``supervisor`` has, read its context length and whose
+    metrics it serves, and stop it: what ``plan`` says of a server before the run."""
+    from orchestrator import client, server_metrics
+
+    server = supervisor.servers[0]
+    supervisor.servers = [server]
+    started = time.monotonic()
+    try:
+        try:
+            await supervisor.start(session, asyncio.Event())
+        except ServersLost:
+            return {"name": server.name, "command": server.command, "error": server.failure}
+        ready_s = round(time.monotonic() - started, 1)
+        context = await client.context_length(session, server.url, 30.0)
+        try:
+            text = await client.metrics_text(session, server.url, 30.0)
+            kind = server_metrics.view(server_metrics.parse(text))["kind"]
+        except client.RequestFailed:
+            kind = None
+        return {
+            "name": server.name,
+            "command": server.command,
+            "ready_s": ready_s,
+            "context_length": context,
+            "metrics": kind,
+        }
+    finally:
+        await supervisor.stop()
