@@ -336,3 +336,48 @@ def test_doctor_and_plan_start_a_launched_server_briefly(tmp_path: Path) -> None
     assert (looked["context_length"], looked["metrics"]) == (4096, "sglang")
     # Each started and stopped again (doctor's, plan's; the failed one given up on).
     assert sorted(s["state"] for s in states(db)) == ["given_up", "stopped", "stopped"]
+
+
+async def test_a_wedged_server_is_restarted_and_the_pool_hears_first(tmp_path: Path) -> None:
+    """A server that stops answering /health (here SIGSTOPped: alive, silent) is taken
+    out of the pool before it is killed, then restarted on the same port."""
+    import asyncio
+
+    import aiohttp
+
+    from orchestrator.launch.spec import SuperviseSettings
+    from orchestrator.launch.supervisor import Supervisor
+
+    settings = SuperviseSettings(
+        startup_timeout=30, health_every=0.3, health_timeout=0.5, health_misses=2,
+        restart_backoff=0.1, stop_timeout=1,
+    )  # fmt: skip
+    supervisor = Supervisor([LaunchSpec(SIM)], settings, tmp_path)
+    heard: list[tuple[str, str, str]] = []
+    server = supervisor.servers[0]
+
+    def down(url: str, reason: str) -> None:
+        process = server.process
+        assert process is not None
+        heard.append((url, reason, "alive" if process.returncode is None else "dead"))
+
+    supervisor.on_down = down
+    async with aiohttp.ClientSession() as session:
+        await supervisor.start(session, asyncio.Event())
+        try:
+            supervisor.watch()
+            first = server.process.server_pid() if server.process else None
+            assert first is not None
+            os.kill(first, signal.SIGSTOP)
+            for _ in range(400):
+                if server.restarts == 1 and server.state == "up":
+                    break
+                await asyncio.sleep(0.05)
+            assert (server.restarts, server.state) == (1, "up")
+            assert heard == [(server.url, heard[0][1], "alive")]
+            assert "stopped answering /health (2 looks in a row" in heard[0][1]
+            assert not alive(first)  # SIGKILLed in the end, stopped as it was
+            assert server.process is not None and server.process.server_pid() != first
+        finally:
+            await supervisor.stop()
+    assert server.state == "stopped"
