@@ -121,9 +121,13 @@ def states(db: Path) -> list[dict[str, Any]]:
 def start_run(db: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "orchestrator", "--log-json", "run", "--db", str(db), *args]
     proc = subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO,
+        cmd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
     STARTED.append(proc)
     return proc
 
@@ -167,9 +171,21 @@ def test_an_engine_preset_is_launched_supervised_and_stopped(tmp_path: Path, eng
     rows = enqueue(db, 40)
     program = wrapper(tmp_path, "python" if engine == "sglang" else "vllm")
     result = cli(
-        "run", "--db", str(db), "--exit-when-done", "--engine", engine, "--model", "/models/m",
-        "--engine-bin", str(program), "--served-model-name", "m", "--replicas", "2",
-    )  # fmt: skip
+        "run",
+        "--db",
+        str(db),
+        "--exit-when-done",
+        "--engine",
+        engine,
+        "--model",
+        "/models/m",
+        "--engine-bin",
+        str(program),
+        "--served-model-name",
+        "m",
+        "--replicas",
+        "2",
+    )
     assert result.returncode == 0, result.stderr
     check_done_once(db, rows)
     launched = states(db)
@@ -186,10 +202,20 @@ def test_gpus_per_server_gives_each_replica_its_devices(tmp_path: Path) -> None:
     db = tmp_path / "q.db"
     rows = enqueue(db, 10)
     result = cli(
-        "run", "--db", str(db), "--exit-when-done", "--engine", "vllm", "--model", "m",
-        "--engine-bin", str(wrapper(tmp_path, "vllm")), "--gpus-per-server", "2",
+        "run",
+        "--db",
+        str(db),
+        "--exit-when-done",
+        "--engine",
+        "vllm",
+        "--model",
+        "m",
+        "--engine-bin",
+        str(wrapper(tmp_path, "vllm")),
+        "--gpus-per-server",
+        "2",
         env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     check_done_once(db, rows)
     launched = states(db)
@@ -255,9 +281,17 @@ def test_a_killed_server_is_restarted_and_its_items_answered_once(tmp_path: Path
     rows = enqueue(db, 400, "--max-tokens", "400")
     sim = SIM + " --latency 0.2"
     proc = start_run(
-        db, "--exit-when-done", "--launch", sim, "--replicas", "2", "--concurrency", "8",
-        "--restart-backoff", "0.5",
-    )  # fmt: skip
+        db,
+        "--exit-when-done",
+        "--launch",
+        sim,
+        "--replicas",
+        "2",
+        "--concurrency",
+        "8",
+        "--restart-backoff",
+        "0.5",
+    )
     wait_for(lambda: done_count(db) >= 40, "40 items done")
     victim = next(s for s in states(db) if s["name"] == "server-1")
     # status shows the worker's launched servers, their pids and logs.
@@ -291,10 +325,21 @@ def test_a_server_that_keeps_dying_is_given_up_on_and_the_run_stops(tmp_path: Pa
     enqueue(db, 2000, "--max-tokens", "2000")
     fake = f"{shlex.quote(sys.executable)} {FAKE} serve m --port {{port}}"
     result = cli(
-        "run", "--db", str(db), "--exit-when-done", "--launch", fake, "--concurrency", "4",
-        "--restart-backoff", "0.1", "--max-server-deaths", "3",
-        env={"FAKE_ENGINE": "die-after=1.5", "FAKE_ENGINE_SIM": "--latency 0.5"}, timeout=180,
-    )  # fmt: skip
+        "run",
+        "--db",
+        str(db),
+        "--exit-when-done",
+        "--launch",
+        fake,
+        "--concurrency",
+        "4",
+        "--restart-backoff",
+        "0.1",
+        "--max-server-deaths",
+        "3",
+        env={"FAKE_ENGINE": "die-after=1.5", "FAKE_ENGINE_SIM": "--latency 0.5"},
+        timeout=180,
+    )
     assert result.returncode == 8, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr
@@ -349,9 +394,13 @@ async def test_a_wedged_server_is_restarted_and_the_pool_hears_first(tmp_path: P
     from orchestrator.launch.supervisor import Supervisor
 
     settings = SuperviseSettings(
-        startup_timeout=30, health_every=0.3, health_timeout=0.5, health_misses=2,
-        restart_backoff=0.1, stop_timeout=1,
-    )  # fmt: skip
+        startup_timeout=30,
+        health_every=0.3,
+        health_timeout=0.5,
+        health_misses=2,
+        restart_backoff=0.1,
+        stop_timeout=1,
+    )
     supervisor = Supervisor([LaunchSpec(SIM)], settings, tmp_path)
     heard: list[tuple[str, str, str]] = []
     server = supervisor.servers[0]
@@ -381,3 +430,21 @@ async def test_a_wedged_server_is_restarted_and_the_pool_hears_first(tmp_path: P
         finally:
             await supervisor.stop()
     assert server.state == "stopped"
+
+
+def test_old_stopped_launch_directories_are_forgotten(tmp_path: Path) -> None:
+    from orchestrator.launch.state import KEEP_STOPPED, STATE_FILE, forget_old
+
+    now = time.time()
+    cases = {
+        "old": (True, now - KEEP_STOPPED - 60),
+        "recent": (True, now - 60),
+        "running": (False, now - KEEP_STOPPED - 60),
+    }
+    for name, (stopped, at) in cases.items():
+        (tmp_path / name).mkdir()
+        doc = {"stopped": stopped, "updated_at": at, "servers": []}
+        (tmp_path / name / STATE_FILE).write_text(json.dumps(doc))
+        (tmp_path / name / "server-1.log").write_text("log\n")
+    forget_old(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recent", "running"]

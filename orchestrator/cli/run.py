@@ -96,7 +96,8 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     "--exit-when-done",
     is_flag=True,
     help="Exit once no item is pending or running: 0 when every item is done, 6 when some "
-    "failed, 7 when items of paused datasets are left pending.",
+    "failed, 7 when items of paused datasets are left pending (8: launched servers would "
+    "not stay up).",
 )
 @click.option(
     "--give-up-after",

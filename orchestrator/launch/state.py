@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,3 +46,21 @@ def read_states(base: Path) -> list[dict[str, Any]]:
         for server in doc.get("servers", []):
             found.append({**server, "host": doc.get("host"), "worker_pid": doc.get("worker_pid")})
     return found
+
+
+#: Seconds a stopped worker's launch directory (its servers' logs) is kept.
+KEEP_STOPPED = 7 * 86400
+
+
+def forget_old(base: Path) -> None:
+    """Remove the directories of workers that stopped over a week ago: a run started
+    every day must not fill the disk with old servers' logs."""
+    now = time.time()
+    for path in base.glob(f"*/{STATE_FILE}"):
+        try:
+            doc = json.loads(path.read_text())
+            old = doc.get("stopped") and now - float(doc.get("updated_at", now)) > KEEP_STOPPED
+        except (OSError, ValueError, TypeError):
+            continue
+        if old:
+            shutil.rmtree(path.parent, ignore_errors=True)

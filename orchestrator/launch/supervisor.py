@@ -29,7 +29,7 @@ from orchestrator import procinfo
 from orchestrator.errors import ConfigError, ServersLost
 from orchestrator.launch.process import ServerProcess, describe_exit, free_port, port_in_use
 from orchestrator.launch.spec import LaunchSpec, SuperviseSettings
-from orchestrator.launch.state import STATE_FILE
+from orchestrator.launch.state import STATE_FILE, forget_old
 
 if TYPE_CHECKING:
     import aiohttp
@@ -93,9 +93,17 @@ class Supervisor:
             raise ConfigError("nothing to launch")
         self.settings = settings
         self.dir = Path(os.path.abspath(base)) / f"{procinfo.hostname()}-{os.getpid()}"
+        ports: list[int] = []
+        for spec in specs:
+            port = spec.port or free_port()
+            while port in ports and not spec.port:  # the kernel may hand one out twice
+                port = free_port()
+            if port in ports:
+                raise ConfigError(f"two launched servers are given the same port {port}")
+            ports.append(port)
         self.servers = [
-            Launched(f"server-{n}", spec, spec.port or free_port(), self.dir / f"server-{n}.log")
-            for n, spec in enumerate(specs, start=1)
+            Launched(f"server-{n}", spec, port, self.dir / f"server-{n}.log")
+            for n, (spec, port) in enumerate(zip(specs, ports, strict=True), start=1)
         ]
         self.session: aiohttp.ClientSession | None = None
         self._stopping = asyncio.Event()
@@ -123,6 +131,7 @@ class Supervisor:
         self.session = session
         self._stopping = stopping
         self.dir.mkdir(parents=True, exist_ok=True)
+        forget_old(self.dir.parent)
         results = await asyncio.gather(*(self._first_start(s) for s in self.servers))
         self._write_state()
         failed = [why for why in results if why is not None]
