@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("orchestrator.launch")
 
-#: Seconds between two looks while a server starts, and between two progress lines.
+#: Seconds between two looks while a server starts (from 50 ms, doubling to this), and
+#: between two progress lines.
 READY_POLL = 0.5
 PROGRESS_EVERY = 15.0
 
@@ -189,6 +190,7 @@ class Supervisor:
         started = time.monotonic()
         next_note = started + PROGRESS_EVERY
         reason = "not answering yet"
+        delay = 0.05
         while not self._stopping.is_set():
             if process.returncode is not None:
                 return f"exited ({describe_exit(process.returncode)}) before it was ready"
@@ -212,7 +214,8 @@ class Supervisor:
                     reason=reason,
                 )
                 next_note = now + PROGRESS_EVERY
-            await _sleep_unless(self._stopping, READY_POLL)
+            await _sleep_unless(self._stopping, delay)
+            delay = min(delay * 2, READY_POLL)
         return "not started: the run is stopping"
 
     # ------------------------------------------------------------------ watching
