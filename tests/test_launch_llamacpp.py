@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from scripts import llama_server
@@ -46,8 +47,18 @@ def enqueue(db: Path, n: int = N, max_tokens: int = MAX_TOKENS) -> list[dict[str
         for i in range(n)
     ]
     data = write_jsonl(db.parent / "in.jsonl", rows)
-    result = cli("enqueue", str(data), "-d", "l", "--db", str(db), "--model", MODEL,
-                 "--max-tokens", str(max_tokens))  # fmt: skip
+    result = cli(
+        "enqueue",
+        str(data),
+        "-d",
+        "l",
+        "--db",
+        str(db),
+        "--model",
+        MODEL,
+        "--max-tokens",
+        str(max_tokens),
+    )
     assert result.returncode == 0, result.stderr
     return rows
 
@@ -57,8 +68,6 @@ def check_exported_once(db: Path, rows: list[dict[str, Any]]) -> None:
     out = db.parent / "out.jsonl"
     result = cli("export", str(out), "--db", str(db))
     assert result.returncode == 0, result.stderr
-    import orjson
-
     lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
     assert [line["id"] for line in lines] == [row["id"] for row in rows]
     for line in lines:
@@ -92,8 +101,17 @@ def listening(ports: list[int]) -> list[str]:
 
 
 def run_args(command: str, *more: str) -> list[str]:
-    return ["--launch", command, "--replicas", "2", "--concurrency", "4",
-            "--restart-backoff", "0.5", *more]  # fmt: skip
+    return [
+        "--launch",
+        command,
+        "--replicas",
+        "2",
+        "--concurrency",
+        "4",
+        "--restart-backoff",
+        "0.5",
+        *more,
+    ]
 
 
 def test_two_replicas_one_killed_mid_run_is_restarted(command: str, tmp_path: Path) -> None:
@@ -167,3 +185,34 @@ def test_sigterm_lets_answers_finish_then_stops_the_servers(command: str, tmp_pa
     done = done_count(db)
     assert done == stopped["completed"]
     assert query(db, "SELECT count(*) FROM items WHERE state = 'running'")[0][0] == 0
+
+
+def test_the_llama_cpp_preset_launches_the_real_server(command: str, tmp_path: Path) -> None:
+    """``--engine llama.cpp`` builds a command llama-server takes; ``plan`` reads its
+    per-slot context (``-c`` over ``-np``) and its metrics, and the run answers with it."""
+    db = tmp_path / "q.db"
+    rows = enqueue(db, 20)
+    preset = [
+        "--engine",
+        "llama.cpp",
+        "--engine-bin",
+        str(llama_server.binary_path()),
+        "--model",
+        str(llama_server.model_path()),
+        "--served-model-name",
+        MODEL,
+        "--engine-args",
+        "-c 8192 -np 4 -t 1",
+    ]
+    planned = cli("plan", "--db", str(db), "--json", *preset)
+    assert planned.returncode == 0, planned.stderr
+    looked = orjson.loads(planned.stdout)["launched"]
+    assert (looked["context_length"], looked["metrics"]) == (2048, "llamacpp")
+    assert "--metrics" in looked["command"] and f"--alias {MODEL}" in looked["command"]
+    result = cli("run", "--db", str(db), "--exit-when-done", *preset)
+    assert result.returncode == 0, result.stderr
+    out = db.parent / "out.jsonl"
+    assert cli("export", str(out), "--db", str(db)).returncode == 0
+    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert [line["id"] for line in lines] == [row["id"] for row in rows]
+    assert all(line["usage"]["prompt_tokens"] > 5 for line in lines)
