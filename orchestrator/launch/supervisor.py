@@ -121,9 +121,6 @@ class Supervisor:
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
-    def live(self) -> list[Launched]:
-        return [s for s in self.servers if s.state != "given_up"]
-
     # ------------------------------------------------------------------ starting
 
     async def start(self, session: aiohttp.ClientSession, stopping: asyncio.Event) -> None:
