@@ -448,3 +448,40 @@ def test_old_stopped_launch_directories_are_forgotten(tmp_path: Path) -> None:
         (tmp_path / name / "server-1.log").write_text("log\n")
     forget_old(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recent", "running"]
+
+
+def test_a_servers_log_is_rotated_by_its_watchdog(tmp_path: Path) -> None:
+    """The watchdog copies the server's output to its log, renamed to .1, .2 when full,
+    the oldest dropped; it exits as the server did."""
+    log = tmp_path / "server-1.log"
+    read, write = os.pipe()
+    noisy = "import sys\nfor i in range(30000): print(f'line {i:05d}', flush=True)\nsys.exit(3)"
+    argv = [
+        sys.executable,
+        "-m",
+        "orchestrator.launch.watchdog",
+        str(read),
+        str(log),
+        str(tmp_path / "server-1.pid"),
+        "10000",
+        "2",
+        "5",
+        "--",
+        sys.executable,
+        "-c",
+        noisy,
+    ]
+    try:
+        done = subprocess.run(argv, pass_fds=(read,), cwd=REPO, timeout=60)
+    finally:
+        os.close(read)
+        os.close(write)
+    assert done.returncode == 3
+    names = sorted(p.name for p in tmp_path.glob("server-1.log*"))
+    assert names == ["server-1.log", "server-1.log.1", "server-1.log.2"]
+    sizes = [(tmp_path / name).stat().st_size for name in names]
+    assert all(size < 10000 + 65536 for size in sizes)
+    # The three files, oldest first, are one stretch of the output, ending at its end.
+    text = "".join((tmp_path / n).read_text() for n in reversed(names)).splitlines()
+    numbers = [int(line.split()[1]) for line in text[1:]]  # the first may be cut
+    assert numbers == list(range(numbers[0], 30000))

@@ -48,10 +48,12 @@ class RotatingLog:
         self.fh = open(path, "ab")  # noqa: SIM115 (open as long as the server runs)
 
     def write(self, data: bytes) -> None:
-        self.fh.write(data)
-        self.fh.flush()
+        """Append; a full file is rotated first, so that the current one always ends
+        with the latest output (the lines shown when the server dies)."""
         if self.max_bytes and self.fh.tell() >= self.max_bytes:
             self.rotate()
+        self.fh.write(data)
+        self.fh.flush()
 
     def rotate(self) -> None:
         self.fh.close()
@@ -93,6 +95,7 @@ class Watchdog:
         self.cmd, self.log, self.stop_seconds = cmd, log, stop_seconds
         self.stopping = threading.Event()
         self.child: subprocess.Popen[bytes] | None = None
+        self.copier: threading.Thread | None = None
 
     def start(self) -> None:
         self.child = subprocess.Popen(
@@ -102,7 +105,8 @@ class Watchdog:
             stderr=subprocess.STDOUT,
             preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL),
         )
-        threading.Thread(target=self._copy_output, daemon=True).start()
+        self.copier = threading.Thread(target=self._copy_output, daemon=True)
+        self.copier.start()
 
     def _copy_output(self) -> None:
         assert self.child is not None and self.child.stdout is not None
@@ -142,6 +146,9 @@ def main(argv: list[str]) -> int:
     if sep != "--" or not cmd:
         print("usage: watchdog FD LOG PIDFILE MAX_BYTES KEEP STOP_S -- CMD ...", file=sys.stderr)
         return 2
+    if os.getpgid(0) != os.getpid():
+        # The group it stops must be its own, whoever started it: never its starter's.
+        os.setsid()
     set_parent_death_signal(signal.SIGTERM)
     log = RotatingLog(Path(log_path), int(max_bytes), int(keep))
     watchdog = Watchdog(cmd, log, float(stop_s))
@@ -158,6 +165,8 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_pipe, args=(int(fd_text), watchdog), daemon=True).start()
     code = watchdog.child.wait()
     _signal_group(signal.SIGKILL)  # what the server started dies with it
+    if watchdog.copier is not None:
+        watchdog.copier.join(5)  # its last lines into the log before the worker reads them
     if code < 0:  # end as the server did: by the same signal
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-code, signal.SIG_DFL)
