@@ -41,7 +41,7 @@ def test_a_preempted_task_stops_its_servers_requeues_and_resumes(
     run_args = f"--concurrency 4 --replicas 2 --launch-dir {shlex.quote(str(where))}"
     job, _ = submit(
         cluster, tmp_path, db, "--array", "1", "--launch", command, "--grace", "10",
-        "--signal-lead", "60", "--run-args", run_args,
+        "--signal-lead", "90", "--run-args", run_args,
     )  # fmt: skip
     wait_for(lambda: _done(db) >= 60, "the first answers", 180)
     first = launched(where)

@@ -156,7 +156,7 @@ def test_preempted_task_stops_cleanly_requeues_and_every_item_is_done_once(
         form = ["--array", "2"] if shape == "array" else ["--nodes", "1"]
         job, _ = submit(
             cluster, tmp_path, db, *form, "--server", sim.url, "--grace", "10",
-            "--signal-lead", "60", "--run-args", "--concurrency 2 --retry-backoff 0.1",
+            "--signal-lead", "90", "--run-args", "--concurrency 2 --retry-backoff 0.1",
         )  # fmt: skip
         wait_for(lambda: done(db) >= 6, 120, "the first answers")
         if shape == "array":

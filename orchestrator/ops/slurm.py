@@ -38,6 +38,9 @@ from orchestrator.urls import mask, split, take_userinfo
 DEFAULT_GRACE = 120.0
 DEFAULT_SIGNAL_LEAD = 300
 DEFAULT_MAX_RESTARTS = 20
+# After --grace: giving the rest back, and launched servers' stop (SIGTERM, then SIGKILL
+# after 30 s).
+STOP_MARGIN = 60
 # Time limits as Slurm reads them: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$|^UNLIMITED$|^INFINITE$")
 _NAME = re.compile(r"^[A-Za-z0-9_.@%+=-]+$")
@@ -115,11 +118,12 @@ def _check(spec: SlurmSpec) -> None:
         raise ConfigError(
             f"--time {spec.time!r}: give a Slurm time limit, e.g. 30:00:00 or 1-06:00:00"
         )
-    if spec.signal_lead <= spec.grace + 30:
+    if spec.signal_lead <= spec.grace + STOP_MARGIN:
         raise ConfigError(
             f"--signal-lead {spec.signal_lead}: the stop signal must come more than --grace "
-            f"({spec.grace:g} s) plus 30 s before the time limit, so that in-flight answers "
-            "finish and the rest is given back before Slurm kills the task"
+            f"({spec.grace:g} s) plus {STOP_MARGIN} s before the time limit, so that in-flight "
+            "answers finish, the rest is given back and launched servers are stopped before "
+            "Slurm kills the task"
         )
     for name, value in (("--job-name", spec.job_name), ("--partition", spec.partition)):
         if value is not None and not _NAME.match(value):
