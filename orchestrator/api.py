@@ -270,6 +270,9 @@ class Queue:
         stream_idle_timeout: float = 120.0,
         api_key: str | None = None,
         max_response_mb: float = 64.0,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        rate_limited_warn_after: float = 600.0,
     ) -> RunOutcome:
         """Work on the queue as ``orchestrator run`` does, until every item is done or
         failed (``until_done``) or the task running it is cancelled.
@@ -278,6 +281,9 @@ class Queue:
         ``stopped``; a run that cannot go on (no server, a model the servers do not
         serve, answers the database did not take) raises its ``RunStopped`` or
         ``StorageError``. Cancelled, it stops at once and releases its leases.
+
+        ``rpm``/``tpm`` pace each server under a hosted API's requests and tokens a
+        minute (``--rpm``/``--tpm``); without them its ``x-ratelimit-*`` headers do.
         """
         from orchestrator.running import RunSettings
 
@@ -295,6 +301,9 @@ class Queue:
             stream=stream,
             stream_idle_timeout=stream_idle_timeout,
             max_response_mb=max_response_mb,
+            rpm=rpm,
+            tpm=tpm,
+            rate_limited_warn_after=rate_limited_warn_after,
         )
         config, client_config = _configs(servers, api_key, settings)
         database = self.database
