@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.error_classes import limited_for
 from orchestrator.lengths import MEASURED_AFTER
 from orchestrator.quality import ALL_FLAGS
 
@@ -138,6 +139,21 @@ _MESSAGES = (
     " AND e.error_class = :cls AND e.outcome = :outcome ORDER BY e.id DESC LIMIT :limit"
 )
 
+# Servers that have answered nothing but 429 past the worker's --rate-limited-warn-after:
+# the newest such attempt of each server in the window (the message says how long; see
+# error_classes.LIMITED_FOR), along ix_attempt_errors_created_at. Rare, so the answers
+# each server gave since are then counted for those servers alone.
+_LIMITED = (
+    "SELECT e.server, e.created_at, e.message FROM attempt_errors AS e WHERE e.id IN"
+    " (SELECT max(id) FROM attempt_errors WHERE created_at >= :since"
+    " AND error_class = 'rate_limited' AND server IS NOT NULL"
+    " AND substr(message, 1, 17) = 'rate limited for ' GROUP BY server)"
+)
+_ANSWERED_SINCE = (
+    "SELECT count(*) FROM datasets AS d JOIN outputs AS o ON o.dataset_id = d.id"
+    " AND o.created_at > :at WHERE o.server = :server"
+)
+
 Found = dict[str, Sequence[Sequence[Any]]]
 Messages = dict[tuple[int, str], list[tuple[Any, ...]]]
 
@@ -188,7 +204,23 @@ def snapshot(rows: Rows, *, now: float | None = None, window: float = WINDOW_SEC
     messages: Messages = {}
     for key in _message_keys(found):
         _add_messages(messages, key, rows.fetch(_MESSAGES, key))
-    return _document(found, lengths, costs, messages, where=rows.where, now=now, window=window)
+    snap = _document(found, lengths, costs, messages, where=rows.where, now=now, window=window)
+    snap.document["rate_limited"] = _rate_limited(rows, params["since"], now)
+    return snap
+
+
+def _rate_limited(rows: Rows, since: float, now: float) -> list[dict[str, Any]]:
+    """Servers answering only 429 for longer than the worker's warning time, with no
+    answer since: how long as of their latest 429, and how long ago that was."""
+    found = []
+    for server, at, message in rows.fetch(_LIMITED, {"since": since}):
+        seconds = limited_for(message)
+        if seconds is None or rows.fetch(_ANSWERED_SINCE, {"at": at, "server": server})[0][0]:
+            continue
+        found.append(
+            {"server": server, "limited_for_s": seconds, "last_429_age_s": round(now - at, 1)}
+        )
+    return sorted(found, key=lambda s: s["server"])
 
 
 def _percentiles(values: list[int]) -> dict[str, Any]:
