@@ -53,18 +53,19 @@ ERROR_CLASSES: dict[str, str] = {
 }
 
 
-#: How the message of a 429 starts once its server has answered nothing but 429 for
-#: longer than ``--rate-limited-warn-after``: ``status`` reads the seconds back from the
-#: newest such attempt of each server.
-LIMITED_FOR = "rate limited for {seconds} s: "
-_LIMITED_PREFIX = "rate limited for "
+def limited_message(seconds: float, message: str) -> str:
+    """A 429's message once its server has answered nothing but 429 for longer than
+    ``--rate-limited-warn-after``: ``status`` reads the seconds back (:func:`limited_for`)
+    from the newest such attempt of each server."""
+    return f"rate limited for {round(seconds)} s: {message}"
 
 
 def limited_for(message: str | None) -> int | None:
-    """The seconds a message written with ``LIMITED_FOR`` says; None for any other."""
-    if not message or not message.startswith(_LIMITED_PREFIX):
+    """The seconds a message of :func:`limited_message` says; None for any other."""
+    prefix = "rate limited for "
+    if not message or not message.startswith(prefix):
         return None
-    number, _, rest = message[len(_LIMITED_PREFIX) :].partition(" s: ")
+    number, _, rest = message[len(prefix) :].partition(" s: ")
     return int(number) if number.isdigit() and rest else None
 
 

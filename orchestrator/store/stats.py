@@ -141,7 +141,7 @@ _MESSAGES = (
 
 # Servers that have answered nothing but 429 past the worker's --rate-limited-warn-after:
 # the newest such attempt of each server in the window (the message says how long; see
-# error_classes.LIMITED_FOR), along ix_attempt_errors_created_at. Rare, so the answers
+# error_classes.limited_message), along ix_attempt_errors_created_at. Rare, so the answers
 # each server gave since are then counted for those servers alone.
 _LIMITED = (
     "SELECT e.server, e.created_at, e.message FROM attempt_errors AS e WHERE e.id IN"

@@ -143,7 +143,7 @@ class Caller:
                 return Release(lease, Failure(ec.UNAVAILABLE, str(exc), server), time.time())
             self.pool.failed(server, exc.error_class)
             if limited_for is not None:
-                said = ec.LIMITED_FOR.format(seconds=round(limited_for)) + str(exc)
+                said = ec.limited_message(limited_for, str(exc))
                 exc = TransientError(said, error_class=exc.error_class, retry_after=exc.retry_after)
             return classify.retry_or_fail(lease, exc, exc.retry_after, self.config, server=server)
         if isinstance(exc, PermanentError):
