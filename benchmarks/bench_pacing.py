@@ -1,7 +1,7 @@
 """Pacing under a hosted provider's limits: how many requests bounce off as 429s, and
 how close the run comes to the provider's rate.
 
-The simulated provider (``orchestrator sim --rate-limit rpm=300,burst=25``) refills a
+The simulated provider (``orchestrator sim-server --rate-limit rpm=300,burst=25``) refills a
 bucket of 25 requests at 5 a second and answers 429 with ``Retry-After`` when it is
 empty. ``orchestrator run --exit-when-done --concurrency 32`` (a worker subprocess, as a
 user runs it) works through 400 prompts against it:
