@@ -8,6 +8,7 @@ import json
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -105,6 +106,70 @@ def test_the_simulated_provider_names_its_buckets() -> None:
     for bad in ("rpm=0", "rpm=300,tpm=5", "burst=3", "rpm=x", "rpm=5,burst=-1", "qpm=3"):
         with pytest.raises(ValueError, match="bad rate limit"):
             parse_rate_limit(bad)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_client_reads_the_headers_of_answers_and_429s(
+    sim: Callable[..., Any], stream: bool
+) -> None:
+    from orchestrator.client import ClientConfig, InferenceClient
+    from orchestrator.errors import TransientError
+
+    url = await sim(rate_limits=(parse_rate_limit("rpm=60,burst=2"),), mean_tokens=4)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with InferenceClient(ClientConfig(stream=stream)) as client:
+        first = await client.chat(url, body)
+        second = await client.chat(url, body)
+        with pytest.raises(TransientError) as limited:
+            await client.chat(url, body)
+    assert first.rate_limits is not None and second.rate_limits is not None
+    assert first.rate_limits.limit_requests == second.rate_limits.limit_requests == 60
+    assert (first.rate_limits.remaining_requests, second.rate_limits.remaining_requests) == (1, 0)
+    assert 0 < second.rate_limits.reset_requests <= 2  # one a second refills two
+    assert limited.value.error_class == ec.RATE_LIMITED
+    assert limited.value.retry_after is not None and 0 < limited.value.retry_after <= 1
+    found = limited.value.rate_limits
+    assert isinstance(found, RateLimits) and found.remaining_requests == 0
+
+
+async def test_a_pacer_with_a_cap_holds_what_the_budget_has_no_room_for() -> None:
+    import asyncio
+
+    from orchestrator.servers import Pacer
+
+    # 120 a minute: 2 a second, at most one second's worth at once.
+    pacer = Pacer(rpm=120)
+    tickets = [await asyncio.wait_for(pacer.acquire(0), 1) for _ in range(2)]
+    assert tickets == [0, 1]
+    held = asyncio.ensure_future(pacer.acquire(0))
+    await asyncio.sleep(0)
+    assert not held.done()  # the bucket is empty: the next one waits for its refill
+    assert await asyncio.wait_for(held, 5) == 2
+
+
+async def test_a_pacer_learns_the_bucket_from_the_headers() -> None:
+    import asyncio
+
+    from orchestrator.servers import Pacer
+
+    pacer = Pacer()
+    first = await pacer.acquire(10)
+    second = asyncio.ensure_future(pacer.acquire(10))
+    await asyncio.sleep(0)
+    assert not second.done()  # the first goes alone until it is heard of
+    # 60 a minute, 4 left, full again in 1 s: a bucket of 5, one a second.
+    pacer.answered(first, RateLimits(60, 4, 1.0), used=12)
+    assert await asyncio.wait_for(second, 1) == 1
+    assert pacer.requests.rate == 1.0 and pacer.requests.size == pytest.approx(5.0)
+    # 4 left, less the reserve of one: the second and two more go at once.
+    assert [await asyncio.wait_for(pacer.acquire(10), 1) for _ in range(2)] == [2, 3]
+    third = asyncio.ensure_future(pacer.acquire(10))
+    await asyncio.sleep(0)
+    assert not third.done()
+    third.cancel()
+    # A 429 pauses the server for its Retry-After.
+    assert pacer.limited(2, 30.0, None) == 30.0
+    assert pacer._wait(0) > 29
 
 
 # ------------------------------------------------------------------------ caps
