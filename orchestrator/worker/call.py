@@ -117,6 +117,9 @@ class Caller:
                 completion = await self.client.chat(server, body)
             except Exception as exc:  # a bug here must not take the other requests down
                 return exc, self.pool.paced(server, ticket, exc)
+            except BaseException as exc:  # cancelled: no longer in flight, for the pacer
+                self.pool.paced(server, ticket, exc)
+                raise
             self.pool.paced(server, ticket, completion)
             return completion
         finally:
