@@ -140,14 +140,14 @@ _MESSAGES = (
 )
 
 # Servers that have answered nothing but 429 past the worker's --rate-limited-warn-after:
-# the newest such attempt of each server in the window (the message says how long; see
-# error_classes.limited_message), along ix_attempt_errors_created_at. Rare, so the answers
-# each server gave since are then counted for those servers alone.
+# the newest 429s of each dataset that has any, along ix_attempt_errors_class (its
+# entries end in the row id: a seek, not a sort), of which the newest of each server
+# whose message says how long (error_classes.limited_message). Rare, so the answers
+# each such server gave since are then counted for it alone.
+LIMITED_SAMPLE = 200
 _LIMITED = (
-    "SELECT e.server, e.created_at, e.message FROM attempt_errors AS e WHERE e.id IN"
-    " (SELECT max(id) FROM attempt_errors WHERE created_at >= :since"
-    " AND error_class = 'rate_limited' AND server IS NOT NULL"
-    " AND substr(message, 1, 17) = 'rate limited for ' GROUP BY server)"
+    "SELECT server, created_at, message FROM attempt_errors WHERE dataset_id = :dataset"
+    " AND error_class = 'rate_limited' AND outcome = 'released' ORDER BY id DESC LIMIT :limit"
 )
 _ANSWERED_SINCE = (
     "SELECT count(*) FROM datasets AS d JOIN outputs AS o ON o.dataset_id = d.id"
@@ -205,17 +205,24 @@ def snapshot(rows: Rows, *, now: float | None = None, window: float = WINDOW_SEC
     for key in _message_keys(found):
         _add_messages(messages, key, rows.fetch(_MESSAGES, key))
     snap = _document(found, lengths, costs, messages, where=rows.where, now=now, window=window)
-    snap.document["rate_limited"] = _rate_limited(rows, params["since"], now)
+    snap.document["rate_limited"] = _rate_limited(rows, found["errors"], params["since"], now)
     return snap
 
 
-def _rate_limited(rows: Rows, since: float, now: float) -> list[dict[str, Any]]:
+def _rate_limited(rows: Rows, errors: Sequence[Sequence[Any]], since: float, now: float) -> Any:
     """Servers answering only 429 for longer than the worker's warning time, with no
-    answer since: how long as of their latest 429, and how long ago that was."""
+    answer since: how long as of their latest 429 in the window, and how long ago."""
+    newest: dict[str, tuple[float, int]] = {}
+    for dataset_id in {d for d, cls, outcome, _ in errors if cls == "rate_limited"}:
+        params = {"dataset": dataset_id, "limit": LIMITED_SAMPLE}
+        for server, at, message in rows.fetch(_LIMITED, params):
+            seconds = limited_for(message)
+            later = at >= since and at > newest.get(server, (0.0, 0))[0]
+            if server and seconds is not None and later:
+                newest[server] = (at, seconds)
     found = []
-    for server, at, message in rows.fetch(_LIMITED, {"since": since}):
-        seconds = limited_for(message)
-        if seconds is None or rows.fetch(_ANSWERED_SINCE, {"at": at, "server": server})[0][0]:
+    for server, (at, seconds) in newest.items():
+        if rows.fetch(_ANSWERED_SINCE, {"at": at, "server": server})[0][0]:
             continue
         found.append(
             {"server": server, "limited_for_s": seconds, "last_429_age_s": round(now - at, 1)}
