@@ -8,7 +8,7 @@ user runs it) works through 400 prompts against it:
 
 - ``headers``: the provider sends ``x-ratelimit-*`` headers, no cap is given;
 - ``--rpm``: no headers, ``--rpm 300`` given;
-- ``no pacing``: no headers, no cap (only a 429's Retry-After pauses the server);
+- ``no pacing``: no headers, no cap (a 429 sends its item back until its Retry-After);
 - ``before``: with ``--before DIR``, the same command from another checkout's sources
   (``/work/main`` before pacing), against the provider with headers.
 

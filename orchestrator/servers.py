@@ -370,7 +370,7 @@ class Pacer:
     and a server that sends none is not paced. A request is counted with its estimated
     tokens when it is sent, corrected by the usage its answer reports. What a header
     says is left is taken less every other request still in flight, which it may not
-    have counted yet. A 429 pauses every request to the server until its
+    have counted yet. A 429 pauses every request to a paced server until its
     ``Retry-After`` (or a backoff).
     """
 
@@ -430,9 +430,13 @@ class Pacer:
         self._heard(ticket, limits)
 
     def limited(self, ticket: int, retry_after: float | None, limits: RateLimits | None) -> float:
-        """A 429: every request waits until ``retry_after`` or the backoff; the wait."""
+        """A 429: every request waits until ``retry_after`` or the backoff; the wait.
+        Only a paced server (its budget given or learned) is paused so: from another,
+        a 429 is a single request's (a proxy's, a fault's), and its item waits alone."""
         self._landed(ticket)
         self._heard(ticket, limits)
+        if self.requests.rate is None and self.tokens.rate is None:
+            return retry_after or 0.0
         if retry_after is None:
             retry_after = self.backoff
             self.backoff = min(self.backoff * 2, LIMITED_BACKOFF[1])
