@@ -277,6 +277,9 @@ class Queue:
         stream_idle_timeout: float = 120.0,
         api_key: str | None = None,
         max_response_mb: float = 64.0,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        rate_limited_warn_after: float = 600.0,
     ) -> RunOutcome:
         """Work on the queue as ``orchestrator run`` does, until every item is done or
         failed (``until_done``) or the task running it is cancelled.
@@ -290,6 +293,8 @@ class Queue:
         --launch`` does, ``replicas`` or ``gpus_per_server`` times; ready before the
         first claim, restarted when they die, stopped when the run ends (``ServersLost``
         when none stays up).
+        ``rpm``/``tpm`` pace each server under a hosted API's requests and tokens a
+        minute (``--rpm``/``--tpm``); without them its ``x-ratelimit-*`` headers do.
         """
         from orchestrator.running import RunSettings
 
@@ -307,6 +312,9 @@ class Queue:
             stream=stream,
             stream_idle_timeout=stream_idle_timeout,
             max_response_mb=max_response_mb,
+            rpm=rpm,
+            tpm=tpm,
+            rate_limited_warn_after=rate_limited_warn_after,
         )
         database = self.database
         supervisor = _supervisor(launch, replicas, gpus_per_server, startup_timeout, launch_dir,
