@@ -171,6 +171,9 @@ class Queue:
         format: str = "auto",
         regenerate: str | None = None,
         on_truncated: str | None = None,
+        on_invalid: str | None = None,
+        on_overflow: str | None = None,
+        json_schema: dict[str, Any] | None = None,
         passthrough: bool = False,
         update: bool = False,
         skip_invalid: bool = False,
@@ -192,15 +195,24 @@ class Queue:
         folder, a glob, ``hf://ORG/NAME``), a ``datasets.Dataset`` / ``IterableDataset``
         (a ``DatasetDict`` with ``split``), a ``pyarrow.Table`` / ``RecordBatchReader``, a
         pandas ``DataFrame``, or dicts in any input format.
+
+        ``json_schema`` (a schema as a dict) asks each request for an answer that
+        satisfies it and checks each answer; ``on_invalid`` says what an answer that does
+        not parse or match does, ``on_overflow`` what a request longer than the server's
+        context does (``fail``, or ``fit``: ``max_tokens`` lowered to what fits).
         """
         from orchestrator.formats.columns import Columns
+        from orchestrator.structured import response_format_for
 
         checked("skip_invalid", skip_invalid, FLAG)
         named = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         body = request_body(params, model=model, **named)
         _check_body(body, {"model": model, **named})
+        if json_schema is not None:
+            body["response_format"] = response_format_for(json_schema, source="json_schema")
         given = {**named, "params": params or None, "concurrency": concurrency}
         given |= {"regenerate": regenerate, "on_truncated": on_truncated}
+        given |= {"on_invalid": on_invalid, "on_overflow": on_overflow, "json_schema": json_schema}
         options = EnqueueOptions(
             dataset=dataset,
             params=body,
@@ -209,6 +221,8 @@ class Queue:
             format=format,
             regenerate=regenerate,
             on_truncated=on_truncated,
+            on_invalid=on_invalid,
+            on_overflow=on_overflow,
             passthrough=passthrough,
             update=update,
             sampling=tuple(name for name, value in given.items() if value is not None),
@@ -225,8 +239,8 @@ class Queue:
             config=config,
         )
         invalid: list[InputError] = []
-        on_invalid = invalid.append if skip_invalid else None
-        report = await enqueue_source(self.database, options, records, on_invalid=on_invalid)
+        skip = invalid.append if skip_invalid else None
+        report = await enqueue_source(self.database, options, records, on_invalid=skip)
         report.invalid = skipped(invalid, report)
         return report
 

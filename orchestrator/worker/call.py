@@ -10,11 +10,12 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from orchestrator import error_classes as ec
-from orchestrator.client import InferenceClient
+from orchestrator.client import Completion, InferenceClient
 from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.params import item_body
@@ -38,6 +39,8 @@ class Caller:
     client: InferenceClient
     config: WorkerConfig
     submit: Callable[[Outcome], None]
+    #: The context length a server said a model has (``/v1/models``), or None.
+    context_of: Callable[[str, Any], int | None] = lambda server, model: None
 
     async def item(self, held: Claimed, info: DatasetInfo) -> Outcome | None:
         """Call a server for one item (each of its turns, for a multi-turn item); say
@@ -87,9 +90,9 @@ class Caller:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         self.pool.request_started(server)
         try:
-            completion = await self.client.chat(server, body)
+            completion, sent = await self._fitting(server, info, body)
         except Exception as exc:  # a bug here must not take the other requests down
-            return await self._failed(lease, info, server, exc)
+            return await self._failed(lease, info, server, exc, body)
         finally:
             self.pool.request_ended(server)
         usage = completion.usage or {}
@@ -105,10 +108,29 @@ class Caller:
             completion_tokens=usage.get("completion_tokens"),
             finish_reason=completion.finish_reason,
         )
-        return classify.answered(lease, info, body, completion, self.config)
+        result = classify.answered(lease, info, sent, completion, self.config)
+        if sent is not body and isinstance(result, Output):
+            result = classify.reduced(result, lease, sent)
+        return result
+
+    async def _fitting(
+        self, server: str, info: DatasetInfo, body: dict[str, Any]
+    ) -> tuple[Completion, dict[str, Any]]:
+        """The answer, and the body that got it: with ``on_overflow = "fit"``, a request
+        the server refused as longer than its context is sent again at once, with
+        ``max_tokens`` lowered to what fits. It is the same attempt, and no failure of the
+        server's: neither the item's attempts nor the breaker hear of the refusal."""
+        try:
+            return await self.client.chat(server, body), body
+        except PermanentError as exc:
+            said = classify.overflowed(exc, body, self.context_of(server, body.get("model")))
+            smaller = classify.fitted(info, body, said) if said is not None else None
+            if smaller is None:
+                raise
+        return await self.client.chat(server, smaller), smaller
 
     async def _failed(
-        self, lease: Lease, info: DatasetInfo, server: str, exc: Exception
+        self, lease: Lease, info: DatasetInfo, server: str, exc: Exception, body: dict[str, Any]
     ) -> Outcome:
         """Classify a request's failure; the server's accounting hears of it too."""
         if isinstance(exc, ServerUnavailable):
@@ -123,6 +145,10 @@ class Caller:
             self.pool.failed(server, exc.error_class)
             return classify.retry_or_fail(lease, exc, exc.retry_after, self.config, server=server)
         if isinstance(exc, PermanentError):
+            said = classify.overflowed(exc, body, self.context_of(server, body.get("model")))
+            if said is not None:
+                # The item's own length, not a setting: failed at once, the breaker aside.
+                return classify.overflow_failed(lease, body, said, server)
             failure = Failure(exc.error_class, where(lease) + str(exc), server)
             return Rejected(lease, server, str(exc), failure, info.params_hash)
         if not isinstance(exc, InferenceError):
