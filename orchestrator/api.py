@@ -344,13 +344,14 @@ class Queue:
         reasoning: str = "separate",
         exclude_flags: str | Sequence[str] = (),
         provenance: bool = False,
+        parsed: bool = False,
     ) -> Results[dict[str, Any]]:
         """Done items as plain dicts, each the line ``export`` would write, in its order:
         an async iterator over one read transaction (:class:`Results`)."""
         from orchestrator.formats.export import line_batches
 
         names = _names("dataset", dataset, _DATASETS)
-        chosen = _export_options(format, reasoning, exclude_flags, provenance)
+        chosen = _export_options(format, reasoning, exclude_flags, provenance, parsed=parsed)
         batches = line_batches(self.database, dataset_names=names, options=chosen)
         return self._held(Results(batches, orjson.loads))
 
@@ -410,13 +411,15 @@ class Queue:
         exclude_flags: str | Sequence[str] = (),
         include_failed: str | os.PathLike[str] | None = None,
         provenance: bool = False,
+        parsed: bool = False,
     ) -> ExportReport:
-        """Write done items to ``out`` as ``orchestrator export`` does (all files, or none)."""
+        """Write done items to ``out`` as ``orchestrator export`` does (all files, or none).
+        ``parsed``: each line gets its structured answer's JSON value (``export --parsed``)."""
         from orchestrator.formats.export import export_database
 
         checked("out", out, PATH)
         names = _names("datasets", datasets, _DATASETS)
-        more = {"split": split, "include_failed": include_failed}
+        more = {"split": split, "include_failed": include_failed, "parsed": parsed}
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
 

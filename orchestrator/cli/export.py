@@ -55,7 +55,8 @@ if TYPE_CHECKING:
     multiple=True,
     metavar="FLAG[,FLAG]",
     help="Leave out answers with this quality flag: truncated, empty, unclosed_think, "
-    "reasoning_only, tool_mismatch. Repeat or comma-separate.",
+    "reasoning_only, tool_mismatch, nul, invalid_json, schema_mismatch, max_tokens_reduced. "
+    "Repeat or comma-separate.",
 )
 @click.option(
     "--include-failed",
@@ -68,6 +69,12 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Add model, params, params_hash, server, created_at, started_at and flags.",
 )
+@click.option(
+    "--parsed",
+    is_flag=True,
+    help="Add parsed: the answer's JSON value, for datasets asking for structured output "
+    "(response_format, --json-schema); null where the answer is not the JSON asked for.",
+)
 @db_option
 def export(
     out: Path,
@@ -78,6 +85,7 @@ def export(
     exclude_flags: tuple[str, ...],
     include_failed: Path | None,
     provenance: bool,
+    parsed: bool,
     db: str | None,
 ) -> None:
     """Write done items to OUT as JSONL, by dataset then input order.
@@ -87,7 +95,7 @@ def export(
     a temporary name and renamed once all are complete: never half a file.
     """
     chosen = run_sync(
-        lambda: _options(fmt, reasoning, exclude_flags, provenance, split, include_failed)
+        lambda: _options(fmt, reasoning, exclude_flags, provenance, split, include_failed, parsed)
     )
     with progress_shown(f"writing {out}:") as progress:
         report = _export_any(db, out, datasets, chosen, progress)
@@ -103,6 +111,7 @@ def _options(
     provenance: bool,
     split: bool,
     include_failed: Path | None,
+    parsed: bool = False,
 ) -> ExportOptions:
     from orchestrator.formats.export import ExportOptions
     from orchestrator.quality import parse_flags
@@ -117,6 +126,7 @@ def _options(
         provenance=provenance,
         split=split,
         include_failed=include_failed,
+        parsed=parsed,
     )
 
 
