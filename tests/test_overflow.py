@@ -18,44 +18,56 @@ from orchestrator.worker import classify
 Wording = Callable[[int, int, int], str]
 WORDINGS: dict[str, tuple[Wording, set[str]]] = {
     "vllm": (
-        lambda n, p, c: f"This model's maximum context length is {n} tokens. However, you "
-        f"requested {p + c} tokens ({p} in the messages, {c} in the completion). Please "
-        "reduce the length of the messages or completion.",
+        lambda n, p, c: (
+            f"This model's maximum context length is {n} tokens. However, you "
+            f"requested {p + c} tokens ({p} in the messages, {c} in the completion). Please "
+            "reduce the length of the messages or completion."
+        ),
         {"prompt", "completion", "total"},
     ),
     "vllm-newer": (
-        lambda n, p, c: f"This model's maximum context length is {n} tokens. However, you "
-        f"requested {c} output tokens and your prompt contains {p} input tokens, for a "
-        f"total of {p + c} tokens. Please reduce the length of the input prompt or the "
-        "number of requested output tokens.",
+        lambda n, p, c: (
+            f"This model's maximum context length is {n} tokens. However, you "
+            f"requested {c} output tokens and your prompt contains {p} input tokens, for a "
+            f"total of {p + c} tokens. Please reduce the length of the input prompt or the "
+            "number of requested output tokens."
+        ),
         {"prompt", "completion", "total"},
     ),
     "vllm-too-large": (
-        lambda n, p, c: f"'max_tokens' or 'max_completion_tokens' is too large: {c}. This "
-        f"model's maximum context length is {n} tokens and your request has {p} input "
-        f"tokens ({c} > {n} - {p}).",
+        lambda n, p, c: (
+            f"'max_tokens' or 'max_completion_tokens' is too large: {c}. This "
+            f"model's maximum context length is {n} tokens and your request has {p} input "
+            f"tokens ({c} > {n} - {p})."
+        ),
         {"prompt", "completion"},
     ),
     "sglang": (
-        lambda n, p, c: "Requested token count exceeds the model's maximum context length "
-        f"of {n} tokens. You requested a total of {p + c} tokens: {p} tokens from the input "
-        f"messages and {c} tokens for the completion. Please reduce the number of tokens in "
-        "the input messages or the completion to fit within the limit.",
+        lambda n, p, c: (
+            "Requested token count exceeds the model's maximum context length "
+            f"of {n} tokens. You requested a total of {p + c} tokens: {p} tokens from the input "
+            f"messages and {c} tokens for the completion. Please reduce the number of tokens in "
+            "the input messages or the completion to fit within the limit."
+        ),
         {"prompt", "completion", "total"},
     ),
     "sglang-input": (
-        lambda n, p, c: f"The input ({p} tokens) is longer than the model's context length "
-        f"({n} tokens).",
+        lambda n, p, c: (
+            f"The input ({p} tokens) is longer than the model's context length ({n} tokens)."
+        ),
         {"prompt"},
     ),
     "llamacpp": (
-        lambda n, p, c: f"request ({p} tokens) exceeds the available context size ({n} "
-        "tokens), try increasing it",
+        lambda n, p, c: (
+            f"request ({p} tokens) exceeds the available context size ({n} "
+            "tokens), try increasing it"
+        ),
         {"prompt"},
     ),
     "llamacpp-input": (
-        lambda n, p, c: f"input ({p} tokens) is larger than the max context size ({n} "
-        "tokens). skipping",
+        lambda n, p, c: (
+            f"input ({p} tokens) is larger than the max context size ({n} tokens). skipping"
+        ),
         {"prompt"},
     ),
 }

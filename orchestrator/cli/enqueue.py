@@ -299,7 +299,7 @@ def _options(
     named = {k: settings[k] for k in ("max_tokens", "temperature", "top_p")}
     body = request_body(_parse_params(settings["params"]), model=settings["model"], **named)
     if settings["json_schema"] is not None:
-        body["response_format"] = _schema_format(settings["json_schema"])
+        body["response_format"] = run_sync(lambda: _schema_format(settings["json_schema"]))
     _check_params(body, {**named, "model": settings["model"]})
     sampling = _given(settings, _SAMPLING)
     if settings["passthrough"] and sampling:
