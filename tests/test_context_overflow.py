@@ -129,3 +129,39 @@ def test_max_model_len_is_read_from_v1_models(sim_process: Callable[..., SimProc
             return (await models(session, server.url, 5)).contexts
 
     assert asyncio.run(look()) == {"m": 4096}
+
+
+def test_plan_warns_of_prompts_over_the_servers_context(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """``plan --server`` reads ``max_model_len`` from the server's ``/v1/models``."""
+    server = sim_process("--max-model-len", "2000")
+    short = [
+        {"id": f"s{i}", "messages": [{"role": "user", "content": "hi " * 5}]} for i in range(30)
+    ]
+    long = [
+        {"id": f"l{i}", "messages": [{"role": "user", "content": "x" * (4000 if i % 3 else 12000)}]}
+        for i in range(30)
+    ]  # about 1,000 tokens each, a third of them 3,000: over 2,000 with max_tokens 1,500
+    write_jsonl(tmp_path / "short.jsonl", short)
+    write_jsonl(tmp_path / "long.jsonl", long)
+    run = tmp_path / "run.toml"
+    run.write_text(
+        '[defaults]\nmodel = "m"\nmax_tokens = 1500\n\n'
+        '[[dataset]]\nname = "short"\nfile = "short.jsonl"\n\n'
+        '[[dataset]]\nname = "long"\nfile = "long.jsonl"\n'
+    )
+    db = str(tmp_path / "q.db")
+    result = cli("plan", "--config", str(run), "--server", server.url, "--db", db)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "dataset long: about 30 of 30 requests" in warnings[0]
+    assert "context of 2,000 tokens" in warnings[0] and "10 of them" in warnings[0]
+    doc = json.loads(cli("plan", "--config", str(run), "--max-model-len", "2000", "--json").stdout)
+    assert doc["context"] == 2000
+    assert {d["name"]: (d["overflows"], d["too_long"]) for d in doc["datasets"]} == {
+        "short": (0, 0),
+        "long": (30, 10),
+    }
+    plain = cli("plan", "--config", str(run), "--db", db)
+    assert "warning:" not in plain.stdout  # no limit known: nothing to warn of
