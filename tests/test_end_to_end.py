@@ -60,7 +60,7 @@ def test_pause_resume_requeue(tmp_path: Path, sim_process: Callable[..., SimProc
     status = json.loads(cli("status", "--json", "--db", str(db)).stdout)
     assert status["totals"]["failed_by_class"] == {"context_overflow": 20}
     assert cli("resume", "a", "--db", str(db)).returncode == 0
-    result = cli("requeue", "-d", "b", "--error-class", "context_overflow", "--db", str(db))
+    result = cli("requeue", "--dataset", "b", "--error-class", "context_overflow", "--db", str(db))
     assert result.stdout.strip() == "requeued 20 failed items"
     assert {s for k, s, n in item_rows(db) if k.startswith("b")} == {"pending"}
     assert cli("pause", "nope", "--db", str(db)).returncode == 2

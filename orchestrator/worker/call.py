@@ -148,7 +148,7 @@ class Caller:
             said = classify.overflowed(exc, body, self.context_of(server, body.get("model")))
             if said is not None:
                 # The item's own length, not a setting: failed at once, the breaker aside.
-                return classify.overflow_failed(lease, body, said, server)
+                return classify.overflow_failed(lease, body, said, server, str(exc))
             failure = Failure(exc.error_class, where(lease) + str(exc), server)
             return Rejected(lease, server, str(exc), failure, info.params_hash)
         if not isinstance(exc, InferenceError):

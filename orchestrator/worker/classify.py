@@ -150,11 +150,12 @@ def fitted(
 
 
 def overflow_failed(
-    lease: Lease, body: dict[str, Any], said: overflow.Overflow, server: str
+    lease: Lease, body: dict[str, Any], said: overflow.Overflow, server: str, reason: str
 ) -> Failed:
-    """An item whose request does not fit the server's context, with the numbers."""
+    """An item whose request does not fit the server's context: the numbers, then the
+    server's own words."""
     numbers = said.describe(sent_max_tokens(body))
-    message = f"{where(lease)}the request does not fit the server's context: {numbers}"
+    message = f"{where(lease)}the request does not fit the server's context: {numbers} ({reason})"
     return Failed(lease, Failure(ec.CONTEXT_OVERFLOW, message, server))
 
 
