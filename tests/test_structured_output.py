@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from orchestrator.quality import INVALID_JSON, SCHEMA_MISMATCH
 from orchestrator.sim import answer_matches, json_answer_kind, request_digest
 from orchestrator.structured import check, response_format_for
+from tests.conftest import StartSim
 from tests.helpers import SimProcess, cli, db_snapshot, prompts, query, start_worker, write_jsonl
 
 SCHEMA = {
@@ -211,3 +212,28 @@ def test_a_mismatch_says_where() -> None:
     assert checked.flags == SCHEMA_MISMATCH
     assert "at text" in checked.reason and "is not of type 'string'" in checked.reason
     assert check('```json\n{"sim": "x", "text": "y"}\n```', fmt).flags == INVALID_JSON
+
+
+async def test_the_api_checks_a_schema_and_fits_overflows(tmp_path: Path, sim: StartSim) -> None:
+    """``Queue.enqueue(json_schema=..., on_invalid=..., on_overflow=...)`` and
+    ``results(parsed=True)`` are the command's options."""
+    import orchestrator as orc
+    from orchestrator.errors import ConfigError
+
+    url = await sim(json_invalid_rate=INVALID, json_mismatch_rate=MISMATCH, max_model_len=120)
+    rows = prompts(30)
+    async with orc.open(str(tmp_path / "q.db")) as q:
+        with pytest.raises(ConfigError, match="not a valid JSON schema"):
+            await q.enqueue(rows, dataset="bad", model="m", json_schema={"type": 5})
+        await q.enqueue(
+            rows, dataset="d", model="m", max_tokens=400, json_schema=SCHEMA,
+            on_invalid="fail", on_overflow="fit",
+        )  # fmt: skip
+        outcome = await q.run(servers=[url], concurrency=4)
+        lines = [row async for row in q.results(parsed=True, provenance=True)]
+    assert outcome.stats.failed == sum(1 for r in rows if kind_of(r["messages"]) != "valid")
+    by_kind = {r["id"]: kind_of(r["messages"]) for r in rows}
+    assert [line["id"] for line in lines] == [k for k, v in by_kind.items() if v == "valid"]
+    for line in lines:
+        assert line["flags"] == ["max_tokens_reduced"]  # 400 over a context of 120: fitted
+        assert line["parsed"]["sim"] == request_digest(line["messages"][:-1])
