@@ -194,25 +194,16 @@ class Queue:
         ``records`` is what the command's SOURCE is (a JSONL, Parquet, CSV or Arrow file, a
         folder, a glob, ``hf://ORG/NAME``), a ``datasets.Dataset`` / ``IterableDataset``
         (a ``DatasetDict`` with ``split``), a ``pyarrow.Table`` / ``RecordBatchReader``, a
-        pandas ``DataFrame``, or dicts in any input format.
-
-        ``json_schema`` (a schema as a dict) asks each request for an answer that
-        satisfies it and checks each answer; ``on_invalid`` says what an answer that does
-        not parse or match does, ``on_overflow`` what a request longer than the server's
-        context does (``fail``, or ``fit``: ``max_tokens`` lowered to what fits).
+        pandas ``DataFrame``, or dicts in any input format; ``json_schema``: a dict.
         """
         from orchestrator.formats.columns import Columns
-        from orchestrator.structured import response_format_for
 
         checked("skip_invalid", skip_invalid, FLAG)
         named = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
-        body = request_body(params, model=model, **named)
-        _check_body(body, {"model": model, **named})
-        if json_schema is not None:
-            body["response_format"] = response_format_for(json_schema, source="json_schema")
-        given = {**named, "params": params or None, "concurrency": concurrency}
-        given |= {"regenerate": regenerate, "on_truncated": on_truncated}
-        given |= {"on_invalid": on_invalid, "on_overflow": on_overflow, "json_schema": json_schema}
+        body = _enqueue_body(params, model, named, json_schema)
+        policies = {"on_truncated": on_truncated, "on_invalid": on_invalid}
+        given = {**named, "params": params or None, "concurrency": concurrency, **policies}
+        given |= {"regenerate": regenerate, "on_overflow": on_overflow, "json_schema": json_schema}
         options = EnqueueOptions(
             dataset=dataset,
             params=body,
@@ -220,9 +211,8 @@ class Queue:
             priority=priority,
             format=format,
             regenerate=regenerate,
-            on_truncated=on_truncated,
-            on_invalid=on_invalid,
             on_overflow=on_overflow,
+            **policies,
             passthrough=passthrough,
             update=update,
             sampling=tuple(name for name, value in given.items() if value is not None),
@@ -492,6 +482,22 @@ class Queue:
         checked("dataset", dataset, DATASET_NAME)
         if not await set_paused(self.database, dataset, paused):
             raise ConfigError(f"no such dataset: {dataset}")
+
+
+def _enqueue_body(
+    params: dict[str, Any] | None,
+    model: str | None,
+    named: dict[str, Any],
+    json_schema: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The dataset's request body, checked; a schema becomes its ``response_format``."""
+    from orchestrator.structured import response_format_for
+
+    body = request_body(params, model=model, **named)
+    _check_body(body, {"model": model, **named})
+    if json_schema is not None:
+        body["response_format"] = response_format_for(json_schema, source="json_schema")
+    return body
 
 
 def _check_body(body: dict[str, Any], named: dict[str, Any]) -> None:
