@@ -67,7 +67,7 @@ def test_fit_lowers_max_tokens_once_per_item_across_a_sigkill(
     worker.send_signal(signal.SIGKILL)
     worker.communicate()
     assert 0 < settled(db_url) < len(fit) + len(strict), "the kill must land mid-run"
-    result = cli("run", "--server", server.url, "--db", db_url, "--exit-when-done")
+    result = cli("run", "--server", server.url, "--db", db_url, "--exit-when-done", "--stream")
     assert result.returncode == 6, result.stderr  # finished, with failed items: not halted (5)
 
     out = tmp_path / "out.jsonl"

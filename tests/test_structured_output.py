@@ -75,7 +75,8 @@ def test_each_answer_is_flagged_once_across_a_sigkill(
     worker.send_signal(signal.SIGKILL)
     worker.communicate()
     assert 0 < done(db_url) < 200, "the kill must land mid-run"
-    result = cli("run", "--server", server.url, "--db", db_url, "--exit-when-done")
+    # Resumed streaming: a streamed JSON answer is checked as a whole one is.
+    result = cli("run", "--server", server.url, "--db", db_url, "--exit-when-done", "--stream")
     assert result.returncode == 0, result.stderr
 
     lines = export(db_url, tmp_path / "out.jsonl")
