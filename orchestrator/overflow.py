@@ -10,7 +10,8 @@ started with. It answers 400 with a sentence whose wording differs by server and
 * SGLang: "Requested token count exceeds the model's maximum context length of N tokens.
   You requested a total of M tokens: P tokens from the input messages and C tokens for
   the completion."; a prompt alone: "The input (P tokens) is longer than the model's
-  context length (N tokens)."
+  context length (N tokens).", or, its scheduler against the KV pool: "Input length (P
+  tokens) exceeds the maximum allowed length (N tokens)."
 * llama.cpp (only the prompt is checked; generation stops at the context): "request (P
   tokens) exceeds the available context size (N tokens), try increasing it", or "input
   (P tokens) is larger than the max context size (N tokens)".
@@ -39,6 +40,7 @@ _PROMPT = (
     rf"{_N} tokens from the input messages",
     rf"{_N} input tokens",
     rf"\b(?:input|request) \({_N} tokens\)",
+    rf"input length \({_N} tokens\)",
 )
 _COMPLETION = (
     rf"{_N} in the completion",

@@ -57,6 +57,13 @@ WORDINGS: dict[str, tuple[Wording, set[str]]] = {
         ),
         {"prompt"},
     ),
+    "sglang-scheduler": (
+        lambda n, p, c: (
+            f"Input length ({p} tokens) exceeds the maximum allowed length ({n} "
+            "tokens). Use a shorter input or enable --allow-auto-truncate."
+        ),
+        {"prompt"},
+    ),
     "llamacpp": (
         lambda n, p, c: (
             f"request ({p} tokens) exceeds the available context size ({n} "
