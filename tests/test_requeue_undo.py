@@ -179,8 +179,9 @@ def test_undo_brings_back_the_answers_of_a_failed_rerun(
     tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess], fault: str
 ) -> None:
     """``requeue --flag truncated --max-tokens 40960`` against a 4,096-token server (every
-    request refused as longer than its context), or a re-run against a server answering 500: the items fail, their
-    answers leave the export, and ``requeue --undo`` brings every one of them back."""
+    request refused as longer than its context), or a re-run against a server answering
+    500: the items fail, their answers leave the export, and ``requeue --undo`` brings
+    every one of them back."""
     server = sim_process("--latency", "0.001", "--max-model-len", "4096")
     keys = enqueue(tmp_path, db_url, 30)
     assert run_to_end(db_url, server.url).returncode == 0

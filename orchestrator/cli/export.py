@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     type=click.Choice(EXPORT_FORMATS),
     default="messages",
     show_default=True,
-    help="Line format: OpenAI messages, ShareGPT (SpecForge / EAGLE-3 trainers) or the "
-    "OpenAI Batch API output (failed items in OUT.errors.jsonl).",
+    help="Line format: OpenAI messages, ShareGPT (EAGLE-3 trainers), the OpenAI Batch API "
+    "output (failed items in OUT.errors.jsonl) or SpecForge's regenerated data (rows its "
+    "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl).",
 )
 @click.option(
     "--reasoning",
@@ -70,6 +71,12 @@ if TYPE_CHECKING:
     help="Add model, params, params_hash, server, created_at, started_at and flags.",
 )
 @click.option(
+    "--per-turn",
+    is_flag=True,
+    help="One line per generated assistant turn (id <id>#turn<k>), the conversation up to "
+    "it, earlier turns without their reasoning: SpecForge's per-turn rows.",
+)
+@click.option(
     "--parsed",
     is_flag=True,
     help="Add parsed: the answer's JSON value, for datasets asking for structured output "
@@ -85,6 +92,7 @@ def export(
     exclude_flags: tuple[str, ...],
     include_failed: Path | None,
     provenance: bool,
+    per_turn: bool,
     parsed: bool,
     db: str | None,
 ) -> None:
@@ -95,7 +103,9 @@ def export(
     a temporary name and renamed once all are complete: never half a file.
     """
     chosen = run_sync(
-        lambda: _options(fmt, reasoning, exclude_flags, provenance, split, include_failed, parsed)
+        lambda: _options(
+            fmt, reasoning, exclude_flags, provenance, split, include_failed, per_turn, parsed
+        )
     )
     with progress_shown(f"writing {out}:") as progress:
         report = _export_any(db, out, datasets, chosen, progress)
@@ -111,6 +121,7 @@ def _options(
     provenance: bool,
     split: bool,
     include_failed: Path | None,
+    per_turn: bool,
     parsed: bool = False,
 ) -> ExportOptions:
     from orchestrator.formats.export import ExportOptions
@@ -126,6 +137,7 @@ def _options(
         provenance=provenance,
         split=split,
         include_failed=include_failed,
+        per_turn=per_turn,
         parsed=parsed,
     )
 
@@ -159,7 +171,14 @@ def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> Non
     piped = is_stdout(out)
     where = f"{len(report.files):,} files in {out}" if chosen.split else str(out)
     where = "standard output" if piped else where
-    click.echo(f"exported {report.lines:,} items to {where}", err=piped)
+    if chosen.per_turn:
+        click.echo(
+            f"exported {report.lines:,} turns of {report.items:,} items to {where}", err=piped
+        )
+    else:
+        click.echo(f"exported {report.lines:,} items to {where}", err=piped)
+    if report.summary:
+        click.echo(report.summary, err=True)
     if chosen.exclude_flags:
         names = ", ".join(flag_names(chosen.exclude_flags))
         click.echo(f"left out {report.excluded:,} answers flagged {names}", err=piped)

@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import db_option, echo_json, on_database, run_sync
+from orchestrator.cli.common import db_option, echo_json, on_database, run_async, run_sync
+from orchestrator.cli.launching import launch_options, supervisor, take_launch_options
 
 DEFAULT_TOKENS_PER_SECOND = 850.0
 """``plan``'s default rate: the total tokens per second of a typical single-GPU reasoning
@@ -44,6 +45,7 @@ run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md.
     help="With --config: the server's context length in tokens, for the same warning.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable.")
+@launch_options
 @db_option
 def plan(
     config: Path | None,
@@ -52,13 +54,26 @@ def plan(
     max_model_len: int | None,
     as_json: bool,
     db: str | None,
+    **launch: Any,
 ) -> None:
-    """Requests, tokens to generate, time left and database size, per dataset and in total."""
+    """Requests, tokens to generate, time left and database size, per dataset and in total.
+
+    With --launch (or --engine), the first server is started briefly first, to say how
+    long it took to be ready, its context length and whose metrics it serves. With the
+    context known (that, --server's /v1/models, --max-model-len), the requests that will
+    not fit it are warned of.
+    """
     from orchestrator import runfile
     from orchestrator.store.reader import sqlite_path
 
+    looked = _look(launch, db)
+    if looked is not None and not as_json:
+        click.echo(_looked_line(looked))
+
     plans = run_sync(lambda: runfile.load_run(config)) if config is not None else None
-    context = max_model_len or (_served_context(servers, plans) if servers and plans else None)
+    context = max_model_len or (looked or {}).get("context_length")
+    if context is None and servers and plans:
+        context = _served_context(servers, plans)
     path = sqlite_path(db)
     if plans is not None:
         # A run file is planned before its database exists: then nothing is done yet.
@@ -80,7 +95,8 @@ def plan(
             return
         result = runfile.plan_stored(held, tokens_per_second=tokens_per_second)
     if as_json:
-        echo_json(runfile.plan_json(result))
+        document = runfile.plan_json(result)
+        echo_json(document if looked is None else {**document, "launched": looked})
     else:
         click.echo(runfile.render_plan(result), nl=False)
 
@@ -113,3 +129,29 @@ def _stored(db: str | None) -> list[Any]:
     from orchestrator.store.planning import stored_datasets
 
     return on_database(db, stored_datasets, mode="read")
+
+
+def _look(launch: dict[str, Any], db: str | None) -> dict[str, Any] | None:
+    """The first launched server, started and stopped again (None: none to launch)."""
+    launched = supervisor(take_launch_options(launch), db)
+    if launched is None:
+        return None
+    from orchestrator.client import plain_session
+    from orchestrator.launch.supervisor import look_briefly
+
+    async def look() -> dict[str, Any]:
+        async with plain_session("orchestrator-plan", None, {}) as session:
+            return await look_briefly(launched, session)
+
+    return run_async(look())
+
+
+def _looked_line(looked: dict[str, Any]) -> str:
+    if looked.get("error"):
+        return f"launched {looked['name']}: did not start: {looked['error']}"
+    context = looked["context_length"]
+    shown = f"{context:,} tokens" if context else "not said"
+    return (
+        f"launched {looked['name']}: ready in {looked['ready_s']:g}s, context length {shown}, "
+        f"metrics: {looked['metrics'] or 'none'} ({looked['command']})"
+    )
