@@ -18,6 +18,7 @@ import orjson
 
 from orchestrator.sim import answer_matches
 from tests.helpers import SimProcess, cli, query, start_worker, write_jsonl
+from tests.test_launch import SIM
 
 LIMIT, MAX_TOKENS = 120, 80
 LOST = (
@@ -165,3 +166,9 @@ def test_plan_warns_of_prompts_over_the_servers_context(
     }
     plain = cli("plan", "--config", str(run), "--db", db)
     assert "warning:" not in plain.stdout  # no limit known: nothing to warn of
+    # A server the plan launches briefly says its context too.
+    launched = cli(
+        "plan", "--config", str(run), "--db", db, "--launch", f"{SIM} --max-model-len 2000"
+    )
+    assert launched.returncode == 0, launched.stderr
+    assert "warning: dataset long: about 30 of 30 requests" in launched.stdout
