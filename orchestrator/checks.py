@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from orchestrator.errors import ConfigError
 from orchestrator.formats.choices import EXPORT_FORMATS, INPUT_FORMATS, REASONING_MODES
-from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import INT_MAX, ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
 
 
 class Rule(Protocol):
@@ -286,6 +286,8 @@ DATASET: dict[str, Rule] = {
     "format": Choice(INPUT_FORMATS),
     "regenerate": OrNone(Choice(REGENERATE)),
     "on_truncated": OrNone(Choice(ON_TRUNCATED)),
+    "on_invalid": OrNone(Choice(ON_INVALID)),
+    "on_overflow": OrNone(Choice(ON_OVERFLOW)),
     "passthrough": FLAG,
     "update": FLAG,
     "split": PART_NAME,
@@ -313,6 +315,7 @@ EXPORT: dict[str, Rule] = {
     "reasoning": Choice(REASONING_MODES),
     "exclude_flags": Integer(minimum=0),
     "provenance": FLAG,
+    "parsed": FLAG,
     "split": FLAG,
     "include_failed": OrNone(PATH),
     "per_turn": FLAG,

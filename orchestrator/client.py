@@ -945,6 +945,8 @@ class Models:
     status: int | None
     names: tuple[str, ...] = ()
     reason: str = ""
+    #: Model name -> its context length, where the server says (vLLM's ``max_model_len``).
+    contexts: dict[str, int] = field(default_factory=dict)
 
 
 def _connect_reason(server: str, exc: aiohttp.ClientConnectorError) -> str:
@@ -1022,7 +1024,19 @@ async def models(session: aiohttp.ClientSession, server: str, seconds: float) ->
     if not isinstance(data, list):
         return Models(status, reason="no model list in the answer")
     names = tuple(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
-    return Models(status, names)
+    return Models(status, names, contexts=_contexts(data))
+
+
+def _contexts(data: list[Any]) -> dict[str, int]:
+    """``max_model_len`` of each listed model that has a usable one (vLLM lists it)."""
+    found: dict[str, int] = {}
+    for entry in data:
+        if not isinstance(entry, dict) or "id" not in entry:
+            continue
+        length = entry.get("max_model_len")
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            found[str(entry["id"])] = length
+    return found
 
 
 async def context_length(session: aiohttp.ClientSession, server: str, seconds: float) -> int | None:

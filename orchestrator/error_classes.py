@@ -20,6 +20,9 @@ EMPTY_CONTENT = "empty_content"
 ABORTED = "aborted"
 RESPONSE_TOO_LARGE = "response_too_large"
 TRUNCATED = "truncated"
+CONTEXT_OVERFLOW = "context_overflow"
+INVALID_JSON = "invalid_json"
+SCHEMA_MISMATCH = "schema_mismatch"
 CONVERSATION = "conversation"
 UNAVAILABLE = "unavailable"
 SHUTDOWN = "shutdown"
@@ -45,6 +48,11 @@ ERROR_CLASSES: dict[str, str] = {
     ABORTED: "finish_reason abort: the server dropped the request",
     RESPONSE_TOO_LARGE: "an answer over --max-response-mb",
     TRUNCATED: "an answer cut at max_tokens, with the dataset's on_truncated not keep",
+    CONTEXT_OVERFLOW: "the prompt and max_tokens are longer than the server's context: "
+    "failed at once (on_overflow fail), or, with fit, a prompt longer than the context alone",
+    INVALID_JSON: "structured output that is not JSON, with the dataset's on_invalid not keep",
+    SCHEMA_MISMATCH: "structured output that does not match its JSON schema, with the "
+    "dataset's on_invalid not keep",
     CONVERSATION: "a multi-turn item whose stored conversation cannot be replayed",
     UNAVAILABLE: "no server reachable, or the server went away mid-request: released",
     SHUTDOWN: "released when the worker stopped before the answer came",

@@ -68,6 +68,20 @@ def _flag_lines(snap: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _structured_lines(snap: dict[str, Any]) -> list[str]:
+    """Per dataset asking for JSON: the share of its done answers that are not that JSON."""
+    asked = [e for e in snap["datasets"] if e.get("structured")]
+    if not asked:
+        return []
+    width = max(len(e["name"]) for e in asked)
+    lines = ["", "structured output (answers not the JSON asked for):"]
+    for e in asked:
+        share = e["structured"]["invalid_share"]
+        shown = f"{share:.1%}" if share is not None else "-"
+        lines.append(f"  {e['name']:<{width}}  invalid {shown} ({e['structured']['invalid']:,})")
+    return lines
+
+
 def _cache_lines(prompt: dict[str, Any] | None) -> list[str]:
     """The share of prompt tokens the servers' prefix caches served: what routing a
     prompt to the server holding its prefix saves. Nothing when no server says."""
@@ -131,6 +145,7 @@ def render_status(snap: dict[str, Any]) -> str:
             "`orchestrator requeue --error-class CLASS` sends them back)"
         )
     lines.extend(_flag_lines(snap))
+    lines.extend(_structured_lines(snap))
     live = [w for w in snap["workers"] if not w["stopped"]]
     if live:
         lines.append("")

@@ -175,6 +175,22 @@ OPTIONS: tuple[SimOption, ...] = (
         help="Fraction of requests offering tools (tool_choice auto) answered with a tool call.",
     ),
     SimOption(
+        "--json-invalid-rate",
+        "json_invalid_rate",
+        float,
+        0,
+        1,
+        help="Fraction of requests asking for JSON (response_format) answered with broken JSON.",
+    ),
+    SimOption(
+        "--json-mismatch-rate",
+        "json_mismatch_rate",
+        float,
+        0,
+        1,
+        help="Fraction of requests asking for JSON answered with JSON missing the schema's text.",
+    ),
+    SimOption(
         "--kv-tokens",
         "kv_tokens",
         int,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.error_classes import limited_for
 from orchestrator.lengths import MEASURED_AFTER
 from orchestrator.quality import ALL_FLAGS
+from orchestrator.structured import INVALID_FLAGS, expected_format
 
 if TYPE_CHECKING:
     from orchestrator.store.reader import Rows
@@ -292,6 +293,7 @@ def _document(
                 ),
                 "failed_by_class": failed_by.get(ds_id, {}),
                 "flags": flags_by[ds_id],
+                "structured": _structured(ds_id, ds_params, rows["flags"], state_counts[ds_id]),
             }
         )
     workers = [_worker(row, now) for row in rows["workers"]]
@@ -362,6 +364,23 @@ def _by_dataset(rows: Found) -> tuple[Any, Any, Any, Any]:
             if mask & bit:
                 counts[name] += n
     return state_counts, errors_by, failed_by, flags_by
+
+
+def _structured(
+    dataset_id: int, params_json: str | None, flag_rows: Any, counts: dict[str, int]
+) -> dict[str, Any] | None:
+    """Structured output: the done answers that are not the JSON asked for, and their
+    share of the done ones. None for a dataset that asks for no JSON and has none."""
+    invalid = sum(n for ds, mask, n in flag_rows if ds == dataset_id and mask & INVALID_FLAGS)
+    try:
+        params = json.loads(params_json or "{}")
+    except ValueError:
+        params = {}
+    asked = isinstance(params, dict) and expected_format(params) is not None
+    if not asked and not invalid:
+        return None
+    done = counts["done"]
+    return {"invalid": invalid, "invalid_share": round(invalid / done, 4) if done else None}
 
 
 def _error_messages(

@@ -92,7 +92,9 @@ class Worker:
             idle_poll=config.poll_interval,
             unstorable=lambda entry, reason: classify.unstorable(entry, reason, config),
         )
-        self.caller = Caller(self.pool, client, config, self.committer.submit)
+        self.caller = Caller(
+            self.pool, client, config, self.committer.submit, context_of=self.guard.context_of
+        )
         self.gate = Gate(self.guard, self.committer, self.catalog, client, self._halt)
         self.pool.vet = self.gate.vet
         self._grace = config.grace_seconds
