@@ -58,7 +58,7 @@ import yarl
 
 from orchestrator import error_classes as ec
 from orchestrator.answer import Answer
-from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
+from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
 
 log = structlog.get_logger(__name__)
@@ -503,7 +503,8 @@ class InferenceClient:
         if not isinstance(message, dict):
             raise TransientError("the answer's choice has no message", error_class=ec.BAD_RESPONSE)
         usage = with_cached(doc.get("usage"), doc.get("timings"))
-        return _completion(
+        return _counted(
+            usage,
             message.get("content"),
             _reasoning_of(message),
             message.get("tool_calls") or None,
@@ -572,7 +573,8 @@ class InferenceClient:
             raise TransientError(
                 "the stream ended before the answer was complete", error_class=ec.STREAM_CUT
             )
-        return _completion(
+        return _counted(
+            got.usage,
             "".join(got.content),
             "".join(got.reasoning) or None,
             [got.tool_calls[i] for i in sorted(got.tool_calls)] or None,
@@ -656,6 +658,18 @@ class _Streamed:
                 _merge_tool_call(self.tool_calls, call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+
+
+def _counted(said: Any, *args: Any, **kwargs: Any) -> Completion:
+    """:func:`_completion`; an answer it refuses keeps the completion tokens its usage
+    said (``generated_tokens``), the work thrown away with it."""
+    try:
+        return _completion(*args, **kwargs)
+    except InferenceError as exc:
+        tokens = said.get("completion_tokens") if isinstance(said, dict) else None
+        if type(tokens) is int and 0 <= tokens <= _MAX_TOKENS:
+            exc.generated_tokens = tokens
+        raise
 
 
 def _completion(

@@ -121,7 +121,10 @@ class Caller:
                 self.pool.mark_down(server, str(exc))
                 return Release(lease, Failure(ec.UNAVAILABLE, str(exc), server), time.time())
             self.pool.failed(server, exc.error_class)
-            return classify.retry_or_fail(lease, exc, exc.retry_after, self.config, server=server)
+            thrown = classify.failed_answer(exc)
+            return classify.retry_or_fail(
+                lease, exc, exc.retry_after, self.config, server=server, waste=thrown
+            )
         if isinstance(exc, PermanentError):
             failure = Failure(exc.error_class, where(lease) + str(exc), server)
             return Rejected(lease, server, str(exc), failure, info.params_hash)

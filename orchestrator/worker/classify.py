@@ -16,7 +16,9 @@ from orchestrator.client import Completion
 from orchestrator.errors import InferenceError, TransientError
 from orchestrator.quality import TOOL_MISMATCH
 from orchestrator.store import Failure, Lease, Output
+from orchestrator.store import waste as wasted
 from orchestrator.store.datasets import DatasetInfo
+from orchestrator.store.waste import Waste
 from orchestrator.worker.config import WorkerConfig, backoff_delay
 from orchestrator.worker.outcomes import Advance, Done, Failed, Outcome, Release, Retry
 
@@ -38,12 +40,14 @@ def retry_or_fail(
     config: WorkerConfig,
     *,
     server: str | None = None,
+    waste: Waste | None = None,
 ) -> Retry | Release | Failed:
     """A retryable failure at ``server``: retried after a backoff, or failed once attempts
     are spent; a rate limit with a Retry-After is released until then, costing no attempt.
-    No server's Retry-After holds an item longer than the backoff cap: a ``1e308`` or a
+    ``waste``: the work the attempt threw away, counted with the transition. No server's
+    Retry-After holds an item longer than the backoff cap: a ``1e308`` or a
     date in 9999 would otherwise keep it, and a run waiting for it, for ever."""
-    failure = Failure(exc.error_class, where(lease) + str(exc), server)
+    failure = Failure(exc.error_class, where(lease) + str(exc), server, waste)
     if exc.error_class == ec.RATE_LIMITED and retry_after is not None:
         # The server said when to come back: not the item's fault, so the attempt is
         # given back and a long rate limit cannot use up the item's attempts.
@@ -63,7 +67,7 @@ def retry_or_fail(
         return Release(lease, failure, time.time() + delay)
     if lease.attempt >= config.max_attempts:
         message = f"{where(lease)}gave up after {lease.attempt} attempts: {exc}"
-        return Failed(lease, Failure(exc.error_class, message, server))
+        return Failed(lease, Failure(exc.error_class, message, server, waste))
     delay = backoff_delay(
         lease.attempt, base=config.backoff_base, cap=config.backoff_cap, retry_after=retry_after
     )
@@ -93,11 +97,30 @@ def answered(
         truncated = TransientError(
             f"the answer was cut at max_tokens={limit}", error_class=ec.TRUNCATED
         )
+        thrown = Waste(wasted.TRUNCATED, completion_tokens(completion.usage))
         if info.on_truncated == "fail":
-            failure = Failure(ec.TRUNCATED, where(lease) + str(truncated), completion.server)
-            return Failed(lease, failure)
-        return retry_or_fail(lease, truncated, None, config, server=completion.server)
+            message = where(lease) + str(truncated)
+            return Failed(lease, Failure(ec.TRUNCATED, message, completion.server, thrown))
+        return retry_or_fail(lease, truncated, None, config, server=completion.server, waste=thrown)
     return output(completion, info.params_hash)
+
+
+def completion_tokens(usage: Any) -> int | None:
+    """The completion tokens a usage object says, when it says."""
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+
+
+#: Errors after which the server's answer came but was unusable: its tokens are wasted.
+UNUSABLE = frozenset({ec.BAD_RESPONSE, ec.STREAM_CUT})
+
+
+def failed_answer(exc: InferenceError) -> Waste | None:
+    """What a failed request threw away: an unusable answer's tokens (when its body said
+    them), nothing known for the rest."""
+    if exc.error_class not in UNUSABLE:
+        return None
+    return Waste(wasted.BAD_RESPONSE, getattr(exc, "generated_tokens", None))
 
 
 def output(c: Completion, params_hash: str) -> Output:
@@ -143,7 +166,8 @@ def unstorable(entry: Outcome, reason: str, config: WorkerConfig) -> Outcome | N
         error = TransientError(
             f"the answer could not be stored: {reason}", error_class=ec.BAD_RESPONSE
         )
-        return retry_or_fail(lease, error, None, config, server=entry.output.server)
+        thrown = Waste(wasted.BAD_RESPONSE, completion_tokens(entry.output.usage))
+        return retry_or_fail(lease, error, None, config, server=entry.output.server, waste=thrown)
     assert isinstance(entry, Retry | Release | Failed)
     failure = entry.failure
     if failure.message.startswith("(unstorable)"):

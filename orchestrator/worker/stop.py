@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import structlog
 
 from orchestrator import error_classes as ec
 from orchestrator.store import Failure
+from orchestrator.store.waste import STOPPED, Waste
 from orchestrator.worker.claim import Claims
 from orchestrator.worker.committer import Committer
 from orchestrator.worker.config import WorkerStats
@@ -49,9 +51,13 @@ async def drain(
             await held.task  # type: ignore[misc]
     released_before = stats.released
     failure = Failure(ec.SHUTDOWN, "released at worker shutdown")
-    for lease in [h.lease for h in leftovers if h.cancel_reason == "shutdown"] + unstarted:
+    # A request cancelled mid-way threw its work away (how much, the server did not say
+    # before the end); an item never started cost nothing.
+    cut = dataclasses.replace(failure, waste=Waste(STOPPED))
+    cancelled = [(h.lease, cut) for h in leftovers if h.cancel_reason == "shutdown"]
+    for lease, why in cancelled + [(lease, failure) for lease in unstarted]:
         if lease.item_id in claims.held:
-            committer.submit(Release(lease, failure, 0.0))
+            committer.submit(Release(lease, why, 0.0))
     if leftovers or unstarted:
         await committer.close()
         log.info("released_at_shutdown", items=stats.released - released_before)
