@@ -264,6 +264,16 @@ RUN: dict[str, Rule] = {
     "max_response_mb": Number(minimum=0.001),
 }
 
+#: Prices (``orchestrator.cost``): USD per server-hour, and per million prompt and
+#: completion tokens; by the field names of ``orchestrator.cost.Prices``, which are also
+#: the servers file's option names.
+PRICE = OrNone(Number(minimum=0))
+PRICES: dict[str, Rule] = {
+    "gpu_hour_cost": PRICE,
+    "price_input": PRICE,
+    "price_output": PRICE,
+}
+
 #: What a dataset's name may be (every source of one: options, run files, the API).
 DATASET_NAME = Text(max_length=200)
 

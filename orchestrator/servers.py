@@ -24,7 +24,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -33,8 +33,10 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 import structlog
 
+from orchestrator import checks
 from orchestrator import error_classes as ec
 from orchestrator.autoconcurrency import Sample
+from orchestrator.cost import Prices
 from orchestrator.errors import ConfigError
 from orchestrator.urls import mask, split_on_space, take_userinfo, with_userinfo
 
@@ -71,6 +73,9 @@ class ServerSpec:
 
     url: str
     concurrency: Cap | None = None
+    #: Its own prices (``gpu_hour_cost=``, ``price_input=``, ``price_output=``), for the
+    #: run's cost (``orchestrator.cost``); none given: the options' prices.
+    prices: Prices = field(default_factory=lambda: Prices())
 
 
 def parse_cap(text: str) -> Cap:
@@ -112,12 +117,16 @@ def parse_servers_file(path: Path) -> list[ServerSpec]:
         if note:
             log.info("server_url_corrected", source=where, note=note)
         cap: Cap | None = None
+        priced: dict[str, float] = {}
         for option in options:
             key, sep, value = option.partition("=")
+            if key in PRICE_OPTIONS and sep:
+                priced[key] = _price(value, key, where)
+                continue
             if key != "concurrency" or not sep:
                 raise ConfigError(
                     f"{where}: unknown option {mask(option)!r}; expected concurrency=N or "
-                    "concurrency=auto"
+                    f"concurrency=auto, or a price ({', '.join(f'{k}=USD' for k in PRICE_OPTIONS)})"
                 )
             try:
                 cap = parse_cap(value)
@@ -127,10 +136,26 @@ def parse_servers_file(path: Path) -> list[ServerSpec]:
         if key in seen:
             raise ConfigError(f"{where}: {mask(url)} is already listed on line {seen[key]}")
         seen[key] = number
-        specs.append(ServerSpec(url, cap))
+        specs.append(ServerSpec(url, cap, Prices(**priced)))
     if not specs:
         raise ConfigError(f"{path}: no server listed")
     return specs
+
+
+#: A server's own prices in a servers file: ``orchestrator.cost.Prices``' fields.
+PRICE_OPTIONS = tuple(checks.PRICES)
+
+
+def _price(text: str, key: str, where: str) -> float:
+    """A price option's value, by the rule every price follows (``checks.PRICE``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = text  # type: ignore[assignment]  # refused below, in the rule's words
+    found = checks.problem(key, value, checks.PRICE)
+    if found:
+        raise ConfigError(f"{where}: {found}")
+    return value
 
 
 #: Endpoint paths pasted after a base URL: the client adds them itself.

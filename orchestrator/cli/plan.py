@@ -8,7 +8,15 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import db_option, echo_json, on_database, run_sync
+from orchestrator.cli.common import (
+    db_option,
+    echo_json,
+    on_database,
+    prices_options,
+    run_prices,
+    run_sync,
+    servers_option,
+)
 
 DEFAULT_TOKENS_PER_SECOND = 850.0
 """``plan``'s default rate: the total tokens per second of a typical single-GPU reasoning
@@ -31,11 +39,26 @@ run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md.
     "reasoning run; `status` shows a running run's.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable.")
+@servers_option
+@prices_options
 @db_option
-def plan(config: Path | None, tokens_per_second: float, as_json: bool, db: str | None) -> None:
-    """Requests, tokens to generate, time left and database size, per dataset and in total."""
+def plan(
+    config: Path | None,
+    tokens_per_second: float,
+    as_json: bool,
+    servers: tuple[str, ...],
+    gpu_hour_cost: float | None,
+    price_input: float | None,
+    price_output: float | None,
+    servers_file: Path | None,
+    db: str | None,
+) -> None:
+    """Requests, tokens to generate, time left and database size, per dataset and in total;
+    with a price (--gpu-hour-cost, or --price-input/--price-output), what it costs."""
     from orchestrator import runfile
     from orchestrator.store.reader import sqlite_path
+
+    prices = run_prices(gpu_hour_cost, price_input, price_output, servers_file, servers)
 
     plans = run_sync(lambda: runfile.load_run(config)) if config is not None else None
     path = sqlite_path(db)
@@ -56,10 +79,27 @@ def plan(config: Path | None, tokens_per_second: float, as_json: bool, db: str |
             )
             return
         result = runfile.plan_stored(held, tokens_per_second=tokens_per_second)
+    _show(result, prices, as_json)
+
+
+def _show(result: Any, prices: Any, as_json: bool) -> None:
+    """The plan, with its cost when priced (``orchestrator.cost``)."""
+    from orchestrator import runfile
+    from orchestrator.cost import plan_cost
+
+    cost = plan_cost(result, prices)
     if as_json:
-        echo_json(runfile.plan_json(result))
-    else:
-        click.echo(runfile.render_plan(result), nl=False)
+        doc = runfile.plan_json(result)
+        if cost is not None:
+            doc["cost"] = cost
+        echo_json(doc)
+        return
+    click.echo(runfile.render_plan(result), nl=False)
+    if cost is not None:
+        click.echo(
+            f"cost: ${cost['so_far']:,.2f} done, ${cost['to_go']:,.2f} to go,"
+            f" ${cost['total']:,.2f} in all ({cost['basis']})"
+        )
 
 
 def _stored(db: str | None) -> list[Any]:
