@@ -58,6 +58,12 @@ def plan(
     from orchestrator import runfile
     from orchestrator.store.reader import sqlite_path
 
+    if config is not None:
+        # The run file's [prices], where the options give none.
+        given = run_sync(lambda: runfile.load_prices(config))
+        gpu_hour_cost = given.get("gpu_hour_cost") if gpu_hour_cost is None else gpu_hour_cost
+        price_input = given.get("price_input") if price_input is None else price_input
+        price_output = given.get("price_output") if price_output is None else price_output
     prices = run_prices(gpu_hour_cost, price_input, price_output, servers_file, servers)
 
     plans = run_sync(lambda: runfile.load_run(config)) if config is not None else None
