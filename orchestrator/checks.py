@@ -274,6 +274,9 @@ PRICES: dict[str, Rule] = {
     "price_output": PRICE,
 }
 
+#: How many servers a price per server-hour is paid for (``Queue.status``).
+SERVERS = Integer(minimum=1)
+
 #: What a dataset's name may be (every source of one: options, run files, the API).
 DATASET_NAME = Text(max_length=200)
 
