@@ -6,6 +6,7 @@ thrown away, so the two sides must add up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sqlite3
@@ -15,6 +16,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+from orchestrator.errors import RunStopped
+from orchestrator.store import Database
 from tests.helpers import (
     SimProcess,
     cli,
@@ -226,3 +229,112 @@ def test_answers_of_a_stolen_lease_are_fenced_out_and_counted(
     assert sim_stats(server)["generation_tokens"] == stored(db_url) + tokens
     assert query(db_url, "SELECT count(*) FROM items WHERE state = 'done'") == [(8,)]
     check_shown(db_url, causes)
+
+
+def truncating_run(tmp_path: Path, db: str, server: SimProcess) -> dict[str, tuple[int, int, int]]:
+    """A short run whose truncated answers are sampled again until their attempts end."""
+    enqueue(tmp_path, db, 40, "--max-tokens", "24", "--on-truncated", "retry")
+    run_to_end(db, server.url, "--max-attempts", "2", "--retry-backoff", "0.01")
+    causes = wasted(db)
+    assert causes["truncated"][0] > 0
+    return causes
+
+
+async def test_metrics_dashboard_and_report_show_the_queues_waste(
+    tmp_path: Path, db_url: str, database: Database, sim_process: Callable[..., SimProcess]
+) -> None:
+    """/metrics counts the queue's tokens thrown away by dataset and cause, the report's
+    page shows the share the status document says."""
+    from orchestrator.client import ClientConfig, InferenceClient
+    from orchestrator.metrics import WorkerMetrics
+    from orchestrator.worker import Worker, WorkerConfig
+    from tests.browser import Browser
+    from tests.test_dashboard import ROWS
+    from tests.test_metrics import samples, value
+
+    server = sim_process("--mean-tokens", "24", "--seed", "3")
+    causes = truncating_run(tmp_path, db_url, server)
+    metrics = WorkerMetrics()
+    config = WorkerConfig(servers=(server.url,), exit_when_done=True, poll_interval=0.05)
+    async with InferenceClient(ClientConfig(request_timeout=5)) as client:
+        worker = Worker(database, client, config, metrics=metrics)
+        with contextlib.suppress(RunStopped):
+            await worker.run()  # nothing left: loads the catalog and ends (items failed)
+    metrics.set_wasted(await worker._wasted())
+    found = samples(metrics.exposition().decode())
+    requests, tokens, unknown = causes["truncated"]
+    labels = {"dataset": "d", "cause": "truncated"}
+    assert value(found, "orchestrator_wasted_tokens_total", **labels) == tokens
+    assert value(found, "orchestrator_wasted_requests_total", **labels) == requests
+    assert value(found, "orchestrator_wasted_unknown_requests_total", **labels) == unknown
+    share = status(db_url)["datasets"][0]["wasted"]["share"]
+    out = tmp_path / "report.html"
+    assert cli("report", str(out), "--db", db_url).returncode == 0
+    async with Browser() as browser:
+        await browser.open(out.as_uri())
+        await browser.wait_for("document.querySelectorAll('#datasets tbody tr').length >= 1")
+        rows = await browser.evaluate(ROWS)
+        assert browser.errors == []
+    assert rows["d"]["wasted"] == f"{100 * share:.1f}%"
+
+
+def test_status_and_plan_priced_against_the_documents_figures(
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
+) -> None:
+    """The cost recomputed from the status document's own figures: by the server-hour
+    (two servers of a servers file, one at its own price) and by the token."""
+    server = sim_process("--mean-tokens", "24", "--seed", "3")
+    truncating_run(tmp_path, db_url, server)
+    servers = tmp_path / "servers.txt"
+    servers.write_text("http://gpu-1:30000  gpu_hour_cost=3.5\nhttp://gpu-2:30000\n")
+    doc = status(db_url, "--servers-file", str(servers), "--gpu-hour-cost", "2")
+    totals, cost = doc["totals"], doc["cost"]
+    hours = totals["overall"]["elapsed_s"] / 3600
+    assert cost["gpu_hourly"] == 5.5 and cost["gpu_servers"] == 2
+    assert cost["so_far"] == round(5.5 * hours, 4)
+    assert cost["wasted"] == round(5.5 * hours * totals["wasted"]["share"], 4)
+    assert cost["to_go"] == 0.0  # every item is done or failed
+
+    doc = status(db_url, "--price-input", "0.5", "--price-output", "2")
+    (entry,) = doc["datasets"]
+    w, prompt = entry["wasted"], entry["prompt_tokens"]["total"]
+    mean_prompt = prompt / entry["overall"]["done"]
+    thrown = (w["requests"] * mean_prompt * 0.5 + w["tokens"] * 2) / 1e6
+    kept = (prompt * 0.5 + entry["completion_tokens"]["total"] * 2) / 1e6
+    assert doc["cost"]["wasted"] == round(thrown, 4)
+    assert doc["cost"]["so_far"] == round(kept + thrown, 4)
+    text = cli("status", "--db", db_url, "--price-input", "0.5", "--price-output", "2").stdout
+    assert f"cost: ${doc['cost']['so_far']:,.2f} so far" in text
+
+    plan = cli("plan", "--db", db_url, "--gpu-hour-cost", "4", "--json")
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)
+    assert planned["cost"]["to_go"] == round(4 * planned["total"]["duration_seconds"] / 3600, 4)
+
+
+def test_bad_prices_are_refused_by_name(
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
+) -> None:
+    enqueue(tmp_path, db_url, 3, "--max-tokens", "10")
+    for args, said in [
+        (("--gpu-hour-cost", "-1"), "--gpu-hour-cost': must be at least 0, got -1"),
+        (("--price-input", "nan"), "--price-input': must be a finite number, got nan"),
+        (("--price-output", "cheap"), "--price-output': must be a number, got cheap"),
+    ]:
+        for command in ("status", "plan"):
+            result = cli(command, "--db", db_url, *args)
+            assert result.returncode == 2 and said in result.stderr, (command, result.stderr)
+    servers = tmp_path / "servers.txt"
+    servers.write_text("http://gpu-1:30000\nhttp://gpu-2:30000  price_output=-3\n")
+    result = cli("status", "--db", db_url, "--servers-file", str(servers))
+    assert result.returncode == 2
+    assert f"{servers}:2: price_output: must be at least 0, got -3" in result.stderr
+    run = tmp_path / "run.toml"
+    data = write_jsonl(tmp_path / "p.jsonl", prompts(3))
+    run.write_text(
+        f'[prices]\ngpu_hour_cost = "2"\n\n[[dataset]]\nname = "x"\nfile = "{data}"\n'
+        "max_tokens = 10\n"
+    )
+    result = cli("plan", "--config", str(run), "--db", db_url)
+    assert result.returncode == 2
+    assert 'prices.gpu_hour_cost: must be a number, got a string ("2")' in result.stderr
