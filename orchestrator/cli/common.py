@@ -172,10 +172,15 @@ def run_prices(
     """The run's pooled prices (``orchestrator.cost.RunPrices``) from the options and the
     servers of ``--server`` and the servers file."""
     from orchestrator.cost import Prices, run_prices
-    from orchestrator.servers import parse_servers_file
 
     default = Prices(gpu_hour_cost, price_input, price_output)
-    listed = run_sync(lambda: parse_servers_file(servers_file)) if servers_file else []
+    listed = []
+    if servers_file is not None:
+        # Only then: the servers module loads the HTTP and logging libraries, which the
+        # plain sqlite3 path of status never needs.
+        from orchestrator.servers import parse_servers_file
+
+        listed = run_sync(lambda: parse_servers_file(servers_file))
     seen = {spec.url for spec in listed}
     own = [spec.prices for spec in listed] + [Prices() for url in servers if url not in seen]
     return run_prices(default, own)
