@@ -271,6 +271,7 @@ class Queue:
         stream_idle_timeout: float = 120.0,
         api_key: str | None = None,
         max_response_mb: float = 64.0,
+        stream_usage: bool = False,
     ) -> RunOutcome:
         """Work on the queue as ``orchestrator run`` does, until every item is done or
         failed (``until_done``) or the task running it is cancelled.
@@ -296,6 +297,7 @@ class Queue:
             stream=stream,
             stream_idle_timeout=stream_idle_timeout,
             max_response_mb=max_response_mb,
+            stream_usage=stream_usage,
         )
         config, client_config = _configs(servers, api_key, settings)
         database = self.database

@@ -261,6 +261,7 @@ RUN: dict[str, Rule] = {
     "grace": Number(minimum=0),
     "stream": FLAG,
     "stream_idle_timeout": Number(minimum=1),
+    "stream_usage": FLAG,
     "max_response_mb": Number(minimum=0.001),
 }
 

@@ -83,6 +83,9 @@ class ClientConfig:
     connect_timeout: float = 10.0
     stream: bool = False
     stream_idle_timeout: float = 120.0
+    #: Ask streams for usage in every chunk (``continuous_usage_stats``, vLLM's and
+    #: SGLang's): a request cut mid-way then says what it had generated.
+    stream_usage: bool = False
     api_key: str | None = field(default=None, repr=False)
     health_timeout: float = 5.0
     #: Most bytes of one answer's body: a server gone wrong can send without end, and
@@ -414,14 +417,21 @@ class InferenceClient:
         except (aiohttp.ClientError, TimeoutError, OSError, PermanentError):
             return False
 
-    async def chat(self, server: str, body: dict[str, Any]) -> Completion:
-        """POST one chat completion and return it, or raise a classified error."""
+    async def chat(
+        self, server: str, body: dict[str, Any], progress: Streamed | None = None
+    ) -> Completion:
+        """POST one chat completion and return it, or raise a classified error.
+
+        ``progress`` hears the completion tokens a stream's chunks say as they come (in
+        every chunk with ``stream_usage``): what a request cut mid-way had generated."""
         url = base_url(server) + "/v1/chat/completions"
         body = dict(body)
         stream = self.config.stream
         body["stream"] = stream
         if stream:
             body["stream_options"] = {"include_usage": True}
+            if self.config.stream_usage:
+                body["stream_options"]["continuous_usage_stats"] = True
             timeout = aiohttp.ClientTimeout(
                 total=self.config.request_timeout,
                 connect=self.config.connect_timeout,
@@ -448,7 +458,7 @@ class InferenceClient:
                 if resp.status != 200:
                     _raise_for_status(resp.status, await _read_prefix(resp), resp.headers)
                 if stream:
-                    return await self._read_stream(resp, server, started)
+                    return await self._read_stream(resp, server, started, progress)
                 return self._parse(await _read_capped(resp, limit), resp, server, started)
         except aiohttp.ClientConnectorError as exc:
             raise ServerUnavailable(
@@ -541,7 +551,11 @@ class InferenceClient:
             yield line[5:].strip()
 
     async def _read_stream(
-        self, resp: aiohttp.ClientResponse, server: str, started: float
+        self,
+        resp: aiohttp.ClientResponse,
+        server: str,
+        started: float,
+        progress: Streamed | None = None,
     ) -> Completion:
         """A streamed answer, complete once its ``finish_reason`` has come: what follows
         (the usage chunk, ``[DONE]``) is read when the server sends it, but a stream that
@@ -559,6 +573,8 @@ class InferenceClient:
                 if data == b"[DONE]":
                     break
                 got.add(data)
+                if progress is not None and isinstance(got.usage, dict):
+                    progress.said(got.usage.get("completion_tokens"))
         except (*_STREAM_BROKEN, TransientError) as exc:
             ended = not isinstance(exc, TransientError) or exc.error_class == ec.STREAM_IDLE
             if got.finish_reason is None or not ended:
@@ -585,6 +601,17 @@ class InferenceClient:
             model=got.model,
             response_id=got.response_id,
         )
+
+
+@dataclass(slots=True)
+class Streamed:
+    """The completion tokens a request's stream has said so far (None: none said)."""
+
+    tokens: int | None = None
+
+    def said(self, tokens: Any) -> None:
+        if type(tokens) is int and 0 <= tokens <= _MAX_TOKENS:
+            self.tokens = tokens
 
 
 #: How a stream can end other than by ``[DONE]`` or a clean close: the connection broken

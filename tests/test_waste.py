@@ -338,3 +338,28 @@ def test_bad_prices_are_refused_by_name(
     result = cli("plan", "--config", str(run), "--db", db_url)
     assert result.returncode == 2
     assert 'prices.gpu_hour_cost: must be a number, got a string ("2")' in result.stderr
+
+
+def test_a_stop_counts_what_the_cut_streams_said(
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
+) -> None:
+    """Streams asked for usage in every chunk (``run --stream-usage``): a request cut
+    by a stop counts the tokens its chunks had said, at most what the server had sent it
+    before the client left."""
+    server = sim_process("--mean-tokens", "400", "--per-token", "0.02")
+    enqueue(tmp_path, db_url, 12, "--max-tokens", "4000")
+    streaming = ("--stream", "--stream-usage")
+    worker = start_worker(db_url, server.url, "--concurrency", "4", "--grace", "0", *streaming)
+    wait_for(lambda: sim_stats(server)["running"] == 4, "four requests in flight")
+    time.sleep(1.5)  # well into their streams, far from their ends
+    worker.send_signal(signal.SIGTERM)
+    worker.wait(60)
+    wait_for(lambda: sim_stats(server)["running"] == 0, "the cut streams to end")
+    stats = sim_stats(server)
+    (requests, tokens, unknown), *_ = wasted(db_url).values()
+    assert set(wasted(db_url)) == {"stopped"}
+    assert (requests, unknown) == (4, 0) == (stats["aborted"], 0)
+    assert 0 < tokens <= stats["aborted_tokens"]
+    run_to_end(db_url, server.url, "--concurrency", "12", *streaming)
+    assert sim_stats(server)["generation_tokens"] == stored(db_url)
+    check_shown(db_url, wasted(db_url))

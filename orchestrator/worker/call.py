@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import structlog
 
 from orchestrator import error_classes as ec
-from orchestrator.client import InferenceClient
+from orchestrator.client import InferenceClient, Streamed
 from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.params import item_body
@@ -44,7 +44,8 @@ class Caller:
         what should become of it. None: the lease went while a turn was being written."""
         lease = held.lease
         while True:
-            result = await self.turn(lease, info)
+            held.streamed = Streamed()
+            result = await self.turn(lease, info, held.streamed)
             if not isinstance(result, Output):
                 return result
             if lease.turn + 1 >= lease.turns:
@@ -68,8 +69,11 @@ class Caller:
         finally:
             self.pool.request_ended(server)
 
-    async def turn(self, lease: Lease, info: DatasetInfo) -> Outcome | Output:
-        """One request: its answer, or what should become of the item."""
+    async def turn(
+        self, lease: Lease, info: DatasetInfo, streamed: Streamed | None = None
+    ) -> Outcome | Output:
+        """One request: its answer, or what should become of the item (``streamed``
+        hears the tokens its stream says as they come)."""
         body = item_body(info.params, lease.request)
         if lease.turns > 1 or info.regenerate == "all":
             # Every turn of such an item, its only one too, is asked without its original
@@ -87,7 +91,7 @@ class Caller:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         self.pool.request_started(server)
         try:
-            completion = await self.client.chat(server, body)
+            completion = await self.client.chat(server, body, streamed)
         except Exception as exc:  # a bug here must not take the other requests down
             return await self._failed(lease, info, server, exc)
         finally:

@@ -17,7 +17,7 @@ import structlog
 from orchestrator import error_classes as ec
 from orchestrator.store import Failure
 from orchestrator.store.waste import STOPPED, Waste
-from orchestrator.worker.claim import Claims
+from orchestrator.worker.claim import Claimed, Claims
 from orchestrator.worker.committer import Committer
 from orchestrator.worker.config import WorkerStats
 from orchestrator.worker.outcomes import Release
@@ -51,16 +51,23 @@ async def drain(
             await held.task  # type: ignore[misc]
     released_before = stats.released
     failure = Failure(ec.SHUTDOWN, "released at worker shutdown")
-    # A request cancelled mid-way threw its work away (how much, the server did not say
-    # before the end); an item never started cost nothing.
-    cut = dataclasses.replace(failure, waste=Waste(STOPPED))
-    cancelled = [(h.lease, cut) for h in leftovers if h.cancel_reason == "shutdown"]
+    # A request cancelled mid-way threw its work away: what its stream said of it, if
+    # it said (else unknown); an item never started cost nothing.
+    cancelled = [
+        (h.lease, dataclasses.replace(failure, waste=Waste(STOPPED, _said(h))))
+        for h in leftovers
+        if h.cancel_reason == "shutdown"
+    ]
     for lease, why in cancelled + [(lease, failure) for lease in unstarted]:
         if lease.item_id in claims.held:
             committer.submit(Release(lease, why, 0.0))
     if leftovers or unstarted:
         await committer.close()
         log.info("released_at_shutdown", items=stats.released - released_before)
+
+
+def _said(held: Claimed) -> int | None:
+    return held.streamed.tokens if held.streamed is not None else None
 
 
 async def first(*aws: Any) -> None:
