@@ -57,11 +57,22 @@ def tally(entries: Iterable[tuple[int, Waste]]) -> list[Wasted]:
     for dataset_id, waste in entries:
         slot = sums.setdefault((dataset_id, waste.cause), [0, 0, 0])
         slot[0] += 1
-        if waste.tokens is None:
+        if _count(waste.tokens) is None:
             slot[2] += 1
         else:
-            slot[1] += max(int(waste.tokens), 0)
+            slot[1] += waste.tokens  # type: ignore[operator]
     return [Wasted(d, c, *sums[(d, c)]) for d, c in sorted(sums)]
+
+
+#: Most tokens one answer may be said to have: a server's usage beyond it (or not a whole
+#: number) is not a count to add up, so the attempt counts as of unknown tokens.
+MOST_TOKENS = 2**31 - 1
+
+
+def _count(tokens: object) -> int | None:
+    if type(tokens) is int and 0 <= tokens <= MOST_TOKENS:
+        return tokens
+    return None
 
 
 _ADD = (

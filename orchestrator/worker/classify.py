@@ -108,7 +108,7 @@ def answered(
 def completion_tokens(usage: Any) -> int | None:
     """The completion tokens a usage object says, when it says."""
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+    return tokens if type(tokens) is int and 0 <= tokens <= wasted.MOST_TOKENS else None
 
 
 #: Errors after which the server's answer came but was unusable: its tokens are wasted.
