@@ -32,6 +32,7 @@ from orchestrator.checks import (
     FLAG,
     PATH,
     RUN,
+    SERVERS,
     WINDOW,
     Choice,
     Integer,
@@ -284,6 +285,7 @@ class Queue:
         rpm: int | None = None,
         tpm: int | None = None,
         rate_limited_warn_after: float = 600.0,
+        stream_usage: bool = False,
     ) -> RunOutcome:
         """Work on the queue as ``orchestrator run`` does, until every item is done or
         failed (``until_done``) or the task running it is cancelled.
@@ -319,6 +321,7 @@ class Queue:
             rpm=rpm,
             tpm=tpm,
             rate_limited_warn_after=rate_limited_warn_after,
+            stream_usage=stream_usage,
         )
         database = self.database
         supervisor = _supervisor(launch, replicas, gpus_per_server, startup_timeout, launch_dir,
@@ -341,12 +344,28 @@ class Queue:
         finally:
             self._runs.discard(task)
 
-    async def status(self, *, window: float = 300.0) -> Status:
-        """Progress, rates, errors and ETA: the figures of ``orchestrator status --json``."""
+    async def status(
+        self,
+        *,
+        window: float = 300.0,
+        gpu_hour_cost: float | None = None,
+        price_input: float | None = None,
+        price_output: float | None = None,
+        servers: int = 1,
+    ) -> Status:
+        """Progress, rates, errors, tokens thrown away and ETA: the figures of
+        ``orchestrator status --json``; with a price, its ``cost`` (``servers`` of them
+        at ``gpu_hour_cost`` each, docs/STATUS.md "Cost")."""
+        from orchestrator.cost import Prices, run_prices, status_cost
         from orchestrator.monitor.status import snapshot
 
         checked("window", window, WINDOW)
+        checked("servers", servers, SERVERS)
+        prices = run_prices(Prices(gpu_hour_cost, price_input, price_output), [Prices()] * servers)
         document = await snapshot(self.database, window=window)
+        cost = status_cost(document, prices)
+        if cost is not None:
+            document["cost"] = cost
         by_name = {d["name"]: d for d in document.get("datasets", [])}
         return Status(totals=document["totals"], datasets=by_name, document=document)
 

@@ -261,11 +261,25 @@ RUN: dict[str, Rule] = {
     "grace": Number(minimum=0),
     "stream": FLAG,
     "stream_idle_timeout": Number(minimum=1),
+    "stream_usage": FLAG,
     "max_response_mb": Number(minimum=0.001),
     "rpm": OrNone(Integer(1, INT_MAX)),
     "tpm": OrNone(Integer(1, INT_MAX)),
     "rate_limited_warn_after": Number(minimum=0, above=True),
 }
+
+#: Prices (``orchestrator.cost``): USD per server-hour, and per million prompt and
+#: completion tokens; by the field names of ``orchestrator.cost.Prices``, which are also
+#: the servers file's option names.
+PRICE = OrNone(Number(minimum=0))
+PRICES: dict[str, Rule] = {
+    "gpu_hour_cost": PRICE,
+    "price_input": PRICE,
+    "price_output": PRICE,
+}
+
+#: How many servers a price per server-hour is paid for (``Queue.status``).
+SERVERS = Integer(minimum=1)
 
 #: What a dataset's name may be (every source of one: options, run files, the API).
 DATASET_NAME = Text(max_length=200)

@@ -65,7 +65,7 @@ import yarl
 
 from orchestrator import error_classes as ec
 from orchestrator.answer import Answer
-from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
+from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
 
 log = structlog.get_logger(__name__)
@@ -90,6 +90,9 @@ class ClientConfig:
     connect_timeout: float = 10.0
     stream: bool = False
     stream_idle_timeout: float = 120.0
+    #: Ask streams for usage in every chunk (``continuous_usage_stats``, vLLM's and
+    #: SGLang's): a request cut mid-way then says what it had generated.
+    stream_usage: bool = False
     api_key: str | None = field(default=None, repr=False)
     health_timeout: float = 5.0
     #: Most bytes of one answer's body: a server gone wrong can send without end, and
@@ -505,14 +508,21 @@ class InferenceClient:
         except (aiohttp.ClientError, TimeoutError, OSError, PermanentError):
             return False
 
-    async def chat(self, server: str, body: dict[str, Any]) -> Completion:
-        """POST one chat completion and return it, or raise a classified error."""
+    async def chat(
+        self, server: str, body: dict[str, Any], progress: Streamed | None = None
+    ) -> Completion:
+        """POST one chat completion and return it, or raise a classified error.
+
+        ``progress`` hears the completion tokens a stream's chunks say as they come (in
+        every chunk with ``stream_usage``): what a request cut mid-way had generated."""
         url = base_url(server) + "/v1/chat/completions"
         body = dict(body)
         stream = self.config.stream
         body["stream"] = stream
         if stream:
             body["stream_options"] = {"include_usage": True}
+            if self.config.stream_usage:
+                body["stream_options"]["continuous_usage_stats"] = True
             timeout = aiohttp.ClientTimeout(
                 total=self.config.request_timeout,
                 connect=self.config.connect_timeout,
@@ -539,7 +549,7 @@ class InferenceClient:
                 if resp.status != 200:
                     _raise_for_status(resp.status, await _read_prefix(resp), resp.headers)
                 if stream:
-                    completion = await self._read_stream(resp, server, started)
+                    completion = await self._read_stream(resp, server, started, progress)
                 else:
                     completion = self._parse(await _read_capped(resp, limit), resp, server, started)
                 limits = rate_limits(resp.headers)
@@ -599,7 +609,8 @@ class InferenceClient:
         if not isinstance(message, dict):
             raise TransientError("the answer's choice has no message", error_class=ec.BAD_RESPONSE)
         usage = with_cached(doc.get("usage"), doc.get("timings"))
-        return _completion(
+        return _counted(
+            usage,
             message.get("content"),
             _reasoning_of(message),
             message.get("tool_calls") or None,
@@ -636,7 +647,11 @@ class InferenceClient:
             yield line[5:].strip()
 
     async def _read_stream(
-        self, resp: aiohttp.ClientResponse, server: str, started: float
+        self,
+        resp: aiohttp.ClientResponse,
+        server: str,
+        started: float,
+        progress: Streamed | None = None,
     ) -> Completion:
         """A streamed answer, complete once its ``finish_reason`` has come: what follows
         (the usage chunk, ``[DONE]``) is read when the server sends it, but a stream that
@@ -654,6 +669,8 @@ class InferenceClient:
                 if data == b"[DONE]":
                     break
                 got.add(data)
+                if progress is not None and isinstance(got.usage, dict):
+                    progress.said(got.usage.get("completion_tokens"))
         except (*_STREAM_BROKEN, TransientError) as exc:
             ended = not isinstance(exc, TransientError) or exc.error_class == ec.STREAM_IDLE
             if got.finish_reason is None or not ended:
@@ -668,7 +685,8 @@ class InferenceClient:
             raise TransientError(
                 "the stream ended before the answer was complete", error_class=ec.STREAM_CUT
             )
-        return _completion(
+        return _counted(
+            got.usage,
             "".join(got.content),
             "".join(got.reasoning) or None,
             [got.tool_calls[i] for i in sorted(got.tool_calls)] or None,
@@ -679,6 +697,17 @@ class InferenceClient:
             model=got.model,
             response_id=got.response_id,
         )
+
+
+@dataclass(slots=True)
+class Streamed:
+    """The completion tokens a request's stream has said so far (None: none said)."""
+
+    tokens: int | None = None
+
+    def said(self, tokens: Any) -> None:
+        if type(tokens) is int and 0 <= tokens <= _MAX_TOKENS:
+            self.tokens = tokens
 
 
 #: How a stream can end other than by ``[DONE]`` or a clean close: the connection broken
@@ -752,6 +781,18 @@ class _Streamed:
                 _merge_tool_call(self.tool_calls, call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+
+
+def _counted(said: Any, *args: Any, **kwargs: Any) -> Completion:
+    """:func:`_completion`; an answer it refuses keeps the completion tokens its usage
+    said (``generated_tokens``), the work thrown away with it."""
+    try:
+        return _completion(*args, **kwargs)
+    except InferenceError as exc:
+        tokens = said.get("completion_tokens") if isinstance(said, dict) else None
+        if type(tokens) is int and 0 <= tokens <= _MAX_TOKENS:
+            exc.generated_tokens = tokens
+        raise
 
 
 def _completion(

@@ -137,6 +137,9 @@ NEEDS_A_PERSON: tuple[int, ...] = tuple(
 
 class InferenceError(OrchestratorError):
     error_class = "error"
+    #: Completion tokens the server said it generated for an answer refused anyway (a
+    #: body that could not be used): GPU work thrown away. None: not said.
+    generated_tokens: int | None = None
 
     def __init__(self, message: str, *, error_class: str | None = None):
         super().__init__(message)

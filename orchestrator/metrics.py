@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 # Seconds: a short answer to a 16k-token reasoning answer on a busy server.
@@ -77,6 +78,8 @@ class WorkerMetrics:
             "orchestrator_worker_start_time_seconds", "When this worker started.", registry=r
         )
         self.started.set(time.time())
+        self.wasted = _Wasted()
+        r.register(self.wasted)
 
     def settled(
         self,
@@ -101,8 +104,45 @@ class WorkerMetrics:
         for (dataset, state), n in counts.items():
             self.items.labels(dataset, state).set(n)
 
+    def set_wasted(self, wasted: dict[tuple[str, str], tuple[int, int, int]]) -> None:
+        """The queue-wide work thrown away, (requests, tokens, unknown) by (dataset, cause)."""
+        self.wasted.figures = dict(wasted)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Wasted:
+    """Tokens and requests thrown away in the whole queue, by dataset and cause, as the
+    store counts them (``store.waste``): counters read from the database with the items
+    gauge, so every worker shows the run's figures, not only its own."""
+
+    def __init__(self) -> None:
+        self.figures: dict[tuple[str, str], tuple[int, int, int]] = {}
+
+    def collect(self) -> Any:
+        labels = ["dataset", "cause"]
+        tokens = CounterMetricFamily(
+            "orchestrator_wasted_tokens",
+            "Completion tokens generated and thrown away (killed, stopped, fenced, truncated,"
+            " bad_response, requeued), whole queue.",
+            labels=labels,
+        )
+        requests = CounterMetricFamily(
+            "orchestrator_wasted_requests",
+            "Requests whose work was thrown away, whole queue (those of unknown tokens too).",
+            labels=labels,
+        )
+        unknown = CounterMetricFamily(
+            "orchestrator_wasted_unknown_requests",
+            "Requests thrown away whose tokens nobody counted (a worker killed mid-request).",
+            labels=labels,
+        )
+        for (dataset, cause), (n, t, u) in sorted(self.figures.items()):
+            requests.add_metric([dataset, cause], n)
+            tokens.add_metric([dataset, cause], t)
+            unknown.add_metric([dataset, cause], u)
+        yield from (tokens, requests, unknown)
 
 
 def metrics_app(metrics: WorkerMetrics, health: Callable[[], dict[str, Any]]) -> web.Application:

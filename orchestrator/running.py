@@ -77,6 +77,7 @@ class RunSettings:
     rpm: int | None = None
     tpm: int | None = None
     rate_limited_warn_after: float = 600.0
+    stream_usage: bool = False
 
     def __post_init__(self) -> None:
         from orchestrator.checks import RUN, check_all
@@ -116,6 +117,7 @@ def configs(
         request_timeout=settings.request_timeout,
         stream=settings.stream,
         stream_idle_timeout=settings.stream_idle_timeout,
+        stream_usage=settings.stream_usage,
         api_key=api_key,
         basic_auth=auth,
         max_response_bytes=int(settings.max_response_mb * 2**20),

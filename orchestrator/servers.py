@@ -31,17 +31,19 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 import structlog
 
+from orchestrator import checks
 from orchestrator import error_classes as ec
 from orchestrator.autoconcurrency import Sample
+from orchestrator.cost import Prices
 from orchestrator.errors import ConfigError
 from orchestrator.urls import mask, split_on_space, take_userinfo, with_userinfo
 
@@ -81,6 +83,9 @@ class ServerSpec:
     concurrency: Cap | None = None
     rpm: int | None = None
     tpm: int | None = None
+    #: Its own prices (``gpu_hour_cost=``, ``price_input=``, ``price_output=``), for the
+    #: run's cost (``orchestrator.cost``); none given: the options' prices.
+    prices: Prices = field(default_factory=lambda: Prices())
 
 
 def parse_per_minute(name: str, text: str) -> int:
@@ -215,21 +220,45 @@ def _launch_line(line: str, where: str) -> LaunchLine:
     return LaunchLine(check_command(words[0], where), _options_cap(options, where), port)
 
 
-def _server_options(options: list[str], where: str) -> dict[str, Cap | int]:
-    """A servers file line's ``concurrency=``, ``rpm=`` and ``tpm=``."""
-    given: dict[str, Cap | int] = {}
+def _server_options(options: list[str], where: str) -> dict[str, Any]:
+    """A servers file line's ``concurrency=``, ``rpm=``, ``tpm=`` and prices, as
+    :class:`ServerSpec`'s fields."""
+    given: dict[str, Any] = {}
+    priced: dict[str, float] = {}
     for option in options:
         key, sep, value = option.partition("=")
+        if key in PRICE_OPTIONS and sep:
+            priced[key] = _price(value, key, where)
+            continue
         if key not in ("concurrency", "rpm", "tpm") or not sep:
+            prices = ", ".join(f"{k}=USD" for k in PRICE_OPTIONS)
             raise ConfigError(
                 f"{where}: unknown option {mask(option)!r}; expected concurrency=N, "
-                "concurrency=auto, rpm=N or tpm=N"
+                f"concurrency=auto, rpm=N, tpm=N or a price ({prices})"
             )
         try:
             given[key] = parse_cap(value) if key == "concurrency" else parse_per_minute(key, value)
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+    if priced:
+        given["prices"] = Prices(**priced)
     return given
+
+
+#: A server's own prices in a servers file: ``orchestrator.cost.Prices``' fields.
+PRICE_OPTIONS = tuple(checks.PRICES)
+
+
+def _price(text: str, key: str, where: str) -> float:
+    """A price option's value, by the rule every price follows (``checks.PRICE``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = text  # type: ignore[assignment]  # refused below, in the rule's words
+    found = checks.problem(key, value, checks.PRICE)
+    if found:
+        raise ConfigError(f"{where}: {found}")
+    return value
 
 
 #: Endpoint paths pasted after a base URL: the client adds them itself.

@@ -127,6 +127,65 @@ window_option = click.option(
     help="Seconds of recent history for the recent rates (at least 1).",
 )
 
+
+def prices_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--gpu-hour-cost``, ``--price-input``, ``--price-output`` and ``--servers-file``:
+    what the run costs (``orchestrator.cost``), per server where the file says."""
+    options = [
+        click.option(
+            "--gpu-hour-cost",
+            type=Checked(checks.PRICE),
+            metavar="USD",
+            help="Price of one server-hour (a GPU server's rent), for the run's cost.",
+        ),
+        click.option(
+            "--price-input",
+            type=Checked(checks.PRICE),
+            metavar="USD",
+            help="Price per million prompt tokens (a hosted API's input price).",
+        ),
+        click.option(
+            "--price-output",
+            type=Checked(checks.PRICE),
+            metavar="USD",
+            help="Price per million completion tokens (a hosted API's output price).",
+        ),
+        click.option(
+            "--servers-file",
+            type=click.Path(path_type=Path, dir_okay=False),
+            help="The run's servers file: its servers' own prices (gpu_hour_cost=, "
+            "price_input=, price_output=), the options above for the others.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def run_prices(
+    gpu_hour_cost: float | None,
+    price_input: float | None,
+    price_output: float | None,
+    servers_file: Path | None,
+    servers: tuple[str, ...] = (),
+) -> Any:
+    """The run's pooled prices (``orchestrator.cost.RunPrices``) from the options and the
+    servers of ``--server`` and the servers file."""
+    from orchestrator.cost import Prices, run_prices
+
+    default = Prices(gpu_hour_cost, price_input, price_output)
+    listed = []
+    if servers_file is not None:
+        # Only then: the servers module loads the HTTP and logging libraries, which the
+        # plain sqlite3 path of status never needs.
+        from orchestrator.servers import parse_servers_file
+
+        listed = run_sync(lambda: parse_servers_file(servers_file))
+    seen = {spec.url for spec in listed}
+    own = [spec.prices for spec in listed] + [Prices() for url in servers if url not in seen]
+    return run_prices(default, own)
+
+
 api_key_file_option = click.option(
     "--api-key-file",
     type=click.Path(path_type=Path, dir_okay=False),

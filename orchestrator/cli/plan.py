@@ -8,7 +8,15 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import db_option, echo_json, on_database, run_async, run_sync
+from orchestrator.cli.common import (
+    db_option,
+    echo_json,
+    on_database,
+    prices_options,
+    run_async,
+    run_prices,
+    run_sync,
+)
 from orchestrator.cli.launching import launch_options, supervisor, take_launch_options
 
 DEFAULT_TOKENS_PER_SECOND = 850.0
@@ -46,6 +54,7 @@ run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md.
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable.")
 @launch_options
+@prices_options
 @db_option
 def plan(
     config: Path | None,
@@ -53,10 +62,15 @@ def plan(
     servers: tuple[str, ...],
     max_model_len: int | None,
     as_json: bool,
+    gpu_hour_cost: float | None,
+    price_input: float | None,
+    price_output: float | None,
+    servers_file: Path | None,
     db: str | None,
     **launch: Any,
 ) -> None:
-    """Requests, tokens to generate, time left and database size, per dataset and in total.
+    """Requests, tokens to generate, time left and database size, per dataset and in total;
+    with a price (--gpu-hour-cost, or --price-input/--price-output), what it costs.
 
     With --launch (or --engine), the first server is started briefly first, to say how
     long it took to be ready, its context length and whose metrics it serves. With the
@@ -66,6 +80,13 @@ def plan(
     from orchestrator import runfile
     from orchestrator.store.reader import sqlite_path
 
+    if config is not None:
+        # The run file's [prices], where the options give none.
+        given = run_sync(lambda: runfile.load_prices(config))
+        gpu_hour_cost = given.get("gpu_hour_cost") if gpu_hour_cost is None else gpu_hour_cost
+        price_input = given.get("price_input") if price_input is None else price_input
+        price_output = given.get("price_output") if price_output is None else price_output
+    prices = run_prices(gpu_hour_cost, price_input, price_output, servers_file, servers)
     looked = _look(launch, db)
     if looked is not None and not as_json:
         click.echo(_looked_line(looked))
@@ -94,11 +115,28 @@ def plan(
             )
             return
         result = runfile.plan_stored(held, tokens_per_second=tokens_per_second)
+    _show(result, prices, as_json, looked)
+
+
+def _show(result: Any, prices: Any, as_json: bool, looked: dict[str, Any] | None) -> None:
+    """The plan, with its cost when priced (``orchestrator.cost``) and the launched
+    server's look."""
+    from orchestrator import runfile
+    from orchestrator.cost import plan_cost
+
+    cost = plan_cost(result, prices)
     if as_json:
-        document = runfile.plan_json(result)
-        echo_json(document if looked is None else {**document, "launched": looked})
-    else:
-        click.echo(runfile.render_plan(result), nl=False)
+        doc = runfile.plan_json(result)
+        if cost is not None:
+            doc["cost"] = cost
+        echo_json(doc if looked is None else {**doc, "launched": looked})
+        return
+    click.echo(runfile.render_plan(result), nl=False)
+    if cost is not None:
+        click.echo(
+            f"cost: ${cost['so_far']:,.2f} done, ${cost['to_go']:,.2f} to go,"
+            f" ${cost['total']:,.2f} in all ({cost['basis']})"
+        )
 
 
 def _served_context(servers: tuple[str, ...], plans: Any) -> int | None:

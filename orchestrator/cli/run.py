@@ -164,6 +164,12 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     help="Stream answers (then --stream-idle-timeout also bounds silence).",
 )
 @click.option(
+    "--stream-usage",
+    is_flag=True,
+    help="Ask streams for usage in every chunk (vLLM's and SGLang's continuous_usage_stats): "
+    "a request cut by a stop then counts the tokens it had generated (status, wasted).",
+)
+@click.option(
     "--stream-idle-timeout",
     type=Checked(RUN["stream_idle_timeout"]),
     default=120.0,

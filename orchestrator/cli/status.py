@@ -17,7 +17,9 @@ from orchestrator.cli.common import (
     db_option,
     echo_json,
     on_database,
+    prices_options,
     run_async,
+    run_prices,
     run_sync,
     servers_option,
     window_option,
@@ -28,16 +30,32 @@ from orchestrator.cli.common import (
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable (docs/STATUS.md).")
 @window_option
 @servers_option
+@prices_options
 @db_option
-def status(as_json: bool, window: float, servers: tuple[str, ...], db: str | None) -> None:
-    """Progress, rates, errors and ETA per dataset and in total.
+def status(
+    as_json: bool,
+    window: float,
+    servers: tuple[str, ...],
+    gpu_hour_cost: float | None,
+    price_input: float | None,
+    price_output: float | None,
+    servers_file: Path | None,
+    db: str | None,
+) -> None:
+    """Progress, rates, errors, tokens thrown away and ETA per dataset and in total.
 
     With --server (or ORCHESTRATOR_SERVERS), each server's own view from its /metrics
-    (SGLang or vLLM names) is shown beside them.
+    (SGLang or vLLM names) is shown beside them. With a price (--gpu-hour-cost, or
+    --price-input/--price-output), the run's cost so far, to go, and wasted.
     """
+    from orchestrator.cost import status_cost
     from orchestrator.monitor.text import render_status
 
+    prices = run_prices(gpu_hour_cost, price_input, price_output, servers_file, servers)
     snap = _status_snapshot(db, window, servers)
+    cost = status_cost(snap, prices)
+    if cost is not None:
+        snap["cost"] = cost
     if as_json:
         echo_json(snap)
     else:

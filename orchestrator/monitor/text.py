@@ -93,6 +93,52 @@ def _cache_lines(prompt: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _cause_counts(wasted: dict[str, Any]) -> str:
+    """``cause tokens (share, N requests[, M tokens unknown])`` for each cause."""
+    parts = []
+    for cause, f in wasted["by_cause"].items():
+        share = f"{100 * f['share']:.1f}%, " if f["share"] is not None and f["tokens"] else ""
+        unknown = f", {f['unknown']:,} of unknown tokens" if f["unknown"] else ""
+        parts.append(f"{cause} {f['tokens']:,} ({share}{f['requests']:,} requests{unknown})")
+    return "; ".join(parts)
+
+
+def _waste_lines(snap: dict[str, Any]) -> list[str]:
+    """Tokens generated and thrown away, per cause: in total, then per dataset."""
+    total = snap["totals"].get("wasted")
+    if not total or not total["requests"]:
+        return []
+    share = f" ({100 * total['share']:.1f}%)" if total["share"] is not None else ""
+    lines = [
+        "",
+        f"tokens thrown away: {total['tokens']:,} of {total['generated_tokens']:,}"
+        f" generated{share}: " + _cause_counts(total),
+    ]
+    wasting = [e for e in snap["datasets"] if e.get("wasted", {}).get("requests")]
+    if len(snap["datasets"]) > 1:
+        width = max(len(e["name"]) for e in wasting)
+        lines += [f"  {e['name']:<{width}}  {_cause_counts(e['wasted'])}" for e in wasting]
+    if total["unknown"]:
+        lines.append(
+            "  (requests of unknown tokens: cut before the server said how many it had"
+            " generated; counted as requests, not in the tokens)"
+        )
+    return lines
+
+
+def _cost_lines(cost: dict[str, Any] | None) -> list[str]:
+    """The run's cost at the prices given (``orchestrator.cost``)."""
+    if not cost:
+        return []
+    to_go = cost.get("to_go")
+    left = f"${to_go:,.2f}" if to_go is not None else "?"
+    line = (
+        f"cost: ${cost['so_far']:,.2f} so far, {left} to go,"
+        f" ${cost['wasted']:,.2f} wasted ({cost['basis']})"
+    )
+    return ["", line]
+
+
 def render_status(snap: dict[str, Any]) -> str:
     window = int(snap["window_seconds"])
     header = [
@@ -128,6 +174,8 @@ def render_status(snap: dict[str, Any]) -> str:
         ]
         lines.append("  ".join(cells))
     lines.extend(_cache_lines(snap["totals"].get("prompt_tokens")))
+    lines.extend(_waste_lines(snap))
+    lines.extend(_cost_lines(snap.get("cost")))
     errors = snap["totals"]["errors"]
     if errors:
         lines.append("")

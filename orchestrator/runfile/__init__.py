@@ -11,7 +11,14 @@ the data files, without touching the database; ``render_plan`` and ``plan_json``
 
 from __future__ import annotations
 
-from orchestrator.runfile.load import FORMATS, DatasetPlan, Problem, RunConfigError, load_run
+from orchestrator.runfile.load import (
+    FORMATS,
+    DatasetPlan,
+    Problem,
+    RunConfigError,
+    load_prices,
+    load_run,
+)
 from orchestrator.runfile.plan import (
     BYTES_PER_TOKEN,
     COMPLETION_FRACTION,
@@ -37,6 +44,7 @@ __all__ = [
     "RunConfigError",
     "RunPlan",
     "done_stats",
+    "load_prices",
     "load_run",
     "plan_json",
     "plan_run",

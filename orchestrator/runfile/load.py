@@ -58,7 +58,7 @@ from orchestrator.formats.readers import INPUT_FORMATS, PASSTHROUGH_FORMATS
 from orchestrator.formats.source import open_source
 from orchestrator.store.columns import ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
 
-__all__ = ["FORMATS", "DatasetPlan", "Problem", "RunConfigError", "load_run"]
+__all__ = ["FORMATS", "DatasetPlan", "Problem", "RunConfigError", "load_prices", "load_run"]
 
 FORMATS: tuple[str, ...] = INPUT_FORMATS
 """auto, messages, sharegpt, prompt, openai-batch, tokens: ``auto`` detects each line's
@@ -165,6 +165,48 @@ def load_run(path: str | os.PathLike[str]) -> list[DatasetPlan]:
     Raises ``RunConfigError`` (a ``ConfigError``) and has no other effect: the data files
     are only looked up (present, a file, not empty), not read.
     """
+    source, document = _read(path)
+    base = Path(os.path.abspath(source)).parent
+    problems: list[Problem] = []
+    plans = _Checker(base, problems).run(document)
+    if problems:
+        raise RunConfigError(source, problems)
+    return plans
+
+
+def load_prices(path: str | os.PathLike[str]) -> dict[str, float]:
+    """The run file's ``[prices]`` (``gpu_hour_cost``, ``price_input``, ``price_output``:
+    ``orchestrator.cost.Prices``' fields), checked; {} when it has none."""
+    source, document = _read(path)
+    problems: list[Problem] = []
+    prices = _prices(document.get("prices", {}), problems)
+    if problems:
+        raise RunConfigError(source, problems)
+    return prices
+
+
+def _prices(table: object, problems: list[Problem]) -> dict[str, float]:
+    """A ``[prices]`` table's keys that pass their rule; the rest become problems."""
+    if not isinstance(table, dict):
+        problems.append(Problem("prices", f"must be a table ([prices]), got {_kind(table)}"))
+        return {}
+    good: dict[str, float] = {}
+    for key, value in table.items():
+        rule = checks.PRICES.get(key)
+        if rule is None:
+            known = ", ".join(checks.PRICES)
+            problems.append(Problem(f"prices.{key}", f"unknown key (a price is one of {known})"))
+            continue
+        want = rule.expected(value)
+        if want:
+            problems.append(Problem(f"prices.{key}", f"must be {want}, got {_kind(value)}"))
+        else:
+            good[key] = value
+    return good
+
+
+def _read(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
+    """The run file's path as given and its parsed document, or ``RunConfigError``."""
     source = os.fspath(path)
     try:
         data = Path(source).read_bytes()
@@ -180,15 +222,9 @@ def load_run(path: str | os.PathLike[str]) -> list[DatasetPlan]:
         reason = f"not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})"
         raise RunConfigError(source, [Problem("", reason)]) from None
     try:
-        document = tomllib.loads(text)
+        return source, tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RunConfigError(source, [Problem("", f"not valid TOML: {exc}")]) from None
-    base = Path(os.path.abspath(source)).parent
-    problems: list[Problem] = []
-    plans = _Checker(base, problems).run(document)
-    if problems:
-        raise RunConfigError(source, problems)
-    return plans
 
 
 Check = Callable[[object], list[tuple[str, str]]]
@@ -325,7 +361,7 @@ _OWN_KEYS = ("name", "file", "hf")
 _COLUMN_KEYS = tuple(f.name for f in fields(row_columns.Columns))
 _DATASET_KEYS = tuple(_CHECKS)
 _DEFAULT_KEYS = tuple(k for k in _CHECKS if k not in _OWN_KEYS)
-_TOP_KEYS = ("defaults", "dataset")
+_TOP_KEYS = ("defaults", "dataset", "prices")
 _REQUEST_DEFAULTS = {
     "regenerate": "last",
     "on_truncated": "keep",
@@ -358,7 +394,7 @@ def _unknown_key(key: str, known: Sequence[str], *, section: str) -> str:
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         if close:
             return f'unknown key; did you mean "{close[0]}"?'
-        return "unknown key (a run file has [defaults] and [[dataset]] tables only)"
+        return "unknown key (a run file has [defaults], [[dataset]] and [prices] tables only)"
     hints = {k: f'"{k}"' for k in known} | {k: f"extra_body.{k}" for k in _EXTRA_BODY_HINTS}
     if key in _EXTRA_BODY_HINTS:
         return f"not a key of its own: request body fields like this go in extra_body.{key}"
@@ -410,6 +446,7 @@ class _Checker:
         for key in document:
             if key not in _TOP_KEYS:
                 self.add(key, _unknown_key(key, _TOP_KEYS, section="top"))
+        _prices(document.get("prices", {}), self.problems)
         defaults: dict[str, Any] = {}
         raw_defaults = document.get("defaults", {})
         if isinstance(raw_defaults, dict):

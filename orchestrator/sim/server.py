@@ -221,6 +221,8 @@ class _Stats:
         self.completed = 0
         self.invalid = 0
         self.aborted = 0
+        # Completion tokens streamed to clients that left before the end of the answer.
+        self.aborted_tokens = 0
         self.running = 0
         self.peak_running = 0
         self.running_tokens = 0
@@ -265,6 +267,7 @@ class _Stats:
             "invalid": self.invalid,
             "faults": dict(self.faults),
             "aborted": self.aborted,
+            "aborted_tokens": self.aborted_tokens,
             "running": self.running,
             "peak_running": self.peak_running,
             "outage_rejected": self.outage_rejected,
@@ -788,6 +791,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
         if stream:
             options = body.get("stream_options")
             include_usage = isinstance(options, dict) and options.get("include_usage") is True
+            continuous = include_usage and options.get("continuous_usage_stats") is True
             response = await _stream_answer(
                 request,
                 state,
@@ -796,6 +800,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 prompt_tokens=prompt_tokens,
                 cached=cached,
                 include_usage=include_usage,
+                continuous=continuous,
                 cut=fault == "malformed",
                 stall=fault == "stall",
                 limit=limit,
@@ -963,6 +968,7 @@ async def _stream_answer(
     include_usage: bool,
     cut: bool,
     cached: int | None = None,
+    continuous: bool = False,
     stall: bool = False,
     limit: int = 0,
     model: str = "",
@@ -972,14 +978,16 @@ async def _stream_answer(
     batcher = state.batcher
     created = int(time.time())
 
-    def chunk(delta: dict[str, Any], finish: str | None) -> bytes:
-        payload = {
+    def chunk(delta: dict[str, Any], finish: str | None, so_far: int | None = None) -> bytes:
+        payload: dict[str, Any] = {
             "id": completion_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model or _served({}, config),
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         }
+        if so_far is not None:  # vLLM's continuous_usage_stats: usage in every chunk
+            payload["usage"] = _usage(prompt_tokens, so_far, cached)
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
     if batcher is not None:
@@ -995,9 +1003,16 @@ async def _stream_answer(
     # A malformed stream stops after about half of its deltas, without finish_reason/[DONE];
     # a stalled one sends the same half, then nothing, keeping the connection open.
     sent = deltas[: max(1, len(deltas) // 2)] if cut or stall else deltas
-    for delta, tokens in sent:
-        await _sleep(0 if batcher is not None else config.per_token * tokens)
-        await response.write(chunk(delta, None))
+    so_far = 0
+    try:
+        for delta, tokens in sent:
+            await _sleep(0 if batcher is not None else config.per_token * tokens)
+            so_far += tokens
+            await response.write(chunk(delta, None, so_far if continuous else None))
+    except (ConnectionError, asyncio.CancelledError):
+        # The client left mid-stream: what it was sent is generated and thrown away.
+        state.stats.aborted_tokens += so_far
+        raise
     if stall:
         await _hang(request, state)
         return response

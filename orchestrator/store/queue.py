@@ -40,6 +40,7 @@ import structlog
 
 from orchestrator.answer import Answer
 from orchestrator.lengths import Expected
+from orchestrator.store import waste as wasted
 from orchestrator.store.engine import Database, insert_rows
 from orchestrator.store.schema import (
     attempt_errors,
@@ -103,6 +104,10 @@ class Failure:
     error_class: str
     message: str
     server: str | None = None
+    #: The work the attempt threw away (an answer cut at max_tokens, a bad body, a
+    #: request cancelled at shutdown), counted when the transition is written; None:
+    #: nothing was generated, or nothing is known to have been.
+    waste: wasted.Waste | None = None
 
 
 def _chunks(seq: Sequence[Any], size: int = _CHUNK) -> Iterable[Sequence[Any]]:
@@ -299,6 +304,7 @@ class Queue:
             if work.fail:
                 failed = [(lease, failure, 0.0) for lease, failure in work.fail]
                 accepted["fail"] = _settle(conn, failed, "failed", at)
+            wasted.add(conn, _thrown_away(work, accepted), at)
             if work.claim is not None and work.claim.want > 0:
                 leases = _claim(conn, work.claim, at)
             return RoundResult(accepted, leases)
@@ -306,6 +312,11 @@ class Queue:
         return await self.db.run_write(run)
 
     # ---------------------------------------------------------------- claim / renew
+
+    async def wasted(self) -> list[wasted.Wasted]:
+        """Tokens thrown away so far, by dataset id and cause (the whole small table)."""
+        async with self.db.read() as conn:
+            return await conn.run_sync(wasted.read)
 
     async def claim(
         self,
@@ -407,7 +418,11 @@ class Queue:
             ),
         )
         picked = sa.select(
-            items.c.id, items.c.dataset_id, items.c.attempts, items.c.lease_expires_at
+            items.c.id,
+            items.c.dataset_id,
+            items.c.attempts,
+            items.c.lease_expires_at,
+            items.c.lease_owner,
         ).where(lost)
         if self.db.url.get_backend_name() == "postgresql":
             # Another worker reaping at the same time takes other rows (or none): a row
@@ -452,6 +467,11 @@ class Queue:
                     for r in rows
                 ],
             )
+            # A dead holder's requests died with it, their tokens unknown; a live one
+            # whose lease merely expired says what its answer cost if it comes (fenced).
+            dead = set(dead_owners)
+            killed = [(r.dataset_id, _KILLED) for r in rows if r.lease_owner in dead]
+            await conn.run_sync(lambda c: wasted.add(c, wasted.tally(killed), now))
         return len(rows)
 
     async def remaining(self, dataset_names: Sequence[str] | None = None) -> int:
@@ -1034,6 +1054,33 @@ def _settle(
     return changed
 
 
+_KILLED = wasted.Waste(wasted.KILLED)
+
+
+def _thrown_away(work: Round, accepted: Mapping[str, set[int]]) -> list[wasted.Wasted]:
+    """The round's work thrown away: answers fenced out (their lease was lost, so they
+    are never written) and accepted failures that carry what their attempt generated."""
+    entries: list[tuple[int, wasted.Waste]] = []
+    for kind, results in (("complete", work.complete), ("advance", work.advance)):
+        took = accepted.get(kind, set())
+        for lease, out in results:
+            if lease.item_id not in took:
+                tokens = (out.usage or {}).get("completion_tokens")
+                fenced = wasted.Waste(wasted.FENCED, tokens if isinstance(tokens, int) else None)
+                entries.append((lease.dataset_id, fenced))
+    failing = [
+        ("retry", work.retry),
+        ("release", work.release),
+        ("fail", [(lease, failure, 0.0) for lease, failure in work.fail]),
+    ]
+    for kind, outcomes in failing:
+        took = accepted.get(kind, set())
+        for lease, failure, _ in outcomes:
+            if failure.waste is not None and lease.item_id in took:
+                entries.append((lease.dataset_id, failure.waste))
+    return wasted.tally(entries)
+
+
 # -------------------------------------------------------------------- requeue and undo
 # Items no worker holds (pending, done, failed) have no lease to fence them by. A requeue
 # or an undo holds their rows first, then changes those in the state it expects, in one
@@ -1080,6 +1127,7 @@ def reopen(
     moves = [(outputs, superseded_outputs)]
     if state == "done":
         moves.append((item_turns, superseded_turns))
+    _count_set_aside(conn, changed, values.get("updated_at"), sign=1)
     for chunk in _chunks(changed):
         for live, kept in moves:
             _move(conn, live, kept, live.c.item_id.in_(list(chunk)), requeue_id, aside=True)
@@ -1127,6 +1175,7 @@ def restore(conn: sa.Connection, requeue_id: int, ids: Sequence[int], now: float
             .returning(items.c.id, items.c.state)
         ).all()
     done = [item_id for item_id, state in changed if state == "done"]
+    _count_set_aside(conn, done, now, sign=-1, requeue_id=requeue_id)
     for chunk in _chunks(done):
         for live, kept in ((outputs, superseded_outputs), (item_turns, superseded_turns)):
             conn.execute(live.delete().where(live.c.item_id.in_(list(chunk))))
@@ -1141,6 +1190,40 @@ def restore(conn: sa.Connection, requeue_id: int, ids: Sequence[int], now: float
             )
         )
     return {item_id for item_id, _ in changed}
+
+
+def _count_set_aside(
+    conn: sa.Connection,
+    ids: Sequence[int],
+    now: float | None,
+    *,
+    sign: int,
+    requeue_id: int | None = None,
+) -> None:
+    """Answers a requeue sets aside count as thrown away (``sign`` 1), until an undo
+    gives them back (-1): read from the live outputs before they move, or from the
+    superseded ones of ``requeue_id`` before they come back."""
+    table = outputs if requeue_id is None else superseded_outputs
+    found: dict[int, list[int]] = {}
+    for chunk in _chunks(ids):
+        query = sa.select(
+            table.c.dataset_id,
+            sa.func.count(),
+            sa.func.coalesce(sa.func.sum(table.c.completion_tokens), 0),
+            sa.func.count(table.c.completion_tokens),
+        ).where(table.c.item_id.in_(list(chunk)))
+        if requeue_id is not None:
+            query = query.where(table.c.requeue_id == requeue_id)
+        for dataset_id, n, tokens, said in conn.execute(query.group_by(table.c.dataset_id)):
+            slot = found.setdefault(dataset_id, [0, 0, 0])
+            slot[0] += n
+            slot[1] += int(tokens)
+            slot[2] += n - said
+    rows = [
+        wasted.Wasted(d, wasted.REQUEUED, sign * n, sign * tokens, sign * unknown)
+        for d, (n, tokens, unknown) in sorted(found.items())
+    ]
+    wasted.add(conn, rows, time.time() if now is None else now)
 
 
 def _move(

@@ -310,3 +310,23 @@ superseded_turns = sa.Table(
         for c in item_turns.columns
     ],
 )
+
+# Tokens generated and thrown away, a row per dataset and cause (store.waste): added to
+# in the transaction that throws them away, read whole by status.
+wasted_tokens = sa.Table(
+    "wasted_tokens",
+    metadata,
+    sa.Column(
+        "dataset_id",
+        sa.Integer,
+        sa.ForeignKey("datasets.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    sa.Column("cause", sa.String(32), primary_key=True),
+    # Attempts thrown away; of them, those whose token count nobody knows (``unknown``,
+    # counted in ``requests`` but not in ``tokens``).
+    sa.Column("requests", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("unknown", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)

@@ -95,6 +95,8 @@ _QUERIES: dict[str, str] = {
         "SELECT dataset_id, count(*), coalesce(sum(predicted_tokens), 0) FROM items"
         " WHERE state = 'running' AND predicted_tokens > 0 GROUP BY dataset_id"
     ),
+    # Tokens thrown away (migration 0013): a row per dataset and cause, read whole.
+    "wasted": "SELECT dataset_id, cause, requests, tokens, unknown FROM wasted_tokens",
     "workers": (
         "SELECT id, host, pid, started_at, heartbeat_at, stopped_at, in_flight, completed,"
         " progress_at FROM workers WHERE stopped_at IS NULL OR stopped_at >= :since"
@@ -243,6 +245,13 @@ def _percentiles(values: list[int]) -> dict[str, Any]:
     return {"p50": rank(50), "p90": rank(90), "sample": len(ordered)}
 
 
+def _busy(entries: list[dict[str, Any]], now: float, window: float) -> float:
+    """The seconds of the recent window the run was going on: requests in flight are
+    averaged over these, finished datasets included (they held slots too)."""
+    starts = [e["overall"]["started_at"] for e in entries if e["overall"]["started_at"]]
+    return _span(min(starts), now, now, window) if starts else 0.0
+
+
 def _document(
     rows: Found,
     lengths: dict[int, list[int]],
@@ -259,6 +268,7 @@ def _document(
     overall_by = {r[0]: (*r[1:], *span_by.get(r[0], (None, None))) for r in rows["overall"]}
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
     cache_by = {r[0]: tuple(r[1:]) for r in rows["cache"]}
+    wasted_by = _wasted_by(rows)
     names = {row[0]: row[1] for row in rows["datasets"]}
     entries = []
     work: list[dict[str, Any]] = []
@@ -272,6 +282,7 @@ def _document(
         )
         entry["completion_tokens"].update(_percentiles(lengths.get(ds_id, [])))
         entry["prompt_tokens"] = _cache_figures(*cache_by.get(ds_id, (0, 0, 0)))
+        entry["wasted"] = wasted_figures(wasted_by[ds_id], entry["completion_tokens"]["total"])
         if not passthrough:  # stored done at enqueue: no answer time to learn from
             work.append(
                 {"dataset_id": ds_id, "entry": entry, "cost": costs.get(ds_id), "params": ds_params}
@@ -298,10 +309,7 @@ def _document(
         )
     workers = [_worker(row, now) for row in rows["workers"]]
     live = sum(w["in_flight"] for w in workers if not w["stopped"] and not w["silent"])
-    # The seconds of the recent window the run was going on: requests in flight are
-    # averaged over these, finished datasets included (they held slots too).
-    starts = [e["overall"]["started_at"] for e in entries if e["overall"]["started_at"]]
-    busy = _span(min(starts), now, now, window) if starts else 0.0
+    busy = _busy(entries, now, window)
     totals = _totals(entries, now=now, window=window)
     totals["eta_slots"] = None  # with eta_seconds, filled by the forecast
     totals["prompt_tokens"] = _cache_figures(
@@ -508,6 +516,48 @@ def _cache_figures(total: int, cached: int, said: int) -> dict[str, Any]:
     return {"total": int(total), "cached": int(cached), "said": int(said), "cached_share": share}
 
 
+def wasted_figures(by_cause: dict[str, tuple[int, int, int]], stored: int) -> dict[str, Any]:
+    """Tokens thrown away, per cause and in all, as a share of every token generated
+    (``stored``, the answers kept, plus those thrown away). ``unknown``: attempts whose
+    tokens nobody counted (a worker killed mid-request), in ``requests`` not ``tokens``."""
+    tokens = sum(t for _, t, _ in by_cause.values())
+    generated = int(stored) + tokens
+
+    def share(n: int) -> float | None:
+        return round(n / generated, 4) if generated else None
+
+    causes = {
+        cause: {"requests": r, "tokens": t, "unknown": u, "share": share(t)}
+        for cause, (r, t, u) in sorted(by_cause.items())
+    }
+    return {
+        "requests": sum(r for r, _, _ in by_cause.values()),
+        "tokens": tokens,
+        "unknown": sum(u for _, _, u in by_cause.values()),
+        "generated_tokens": generated,
+        "share": share(tokens),
+        "by_cause": causes,
+    }
+
+
+def _wasted_by(rows: Found) -> dict[int, dict[str, tuple[int, int, int]]]:
+    """(requests, tokens, unknown) thrown away, per dataset id and cause."""
+    by: dict[int, dict[str, tuple[int, int, int]]] = defaultdict(dict)
+    for ds_id, cause, requests, tokens, unknown in rows["wasted"]:
+        by[ds_id][cause] = (int(requests), int(tokens), int(unknown))
+    return by
+
+
+def _pooled(entries: list[dict[str, Any]], stored: int) -> dict[str, Any]:
+    """The datasets' tokens thrown away, summed per cause."""
+    pooled: dict[str, tuple[int, int, int]] = {}
+    for entry in entries:
+        for cause, f in entry["wasted"]["by_cause"].items():
+            r, t, u = pooled.get(cause, (0, 0, 0))
+            pooled[cause] = (r + f["requests"], t + f["tokens"], u + f["unknown"])
+    return wasted_figures(pooled, stored)
+
+
 def _dataset_figures(
     counts: dict[str, int],
     overall: tuple[Any, ...] | None,
@@ -602,4 +652,5 @@ def _totals(entries: list[dict[str, Any]], *, now: float, window: float) -> dict
         "errors": errors,
         "failed_by_class": failed_by,
         "flags": flags,
+        "wasted": _pooled(entries, tokens),
     }

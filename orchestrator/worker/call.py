@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 
 from orchestrator import error_classes as ec
-from orchestrator.client import Completion, InferenceClient
+from orchestrator.client import Completion, InferenceClient, Streamed
 from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.params import item_body
@@ -47,7 +47,8 @@ class Caller:
         what should become of it. None: the lease went while a turn was being written."""
         lease = held.lease
         while True:
-            result = await self.turn(lease, info)
+            held.streamed = Streamed()
+            result = await self.turn(lease, info, held.streamed)
             if not isinstance(result, Output):
                 return result
             if lease.turn + 1 >= lease.turns:
@@ -71,8 +72,11 @@ class Caller:
         finally:
             self.pool.request_ended(server)
 
-    async def turn(self, lease: Lease, info: DatasetInfo) -> Outcome | Output:
-        """One request: its answer, or what should become of the item."""
+    async def turn(
+        self, lease: Lease, info: DatasetInfo, streamed: Streamed | None = None
+    ) -> Outcome | Output:
+        """One request: its answer, or what should become of the item (``streamed``
+        hears the tokens its stream says as they come)."""
         body = item_body(info.params, lease.request)
         if lease.turns > 1 or info.regenerate == "all":
             # Every turn of such an item, its only one too, is asked without its original
@@ -89,7 +93,7 @@ class Caller:
         if server is None:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         epoch = self.pool.states[server].epoch
-        asked, sent = await self._fitting(server, info, body)
+        asked, sent = await self._fitting(server, info, body, streamed)
         if not isinstance(sent, Completion):
             if self.pool.states[server].epoch != epoch and not isinstance(sent[0], PermanentError):
                 # A launched server died under the request: an outage, not the item's.
@@ -116,24 +120,24 @@ class Caller:
         return result
 
     async def _fitting(
-        self, server: str, info: DatasetInfo, body: dict[str, Any]
+        self, server: str, info: DatasetInfo, body: dict[str, Any], streamed: Streamed | None
     ) -> tuple[dict[str, Any], Completion | tuple[Exception, float | None]]:
         """The body last sent, and what :meth:`_send` made of it: with ``on_overflow =
         "fit"``, a request the server refused as longer than its context is sent again at
         once, with ``max_tokens`` lowered to what fits. It is the same attempt, and no
         failure of the server's: neither the item's attempts nor the breaker hear of the
         refusal."""
-        sent = await self._send(server, body)
+        sent = await self._send(server, body, streamed)
         if isinstance(sent, Completion) or not isinstance(sent[0], PermanentError):
             return body, sent
         said = classify.overflowed(sent[0], body, self.context_of(server, body.get("model")))
         smaller = classify.fitted(info, body, said) if said is not None else None
         if smaller is None:
             return body, sent
-        return smaller, await self._send(server, smaller)
+        return smaller, await self._send(server, smaller, streamed)
 
     async def _send(
-        self, server: str, body: dict[str, Any]
+        self, server: str, body: dict[str, Any], streamed: Streamed | None
     ) -> Completion | tuple[Exception, float | None]:
         """The request, once the server's pacer lets it go: the answer, or the error and
         the seconds the server has answered nothing but 429 (past the warning's time)."""
@@ -141,7 +145,7 @@ class Caller:
         try:
             ticket = await self.pool.pace(server, request_tokens(body))
             try:
-                completion = await self.client.chat(server, body)
+                completion = await self.client.chat(server, body, streamed)
             except Exception as exc:  # a bug here must not take the other requests down
                 return exc, self.pool.paced(server, ticket, exc)
             except BaseException as exc:  # cancelled: no longer in flight, for the pacer
@@ -176,7 +180,10 @@ class Caller:
             if limited_for is not None:
                 said = ec.limited_message(limited_for, str(exc))
                 exc = TransientError(said, error_class=exc.error_class, retry_after=exc.retry_after)
-            return classify.retry_or_fail(lease, exc, exc.retry_after, self.config, server=server)
+            thrown = classify.failed_answer(exc)
+            return classify.retry_or_fail(
+                lease, exc, exc.retry_after, self.config, server=server, waste=thrown
+            )
         if isinstance(exc, PermanentError):
             said = classify.overflowed(exc, body, self.context_of(server, body.get("model")))
             if said is not None:

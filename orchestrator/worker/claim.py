@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from orchestrator.client import Streamed
 from orchestrator.guard import RunGuard
 from orchestrator.lengths import Expected, expected
 from orchestrator.servers import ServerPool
@@ -39,11 +40,13 @@ SCOUTS = 16
 
 @dataclass(slots=True)
 class Claimed:
-    """A lease this worker holds, from its claim until its outcome is written."""
+    """A lease this worker holds, from its claim until its outcome is written;
+    ``streamed``: what the request in flight has said of its tokens so far."""
 
     lease: Lease
     task: asyncio.Task[None] | None = None
     cancel_reason: str | None = None
+    streamed: Streamed | None = None
 
 
 class Catalog:

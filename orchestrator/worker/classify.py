@@ -17,7 +17,9 @@ from orchestrator.client import Completion
 from orchestrator.errors import InferenceError, PermanentError, TransientError
 from orchestrator.quality import INVALID_JSON, MAX_TOKENS_REDUCED, TOOL_MISMATCH
 from orchestrator.store import Failure, Lease, Output
+from orchestrator.store import waste as wasted
 from orchestrator.store.datasets import DatasetInfo
+from orchestrator.store.waste import Waste
 from orchestrator.worker.config import WorkerConfig, backoff_delay
 from orchestrator.worker.outcomes import Advance, Done, Failed, Outcome, Release, Retry
 
@@ -39,14 +41,16 @@ def retry_or_fail(
     config: WorkerConfig,
     *,
     server: str | None = None,
+    waste: Waste | None = None,
 ) -> Retry | Release | Failed:
     """A retryable failure at ``server``: retried after a backoff, or failed once attempts
     are spent. A rate limit is released until its Retry-After (or a backoff), costing no
     attempt: the provider's budget, not the item, is at fault, and a long rate limit
-    must not use up the items' attempts. No server's Retry-After holds an item longer
-    than the backoff cap: a ``1e308`` or a date in 9999 would otherwise keep it, and a
-    run waiting for it, for ever."""
-    failure = Failure(exc.error_class, where(lease) + str(exc), server)
+    must not use up the items' attempts. ``waste``: the work the attempt threw away,
+    counted with the transition. No server's Retry-After holds an item longer than the
+    backoff cap: a ``1e308`` or a date in 9999 would otherwise keep it, and a run waiting
+    for it, for ever."""
+    failure = Failure(exc.error_class, where(lease) + str(exc), server, waste)
     if exc.error_class == ec.RATE_LIMITED:
         delay = backoff_delay(
             1, base=config.backoff_base, cap=config.backoff_cap, retry_after=retry_after
@@ -64,7 +68,7 @@ def retry_or_fail(
         return Release(lease, failure, time.time() + delay)
     if lease.attempt >= config.max_attempts:
         message = f"{where(lease)}gave up after {lease.attempt} attempts: {exc}"
-        return Failed(lease, Failure(exc.error_class, message, server))
+        return Failed(lease, Failure(exc.error_class, message, server, waste))
     delay = backoff_delay(
         lease.attempt, base=config.backoff_base, cap=config.backoff_cap, retry_after=retry_after
     )
@@ -94,7 +98,8 @@ def answered(
         truncated = TransientError(
             f"the answer was cut at max_tokens={limit}", error_class=ec.TRUNCATED
         )
-        return _act(lease, info.on_truncated, truncated, completion.server, config)
+        thrown = Waste(wasted.TRUNCATED, completion_tokens(completion.usage))
+        return _act(lease, info.on_truncated, truncated, completion.server, config, thrown)
     result = output(completion, info.params_hash)
     fmt = structured.expected_format(body)
     if fmt is None or completion.tool_calls:
@@ -106,16 +111,23 @@ def answered(
         return dataclasses.replace(result, flags=result.flags | checked.flags)
     error_class = ec.INVALID_JSON if checked.flags & INVALID_JSON else ec.SCHEMA_MISMATCH
     invalid = TransientError(checked.reason, error_class=error_class)
-    return _act(lease, info.on_invalid, invalid, completion.server, config)
+    thrown = Waste(wasted.INVALID, completion_tokens(completion.usage))
+    return _act(lease, info.on_invalid, invalid, completion.server, config, thrown)
 
 
 def _act(
-    lease: Lease, policy: str, exc: TransientError, server: str | None, config: WorkerConfig
+    lease: Lease,
+    policy: str,
+    exc: TransientError,
+    server: str | None,
+    config: WorkerConfig,
+    thrown: Waste,
 ) -> Retry | Release | Failed:
-    """A usable answer refused by the dataset's policy: the item fails, or is retried."""
+    """A usable answer refused by the dataset's policy: the item fails, or is retried;
+    either way the answer's tokens are thrown away."""
     if policy == "fail":
-        return Failed(lease, Failure(exc.error_class, where(lease) + str(exc), server))
-    return retry_or_fail(lease, exc, None, config, server=server)
+        return Failed(lease, Failure(exc.error_class, where(lease) + str(exc), server, thrown))
+    return retry_or_fail(lease, exc, None, config, server=server, waste=thrown)
 
 
 def overflowed(exc: Exception, body: dict[str, Any], limit: int | None) -> overflow.Overflow | None:
@@ -171,6 +183,24 @@ def reduced(result: Output, lease: Lease, body: dict[str, Any]) -> Output:
     return dataclasses.replace(result, flags=result.flags | MAX_TOKENS_REDUCED)
 
 
+def completion_tokens(usage: Any) -> int | None:
+    """The completion tokens a usage object says, when it says."""
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if type(tokens) is int and 0 <= tokens <= wasted.MOST_TOKENS else None
+
+
+#: Errors after which the server's answer came but was unusable: its tokens are wasted.
+UNUSABLE = frozenset({ec.BAD_RESPONSE, ec.STREAM_CUT})
+
+
+def failed_answer(exc: InferenceError) -> Waste | None:
+    """What a failed request threw away: an unusable answer's tokens (when its body said
+    them), nothing known for the rest."""
+    if exc.error_class not in UNUSABLE:
+        return None
+    return Waste(wasted.BAD_RESPONSE, getattr(exc, "generated_tokens", None))
+
+
 def output(c: Completion, params_hash: str) -> Output:
     """The answer as the store keeps it."""
     return Output(*(getattr(c, name) for name in ANSWER_FIELDS), params_hash=params_hash)
@@ -214,7 +244,8 @@ def unstorable(entry: Outcome, reason: str, config: WorkerConfig) -> Outcome | N
         error = TransientError(
             f"the answer could not be stored: {reason}", error_class=ec.BAD_RESPONSE
         )
-        return retry_or_fail(lease, error, None, config, server=entry.output.server)
+        thrown = Waste(wasted.BAD_RESPONSE, completion_tokens(entry.output.usage))
+        return retry_or_fail(lease, error, None, config, server=entry.output.server, waste=thrown)
     assert isinstance(entry, Retry | Release | Failed)
     failure = entry.failure
     if failure.message.startswith("(unstorable)"):

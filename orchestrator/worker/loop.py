@@ -205,6 +205,7 @@ class Worker:
                     await self.catalog.load()
                     if self.metrics is not None:
                         self.metrics.set_items(await self.queue.counts())
+                        self.metrics.set_wasted(await self._wasted())
             # A claim being written is evidence on its way too: a slow round between
             # two datasets' trials must not decide what is held.
             self.gate.quiet(bool(self.claims.in_flight) or self.claims.claiming)
@@ -219,6 +220,13 @@ class Worker:
                 infos = self.catalog.infos.values()
                 self.unfinished = summary.left_undone(counts, self.config.datasets, infos)
                 return
+
+    async def _wasted(self) -> dict[tuple[str, str], tuple[int, int, int]]:
+        """The queue's work thrown away by (dataset name, cause), for the metrics."""
+        return {
+            (self.catalog.name(w.dataset_id), w.cause): (w.requests, w.tokens, w.unknown)
+            for w in await self.queue.wasted()
+        }
 
     # -------------------------------------------------------------------- stopping
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,8 @@ import structlog
 
 from orchestrator import error_classes as ec
 from orchestrator.store import Failure
-from orchestrator.worker.claim import Claims
+from orchestrator.store.waste import STOPPED, Waste
+from orchestrator.worker.claim import Claimed, Claims
 from orchestrator.worker.committer import Committer
 from orchestrator.worker.config import WorkerStats
 from orchestrator.worker.outcomes import Release
@@ -49,14 +51,25 @@ async def drain(
             await held.task  # type: ignore[misc]
     released_before = stats.released
     failure = Failure(ec.SHUTDOWN, "released at worker shutdown")
-    for lease in [h.lease for h in leftovers if h.cancel_reason == "shutdown"] + unstarted:
+    # A request cancelled mid-way threw its work away: what its stream said of it, if
+    # it said (else unknown); an item never started cost nothing.
+    cancelled = [
+        (h.lease, dataclasses.replace(failure, waste=Waste(STOPPED, _said(h))))
+        for h in leftovers
+        if h.cancel_reason == "shutdown"
+    ]
+    for lease, why in cancelled + [(lease, failure) for lease in unstarted]:
         if lease.item_id in claims.held:
-            committer.submit(Release(lease, failure, 0.0))
+            committer.submit(Release(lease, why, 0.0))
     if leftovers or unstarted:
         await committer.close()
         # cut: requests the grace period did not see answered; the rest never started.
         log.info("released_at_shutdown", items=stats.released - released_before,
                  cut=len(leftovers), unstarted=len(unstarted))  # fmt: skip
+
+
+def _said(held: Claimed) -> int | None:
+    return held.streamed.tokens if held.streamed is not None else None
 
 
 async def first(*aws: Any) -> None:

@@ -1,0 +1,43 @@
+"""Tokens generated and thrown away, per dataset and cause.
+
+A run that loses answers to kills, fenced-out late answers, truncated answers sampled
+again, bad bodies retried and requeues pays for GPU time that left nothing behind. The
+store adds each such attempt here, in the transaction of the transition that throws it
+away: a small table (a row per dataset and cause) that ``status`` reads whole, however
+many items the run holds.
+
+Revision ID: 0013
+Revises: 0012
+Create Date: 2026-12-02
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0013"
+down_revision = "0012"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "wasted_tokens",
+        sa.Column(
+            "dataset_id",
+            sa.Integer,
+            sa.ForeignKey("datasets.id", ondelete="CASCADE"),
+            primary_key=True,
+        ),
+        sa.Column("cause", sa.String(32), primary_key=True),
+        sa.Column("requests", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("tokens", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("unknown", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("updated_at", sa.Float, nullable=False),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("wasted_tokens")
