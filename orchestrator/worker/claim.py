@@ -212,7 +212,10 @@ class Claims:
                 self.idle.set()
 
     def fill(self) -> None:
-        """Start buffered items while slots are free."""
+        """Start buffered items while slots are free (none once stopping: a claim
+        delivered after the stop is released unstarted)."""
+        if self._stopping.is_set():
+            return
         capacity = self.pool.capacity()
         while self.buffer and self.active < capacity:
             lease = self.buffer.popleft()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ async def drain(
 ) -> None:
     """Let running requests finish within ``grace()`` seconds (a forced stop makes it
     0 meanwhile, which cuts the wait short); cancel and release the rest."""
+    await _claim_settled(claims)
     unstarted = list(claims.buffer)
     claims.buffer.clear()
     running = [h for h in claims.held.values() if h.task is not None and not h.task.done()]
@@ -66,6 +68,21 @@ async def drain(
         # cut: requests the grace period did not see answered; the rest never started.
         log.info("released_at_shutdown", items=stats.released - released_before,
                  cut=len(leftovers), unstarted=len(unstarted))  # fmt: skip
+
+
+#: The longest a stop waits for a claim being written when it came (a round takes
+#: milliseconds; a lock held by another process may make it longer).
+CLAIM_SETTLE_SECONDS = 2.0
+
+
+async def _claim_settled(claims: Claims) -> None:
+    """A claim the committer was writing when the stop came is delivered after it: wait
+    for it, so that its items are released with the rest rather than left running in the
+    database until their leases run out."""
+    deadline = time.monotonic() + CLAIM_SETTLE_SECONDS
+    # A poll, not an event: the flag is the committer's, set and cleared in its rounds.
+    while claims.claiming and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.005)
 
 
 def _said(held: Claimed) -> int | None:
