@@ -312,4 +312,6 @@ EXPORT: dict[str, Rule] = {
     "provenance": FLAG,
     "split": FLAG,
     "include_failed": OrNone(PATH),
+    "shard_rows": OrNone(Integer(minimum=1)),
+    "card": OrNone(PATH),
 }

@@ -41,7 +41,11 @@ import orjson
 from orchestrator import atomicfile
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
-from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES  # noqa: F401
+from orchestrator.formats.choices import (  # noqa: F401
+    EXPORT_FORMATS,
+    REASONING_MODES,
+    TABLE_FORMATS,
+)
 from orchestrator.quality import TOOL_MISMATCH, flag_names
 from orchestrator.store import access
 from orchestrator.store.outputs import (
@@ -99,6 +103,11 @@ class ExportOptions:
     split: bool = False
     # Where failed items go (for openai-batch, instead of OUT.errors.jsonl).
     include_failed: str | os.PathLike[str] | None = None
+    # A table format's --split: at most this many rows per shard (None: SHARD_ROWS).
+    shard_rows: int | None = None
+    # The dataset card (README.md in the Hub's format); a table format's --split writes
+    # OUT/README.md without being asked.
+    card: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         from orchestrator.checks import EXPORT, check_all
@@ -125,6 +134,7 @@ class ExportReport:
     failed_files: list[Path] = field(default_factory=list)
     # (file, pre-tokenised rows, other lines) for each file that mixes the two kinds.
     mixed: list[tuple[Path, int, int]] = field(default_factory=list)
+    card: Path | None = None  # the dataset card written beside the files, if any
 
 
 def messages_line(item: DoneItem) -> dict[str, Any]:
@@ -280,6 +290,13 @@ class _Lines:
         return written
 
     def line(self, row: FullRow, turns: dict[int, list[str]]) -> bytes | None:
+        record = self.record(row, turns)
+        return None if record is None else orjson.dumps(record)
+
+    def record(self, row: FullRow, turns: dict[int, list[str]]) -> dict[str, Any] | None:
+        """The line of ``row`` before encoding (None: left out for its flags); the one
+        place a row is made, which every writer (JSONL, Parquet) encodes its own way.
+        Stored JSON it does not change stays ``orjson.Fragment``."""
         item_id, key, request_json, message_json, finish_reason, usage_json, flags = row[:7]
         if flags & self.options.exclude_flags:
             self.excluded += 1
@@ -288,7 +305,7 @@ class _Lines:
         passthrough = self.dataset.passthrough
         if passthrough and "messages" not in request:
             self.tokens += 1
-            return orjson.dumps(self._token_line(key, request))
+            return self._token_line(key, request)
         usage = orjson.Fragment(usage_json) if usage_json else None
         line: dict[str, Any]
         if self.options.format == "openai-batch":
@@ -329,7 +346,7 @@ class _Lines:
                         line[name] = request[name]
             if self.options.provenance:
                 line.update(self._provenance(row))
-        return orjson.dumps(line)
+        return line
 
     def _id(self, key: str) -> str:
         return line_id(self.dataset.name, key) if self.shared else key
@@ -498,6 +515,33 @@ def _check_target(target: Path) -> None:
         raise ConfigError(f"{target}: {target.parent} is a file, not a directory")
 
 
+def _card_path(target: Path, options: ExportOptions, stream: bool) -> Path | None:
+    """Where the dataset card goes: ``card``, or README.md in a table format's folder."""
+    if options.card is None:
+        split_table = options.split and options.format in TABLE_FORMATS
+        return target / "README.md" if split_table else None
+    if stream:
+        raise ConfigError(
+            f"{options.card}: a dataset card names the export's files; the export goes "
+            f"to a stream ({target}), which has none"
+        )
+    return Path(options.card)
+
+
+def _check_table_target(target: Path, options: ExportOptions) -> None:
+    """A table format's target: a folder with ``split``, a file without."""
+    if options.split and target.suffix in (".parquet", ".pq"):
+        raise ConfigError(
+            f"{target}: --split writes a folder of shards per dataset; give a folder "
+            "name, not a .parquet file (or leave out --split for one file)"
+        )
+    if options.shard_rows is not None and not options.split:
+        raise ConfigError(
+            "shard_rows: shards are written with --split (one folder per dataset); "
+            "without it the export is one file"
+        )
+
+
 # What writing an export file can meet, and what to do about it.
 _WRITE_ERRORS = {
     errno.ENOSPC: "the disk is full: free space there, or export to another disk",
@@ -572,6 +616,11 @@ class _Staged:
             if exc.errno not in _WRITE_ERRORS:
                 raise
             raise _write_error(target, exc) from None
+
+    def retarget(self, target: Path, final: Path) -> None:
+        """Rename into ``final`` rather than ``target`` at commit: a name that is known
+        only once the file is written (a shard's ``-of-N``)."""
+        self._pending = [(tmp, final if t == target else t) for tmp, t in self._pending]
 
     def commit(self) -> None:
         try:
@@ -653,6 +702,7 @@ class _Job:
                 "--split needs a directory, and --format openai-batch needs "
                 "--include-failed FILE for the failed items"
             )
+        table = options.format in TABLE_FORMATS
         if options.split:
             if target.exists() and not target.is_dir():
                 raise ConfigError(
@@ -661,7 +711,9 @@ class _Job:
             if not target.parent.exists():
                 raise ConfigError(f"{target}: directory {target.parent} does not exist")
             stems = file_stems([d.name for d in datasets])
-            self.outputs = [(target / f"{stems[d.name]}.jsonl", [d]) for d in datasets]
+            # A table format's dataset is a folder of shards (formats.writers.parquet).
+            suffix = "" if table else ".jsonl"
+            self.outputs = [(target / f"{stems[d.name]}{suffix}", [d]) for d in datasets]
             if batch and options.include_failed is None:
                 self.failures = [(target / f"{stems[d.name]}.errors.jsonl", [d]) for d in datasets]
         else:
@@ -670,20 +722,36 @@ class _Job:
                 self.failures = [(errors_path(target), datasets)]
         if options.include_failed is not None:
             self.failures = [(Path(options.include_failed), datasets)]
+        self.card = _card_path(target, options, stream)
         paths = [p for p, _ in [*self.outputs, *self.failures]]
+        paths += [self.card] if self.card is not None else []
         seen = {os.path.abspath(p) for p in paths}
         if len(seen) != len(paths):
             raise ConfigError("two export files would share a name; choose other paths")
+        if table:
+            _check_table_target(target, options)
         if options.split:
             target.mkdir(exist_ok=True)
         for path in paths:
-            _check_target(path)
+            if not (table and options.split and any(path == p for p, _ in self.outputs)):
+                _check_target(path)  # a table's dataset folder: its writer checks it
+        # Run once every file is in place: a table writer's removal of older shards.
+        self.after_commit: list[Callable[[], None]] = []
+        # Rows written per dataset id, for the card.
+        self.written: dict[int, int] = {}
+        # The files each output became, where a writer names them as it goes (a table
+        # format's folder of shards); else each output is its one file.
+        self.output_files: dict[Path, list[Path]] = {}
         # Datasets whose lines share a file with another dataset's.
         self._shared = {d.id for _, group in self.outputs if len(group) > 1 for d in group}
         self._shared_failures = {
             d.id for _, group in self.failures if len(group) > 1 for d in group
         }
         self._mixed: list[tuple[Path, int, int]] = []
+
+    def files_of(self, target: Path) -> list[Path]:
+        """The files the output ``target`` became."""
+        return self.output_files.get(target, [target])
 
     def fast(self, dataset: DatasetRef) -> bool:
         return _fast(self.options, dataset)
@@ -724,6 +792,8 @@ class _Job:
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.staged.commit()
+            for step in self.after_commit:
+                step()
         else:
             self.staged.discard()
 
@@ -732,9 +802,10 @@ class _Job:
             lines=self.counter.done(),
             excluded=sum(lines.excluded for lines in self._lines),
             failed=self._failed,
-            files=[p for p, _ in self.outputs],
+            files=[f for p, _ in self.outputs for f in self.files_of(p)],
             failed_files=[p for p, _ in self.failures],
             mixed=list(self._mixed),
+            card=self.card,
         )
 
 
@@ -786,25 +857,41 @@ def export_rows(
     """
     job = _Job(out, options or ExportOptions(), dataset_refs(rows, dataset_names), progress)
     with job:
-        for target, group in job.outputs:
-            with job.output(target) as fh:
-                for dataset in group:
-                    if job.fast(dataset):
-                        for part in done_rows(rows, dataset.id):
-                            write_lines(fh.write, dataset.name, part)
-                            job.counter.add(len(part))
-                        continue
-                    lines = job.lines(dataset)
-                    for batch in full_batches(rows, dataset, turns=lines.turns):
-                        job.counter.add(lines.write(fh.write, batch))
+        if job.options.format in TABLE_FORMATS:
+            from orchestrator.formats.writers.parquet import write_tables
+
+            write_tables(job, rows)
+        else:
+            _write_jsonl(job, rows)
         for target, group in job.failures:
             with job.staged.open(target) as fh:
                 for dataset in group:
                     job.write_failed(fh.write, dataset, failed_rows(rows, dataset.id))
+        if job.card is not None:
+            from orchestrator.formats.writers.card import write_card
+
+            write_card(job, rows)
     report = job.report()
     if warn:
         warn_mixed(report, job.options.format)
     return report
+
+
+def _write_jsonl(job: _Job, rows: Rows) -> None:
+    """The line formats: each output file's datasets, line after line."""
+    for target, group in job.outputs:
+        with job.output(target) as fh:
+            for dataset in group:
+                before = job.counter.count
+                if job.fast(dataset):
+                    for part in done_rows(rows, dataset.id):
+                        write_lines(fh.write, dataset.name, part)
+                        job.counter.add(len(part))
+                else:
+                    lines = job.lines(dataset)
+                    for batch in full_batches(rows, dataset, turns=lines.turns):
+                        job.counter.add(lines.write(fh.write, batch))
+                job.written[dataset.id] = job.counter.count - before
 
 
 def export_fast(
@@ -859,9 +946,13 @@ def line_batches(
     of one JSON object, without its newline.
     """
     chosen = options or ExportOptions()
-    if chosen.split or chosen.include_failed is not None:
+    if chosen.split or chosen.include_failed is not None or chosen.card is not None:
         raise ConfigError(
-            "the lines of an export are one stream: split and include_failed name files"
+            "the lines of an export are one stream: split, include_failed and card name files"
+        )
+    if chosen.format in TABLE_FORMATS:
+        raise ConfigError(
+            f"format {chosen.format!r} is a file format; the lines are those of 'messages'"
         )
     produce = functools.partial(_line_batches, dataset_names=dataset_names, options=chosen)
     return access.read_batches(database, produce)
