@@ -557,6 +557,14 @@ _WRITE_ERRORS = {
 }
 
 
+def make_folder(target: Path) -> None:
+    """``target`` made a folder if it is not one, or one line saying why it cannot be."""
+    try:
+        target.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise _write_error(target, exc) from None
+
+
 def _write_error(target: Path, exc: OSError) -> ConfigError:
     """One line for a file that could not be written: the path, the cause, what to do."""
     reason = _WRITE_ERRORS.get(exc.errno or 0, f"cannot write it: {exc.strerror or exc}")
@@ -731,7 +739,7 @@ class _Job:
         if table:
             _check_table_target(target, options)
         if options.split:
-            target.mkdir(exist_ok=True)
+            make_folder(target)
         for path in paths:
             if not (table and options.split and any(path == p for p, _ in self.outputs)):
                 _check_target(path)  # a table's dataset folder: its writer checks it

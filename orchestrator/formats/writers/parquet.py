@@ -272,9 +272,11 @@ class _Sink:
         self._writer: pq.ParquetWriter | None = None
         self._file: contextlib.ExitStack | None = None
         if self.folder:
+            from orchestrator.formats.export import make_folder
+
             if target.exists() and not target.is_dir():
                 raise ConfigError(f"{target}: a file; a dataset's shards go in a folder here")
-            target.mkdir(exist_ok=True)
+            make_folder(target)
 
     def add(self, table: pa.Table) -> None:
         self._pending.append(table)
