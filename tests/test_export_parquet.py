@@ -245,6 +245,21 @@ def _expected_figures(db: str, name: str, mask: int) -> dict[str, str]:
     }
 
 
+def _models_line(db: str, name: str, mask: int) -> str:
+    """The card's line of the model and parameters the exported answers were made with."""
+    found = query(
+        db,
+        "SELECT o.model, p.params, o.flags FROM outputs AS o JOIN datasets AS d"
+        " ON d.id = o.dataset_id LEFT JOIN param_sets AS p ON p.hash = o.params_hash"
+        " WHERE d.name = ?",
+        name,
+    )
+    kept = {(m, p) for m, p, flags in found if not flags & mask}
+    ((model, params),) = kept  # one model, one set of parameters in this run
+    n = sum(1 for m, p, flags in found if not flags & mask)
+    return f"- `{model}` with `{params}`: {n:,} answers"
+
+
 def test_split_shards_and_card(
     run_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -286,6 +301,7 @@ def test_split_shards_and_card(
         ]
         _oracle(from_card.to_list())
         assert tables[name] == _expected_figures(run_db, name, 1)  # truncated's bit
+        assert _models_line(run_db, name, 1) in (out / "README.md").read_text()
     assert "| plain | " in (out / "README.md").read_text()
 
 

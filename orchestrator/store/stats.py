@@ -564,10 +564,14 @@ _CARD: dict[str, str] = {
         "SELECT flags, count(*) FROM outputs WHERE dataset_id = :d AND flags != 0 GROUP BY flags"
     ),
     "times": "SELECT min(created_at), max(created_at) FROM outputs WHERE dataset_id = :d",
-    "models": (
-        "SELECT o.model, p.params, count(*) FROM outputs AS o"
-        " LEFT JOIN param_sets AS p ON p.hash = o.params_hash WHERE o.dataset_id = :d"
-        " GROUP BY o.model, p.params"
+    # The answers exported, by model and parameters, and of those the ones with
+    # reasoning: one pass over the dataset's outputs. The stored message is orjson's
+    # encoding, so a "reasoning_content" key with a non-empty string value reads exactly
+    # so (quotes inside strings are escaped).
+    "answers": (
+        "SELECT model, params_hash, count(*), count(CASE WHEN message LIKE :has ESCAPE '!'"
+        " AND message NOT LIKE :empty ESCAPE '!' THEN 1 END)"
+        " FROM outputs WHERE dataset_id = :d{mask} GROUP BY model, params_hash"
     ),
     "prompt_tokens": (
         "SELECT prompt_tokens, count(*) FROM outputs WHERE dataset_id = :d"
@@ -577,14 +581,8 @@ _CARD: dict[str, str] = {
         "SELECT completion_tokens, count(*) FROM outputs WHERE dataset_id = :d"
         " AND completion_tokens IS NOT NULL{mask} GROUP BY completion_tokens"
     ),
-    # The stored message is orjson's encoding: a "reasoning_content" key with a
-    # non-empty string value reads exactly so (quotes inside strings are escaped).
-    "reasoning": (
-        "SELECT count(*), count(CASE WHEN message LIKE :has ESCAPE '!'"
-        " AND message NOT LIKE :empty ESCAPE '!' THEN 1 END)"
-        " FROM outputs WHERE dataset_id = :d{mask}"
-    ),
 }
+_PARAMS = "SELECT hash, params FROM param_sets"
 _HAS_REASONING = '%"reasoning!_content":"%'
 _EMPTY_REASONING = '%"reasoning!_content":""%'
 
@@ -602,20 +600,24 @@ def card_figures(rows: Rows, dataset_id: int, *, exclude_flags: int = 0) -> dict
         for name, bit in ALL_FLAGS.items():
             if bits & bit:
                 flags[name] += n
-    answers, reasoned = found["reasoning"][0]
+    params_of = dict(rows.fetch(_PARAMS))
+    models: dict[tuple[Any, Any], int] = {}
+    for model, params_hash, n, _ in found["answers"]:
+        key = (model, params_of.get(params_hash))
+        models[key] = models.get(key, 0) + n
     first, last = found["times"][0]
     return {
         "counts": {**dict.fromkeys(STATES, 0), **dict(found["states"])},
         "failed_by_class": {(c or "unknown"): n for c, n in sorted(found["failed"], key=_name)},
         "flags": flags,
         "models": sorted(
-            ({"model": m, "params": p, "answers": n} for m, p, n in found["models"]),
+            ({"model": m, "params": p, "answers": n} for (m, p), n in models.items()),
             key=lambda e: (-e["answers"], e["model"] or "", e["params"] or ""),
         ),
         "prompt_tokens": _histogram_percentiles(found["prompt_tokens"]),
         "completion_tokens": _histogram_percentiles(found["completion_tokens"]),
-        "answers": int(answers or 0),
-        "with_reasoning": int(reasoned or 0),
+        "answers": sum(int(r[2]) for r in found["answers"]),
+        "with_reasoning": sum(int(r[3] or 0) for r in found["answers"]),
         "first_answer_at": first,
         "last_answer_at": last,
     }
