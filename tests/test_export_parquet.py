@@ -389,6 +389,34 @@ def test_reexport_replaces_every_shard(tmp_path: Path) -> None:
         assert names == [f"train-{i:05d}-of-{shards:05d}.parquet" for i in range(shards)]
     header, _ = _card(out / "README.md")
     assert header["configs"][0]["data_files"][0]["path"] == [f"d/{n}" for n in names]
+    # The same rows give the same files, card included.
+    before = _tree(out)
+    again = cli(
+        "export", str(out), "--db", str(db), "--format", "parquet", "--split", "--shard-rows", "15"
+    )
+    assert again.returncode == 0, again.stderr
+    assert _tree(out) == before
+
+
+def test_card_beside_a_jsonl_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--card FILE`` with any format: its one config names the file, and it loads."""
+    import datasets
+
+    _hf_offline(monkeypatch, tmp_path)
+    db = _done_db(tmp_path, 12)
+    folder = tmp_path / "pub"
+    folder.mkdir()
+    result = cli(
+        "export", str(folder / "all.jsonl"), "--db", str(db), "--card", str(folder / "README.md")
+    )
+    assert result.returncode == 0, result.stderr
+    header, tables = _card(folder / "README.md")
+    assert header["configs"] == [
+        {"config_name": "default", "data_files": [{"split": "train", "path": ["all.jsonl"]}]}
+    ]
+    loaded = datasets.load_dataset(str(folder), split="train")
+    assert loaded["id"] == [f"k{i:05d}" for i in range(12)]
+    assert tables["d"] == _expected_figures(str(db), "d", 0)
 
 
 # Stops the export after its first row group is in a temporary file: killed there, the

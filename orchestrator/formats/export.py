@@ -17,7 +17,9 @@ change.
 Three line formats (README, "Export formats"): ``messages`` (the default), ``sharegpt``
 (``from``/``value`` turns, as SpecForge and other EAGLE-3 trainers read them) and
 ``openai-batch`` (the OpenAI Batch API / ``vllm run-batch`` output line, failed items in
-an error file beside it).
+an error file beside it). The table formats (``parquet``) encode the ``messages`` rows
+in ``formats.writers``, and so does the dataset card (``writers.card``); every row of
+every format is made by ``_Lines.record`` (or, for the plain lines, ``write_lines``).
 """
 
 from __future__ import annotations
@@ -159,21 +161,38 @@ def write_lines(write: Callable[[bytes], object], dataset: str, rows: Iterable[D
     object made the C heap grow and shrink by a megabyte per batch, and the page faults
     of that cost more system time than the whole export spends reading.
     """
-    loads, dumps, fragment = orjson.loads, orjson.dumps, orjson.Fragment
+    loads, dumps, record = orjson.loads, orjson.dumps, plain_record
     for key, request_json, message_json, finish_reason, usage_json in rows:
-        request = loads(request_json)
-        line: dict[str, Any] = {
-            "id": key,
-            "dataset": dataset,
-            "messages": [*request.get("messages", []), fragment(message_json)],
-            "finish_reason": finish_reason,
-            "usage": fragment(usage_json) if usage_json else None,
-        }
-        for name in _CARRIED:
-            if name in request:
-                line[name] = request[name]
-        write(dumps(line))
+        write(
+            dumps(
+                record(key, dataset, loads(request_json), message_json, finish_reason, usage_json)
+            )
+        )
         write(b"\n")
+
+
+def plain_record(
+    key: str,
+    dataset: str,
+    request: dict[str, Any],
+    message_json: str,
+    finish_reason: str | None,
+    usage_json: str | None,
+) -> dict[str, Any]:
+    """The default line of a done item before encoding (``messages_line``'s shape), the
+    stored answer and usage as they are (``orjson.Fragment``): what :func:`write_lines`
+    writes and the Parquet export's plain rows are made of."""
+    line: dict[str, Any] = {
+        "id": key,
+        "dataset": dataset,
+        "messages": [*request.get("messages", []), orjson.Fragment(message_json)],
+        "finish_reason": finish_reason,
+        "usage": orjson.Fragment(usage_json) if usage_json else None,
+    }
+    for name in _CARRIED:
+        if name in request:
+            line[name] = request[name]
+    return line
 
 
 # ---------------------------------------------------------------------- line shapes
@@ -504,6 +523,14 @@ def _fast(options: ExportOptions, dataset: DatasetRef) -> bool:
     return options.plain and dataset.regenerate == "last" and not dataset.passthrough
 
 
+def plain_rows(options: ExportOptions, dataset: DatasetRef) -> bool:
+    """Whether the dataset's rows are :func:`plain_record`'s, in any format that writes
+    the messages shape (JSONL, Parquet): nothing in them changes the stored answer."""
+    plain = options.reasoning == "separate" and not options.exclude_flags
+    plain = plain and not options.provenance
+    return plain and dataset.regenerate == "last" and not dataset.passthrough
+
+
 def _check_target(target: Path) -> None:
     if target == STDOUT or atomicfile.is_stream(target):
         return
@@ -756,6 +783,10 @@ class _Job:
             d.id for _, group in self.failures if len(group) > 1 for d in group
         }
         self._mixed: list[tuple[Path, int, int]] = []
+
+    def excluded_by_dataset(self) -> dict[int, int]:
+        """Done items left out for their flags so far, by dataset id."""
+        return {lines.dataset.id: lines.excluded for lines in self._lines}
 
     def files_of(self, target: Path) -> list[Path]:
         """The files the output ``target`` became."""

@@ -37,6 +37,7 @@ _SIZES = [
     (1_000_000, "100K<n<1M"),
     (10_000_000, "1M<n<10M"),
     (100_000_000, "10M<n<100M"),
+    (1_000_000_000, "100M<n<1B"),
 ]
 
 
@@ -48,7 +49,7 @@ def write_card(job: _Job, rows: Rows) -> None:
     figures = {
         d.id: card_figures(rows, d.id, exclude_flags=job.options.exclude_flags) for d in datasets
     }
-    excluded = {lines.dataset.id: lines.excluded for lines in job._lines}
+    excluded = job.excluded_by_dataset()
     text = render(job, card, datasets, figures, excluded)
     with job.staged.open(card) as fh:
         fh.write(text.encode())
@@ -86,7 +87,7 @@ def _yaml(job: _Job, card: Path, written: int) -> str:
             lines.append(f"  - split: {_q(entry['split'])}")
             lines.append("    path:")
             lines += [f"    - {_q(p)}" for p in entry["path"]]
-    size = next((label for bound, label in _SIZES if written < bound), "n>1T")
+    size = next((label for bound, label in _SIZES if written < bound), "1B<n<10B")
     lines += ["tags:", "- synthetic", "size_categories:", f"- {_q(size)}"]
     return "\n".join(lines)
 

@@ -35,12 +35,13 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from orchestrator.errors import ConfigError, StorageError
+from orchestrator.formats.export import make_folder, plain_record, plain_rows
 from orchestrator.quality import flag_names
-from orchestrator.store.outputs import full_batches
+from orchestrator.store.outputs import flagged_rows, full_batches
 
 if TYPE_CHECKING:
     from orchestrator.formats.export import _Job, _Lines
-    from orchestrator.store.outputs import DatasetRef, FullRow
+    from orchestrator.store.outputs import DatasetRef
     from orchestrator.store.reader import Rows
 
 SHARD_ROWS = 100_000
@@ -112,13 +113,24 @@ def write_tables(job: _Job, rows: Rows) -> None:
 def _tables(
     lines: _Lines, rows: Rows, dataset: DatasetRef, table_schema: pa.Schema
 ) -> Iterator[pa.Table]:
-    """A dataset's rows as Arrow tables, one per batch read from the store."""
+    """A dataset's rows as Arrow tables, one per batch read from the store: the plain
+    rows from the narrow read where nothing in them changes (as the JSONL export does),
+    else each row through ``_Lines.record``."""
     encoder = _Encoder(dataset, table_schema)
+    if plain_rows(lines.options, dataset):
+        loads, add, record = orjson.loads, encoder.add, plain_record
+        name = dataset.name
+        for part in flagged_rows(rows, dataset.id):
+            for key, request, message, finish_reason, usage, flags in part:
+                add(record(key, name, loads(request), message, finish_reason, usage), key, flags)
+            if encoder.lines:
+                yield encoder.table()
+        return
     for part, turns in full_batches(rows, dataset, turns=lines.turns):
         for row in part:
-            record = lines.record(row, turns)
-            if record is not None:
-                encoder.add(record, row)
+            full = lines.record(row, turns)
+            if full is not None:
+                encoder.add(full, row[1], row[6], row[13])
         if encoder.lines:
             yield encoder.table()
 
@@ -136,8 +148,9 @@ class _Encoder:
             explicit_schema=table_schema, unexpected_field_behavior="ignore"
         )
 
-    def add(self, record: dict[str, Any], row: FullRow) -> None:
-        key, flags = row[1], row[6]
+    def add(self, record: dict[str, Any], key: str, flags: int, params: str | None = None) -> None:
+        """``record`` as a line of the table's JSON; ``params``: the stored JSON text of
+        the provenance ``params``."""
         if "messages" not in record:
             raise ConfigError(
                 f"dataset {self.dataset.name!r}, item {key!r}: a pre-tokenised row, which a "
@@ -148,7 +161,7 @@ class _Encoder:
         if tools is not None:
             record["tools"] = orjson.dumps(tools).decode()
         if "params" in record:
-            record["params"] = row[13]  # the stored JSON text, as it is
+            record["params"] = params  # the stored JSON text, as it is
         if "flags" not in record:
             names = self._flags.get(flags)
             if names is None:
@@ -272,8 +285,6 @@ class _Sink:
         self._writer: pq.ParquetWriter | None = None
         self._file: contextlib.ExitStack | None = None
         if self.folder:
-            from orchestrator.formats.export import make_folder
-
             if target.exists() and not target.is_dir():
                 raise ConfigError(f"{target}: a file; a dataset's shards go in a folder here")
             make_folder(target)
