@@ -11,6 +11,7 @@ database's rows.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -27,8 +28,11 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.sim import answer_matches
+from tests import test_export_formats as formats
 from tests.helpers import REPO, SimProcess, cli, query, write_jsonl
 
 PROMPTS = 23
@@ -514,3 +518,96 @@ def test_token_rows_are_refused_by_name(tmp_path: Path) -> None:
     line = _refused(cli("export", str(out), "--db", str(db), "--format", "parquet"), "'tok1'")
     assert "pre-tokenised" in line and "--format messages" in line
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------- every kind of row
+
+
+@pytest.fixture(scope="module")
+def kinds_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """test_export_formats' database: every kind of row export meets."""
+    tmp = tmp_path_factory.mktemp("kinds")
+    db = tmp / "kinds.db"
+    formats._enqueue(tmp, db, "chat", formats.CHAT_LINES)
+    formats._enqueue(tmp, db, "web/qa", [{"id": "w0", "prompt": "What is a URL?"}])
+    asyncio.run(formats._answer(db))
+    formats._insert_new_kinds(db)
+    return db
+
+
+def test_every_kind_of_row_as_in_jsonl(kinds_db: Path, tmp_path: Path) -> None:
+    """Multi-turn, agentic, truncated and empty answers (test_export_formats' database):
+    each Parquet row is its JSONL line typed, under every reasoning mode, with provenance;
+    pre-tokenised rows are refused by name."""
+    db = kinds_db
+    chosen = ["--dataset", "chat", "--dataset", "multi", "--dataset", "web/qa"]
+    for reasoning in ("separate", "inline", "drop"):
+        options = [*chosen, "--reasoning", reasoning]
+        lines = _jsonl(str(db), tmp_path / f"{reasoning}.jsonl", *options, "--provenance")
+        for provenance in ([], ["--provenance"]):
+            out = tmp_path / f"{reasoning}{len(provenance)}.parquet"
+            result = cli(
+                "export", str(out), "--db", str(db), "--format", "parquet", *options, *provenance
+            )
+            assert result.returncode == 0, result.stderr
+            rows = pq.read_table(out).to_pylist()
+            expected = [_as_table_row(line) for line in lines]
+            for row, want in zip(rows, expected, strict=True):
+                if provenance:
+                    assert json.loads(row.pop("params") or "null") == want.pop("params")
+                assert row == {k: v for k, v in want.items() if k in row}
+            assert {r["dataset"] for r in rows} == {"chat", "multi", "web/qa"}
+    line = _refused(
+        cli("export", str(tmp_path / "p.parquet"), "--db", str(db), "--format", "parquet")
+    )
+    assert "'pass'" in line and "pre-tokenised" in line
+
+
+# What stored JSON can hold: orjson wrote it, and its integers are 64-bit (signed or not).
+_SCALARS = st.one_of(
+    st.none(),
+    st.text(max_size=5),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+)
+_VALUES = st.one_of(
+    _SCALARS,
+    st.lists(_SCALARS, max_size=2),
+    st.dictionaries(st.text(max_size=3), _SCALARS, max_size=2),
+)
+
+
+@given(
+    content=_VALUES,
+    arguments=_VALUES,
+    role=_VALUES,
+    count=_VALUES,
+)
+@settings(max_examples=60, deadline=None)
+def test_values_of_other_types_are_conformed(
+    content: Any, arguments: Any, role: Any, count: Any
+) -> None:
+    """Whatever the stored JSON holds, a row is written: text as it is, other values as
+    their JSON text, counts that are not whole numbers as null."""
+    from orchestrator.formats.writers.parquet import _Encoder, schema
+    from orchestrator.store.outputs import DatasetRef
+
+    encoder = _Encoder(DatasetRef(1, "d", "last", False), schema(False))
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    message = {"role": role, "content": content, "tool_calls": [call]}
+    record = {"id": "k", "dataset": "d", "messages": [message], "usage": {"prompt_tokens": count}}
+    encoder.add(record, "k", 0)
+    (row,) = encoder.table().to_pylist()
+
+    def text(value: Any) -> Any:
+        return value if value is None or isinstance(value, str) else orjson.dumps(value).decode()
+
+    (got,) = row["messages"]
+    assert got["content"] == text(content) and got["role"] == text(role)
+    assert got["tool_calls"][0]["function"]["arguments"] == text(arguments)
+    whole = isinstance(count, int) or (isinstance(count, float) and count.is_integer())
+    expected = int(count) if whole and not isinstance(count, bool) else None
+    if expected is not None and not -(2**63) <= expected < 2**63:
+        expected = None
+    assert row["usage"]["prompt_tokens"] == expected
+    assert row["flags"] == []

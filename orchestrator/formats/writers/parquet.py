@@ -53,6 +53,7 @@ SPLIT = "train"
 SHARD_NAME = re.compile(rf"{SPLIT}-\d{{5}}-of-\d{{5}}\.parquet")
 
 _TEXT = pa.string()
+_INT64 = (-(2**63), 2**63 - 1)
 TOOL_CALL = pa.struct(
     [
         ("id", _TEXT),
@@ -209,12 +210,13 @@ def _text(value: Any) -> str | None:
 
 
 def _count(value: Any) -> int | None:
+    """A token count as its int64 column holds it; None for anything else."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int):
-        return value
     if isinstance(value, float) and value.is_integer():
-        return int(value)
+        value = int(value)
+    if isinstance(value, int) and _INT64[0] <= value <= _INT64[1]:
+        return value
     return None
 
 
