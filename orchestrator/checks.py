@@ -314,4 +314,5 @@ EXPORT: dict[str, Rule] = {
     "include_failed": OrNone(PATH),
     "shard_rows": OrNone(Integer(minimum=1)),
     "card": OrNone(PATH),
+    "per_turn": FLAG,
 }

@@ -112,7 +112,9 @@ def _as_table_row(line: dict[str, Any]) -> dict[str, Any]:
         "finish_reason": line["finish_reason"],
         "usage": {
             k: line["usage"].get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")
-        },
+        }
+        if line["usage"] is not None
+        else None,
         "flags": line["flags"],
     }
     for key in ("model", "params_hash", "server", "created_at", "started_at"):
@@ -611,3 +613,19 @@ def test_values_of_other_types_are_conformed(
         expected = None
     assert row["usage"]["prompt_tokens"] == expected
     assert row["flags"] == []
+
+
+def test_per_turn_rows_as_in_jsonl(kinds_db: Path, tmp_path: Path) -> None:
+    """``--per-turn`` with Parquet: the rows of the JSONL per-turn export, with their
+    ``source_id``, ``source_row_index`` and ``assistant_turn_index`` columns."""
+    options = ["--dataset", "multi", "--dataset", "chat", "--per-turn"]
+    lines = _jsonl(str(kinds_db), tmp_path / "turns.jsonl", *options, "--provenance")
+    out = tmp_path / "turns.parquet"
+    result = cli("export", str(out), "--db", str(kinds_db), "--format", "parquet", *options)
+    assert result.returncode == 0, result.stderr
+    rows = pq.read_table(out).to_pylist()
+    assert len(rows) == len(lines) > len({line["source_id"] for line in lines})
+    for row, line in zip(rows, lines, strict=True):
+        want = _as_table_row(line)
+        want |= {k: line[k] for k in ("source_id", "source_row_index", "assistant_turn_index")}
+        assert row == {k: v for k, v in want.items() if k in row}

@@ -35,9 +35,10 @@ if TYPE_CHECKING:
     type=click.Choice(EXPORT_FORMATS),
     default="messages",
     show_default=True,
-    help="Line format: OpenAI messages, ShareGPT (SpecForge / EAGLE-3 trainers) or the "
-    "OpenAI Batch API output (failed items in OUT.errors.jsonl); or parquet: the messages "
-    "rows as a Parquet table.",
+    help="Line format: OpenAI messages, ShareGPT (EAGLE-3 trainers), the OpenAI Batch API "
+    "output (failed items in OUT.errors.jsonl) or SpecForge's regenerated data (rows its "
+    "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl); or parquet: "
+    "the messages rows as a Parquet table.",
 )
 @click.option(
     "--reasoning",
@@ -86,6 +87,12 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Add model, params, params_hash, server, created_at, started_at and flags.",
 )
+@click.option(
+    "--per-turn",
+    is_flag=True,
+    help="One line per generated assistant turn (id <id>#turn<k>), the conversation up to "
+    "it, earlier turns without their reasoning: SpecForge's per-turn rows.",
+)
 @db_option
 def export(
     out: Path,
@@ -98,6 +105,7 @@ def export(
     exclude_flags: tuple[str, ...],
     include_failed: Path | None,
     provenance: bool,
+    per_turn: bool,
     db: str | None,
 ) -> None:
     """Write done items to OUT as JSONL, by dataset then input order.
@@ -107,7 +115,7 @@ def export(
     a temporary name and renamed once all are complete: never half a file.
     """
     files = {"split": split, "include_failed": include_failed, "shard_rows": shard_rows}
-    files["card"] = card
+    files |= {"card": card, "per_turn": per_turn}
     chosen = run_sync(lambda: _options(fmt, reasoning, exclude_flags, provenance, **files))
     with progress_shown(f"writing {out}:") as progress:
         report = _export_any(db, out, datasets, chosen, progress)
@@ -163,7 +171,14 @@ def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> Non
     piped = is_stdout(out)
     where = f"{len(report.files):,} files in {out}" if chosen.split else str(out)
     where = "standard output" if piped else where
-    click.echo(f"exported {report.lines:,} items to {where}", err=piped)
+    if chosen.per_turn:
+        click.echo(
+            f"exported {report.lines:,} turns of {report.items:,} items to {where}", err=piped
+        )
+    else:
+        click.echo(f"exported {report.lines:,} items to {where}", err=piped)
+    if report.summary:
+        click.echo(report.summary, err=True)
     if chosen.exclude_flags:
         names = ", ".join(flag_names(chosen.exclude_flags))
         click.echo(f"left out {report.excluded:,} answers flagged {names}", err=piped)

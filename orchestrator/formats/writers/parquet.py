@@ -1,6 +1,6 @@
 """``export --format parquet``: the messages rows as Parquet, streamed a row group at a time.
 
-A row is the line the JSONL export writes for the same item (``_Lines.record``, the one
+A row is the line the JSONL export writes for the same item (``_Lines.line``, the one
 place rows are made), read into Arrow by pyarrow's JSON reader against a fixed schema:
 nothing here decides what a row says, only how it is typed. Three columns are retyped
 on the way: ``tools`` (JSON schemas of any shape) and the provenance ``params`` become
@@ -92,15 +92,25 @@ PROVENANCE = [
 ]
 
 
-def schema(provenance: bool) -> pa.Schema:
-    """The export's columns, the provenance ones last when asked for."""
-    return pa.schema(COLUMNS + (PROVENANCE if provenance else []))
+# With per_turn, after id: what writers.turns adds to each row.
+PER_TURN = [
+    ("source_id", _TEXT),
+    ("source_row_index", pa.int64()),
+    ("assistant_turn_index", pa.int64()),
+]
+
+
+def schema(provenance: bool, per_turn: bool = False) -> pa.Schema:
+    """The export's columns: the per-turn ones after ``id``, the provenance ones last."""
+    columns = COLUMNS[:1] + (PER_TURN if per_turn else []) + COLUMNS[1:]
+    return pa.schema(columns + (PROVENANCE if provenance else []))
 
 
 def write_tables(job: _Job, rows: Rows) -> None:
     """Every output of ``job`` as Parquet: one file, or (``split``) a folder per dataset."""
-    table_schema = schema(job.options.provenance)
+    table_schema = schema(job.options.provenance, job.options.per_turn)
     for target, group in job.outputs:
+        job.restart_index()
         with _Sink(job, target, table_schema) as sink:
             for dataset in group:
                 before = sink.rows
@@ -116,7 +126,7 @@ def _tables(
 ) -> Iterator[pa.Table]:
     """A dataset's rows as Arrow tables, one per batch read from the store: the plain
     rows from the narrow read where nothing in them changes (as the JSONL export does),
-    else each row through ``_Lines.record``."""
+    else each row through ``_Lines.rows``."""
     encoder = _Encoder(dataset, table_schema)
     if plain_rows(lines.options, dataset):
         loads, add, record = orjson.loads, encoder.add, plain_record
@@ -129,8 +139,7 @@ def _tables(
         return
     for part, turns in full_batches(rows, dataset, turns=lines.turns):
         for row in part:
-            full = lines.record(row, turns)
-            if full is not None:
+            for full in lines.rows(row, turns):  # one, none, or one per turn (per_turn)
                 encoder.add(full, row[1], row[6], row[13])
         if encoder.lines:
             yield encoder.table()
