@@ -44,6 +44,8 @@ class EnqueueOptions:
     format: str = "auto"
     regenerate: str | None = None
     on_truncated: str | None = None
+    on_invalid: str | None = None
+    on_overflow: str | None = None
     passthrough: bool = False
     update: bool = False
     sampling: tuple[str, ...] = ()
@@ -158,6 +160,8 @@ async def enqueue_source(
         priority=options.priority,
         regenerate=mode,
         on_truncated=options.on_truncated,
+        on_invalid=options.on_invalid,
+        on_overflow=options.on_overflow,
         passthrough=passing,
     )
     reading = read(
@@ -275,5 +279,7 @@ def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
         priority=plan.priority,
         regenerate=plan.regenerate,
         on_truncated=plan.on_truncated,
+        on_invalid=plan.on_invalid,
+        on_overflow=plan.on_overflow,
         passthrough=plan.passthrough,
     )

@@ -74,7 +74,8 @@ if TYPE_CHECKING:
     multiple=True,
     metavar="FLAG[,FLAG]",
     help="Leave out answers with this quality flag: truncated, empty, unclosed_think, "
-    "reasoning_only, tool_mismatch. Repeat or comma-separate.",
+    "reasoning_only, tool_mismatch, nul, invalid_json, schema_mismatch, max_tokens_reduced. "
+    "Repeat or comma-separate.",
 )
 @click.option(
     "--include-failed",
@@ -93,6 +94,12 @@ if TYPE_CHECKING:
     help="One line per generated assistant turn (id <id>#turn<k>), the conversation up to "
     "it, earlier turns without their reasoning: SpecForge's per-turn rows.",
 )
+@click.option(
+    "--parsed",
+    is_flag=True,
+    help="Add parsed: the answer's JSON value, for datasets asking for structured output "
+    "(response_format, --json-schema); null where the answer is not the JSON asked for.",
+)
 @db_option
 def export(
     out: Path,
@@ -106,6 +113,7 @@ def export(
     include_failed: Path | None,
     provenance: bool,
     per_turn: bool,
+    parsed: bool,
     db: str | None,
 ) -> None:
     """Write done items to OUT as JSONL, by dataset then input order.
@@ -115,7 +123,7 @@ def export(
     a temporary name and renamed once all are complete: never half a file.
     """
     files = {"split": split, "include_failed": include_failed, "shard_rows": shard_rows}
-    files |= {"card": card, "per_turn": per_turn}
+    files |= {"card": card, "per_turn": per_turn, "parsed": parsed}
     chosen = run_sync(lambda: _options(fmt, reasoning, exclude_flags, provenance, **files))
     with progress_shown(f"writing {out}:") as progress:
         report = _export_any(db, out, datasets, chosen, progress)

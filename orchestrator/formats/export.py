@@ -43,7 +43,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
-from orchestrator import atomicfile
+from orchestrator import atomicfile, structured
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
 from orchestrator.formats.choices import (  # noqa: F401
@@ -53,6 +53,7 @@ from orchestrator.formats.choices import (  # noqa: F401
 )
 from orchestrator.formats.writers import specforge
 from orchestrator.formats.writers import turns as per_turn
+from orchestrator.params import item_body
 from orchestrator.quality import TOOL_MISMATCH, flag_names
 from orchestrator.store import access
 from orchestrator.store.outputs import (
@@ -106,6 +107,9 @@ class ExportOptions:
     # Done items whose quality flags (orchestrator.quality) share a bit with this are left out.
     exclude_flags: int = 0
     provenance: bool = False
+    # Structured output: each line gets ``parsed``, its answer's JSON value (None when
+    # the answer is not the JSON its request asked for).
+    parsed: bool = False
     # OUT is a directory with one file per dataset.
     split: bool = False
     # Where failed items go (for openai-batch, instead of OUT.errors.jsonl).
@@ -141,6 +145,7 @@ class ExportOptions:
             and self.reasoning == "separate"
             and not self.exclude_flags
             and not self.provenance
+            and not self.parsed
             and not self.per_turn
         )
 
@@ -447,6 +452,8 @@ class _Lines:
                         line[name] = request[name]
             if self.options.provenance:
                 line.update(self._provenance(row))
+        if self.options.parsed:
+            line["parsed"] = None if passthrough else _parsed(request, message_json, row[13])
         return line
 
     def _id(self, key: str) -> str:
@@ -563,6 +570,19 @@ class _Lines:
         }
 
 
+def _parsed(request: dict[str, Any], message_json: str, params_json: str | None) -> Any:
+    """The answer's JSON value, recomputed from the stored content and the request it was
+    made with (its parameter set, the item's own fields over them): None when the
+    request did not ask for JSON or the answer is not the JSON it asked for."""
+    body = item_body(orjson.loads(params_json) if params_json else {}, request)
+    fmt = structured.expected_format(body)
+    if fmt is None:
+        return None
+    content = orjson.loads(message_json).get("content")
+    checked = structured.check(content if isinstance(content, str) else None, fmt)
+    return checked.parsed if not checked.flags else None
+
+
 # ---------------------------------------------------------------------- files
 
 
@@ -612,7 +632,7 @@ def plain_rows(options: ExportOptions, dataset: DatasetRef) -> bool:
     """Whether the dataset's rows are :func:`plain_record`'s, in any format that writes
     the messages shape (JSONL, Parquet): nothing in them changes the stored answer."""
     plain = options.reasoning == "separate" and not options.exclude_flags
-    plain = plain and not options.provenance and not options.per_turn
+    plain = plain and not options.provenance and not options.per_turn and not options.parsed
     return plain and dataset.regenerate == "last" and not dataset.passthrough
 
 

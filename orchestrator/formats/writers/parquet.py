@@ -100,15 +100,18 @@ PER_TURN = [
 ]
 
 
-def schema(provenance: bool, per_turn: bool = False) -> pa.Schema:
-    """The export's columns: the per-turn ones after ``id``, the provenance ones last."""
+def schema(provenance: bool, per_turn: bool = False, parsed: bool = False) -> pa.Schema:
+    """The export's columns: the per-turn ones after ``id``, the provenance ones, then
+    ``parsed`` (the structured answer's JSON text)."""
     columns = COLUMNS[:1] + (PER_TURN if per_turn else []) + COLUMNS[1:]
-    return pa.schema(columns + (PROVENANCE if provenance else []))
+    columns += PROVENANCE if provenance else []
+    return pa.schema(columns + ([("parsed", _TEXT)] if parsed else []))
 
 
 def write_tables(job: _Job, rows: Rows) -> None:
     """Every output of ``job`` as Parquet: one file, or (``split``) a folder per dataset."""
-    table_schema = schema(job.options.provenance, job.options.per_turn)
+    options = job.options
+    table_schema = schema(options.provenance, options.per_turn, options.parsed)
     for target, group in job.outputs:
         job.restart_index()
         with _Sink(job, target, table_schema) as sink:
@@ -172,6 +175,8 @@ class _Encoder:
             record["tools"] = orjson.dumps(tools).decode()
         if "params" in record:
             record["params"] = params  # the stored JSON text, as it is
+        if record.get("parsed") is not None:
+            record["parsed"] = orjson.dumps(record["parsed"]).decode()
         if "flags" not in record:
             names = self._flags.get(flags)
             if names is None:
