@@ -448,6 +448,8 @@ class Queue:
         provenance: bool = False,
         per_turn: bool = False,
         parsed: bool = False,
+        shard_rows: int | None = None,
+        card: str | os.PathLike[str] | None = None,
     ) -> ExportReport:
         """Write done items to ``out`` as ``orchestrator export`` does (all files, or none).
         ``report.summary`` names the rows ``format="specforge"`` skipped, by reason;
@@ -458,8 +460,44 @@ class Queue:
         names = _names("datasets", datasets, _DATASETS)
         more = {"split": split, "include_failed": include_failed, "per_turn": per_turn}
         more["parsed"] = parsed
+        more |= {"shard_rows": shard_rows, "card": card}
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
+
+    async def to_dataset(
+        self,
+        *,
+        datasets: str | Sequence[str] = (),
+        reasoning: str = "separate",
+        exclude_flags: str | Sequence[str] = (),
+        provenance: bool = False,
+    ) -> Any:
+        """Done items as a ``datasets.Dataset`` (the ``hf`` extra): the rows and columns of
+        ``export(format="parquet")``, in its order, without a file to manage.
+
+        The rows go through a Parquet file in a temporary folder, which ``datasets``
+        turns into Arrow files in its cache (``HF_DATASETS_CACHE``) and maps: memory
+        stays bounded by a row group at any size, as the export's does.
+        """
+        import tempfile
+
+        try:
+            import datasets as hf
+        except ImportError:
+            from orchestrator.formats.huggingface import INSTALL
+
+            raise ConfigError(f"to_dataset needs the datasets library: {INSTALL}") from None
+        with tempfile.TemporaryDirectory(prefix="orchestrator-dataset-") as folder:
+            out = Path(folder) / "rows.parquet"
+            await self.export(
+                out,
+                datasets=datasets,
+                format="parquet",
+                reasoning=reasoning,
+                exclude_flags=exclude_flags,
+                provenance=provenance,
+            )
+            return await asyncio.to_thread(hf.Dataset.from_parquet, str(out))
 
     async def requeue(
         self,
@@ -829,6 +867,10 @@ class SyncQueue:
     def export(self, out: str | os.PathLike[str], **options: Any) -> ExportReport:
         """``Queue.export``."""
         return self._call(self._queue.export, out, **options)
+
+    def to_dataset(self, **options: Any) -> Any:
+        """``Queue.to_dataset``."""
+        return self._call(self._queue.to_dataset, **options)
 
     def requeue(self, **options: Any) -> int | dict[tuple[str, str], int]:
         """``Queue.requeue``."""

@@ -332,5 +332,7 @@ EXPORT: dict[str, Rule] = {
     "parsed": FLAG,
     "split": FLAG,
     "include_failed": OrNone(PATH),
+    "shard_rows": OrNone(Integer(minimum=1)),
+    "card": OrNone(PATH),
     "per_turn": FLAG,
 }

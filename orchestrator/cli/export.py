@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     show_default=True,
     help="Line format: OpenAI messages, ShareGPT (EAGLE-3 trainers), the OpenAI Batch API "
     "output (failed items in OUT.errors.jsonl) or SpecForge's regenerated data (rows its "
-    "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl).",
+    "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl); or parquet: "
+    "the messages rows as a Parquet table.",
 )
 @click.option(
     "--reasoning",
@@ -48,7 +49,24 @@ if TYPE_CHECKING:
     "<think>...</think>, or dropped.",
 )
 @click.option(
-    "--split", is_flag=True, help="OUT is a directory: one OUT/<dataset>.jsonl per dataset."
+    "--split",
+    is_flag=True,
+    help="OUT is a directory: one OUT/<dataset>.jsonl per dataset; with --format parquet "
+    "one folder of shards per dataset, OUT/<dataset>/train-00000-of-00001.parquet, and the "
+    "dataset card OUT/README.md.",
+)
+@click.option(
+    "--shard-rows",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="With --format parquet --split: at most N rows per shard  [default: 100,000].",
+)
+@click.option(
+    "--card",
+    type=click.Path(path_type=Path, dir_okay=False),
+    metavar="FILE",
+    help="Also write the dataset card (the Hugging Face Hub's README.md: configs naming "
+    "the files, then each dataset's counts, model, tokens, flags and failures) to FILE.",
 )
 @click.option(
     "--exclude-flag",
@@ -89,6 +107,8 @@ def export(
     fmt: str,
     reasoning: str,
     split: bool,
+    shard_rows: int | None,
+    card: Path | None,
     exclude_flags: tuple[str, ...],
     include_failed: Path | None,
     provenance: bool,
@@ -102,11 +122,9 @@ def export(
     "finish_reason", "usage"}; the README shows every format. Each file is written under
     a temporary name and renamed once all are complete: never half a file.
     """
-    chosen = run_sync(
-        lambda: _options(
-            fmt, reasoning, exclude_flags, provenance, split, include_failed, per_turn, parsed
-        )
-    )
+    files = {"split": split, "include_failed": include_failed, "shard_rows": shard_rows}
+    files |= {"card": card, "per_turn": per_turn, "parsed": parsed}
+    chosen = run_sync(lambda: _options(fmt, reasoning, exclude_flags, provenance, **files))
     with progress_shown(f"writing {out}:") as progress:
         report = _export_any(db, out, datasets, chosen, progress)
     _say_exported(report, out, chosen)
@@ -115,14 +133,7 @@ def export(
 
 
 def _options(
-    fmt: str,
-    reasoning: str,
-    exclude_flags: tuple[str, ...],
-    provenance: bool,
-    split: bool,
-    include_failed: Path | None,
-    per_turn: bool,
-    parsed: bool = False,
+    fmt: str, reasoning: str, exclude_flags: tuple[str, ...], provenance: bool, **files: Any
 ) -> ExportOptions:
     from orchestrator.formats.export import ExportOptions
     from orchestrator.quality import parse_flags
@@ -135,10 +146,7 @@ def _options(
         reasoning=reasoning,
         exclude_flags=mask,
         provenance=provenance,
-        split=split,
-        include_failed=include_failed,
-        per_turn=per_turn,
-        parsed=parsed,
+        **files,
     )
 
 
@@ -182,6 +190,8 @@ def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> Non
     if chosen.exclude_flags:
         names = ", ".join(flag_names(chosen.exclude_flags))
         click.echo(f"left out {report.excluded:,} answers flagged {names}", err=piped)
+    if report.card is not None:
+        click.echo(f"wrote the dataset card {report.card}", err=piped)
     if report.failed_files:
         files = report.failed_files
         into = str(files[0]) if len(files) == 1 else f"{len(files):,} files in {out}"

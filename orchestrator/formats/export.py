@@ -20,6 +20,9 @@ Four line formats (README, "Export formats"): ``messages`` (the default), ``shar
 an error file beside it) and ``specforge`` (SpecForge's regenerated data, rows its
 validator refuses and failed items in files beside it: ``writers.specforge``). Any
 conversation format can be written a row per generated turn (``writers.turns``).
+The table formats (``parquet``) encode the ``messages`` rows in ``formats.writers``,
+and so does the dataset card (``writers.card``); every row of every format is made
+by ``_Lines.line`` (or, for the plain lines, ``plain_record``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,11 @@ import orjson
 from orchestrator import atomicfile, structured
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
-from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES  # noqa: F401
+from orchestrator.formats.choices import (  # noqa: F401
+    EXPORT_FORMATS,
+    REASONING_MODES,
+    TABLE_FORMATS,
+)
 from orchestrator.formats.writers import specforge
 from orchestrator.formats.writers import turns as per_turn
 from orchestrator.params import item_body
@@ -109,6 +116,11 @@ class ExportOptions:
     include_failed: str | os.PathLike[str] | None = None
     # One line per generated assistant turn (writers.turns).
     per_turn: bool = False
+    # A table format's --split: at most this many rows per shard (None: SHARD_ROWS).
+    shard_rows: int | None = None
+    # The dataset card (README.md in the Hub's format); a table format's --split writes
+    # OUT/README.md without being asked.
+    card: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         from orchestrator.checks import EXPORT, check_all
@@ -122,7 +134,7 @@ class ExportOptions:
         if self.per_turn and not per_turn.expandable(self.format):
             raise ConfigError(
                 f"--per-turn splits conversations; --format {self.format} has none: use "
-                "messages, sharegpt or specforge"
+                "messages, sharegpt, specforge or parquet"
             )
 
     @property
@@ -147,6 +159,7 @@ class ExportReport:
     failed_files: list[Path] = field(default_factory=list)
     # (file, pre-tokenised rows, other lines) for each file that mixes the two kinds.
     mixed: list[tuple[Path, int, int]] = field(default_factory=list)
+    card: Path | None = None  # the dataset card written beside the files, if any
     # specforge: rows its validator refuses, by reason (writers.specforge.REASONS).
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_files: list[Path] = field(default_factory=list)
@@ -180,21 +193,38 @@ def write_lines(write: Callable[[bytes], object], dataset: str, rows: Iterable[D
     object made the C heap grow and shrink by a megabyte per batch, and the page faults
     of that cost more system time than the whole export spends reading.
     """
-    loads, dumps, fragment = orjson.loads, orjson.dumps, orjson.Fragment
+    loads, dumps, record = orjson.loads, orjson.dumps, plain_record
     for key, request_json, message_json, finish_reason, usage_json in rows:
-        request = loads(request_json)
-        line: dict[str, Any] = {
-            "id": key,
-            "dataset": dataset,
-            "messages": [*request.get("messages", []), fragment(message_json)],
-            "finish_reason": finish_reason,
-            "usage": fragment(usage_json) if usage_json else None,
-        }
-        for name in _CARRIED:
-            if name in request:
-                line[name] = request[name]
-        write(dumps(line))
+        write(
+            dumps(
+                record(key, dataset, loads(request_json), message_json, finish_reason, usage_json)
+            )
+        )
         write(b"\n")
+
+
+def plain_record(
+    key: str,
+    dataset: str,
+    request: dict[str, Any],
+    message_json: str,
+    finish_reason: str | None,
+    usage_json: str | None,
+) -> dict[str, Any]:
+    """The default line of a done item before encoding (``messages_line``'s shape), the
+    stored answer and usage as they are (``orjson.Fragment``): what :func:`write_lines`
+    writes and the Parquet export's plain rows are made of."""
+    line: dict[str, Any] = {
+        "id": key,
+        "dataset": dataset,
+        "messages": [*request.get("messages", []), orjson.Fragment(message_json)],
+        "finish_reason": finish_reason,
+        "usage": orjson.Fragment(usage_json) if usage_json else None,
+    }
+    for name in _CARRIED:
+        if name in request:
+            line[name] = request[name]
+    return line
 
 
 # ---------------------------------------------------------------------- line shapes
@@ -452,7 +482,7 @@ class _Lines:
         """The stored answer as the line needs it: the stored bytes when unchanged."""
         # Parsed where the line changes it or looks into it (per-turn rows).
         options = self.options
-        kept = options.format in ("messages", "openai-batch") and not options.per_turn
+        kept = options.format in ("messages", "openai-batch", "parquet") and not options.per_turn
         if options.reasoning == "separate" and kept:
             return orjson.Fragment(message_json)
         return apply_reasoning(orjson.loads(message_json), self.options.reasoning)
@@ -598,6 +628,14 @@ def _fast(options: ExportOptions, dataset: DatasetRef) -> bool:
     return options.plain and dataset.regenerate == "last" and not dataset.passthrough
 
 
+def plain_rows(options: ExportOptions, dataset: DatasetRef) -> bool:
+    """Whether the dataset's rows are :func:`plain_record`'s, in any format that writes
+    the messages shape (JSONL, Parquet): nothing in them changes the stored answer."""
+    plain = options.reasoning == "separate" and not options.exclude_flags
+    plain = plain and not options.provenance and not options.per_turn and not options.parsed
+    return plain and dataset.regenerate == "last" and not dataset.passthrough
+
+
 def _check_target(target: Path) -> None:
     if target == STDOUT or atomicfile.is_stream(target):
         return
@@ -607,6 +645,33 @@ def _check_target(target: Path) -> None:
         raise ConfigError(f"{target}: directory {target.parent} does not exist")
     if not target.parent.is_dir():
         raise ConfigError(f"{target}: {target.parent} is a file, not a directory")
+
+
+def _card_path(target: Path, options: ExportOptions, stream: bool) -> Path | None:
+    """Where the dataset card goes: ``card``, or README.md in a table format's folder."""
+    if options.card is None:
+        split_table = options.split and options.format in TABLE_FORMATS
+        return target / "README.md" if split_table else None
+    if stream:
+        raise ConfigError(
+            f"{options.card}: a dataset card names the export's files; the export goes "
+            f"to a stream ({target}), which has none"
+        )
+    return Path(options.card)
+
+
+def _check_table_target(target: Path, options: ExportOptions) -> None:
+    """A table format's target: a folder with ``split``, a file without."""
+    if options.split and target.suffix in (".parquet", ".pq"):
+        raise ConfigError(
+            f"{target}: --split writes a folder of shards per dataset; give a folder "
+            "name, not a .parquet file (or leave out --split for one file)"
+        )
+    if options.shard_rows is not None and not options.split:
+        raise ConfigError(
+            "shard_rows: shards are written with --split (one folder per dataset); "
+            "without it the export is one file"
+        )
 
 
 # What writing an export file can meet, and what to do about it.
@@ -622,6 +687,14 @@ _WRITE_ERRORS = {
     errno.ENOENT: "its directory does not exist",
     errno.EBADF: "it names a file descriptor that is not open",
 }
+
+
+def make_folder(target: Path) -> None:
+    """``target`` made a folder if it is not one, or one line saying why it cannot be."""
+    try:
+        target.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise _write_error(target, exc) from None
 
 
 def _write_error(target: Path, exc: OSError) -> ConfigError:
@@ -683,6 +756,11 @@ class _Staged:
             if exc.errno not in _WRITE_ERRORS:
                 raise
             raise _write_error(target, exc) from None
+
+    def retarget(self, target: Path, final: Path) -> None:
+        """Rename into ``final`` rather than ``target`` at commit: a name that is known
+        only once the file is written (a shard's ``-of-N``)."""
+        self._pending = [(tmp, final if t == target else t) for tmp, t in self._pending]
 
     def commit(self) -> None:
         try:
@@ -766,6 +844,7 @@ class _Job:
                 "--include-failed FILE for the failed items, and --format specforge "
                 "writes its skipped rows beside OUT"
             )
+        table = options.format in TABLE_FORMATS
         if options.split:
             if target.exists() and not target.is_dir():
                 raise ConfigError(
@@ -774,7 +853,9 @@ class _Job:
             if not target.parent.exists():
                 raise ConfigError(f"{target}: directory {target.parent} does not exist")
             stems = file_stems([d.name for d in datasets])
-            self.outputs = [(target / f"{stems[d.name]}.jsonl", [d]) for d in datasets]
+            # A table format's dataset is a folder of shards (formats.writers.parquet).
+            suffix = "" if table else ".jsonl"
+            self.outputs = [(target / f"{stems[d.name]}{suffix}", [d]) for d in datasets]
             if batch and options.include_failed is None:
                 self.failures = [(target / f"{stems[d.name]}.errors.jsonl", [d]) for d in datasets]
         else:
@@ -785,24 +866,49 @@ class _Job:
             self.failures = [(specforge.beside(p, "error"), group) for p, group in self.outputs]
         if options.include_failed is not None:
             self.failures = [(Path(options.include_failed), datasets)]
+        self.card = _card_path(target, options, stream)
         # Each output's file of rows SpecForge's validator would refuse.
         self.skips = {p: specforge.beside(p, "skipped") for p, _ in self.outputs if sides}
         self._skip: Callable[[bytes], object] | None = None
         self._index = _Index()
         paths = [p for p, _ in [*self.outputs, *self.failures]] + list(self.skips.values())
+        paths += [self.card] if self.card is not None else []
         seen = {os.path.abspath(p) for p in paths}
         if len(seen) != len(paths):
             raise ConfigError("two export files would share a name; choose other paths")
+        if table:
+            _check_table_target(target, options)
         if options.split:
-            target.mkdir(exist_ok=True)
+            make_folder(target)
         for path in paths:
-            _check_target(path)
+            if not (table and options.split and any(path == p for p, _ in self.outputs)):
+                _check_target(path)  # a table's dataset folder: its writer checks it
+        # Run once every file is in place: a table writer's removal of older shards.
+        self.after_commit: list[Callable[[], None]] = []
+        # Rows written per dataset id, for the card.
+        self.written: dict[int, int] = {}
+        # The files each output became, where a writer names them as it goes (a table
+        # format's folder of shards); else each output is its one file.
+        self.output_files: dict[Path, list[Path]] = {}
         # Datasets whose lines share a file with another dataset's.
         self._shared = {d.id for _, group in self.outputs if len(group) > 1 for d in group}
         self._shared_failures = {
             d.id for _, group in self.failures if len(group) > 1 for d in group
         }
         self._mixed: list[tuple[Path, int, int]] = []
+
+    def excluded_by_dataset(self) -> dict[int, int]:
+        """Done items left out for their flags so far, by dataset id."""
+        return {lines.dataset.id: lines.excluded for lines in self._lines}
+
+    def restart_index(self) -> None:
+        """Row indexes (``per_turn``'s ``source_row_index``) count from 0 in a new output,
+        as ``output`` does for a file of lines."""
+        self._index = _Index()
+
+    def files_of(self, target: Path) -> list[Path]:
+        """The files the output ``target`` became."""
+        return self.output_files.get(target, [target])
 
     def fast(self, dataset: DatasetRef) -> bool:
         return _fast(self.options, dataset)
@@ -859,6 +965,8 @@ class _Job:
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.staged.commit()
+            for step in self.after_commit:
+                step()
         else:
             self.staged.discard()
 
@@ -867,9 +975,10 @@ class _Job:
             lines=self.counter.done(),
             excluded=sum(lines.excluded for lines in self._lines),
             failed=self._failed,
-            files=[p for p, _ in self.outputs],
+            files=[f for p, _ in self.outputs for f in self.files_of(p)],
             failed_files=[p for p, _ in self.failures],
             mixed=list(self._mixed),
+            card=self.card,
             skipped=_merged(lines.skipped for lines in self._lines),
             skipped_files=list(self.skips.values()),
             items=self.counter.count - sum(lines.extra for lines in self._lines),
@@ -932,25 +1041,41 @@ def export_rows(
     """
     job = _Job(out, options or ExportOptions(), dataset_refs(rows, dataset_names), progress)
     with job:
-        for target, group in job.outputs:
-            with job.output(target) as fh:
-                for dataset in group:
-                    if job.fast(dataset):
-                        for part in done_rows(rows, dataset.id):
-                            write_lines(fh.write, dataset.name, part)
-                            job.counter.add(len(part))
-                        continue
-                    lines = job.lines(dataset)
-                    for batch in full_batches(rows, dataset, turns=lines.turns):
-                        job.counter.add(lines.write(fh.write, batch))
+        if job.options.format in TABLE_FORMATS:
+            from orchestrator.formats.writers.parquet import write_tables
+
+            write_tables(job, rows)
+        else:
+            _write_jsonl(job, rows)
         for target, group in job.failures:
             with job.staged.open(target) as fh:
                 for dataset in group:
                     job.write_failed(fh.write, dataset, failed_rows(rows, dataset.id))
+        if job.card is not None:
+            from orchestrator.formats.writers.card import write_card
+
+            write_card(job, rows)
     report = job.report()
     if warn:
         warn_mixed(report, job.options.format)
     return report
+
+
+def _write_jsonl(job: _Job, rows: Rows) -> None:
+    """The line formats: each output file's datasets, line after line."""
+    for target, group in job.outputs:
+        with job.output(target) as fh:
+            for dataset in group:
+                before = job.counter.count
+                if job.fast(dataset):
+                    for part in done_rows(rows, dataset.id):
+                        write_lines(fh.write, dataset.name, part)
+                        job.counter.add(len(part))
+                else:
+                    lines = job.lines(dataset)
+                    for batch in full_batches(rows, dataset, turns=lines.turns):
+                        job.counter.add(lines.write(fh.write, batch))
+                job.written[dataset.id] = job.counter.count - before
 
 
 def export_fast(
@@ -1006,9 +1131,13 @@ def line_batches(
     of one JSON object, without its newline.
     """
     chosen = options or ExportOptions()
-    if chosen.split or chosen.include_failed is not None:
+    if chosen.split or chosen.include_failed is not None or chosen.card is not None:
         raise ConfigError(
-            "the lines of an export are one stream: split and include_failed name files"
+            "the lines of an export are one stream: split, include_failed and card name files"
+        )
+    if chosen.format in TABLE_FORMATS:
+        raise ConfigError(
+            f"format {chosen.format!r} is a file format; the lines are those of 'messages'"
         )
     produce = functools.partial(_line_batches, dataset_names=dataset_names, options=chosen)
     return access.read_batches(database, produce)

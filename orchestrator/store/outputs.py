@@ -62,6 +62,12 @@ _DONE = (
     " FROM items JOIN outputs ON outputs.item_id = items.id"
     " WHERE items.dataset_id = :dataset_id AND items.state = 'done' ORDER BY items.id"
 )
+# The same walk with each answer's quality flags (the Parquet export's plain rows).
+_DONE_FLAGGED = (
+    "SELECT items.key, items.request, outputs.message, outputs.finish_reason, outputs.usage,"
+    " outputs.flags FROM items JOIN outputs ON outputs.item_id = items.id"
+    " WHERE items.dataset_id = :dataset_id AND items.state = 'done' ORDER BY items.id"
+)
 # The same walk, wider; param_sets is one primary-key lookup per row.
 _DONE_FULL = (
     "SELECT items.id, items.key, items.request, outputs.message, outputs.finish_reason,"
@@ -158,6 +164,13 @@ def dataset_refs(rows: Rows, names: Sequence[str] = ()) -> list[DatasetRef]:
 def done_rows(rows: Rows, dataset_id: int, *, batch: int = BATCH) -> Iterator[list[DoneRow]]:
     """One dataset's done rows in input order, ``batch`` at a time."""
     return rows.stream(_DONE, {"dataset_id": dataset_id}, batch)  # type: ignore[return-value]
+
+
+def flagged_rows(
+    rows: Rows, dataset_id: int, *, batch: int = BATCH
+) -> Iterator[list[tuple[str, str, str, str | None, str | None, int]]]:
+    """:func:`done_rows` with each answer's quality flags as a sixth column."""
+    return rows.stream(_DONE_FLAGGED, {"dataset_id": dataset_id}, batch)  # type: ignore[return-value]
 
 
 def done_batches(

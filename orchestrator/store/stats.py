@@ -654,3 +654,98 @@ def _totals(entries: list[dict[str, Any]], *, now: float, window: float) -> dict
         "flags": flags,
         "wasted": _pooled(entries, tokens),
     }
+
+
+# ---------------------------------------------------------------------- dataset card
+
+# What a dataset card says of one dataset (formats.writers.card), in the export's read
+# transaction. The token figures are over the answers exported (those whose flags share
+# no bit with :mask), from histograms (a token count has few distinct values), so the
+# percentiles are exact at any size; the flag and failure counts are over every answer.
+_CARD_MASK = " AND (flags & :mask) = 0"
+_CARD: dict[str, str] = {
+    "states": "SELECT state, count(*) FROM items WHERE dataset_id = :d GROUP BY state",
+    "failed": (
+        "SELECT error_class, count(*) FROM items WHERE dataset_id = :d AND state = 'failed'"
+        " GROUP BY error_class"
+    ),
+    "flags": (
+        "SELECT flags, count(*) FROM outputs WHERE dataset_id = :d AND flags != 0 GROUP BY flags"
+    ),
+    "times": "SELECT min(created_at), max(created_at) FROM outputs WHERE dataset_id = :d",
+    # The answers exported, by model and parameters, and of those the ones with
+    # reasoning: one pass over the dataset's outputs. The stored message is orjson's
+    # encoding, so a "reasoning_content" key with a non-empty string value reads exactly
+    # so (quotes inside strings are escaped).
+    "answers": (
+        "SELECT model, params_hash, count(*), count(CASE WHEN message LIKE :has ESCAPE '!'"
+        " AND message NOT LIKE :empty ESCAPE '!' THEN 1 END)"
+        " FROM outputs WHERE dataset_id = :d{mask} GROUP BY model, params_hash"
+    ),
+    "prompt_tokens": (
+        "SELECT prompt_tokens, count(*) FROM outputs WHERE dataset_id = :d"
+        " AND prompt_tokens IS NOT NULL{mask} GROUP BY prompt_tokens"
+    ),
+    "completion_tokens": (
+        "SELECT completion_tokens, count(*) FROM outputs WHERE dataset_id = :d"
+        " AND completion_tokens IS NOT NULL{mask} GROUP BY completion_tokens"
+    ),
+}
+_PARAMS = "SELECT hash, params FROM param_sets"
+_HAS_REASONING = '%"reasoning!_content":"%'
+_EMPTY_REASONING = '%"reasoning!_content":""%'
+
+
+def card_figures(rows: Rows, dataset_id: int, *, exclude_flags: int = 0) -> dict[str, Any]:
+    """One dataset's figures for its card: items by state, failures by class, answers
+    by quality flag, the model and parameters of the answers, token percentiles and the
+    share of answers with reasoning, the first and last answer's times."""
+    params = {"d": dataset_id, "mask": exclude_flags, "has": _HAS_REASONING}
+    params["empty"] = _EMPTY_REASONING
+    mask = _CARD_MASK if exclude_flags else ""
+    found = {name: rows.fetch(sql.format(mask=mask), params) for name, sql in _CARD.items()}
+    flags = dict.fromkeys(ALL_FLAGS, 0)
+    for bits, n in found["flags"]:
+        for name, bit in ALL_FLAGS.items():
+            if bits & bit:
+                flags[name] += n
+    params_of = dict(rows.fetch(_PARAMS))
+    models: dict[tuple[Any, Any], int] = {}
+    for model, params_hash, n, _ in found["answers"]:
+        key = (model, params_of.get(params_hash))
+        models[key] = models.get(key, 0) + n
+    first, last = found["times"][0]
+    return {
+        "counts": {**dict.fromkeys(STATES, 0), **dict(found["states"])},
+        "failed_by_class": {(c or "unknown"): n for c, n in sorted(found["failed"], key=_name)},
+        "flags": flags,
+        "models": sorted(
+            ({"model": m, "params": p, "answers": n} for (m, p), n in models.items()),
+            key=lambda e: (-e["answers"], e["model"] or "", e["params"] or ""),
+        ),
+        "prompt_tokens": _histogram_percentiles(found["prompt_tokens"]),
+        "completion_tokens": _histogram_percentiles(found["completion_tokens"]),
+        "answers": sum(int(r[2]) for r in found["answers"]),
+        "with_reasoning": sum(int(r[3] or 0) for r in found["answers"]),
+        "first_answer_at": first,
+        "last_answer_at": last,
+    }
+
+
+def _name(row: Sequence[Any]) -> str:
+    return row[0] or ""
+
+
+def _histogram_percentiles(counts: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """p50 and p90 (nearest rank, as :func:`_percentiles`) of values given with counts."""
+    ordered = sorted((int(v), int(n)) for v, n in counts)
+    total = sum(n for _, n in ordered)
+    out: dict[str, Any] = {"p50": None, "p90": None, "count": total}
+    for q in (50, 90):
+        rank, seen = max(1, -(-total * q // 100)), 0
+        for value, n in ordered:
+            seen += n
+            if total and seen >= rank:
+                out[f"p{q}"] = value
+                break
+    return out

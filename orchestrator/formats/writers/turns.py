@@ -24,6 +24,7 @@ _CONVERSATION = {
     "messages": ("messages", "role", "assistant"),
     "sharegpt": ("conversations", "from", "gpt"),
     "specforge": ("conversations", "role", "assistant"),
+    "parquet": ("messages", "role", "assistant"),  # the messages rows, as a table
 }
 _REASONING_KEYS = ("reasoning_content", "reasoning")
 # The block ``--reasoning inline`` puts before the content (export.apply_reasoning).
