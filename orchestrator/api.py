@@ -183,6 +183,8 @@ class Queue:
         tools_column: str | None = None,
         split: str | None = None,
         config: str | None = None,
+        endpoint: str | None = None,
+        logprobs: int | None = None,
     ) -> EnqueueReport:
         """Add records to ``dataset``: ``orchestrator enqueue``'s options by their Python
         names (``--hf-config`` is ``config``). All or nothing, unless ``skip_invalid``:
@@ -192,6 +194,10 @@ class Queue:
         folder, a glob, ``hf://ORG/NAME``), a ``datasets.Dataset`` / ``IterableDataset``
         (a ``DatasetDict`` with ``split``), a ``pyarrow.Table`` / ``RecordBatchReader``, a
         pandas ``DataFrame``, or dicts in any input format.
+
+        ``endpoint="completions"`` sends each row's plain prompt to ``/v1/completions``;
+        ``logprobs=K`` keeps each answer's token logprobs with K alternatives per token
+        (and the token ids where the server gives them).
         """
         from orchestrator.formats.columns import Columns
 
@@ -200,7 +206,7 @@ class Queue:
         body = request_body(params, model=model, **named)
         _check_body(body, {"model": model, **named})
         given = {**named, "params": params or None, "concurrency": concurrency}
-        given |= {"regenerate": regenerate, "on_truncated": on_truncated}
+        given |= {"regenerate": regenerate, "on_truncated": on_truncated, "logprobs": logprobs}
         options = EnqueueOptions(
             dataset=dataset,
             params=body,
@@ -223,6 +229,8 @@ class Queue:
             ),
             split=split,
             config=config,
+            endpoint=endpoint,
+            logprobs=logprobs,
         )
         invalid: list[InputError] = []
         on_invalid = invalid.append if skip_invalid else None
@@ -330,13 +338,16 @@ class Queue:
         reasoning: str = "separate",
         exclude_flags: str | Sequence[str] = (),
         provenance: bool = False,
+        logprobs: bool = False,
+        token_ids: bool = False,
     ) -> Results[dict[str, Any]]:
         """Done items as plain dicts, each the line ``export`` would write, in its order:
         an async iterator over one read transaction (:class:`Results`)."""
         from orchestrator.formats.export import line_batches
 
         names = _names("dataset", dataset, _DATASETS)
-        chosen = _export_options(format, reasoning, exclude_flags, provenance)
+        more = {"logprobs": logprobs, "token_ids": token_ids}
+        chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         batches = line_batches(self.database, dataset_names=names, options=chosen)
         return self._held(Results(batches, orjson.loads))
 
@@ -396,13 +407,18 @@ class Queue:
         exclude_flags: str | Sequence[str] = (),
         include_failed: str | os.PathLike[str] | None = None,
         provenance: bool = False,
+        logprobs: bool = False,
+        token_ids: bool = False,
     ) -> ExportReport:
-        """Write done items to ``out`` as ``orchestrator export`` does (all files, or none)."""
+        """Write done items to ``out`` as ``orchestrator export`` does (all files, or none).
+        ``logprobs`` and ``token_ids`` add each answer's token columns
+        (``orchestrator.tokens.row_fields``)."""
         from orchestrator.formats.export import export_database
 
         checked("out", out, PATH)
         names = _names("datasets", datasets, _DATASETS)
         more = {"split": split, "include_failed": include_failed}
+        more |= {"logprobs": logprobs, "token_ids": token_ids}
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
 

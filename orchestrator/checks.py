@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 from orchestrator.errors import ConfigError
 from orchestrator.formats.choices import EXPORT_FORMATS, INPUT_FORMATS, REASONING_MODES
-from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import ENDPOINTS, INT_MAX, ON_TRUNCATED, REGENERATE
+from orchestrator.tokens import MAX_TOP
 
 
 class Rule(Protocol):
@@ -285,6 +286,8 @@ DATASET: dict[str, Rule] = {
     "on_truncated": OrNone(Choice(ON_TRUNCATED)),
     "passthrough": FLAG,
     "update": FLAG,
+    "endpoint": OrNone(Choice(ENDPOINTS)),
+    "logprobs": OrNone(Integer(0, MAX_TOP)),
     "split": PART_NAME,
     "config": PART_NAME,
 }
@@ -312,4 +315,6 @@ EXPORT: dict[str, Rule] = {
     "provenance": FLAG,
     "split": FLAG,
     "include_failed": OrNone(PATH),
+    "logprobs": FLAG,
+    "token_ids": FLAG,
 }

@@ -60,6 +60,7 @@ from orchestrator import error_classes as ec
 from orchestrator.answer import Answer
 from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
 from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
+from orchestrator.tokens import BadTokens, Collector, Tokens
 
 log = structlog.get_logger(__name__)
 
@@ -414,9 +415,13 @@ class InferenceClient:
         except (aiohttp.ClientError, TimeoutError, OSError, PermanentError):
             return False
 
-    async def chat(self, server: str, body: dict[str, Any]) -> Completion:
-        """POST one chat completion and return it, or raise a classified error."""
-        url = base_url(server) + "/v1/chat/completions"
+    async def chat(
+        self, server: str, body: dict[str, Any], *, endpoint: str = "chat"
+    ) -> Completion:
+        """POST one chat completion (``endpoint="completions"``: one raw completion of
+        ``body["prompt"]``) and return it, or raise a classified error."""
+        raw = endpoint == "completions"
+        url = base_url(server) + ("/v1/completions" if raw else "/v1/chat/completions")
         body = dict(body)
         stream = self.config.stream
         body["stream"] = stream
@@ -448,8 +453,9 @@ class InferenceClient:
                 if resp.status != 200:
                     _raise_for_status(resp.status, await _read_prefix(resp), resp.headers)
                 if stream:
-                    return await self._read_stream(resp, server, started)
-                return self._parse(await _read_capped(resp, limit), resp, server, started)
+                    return await self._read_stream(resp, server, started, raw=raw)
+                body_bytes = await _read_capped(resp, limit)
+                return self._parse(body_bytes, resp, server, started, raw=raw)
         except aiohttp.ClientConnectorError as exc:
             raise ServerUnavailable(
                 f"cannot connect to {server}: {exc}", error_class=ec.CONNECT
@@ -483,7 +489,13 @@ class InferenceClient:
             ) from exc
 
     def _parse(
-        self, raw: bytes, resp: aiohttp.ClientResponse, server: str, started: float
+        self,
+        body: bytes,
+        resp: aiohttp.ClientResponse,
+        server: str,
+        started: float,
+        *,
+        raw: bool = False,
     ) -> Completion:
         latency = time.monotonic() - started
         ctype = resp.headers.get("Content-Type", "")
@@ -492,14 +504,14 @@ class InferenceClient:
                 f"expected a JSON answer, got content type {ctype!r}", error_class=ec.BAD_RESPONSE
             )
         try:
-            doc = orjson.loads(raw)
+            doc = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise TransientError(f"unparsable answer: {exc}", error_class=ec.BAD_RESPONSE) from exc
         choices = doc.get("choices") if isinstance(doc, dict) else None
         if not choices or not isinstance(choices[0], dict):
             raise TransientError("the answer has no choices", error_class=ec.BAD_RESPONSE)
         choice = choices[0]
-        message = choice.get("message")
+        message = {"content": choice.get("text")} if raw else choice.get("message")
         if not isinstance(message, dict):
             raise TransientError("the answer's choice has no message", error_class=ec.BAD_RESPONSE)
         usage = with_cached(doc.get("usage"), doc.get("timings"))
@@ -513,6 +525,8 @@ class InferenceClient:
             server=server,
             model=doc.get("model"),
             response_id=doc.get("id"),
+            tokens=_tokens_of([choice]),
+            raw=raw,
         )
 
     async def _data_events(self, resp: aiohttp.ClientResponse, server: str) -> AsyncIterator[bytes]:
@@ -540,7 +554,7 @@ class InferenceClient:
             yield line[5:].strip()
 
     async def _read_stream(
-        self, resp: aiohttp.ClientResponse, server: str, started: float
+        self, resp: aiohttp.ClientResponse, server: str, started: float, *, raw: bool = False
     ) -> Completion:
         """A streamed answer, complete once its ``finish_reason`` has come: what follows
         (the usage chunk, ``[DONE]``) is read when the server sends it, but a stream that
@@ -552,7 +566,7 @@ class InferenceClient:
                 f"expected an event stream, got content type {ctype!r}",
                 error_class=ec.BAD_RESPONSE,
             )
-        got = _Streamed()
+        got = _Streamed(raw=raw)
         try:
             async for data in self._data_events(resp, server):
                 if data == b"[DONE]":
@@ -582,7 +596,20 @@ class InferenceClient:
             server=server,
             model=got.model,
             response_id=got.response_id,
+            tokens=_tokens_of(got.choices),
+            raw=raw,
         )
+
+
+def _tokens_of(choices: list[dict[str, Any]]) -> Tokens | None:
+    """The tokens the choices say (a streamed answer's in order), or ``bad_response``."""
+    collector = Collector()
+    try:
+        for choice in choices:
+            collector.add(choice)
+        return collector.result()
+    except BadTokens as exc:
+        raise _bad(f"unreadable logprobs or token ids: {exc}") from exc
 
 
 #: How a stream can end other than by ``[DONE]`` or a clean close: the connection broken
@@ -628,6 +655,10 @@ class _Streamed:
     timings: Any = None
     model: Any = None
     response_id: Any = None
+    #: A raw completion's stream (``text`` in each choice, not a ``delta``).
+    raw: bool = False
+    #: The choices that carry logprobs or token ids, in order.
+    choices: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, data: bytes) -> None:
         """One ``data:`` payload: a chunk object, or ``bad_response``."""
@@ -646,7 +677,13 @@ class _Streamed:
         if isinstance(chunk.get("timings"), dict):
             self.timings = chunk["timings"]
         for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
+            if not isinstance(choice, dict):
+                raise TransientError(
+                    "a stream choice is not an object", error_class=ec.BAD_RESPONSE
+                )
+            if choice.get("logprobs") or _TOKEN_IDS.intersection(choice):
+                self.choices.append(choice)
+            delta = {"content": choice.get("text")} if self.raw else choice.get("delta") or {}
             if isinstance(delta.get("content"), str):
                 self.content.append(delta["content"])
             piece = _reasoning_of(delta)
@@ -656,6 +693,9 @@ class _Streamed:
                 _merge_tool_call(self.tool_calls, call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+
+
+_TOKEN_IDS = frozenset(("token_ids", "response_token_ids"))
 
 
 def _completion(
@@ -669,6 +709,8 @@ def _completion(
     server: str,
     model: Any,
     response_id: Any,
+    tokens: Tokens | None = None,
+    raw: bool = False,
 ) -> Completion:
     """Check a received answer and build its Completion, the same for both transports.
 
@@ -677,13 +719,14 @@ def _completion(
     data or cannot be stored at all. Reasoning is split out of the content only when the
     server sent none apart: a server
     without a reasoning parser leaves the model's think tags in the content. A tool-call
-    answer with empty content says ``None``, as a non-streaming server does.
+    answer with empty content says ``None``, as a non-streaming server does. A raw
+    completion (``raw``) is the text as generated: nothing is split out of it.
     """
     content, tool_calls, finish_reason = _checked_answer(content, tool_calls, finish_reason)
     usage = _checked_usage(usage)
     model, response_id = _identifier(model, "model"), _identifier(response_id, "id")
     unclosed = False
-    if reasoning is None and isinstance(content, str):
+    if reasoning is None and isinstance(content, str) and not raw:
         reasoning, content, unclosed = split_think(content)
     if tool_calls and content == "":
         content = None
@@ -705,6 +748,7 @@ def _completion(
             finish_reason=finish_reason,
             unclosed_think=unclosed,
         ),
+        tokens=tokens,
     )
 
 

@@ -52,6 +52,11 @@ class EnqueueOptions:
     split: str | None = None
     config: str | None = None
     """A Hub dataset's (or DatasetDict's) split, and a Hub dataset's configuration."""
+    endpoint: str | None = None
+    """chat or completions (``/v1/completions``, plain prompts); None: the dataset's, else
+    chat. Fixed when the dataset is created."""
+    logprobs: int | None = None
+    """Keep each answer's token logprobs and this many top alternatives per token."""
     spelling: Mapping[str, str] = field(default_factory=dict)
     """Option names in the caller's words for messages (``prompt_column`` ->
     ``--prompt-column``); the key itself where absent."""
@@ -83,6 +88,7 @@ def read(
     config: str | None,
     spelling: Mapping[str, str] | None = None,
     on_invalid: Callable[[InputError], None] | None = None,
+    endpoint: str = "chat",
 ) -> Reading[Any]:
     """``source`` opened and checked for a dataset read this way, its rows not read yet:
     the one reading every enqueue (a command's, the API's, a run file's) goes through."""
@@ -99,7 +105,35 @@ def read(
         split=split,
         config=config,
         say=lambda key: names.get(key, key),
+        endpoint=endpoint,
     )
+
+
+def logprob_params(endpoint: str, logprobs: int | None) -> dict[str, Any]:
+    """The request fields that ask for ``logprobs`` top alternatives per token: chat
+    takes ``logprobs: true`` and ``top_logprobs``, a raw completion ``logprobs: K``."""
+    if logprobs is None:
+        return {}
+    if endpoint == "completions":
+        return {"logprobs": logprobs}
+    return {"logprobs": True, "top_logprobs": logprobs}
+
+
+def _check_endpoint(
+    name: str, endpoint: str, mode: str, passthrough: bool, logprobs: int | None
+) -> None:
+    """Raw completions are one prompt, one answer; a conversation's turns keep no logprobs."""
+    if endpoint == "completions" and (passthrough or mode == "all"):
+        kind = "pass-through" if passthrough else "regenerate all"
+        raise ConfigError(
+            f"dataset {name!r}: --endpoint completions sends one plain prompt per row; "
+            f"it does not go with {kind}"
+        )
+    if logprobs is not None and mode == "all":
+        raise ConfigError(
+            f"dataset {name!r}: --logprobs keeps one answer's tokens; it does not go with "
+            "regenerate all (each turn is a separate answer)"
+        )
 
 
 async def store_reading(
@@ -151,17 +185,21 @@ async def enqueue_source(
             f"no request is sent, so {', '.join(options.sampling)} do not apply"
         )
     mode = options.regenerate or (info.regenerate if info else "last")
+    endpoint = options.endpoint or (info.endpoint if info else "chat")
+    _check_endpoint(name, endpoint, mode, passing, options.logprobs)
     spec = DatasetSpec(
         name=name,
-        params=options.params,
+        params={**options.params, **logprob_params(endpoint, options.logprobs)},
         concurrency=options.concurrency,
         priority=options.priority,
         regenerate=mode,
         on_truncated=options.on_truncated,
         passthrough=passing,
+        endpoint=options.endpoint,
     )
     reading = read(
         source,
+        endpoint=endpoint,
         fmt=options.format,
         regenerate=mode,
         passthrough=passing,

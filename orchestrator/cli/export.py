@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     type=click.Choice(EXPORT_FORMATS),
     default="messages",
     show_default=True,
-    help="Line format: OpenAI messages, ShareGPT (SpecForge / EAGLE-3 trainers) or the "
-    "OpenAI Batch API output (failed items in OUT.errors.jsonl).",
+    help="Line format: OpenAI messages, ShareGPT (SpecForge / EAGLE-3 trainers), the "
+    "OpenAI Batch API output (failed items in OUT.errors.jsonl), or completions: prompt "
+    "and completion (the datasets enqueued with --endpoint completions).",
 )
 @click.option(
     "--reasoning",
@@ -68,6 +69,17 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Add model, params, params_hash, server, created_at, started_at and flags.",
 )
+@click.option(
+    "--logprobs",
+    is_flag=True,
+    help="Add each answer's token logprobs: token_logprobs, top_token_ids (top_tokens when "
+    "the server gave no ids) and top_logprobs, per token (enqueue --logprobs K).",
+)
+@click.option(
+    "--token-ids",
+    is_flag=True,
+    help="Add token_ids: the ids of the tokens the model produced, where the server gave them.",
+)
 @db_option
 def export(
     out: Path,
@@ -78,6 +90,8 @@ def export(
     exclude_flags: tuple[str, ...],
     include_failed: Path | None,
     provenance: bool,
+    logprobs: bool,
+    token_ids: bool,
     db: str | None,
 ) -> None:
     """Write done items to OUT as JSONL, by dataset then input order.
@@ -86,8 +100,9 @@ def export(
     "finish_reason", "usage"}; the README shows every format. Each file is written under
     a temporary name and renamed once all are complete: never half a file.
     """
+    tokens = {"logprobs": logprobs, "token_ids": token_ids}
     chosen = run_sync(
-        lambda: _options(fmt, reasoning, exclude_flags, provenance, split, include_failed)
+        lambda: _options(fmt, reasoning, exclude_flags, provenance, split, include_failed, tokens)
     )
     with progress_shown(f"writing {out}:") as progress:
         report = _export_any(db, out, datasets, chosen, progress)
@@ -103,6 +118,7 @@ def _options(
     provenance: bool,
     split: bool,
     include_failed: Path | None,
+    tokens: dict[str, bool],
 ) -> ExportOptions:
     from orchestrator.formats.export import ExportOptions
     from orchestrator.quality import parse_flags
@@ -117,6 +133,7 @@ def _options(
         provenance=provenance,
         split=split,
         include_failed=include_failed,
+        **tokens,
     )
 
 

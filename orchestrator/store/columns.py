@@ -12,3 +12,6 @@ ON_TRUNCATED: tuple[str, ...] = ("keep", "retry", "fail")
 """What an answer cut at max_tokens becomes: kept, retried, or the item failed."""
 INT_MAX = 2**31 - 1
 """The largest concurrency or priority: what a PostgreSQL INTEGER column holds."""
+ENDPOINTS: tuple[str, ...] = ("chat", "completions")
+"""Where a dataset's items go: ``/v1/chat/completions`` (messages) or ``/v1/completions``
+(a plain prompt, no chat template: base models, few-shot prompts)."""

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError
-from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import ENDPOINTS, INT_MAX, ON_TRUNCATED, REGENERATE
 from orchestrator.store.engine import Database
 from orchestrator.store.schema import datasets, param_sets
 
@@ -41,8 +41,14 @@ class DatasetSpec:
     regenerate: str | None = None
     on_truncated: str | None = None
     passthrough: bool = False
+    # chat | completions; None: keep the stored value (chat for a new dataset).
+    endpoint: str | None = None
 
     def __post_init__(self) -> None:
+        if self.endpoint not in (None, *ENDPOINTS):
+            raise ConfigError(
+                f"dataset {self.name}: endpoint must be one of {', '.join(ENDPOINTS)}"
+            )
         if not self.name or len(self.name) > 200:
             raise ConfigError("dataset name must be 1 to 200 characters")
         if self.concurrency is not None and not 1 <= self.concurrency <= INT_MAX:
@@ -76,6 +82,7 @@ class DatasetInfo:
     passthrough: bool = False
     updated_at: float = 0.0
     params_hash: str = ""
+    endpoint: str = "chat"
 
 
 def _info(row: sa.Row[Any]) -> DatasetInfo:
@@ -173,6 +180,7 @@ async def _create(
         "regenerate": spec.regenerate or "last",
         "on_truncated": spec.on_truncated or "keep",
         "passthrough": spec.passthrough,
+        "endpoint": spec.endpoint or "chat",
         **source,
         "input_format": input_format,
         "created_at": now,
@@ -196,6 +204,7 @@ def _checked_differences(info: DatasetInfo, spec: DatasetSpec, *, update: bool) 
         for key, old, new in (
             ("regenerate", info.regenerate, spec.regenerate),
             ("passthrough", info.passthrough, spec.passthrough),
+            ("endpoint", info.endpoint, spec.endpoint),
         )
         if new is not None and new != old
     ]

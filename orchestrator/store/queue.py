@@ -51,6 +51,7 @@ from orchestrator.store.schema import (
     superseded_outputs,
     superseded_turns,
 )
+from orchestrator.tokens import pack
 
 log = structlog.get_logger("orchestrator.store")
 
@@ -533,6 +534,7 @@ _OUTPUT_COLUMNS = (
     "created_at",
     "flags",
     "params_hash",
+    "tokens",
 )
 
 _TURN_COLUMNS = (
@@ -594,6 +596,7 @@ def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
         now,
         out.flags | lease.generated_flags,
         out.params_hash,
+        pack(out.tokens) if out.tokens is not None else None,
     )
 
 

@@ -87,7 +87,7 @@ class Caller:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         self.pool.request_started(server)
         try:
-            completion = await self.client.chat(server, body)
+            completion = await self.client.chat(server, body, endpoint=info.endpoint)
         except Exception as exc:  # a bug here must not take the other requests down
             return await self._failed(lease, info, server, exc)
         finally:
