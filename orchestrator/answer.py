@@ -9,15 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from orchestrator.tokens import Tokens
-
 
 @dataclass(frozen=True, slots=True)
 class Answer:
     """The assistant message and what came with it. Reasoning left in the content as
     ``<think>…</think>`` has been split out into ``reasoning``; ``flags`` is its
-    ``orchestrator.quality`` mask; ``tokens`` the token ids and logprobs the server
-    gave with it (``orchestrator.tokens``), None when it gave none."""
+    ``orchestrator.quality`` mask."""
 
     message: dict[str, Any]
     content: str | None
@@ -29,7 +26,6 @@ class Answer:
     model: str | None
     response_id: str | None
     flags: int = 0
-    tokens: Tokens | None = None
 
 
 ANSWER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Answer))

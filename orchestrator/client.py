@@ -96,7 +96,10 @@ class ClientConfig:
 
 @dataclass(frozen=True, slots=True)
 class Completion(Answer):
-    """One answer from a server (``orchestrator.answer.Answer``'s fields)."""
+    """One answer from a server (``orchestrator.answer.Answer``'s fields), and the token
+    ids and logprobs it came with (``orchestrator.tokens``; None: the server gave none)."""
+
+    tokens: Tokens | None = None
 
     @property
     def tool_calls(self) -> list[dict[str, Any]] | None:

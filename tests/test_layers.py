@@ -33,6 +33,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "params",
             "procinfo",
             "quality",
+            "tokens",
             "urls",
         }
     ),

@@ -51,7 +51,7 @@ from orchestrator.store.schema import (
     superseded_outputs,
     superseded_turns,
 )
-from orchestrator.tokens import pack
+from orchestrator.tokens import Tokens, pack
 
 log = structlog.get_logger("orchestrator.store")
 
@@ -94,6 +94,8 @@ class Output(Answer):
     parameters it was asked with."""
 
     params_hash: str | None = None
+    #: The token ids and logprobs the server gave (``orchestrator.tokens``), kept packed.
+    tokens: Tokens | None = None
 
 
 @dataclass(frozen=True, slots=True)
