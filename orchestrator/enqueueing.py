@@ -109,16 +109,6 @@ def read(
     )
 
 
-def logprob_params(endpoint: str, logprobs: int | None) -> dict[str, Any]:
-    """The request fields that ask for ``logprobs`` top alternatives per token: chat
-    takes ``logprobs: true`` and ``top_logprobs``, a raw completion ``logprobs: K``."""
-    if logprobs is None:
-        return {}
-    if endpoint == "completions":
-        return {"logprobs": logprobs}
-    return {"logprobs": True, "top_logprobs": logprobs}
-
-
 def _check_endpoint(
     name: str, endpoint: str, mode: str, passthrough: bool, logprobs: int | None
 ) -> None:
@@ -172,6 +162,7 @@ async def enqueue_source(
 ) -> EnqueueReport:
     """Read ``source`` the way its dataset is made and add its items in one transaction."""
     from orchestrator.checks import RECORDS, checked
+    from orchestrator.params import logprob_params
     from orchestrator.store import DatasetSpec
     from orchestrator.store.datasets import get_dataset
 
@@ -306,6 +297,7 @@ async def enqueue_plans(
 def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
     from orchestrator.store import DatasetSpec
 
+    _check_endpoint(plan.name, plan.endpoint, plan.regenerate, plan.passthrough, plan.logprobs)
     return DatasetSpec(
         name=plan.name,
         params=plan.params,
@@ -314,4 +306,5 @@ def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
         regenerate=plan.regenerate,
         on_truncated=plan.on_truncated,
         passthrough=plan.passthrough,
+        endpoint=plan.endpoint,
     )

@@ -159,6 +159,7 @@ def iter_records(
     split: str | None = None,
     config: str | None = None,
     say: Say | None = None,
+    endpoint: str = "chat",
 ) -> Reading[Record]:
     """Yield one ``Record`` per row of ``source`` (``formats.source.open_source``: a
     path, a folder, a glob, ``-``, ``hf://``, a table or rows in memory).
@@ -173,10 +174,21 @@ def iter_records(
     ``regenerate="all"`` keeps whole conversations and counts their turns;
     ``passthrough`` reads rows that hold their answer (see the module docstring);
     ``columns`` read rows by their columns. An impossible combination raises
-    ``ConfigError`` here.
+    ``ConfigError`` here. ``endpoint="completions"`` takes plain prompts only, each as
+    ``{"prompt": ...}`` (:func:`prompt_request`).
     """
     return _reading(
-        "record", source, on_invalid, fmt, regenerate, passthrough, columns, split, config, say
+        "record",
+        source,
+        on_invalid,
+        fmt,
+        regenerate,
+        passthrough,
+        columns,
+        split,
+        config,
+        say,
+        endpoint,
     )
 
 

@@ -54,7 +54,8 @@ from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats import columns as row_columns
 from orchestrator.formats.readers import INPUT_FORMATS, PASSTHROUGH_FORMATS
 from orchestrator.formats.source import open_source
-from orchestrator.store.columns import ON_TRUNCATED, REGENERATE
+from orchestrator.params import logprob_params
+from orchestrator.store.columns import ENDPOINTS, ON_TRUNCATED, REGENERATE
 
 __all__ = ["FORMATS", "DatasetPlan", "Problem", "RunConfigError", "load_run"]
 
@@ -64,7 +65,14 @@ format, as ``enqueue`` does; ``tokens`` is pass-through only."""
 # Request body fields with keys of their own (checked); extra_body holds the rest.
 _BODY_KEYS = ("model", "max_tokens", "temperature", "top_p", "chat_template_kwargs")
 # Keys that shape requests: meaningless on a pass-through dataset.
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body")
+_SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "chat_template_kwargs",
+    "extra_body",
+    "logprobs",
+)
 _REQUEST_KEYS = ("concurrency", "regenerate", "on_truncated")
 # extra_body keys that would bypass a check (the rest go through orchestrator.params).
 _EXTRA_BODY_REFUSED = {
@@ -108,6 +116,10 @@ class DatasetPlan:
     config: str | None = None
     columns: row_columns.Columns | None = None
     """How rows are read by their columns; None: as JSONL lines."""
+    endpoint: str = "chat"
+    """``chat`` or ``completions`` (each row's plain prompt to ``/v1/completions``)."""
+    logprobs: int | None = None
+    """Top alternatives kept per token with each token's logprob; None: no logprobs."""
 
     @property
     def source(self) -> str:
@@ -125,6 +137,7 @@ class DatasetPlan:
             "columns": self.columns,
             "split": self.split,
             "config": self.config,
+            "endpoint": self.endpoint,
         }
 
 
@@ -296,6 +309,8 @@ _CHECKS: dict[str, Check] = {
     "concurrency": _by(checks.DATASET["concurrency"].expected),
     "regenerate": _choice(REGENERATE),
     "on_truncated": _choice(ON_TRUNCATED),
+    "endpoint": _choice(ENDPOINTS),
+    "logprobs": _by(checks.DATASET["logprobs"].expected),
     "chat_template_kwargs": _table,
     "extra_body": _extra_body,
     "hf": _string,
@@ -589,6 +604,8 @@ def _plan(own: dict[str, Any], defaults: dict[str, Any], file: Path) -> DatasetP
         params["chat_template_kwargs"] = kwargs
     extra = {**defaults.get("extra_body", {}), **own.get("extra_body", {})}
     params.update({k: v for k, v in extra.items() if v is not None})
+    endpoint = value("endpoint", "chat")
+    params.update(logprob_params(endpoint, value("logprobs")))
     return DatasetPlan(
         name=own["name"],
         file=file,
@@ -599,4 +616,6 @@ def _plan(own: dict[str, Any], defaults: dict[str, Any], file: Path) -> DatasetP
         regenerate=value("regenerate", _REQUEST_DEFAULTS["regenerate"]),
         on_truncated=value("on_truncated", _REQUEST_DEFAULTS["on_truncated"]),
         passthrough=False,
+        endpoint=endpoint,
+        logprobs=value("logprobs"),
     )
