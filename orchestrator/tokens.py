@@ -18,7 +18,7 @@ choice (or a chunk's choice) at a time and gives one :class:`Tokens`.
 Stored packed (:func:`pack`), never as JSON per token: ids as int32, logprobs as
 float32 (what servers compute in), the top-k as flat arrays with a count per position,
 texts only where a server gave no ids; the numeric arrays byte-shuffled and the whole
-deflated. A 1,000-token answer with top-5 logprobs takes about 30 KB.
+deflated. A 1,000-token answer with top-5 logprobs takes at most about 35 KB.
 :func:`row_fields` is the one place export rows are built from it.
 
 It sits below the client and the store (like ``orchestrator.answer``): neither may

@@ -78,7 +78,8 @@ _TURNS = "SELECT item_id, message FROM item_turns WHERE item_id IN {ids} ORDER B
 # What the latest answers take in the database, for doctor's disk estimate.
 _BYTES = (
     "SELECT avg(n) FROM (SELECT coalesce(length(content), 0) + coalesce(length(reasoning), 0)"
-    " + length(message) + coalesce(length(usage), 0) AS n FROM outputs"
+    " + length(message) + coalesce(length(usage), 0) + coalesce(length(tokens), 0) AS n"
+    " FROM outputs"
     " ORDER BY item_id DESC LIMIT :limit) AS recent"
 )
 _FAILED = (
