@@ -382,3 +382,48 @@ def test_raw_completions_export_only_as_completions(db_url: str, tmp_path: Path)
         result = cli("export", str(out), "--db", db_url, *args)
         assert result.returncode != 0 and said in result.stderr, (args, result.stderr)
         assert not out.exists()
+
+
+def test_requeue_sets_tokens_aside_and_undo_brings_them_back(db_url: str, tmp_path: Path) -> None:
+    """superseded_outputs keeps outputs' columns: a requeued answer's tokens go aside with
+    it, and come back byte for byte with ``requeue --undo``."""
+    rows = [{"id": f"r{i}", "prompt": f"Count to {i}"} for i in range(4)]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    _enqueue(db_url, str(data), "-d", "raw", "--endpoint", "completions", "--logprobs", "2")
+    sim = SimProcess()
+    url = sim.start()
+    try:
+        result = cli("run", "--server", url, "--db", db_url, "--exit-when-done")
+        assert result.returncode == 0, result.stderr
+    finally:
+        sim.stop()
+    before = query(db_url, "SELECT item_id, tokens FROM outputs ORDER BY item_id")
+    assert len(before) == 4 and all(tokens for _, tokens in before)
+    result = cli("requeue", "--state", "done", "--dataset", "raw", "--db", db_url)
+    assert result.returncode == 0, result.stderr
+    assert query(db_url, "SELECT count(*) FROM outputs") == [(0,)]
+    aside = query(db_url, "SELECT item_id, tokens FROM superseded_outputs ORDER BY item_id")
+    assert [(i, bytes(t)) for i, t in aside] == [(i, bytes(t)) for i, t in before]
+    result = cli("requeue", "--undo", "--db", db_url)
+    assert result.returncode == 0, result.stderr
+    after = query(db_url, "SELECT item_id, tokens FROM outputs ORDER BY item_id")
+    assert [(i, bytes(t)) for i, t in after] == [(i, bytes(t)) for i, t in before]
+
+
+def test_a_run_file_declares_the_endpoint_and_logprobs(db_url: str, tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "b"}]}])
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        "[defaults]\nmax_tokens = 16\n\n"
+        '[[dataset]]\nname = "raw"\nfile = "p.jsonl"\nendpoint = "completions"\nlogprobs = 3\n\n'
+        '[[dataset]]\nname = "chat"\nfile = "c.jsonl"\nlogprobs = 2\n'
+    )
+    result = cli("enqueue", "--config", str(run_file), "--db", db_url)
+    assert result.returncode == 0, result.stderr
+    found = query(db_url, "SELECT name, endpoint, params FROM datasets ORDER BY name")
+    assert [(name, endpoint, orjson.loads(params)) for name, endpoint, params in found] == [
+        ("chat", "chat", {"max_tokens": 16, "logprobs": True, "top_logprobs": 2}),
+        ("raw", "completions", {"max_tokens": 16, "logprobs": 3}),
+    ]
+    assert query(db_url, "SELECT request FROM items ORDER BY id")[0] == ('{"prompt":"a"}',)
