@@ -427,3 +427,37 @@ def test_a_run_file_declares_the_endpoint_and_logprobs(db_url: str, tmp_path: Pa
         ("raw", "completions", {"max_tokens": 16, "logprobs": 3}),
     ]
     assert query(db_url, "SELECT request FROM items ORDER BY id")[0] == ('{"prompt":"a"}',)
+
+
+async def test_the_python_api_asks_and_gives_the_same(db_url: str) -> None:
+    """``Queue.enqueue(endpoint=, logprobs=)`` and ``Queue.results(logprobs=, token_ids=)``:
+    the command's options by their Python names, the same lines."""
+    import orchestrator as orc
+
+    rows = [{"id": f"r{i}", "prompt": f"Tell of stone {i}"} for i in range(5)]
+    sim = SimProcess()
+    url = sim.start()
+    try:
+        async with orc.open(db_url) as q:
+            await q.enqueue(
+                rows,
+                dataset="raw",
+                endpoint="completions",
+                logprobs=2,
+                max_tokens=16,
+                params={"return_token_ids": True},
+            )
+            await q.run(servers=[url])
+            lines = [
+                line
+                async for line in q.results(format="completions", logprobs=True, token_ids=True)
+            ]
+            with pytest.raises(orc.ConfigError, match="logprobs"):
+                await q.enqueue(rows, dataset="bad", logprobs=-1)
+    finally:
+        sim.stop()
+    verdict = Verdict()
+    for line, row in zip(lines, rows, strict=True):
+        assert line["id"] == row["id"] and line["prompt"] == row["prompt"]
+        check_tokens(line["id"], line, row["prompt"], 2, verdict)
+    assert verdict.faults == [] and verdict.answers == 5
