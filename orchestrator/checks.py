@@ -263,6 +263,9 @@ RUN: dict[str, Rule] = {
     "stream": FLAG,
     "stream_idle_timeout": Number(minimum=1),
     "max_response_mb": Number(minimum=0.001),
+    "rpm": OrNone(Integer(1, INT_MAX)),
+    "tpm": OrNone(Integer(1, INT_MAX)),
+    "rate_limited_warn_after": Number(minimum=0, above=True),
 }
 
 #: What a dataset's name may be (every source of one: options, run files, the API).
@@ -317,4 +320,5 @@ EXPORT: dict[str, Rule] = {
     "include_failed": OrNone(PATH),
     "logprobs": FLAG,
     "token_ids": FLAG,
+    "per_turn": FLAG,
 }

@@ -35,9 +35,10 @@ if TYPE_CHECKING:
     type=click.Choice(EXPORT_FORMATS),
     default="messages",
     show_default=True,
-    help="Line format: OpenAI messages, ShareGPT (SpecForge / EAGLE-3 trainers), the "
-    "OpenAI Batch API output (failed items in OUT.errors.jsonl), or completions: prompt "
-    "and completion (the datasets enqueued with --endpoint completions).",
+    help="Line format: OpenAI messages, ShareGPT (EAGLE-3 trainers), the OpenAI Batch API "
+    "output (failed items in OUT.errors.jsonl), SpecForge's regenerated data (rows its "
+    "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl), or "
+    "completions: prompt and completion (datasets enqueued with --endpoint completions).",
 )
 @click.option(
     "--reasoning",
@@ -70,6 +71,12 @@ if TYPE_CHECKING:
     help="Add model, params, params_hash, server, created_at, started_at and flags.",
 )
 @click.option(
+    "--per-turn",
+    is_flag=True,
+    help="One line per generated assistant turn (id <id>#turn<k>), the conversation up to "
+    "it, earlier turns without their reasoning: SpecForge's per-turn rows.",
+)
+@click.option(
     "--logprobs",
     is_flag=True,
     help="Add each answer's token logprobs: token_logprobs, top_token_ids (top_tokens when "
@@ -90,6 +97,7 @@ def export(
     exclude_flags: tuple[str, ...],
     include_failed: Path | None,
     provenance: bool,
+    per_turn: bool,
     logprobs: bool,
     token_ids: bool,
     db: str | None,
@@ -102,7 +110,9 @@ def export(
     """
     tokens = {"logprobs": logprobs, "token_ids": token_ids}
     chosen = run_sync(
-        lambda: _options(fmt, reasoning, exclude_flags, provenance, split, include_failed, tokens)
+        lambda: _options(
+            fmt, reasoning, exclude_flags, provenance, split, include_failed, per_turn, tokens
+        )
     )
     with progress_shown(f"writing {out}:") as progress:
         report = _export_any(db, out, datasets, chosen, progress)
@@ -118,6 +128,7 @@ def _options(
     provenance: bool,
     split: bool,
     include_failed: Path | None,
+    per_turn: bool,
     tokens: dict[str, bool],
 ) -> ExportOptions:
     from orchestrator.formats.export import ExportOptions
@@ -133,6 +144,7 @@ def _options(
         provenance=provenance,
         split=split,
         include_failed=include_failed,
+        per_turn=per_turn,
         **tokens,
     )
 
@@ -166,7 +178,14 @@ def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> Non
     piped = is_stdout(out)
     where = f"{len(report.files):,} files in {out}" if chosen.split else str(out)
     where = "standard output" if piped else where
-    click.echo(f"exported {report.lines:,} items to {where}", err=piped)
+    if chosen.per_turn:
+        click.echo(
+            f"exported {report.lines:,} turns of {report.items:,} items to {where}", err=piped
+        )
+    else:
+        click.echo(f"exported {report.lines:,} items to {where}", err=piped)
+    if report.summary:
+        click.echo(report.summary, err=True)
     if chosen.exclude_flags:
         names = ", ".join(flag_names(chosen.exclude_flags))
         click.echo(f"left out {report.excluded:,} answers flagged {names}", err=piped)

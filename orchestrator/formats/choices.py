@@ -12,8 +12,15 @@ INPUT_FORMATS: tuple[str, ...] = ("auto", *LINE_FORMATS, "tokens")
 """What a file may be declared as: ``auto`` takes any mix of ``LINE_FORMATS`` (and of
 messages, sharegpt and tokens rows when passing through); ``tokens`` is for pass-through
 only."""
-EXPORT_FORMATS: tuple[str, ...] = ("messages", "sharegpt", "openai-batch", "completions")
-"""The export's line formats: OpenAI messages, ShareGPT, OpenAI Batch API output, and
-``prompt``/``completion`` pairs (the datasets enqueued with ``--endpoint completions``)."""
+EXPORT_FORMATS: tuple[str, ...] = (
+    "messages",
+    "sharegpt",
+    "openai-batch",
+    "specforge",
+    "completions",
+)
+"""The export's line formats: OpenAI messages, ShareGPT, OpenAI Batch API output,
+SpecForge's regenerated data, and ``prompt``/``completion`` pairs (the datasets enqueued
+with ``--endpoint completions``)."""
 REASONING_MODES: tuple[str, ...] = ("separate", "inline", "drop")
 """Where the export puts generated reasoning: its own field, inline as <think>, nowhere."""

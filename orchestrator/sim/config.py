@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from orchestrator.sim.lengths import LengthModel
+    from orchestrator.sim.ratelimit import BucketSpec
 
 #: Fault kinds in the order their probability ranges are laid out on ``[0, 1)``.
 FAULT_KINDS: tuple[str, ...] = (
@@ -102,6 +103,11 @@ class SimConfig:
             start of one seen lately has those tokens reported as
             ``usage.prompt_tokens_details.cached_tokens`` and not prefilled (batching),
             or, without batching, the others cost ``prefill_per_token`` each.
+        rate_limits: a hosted provider's budgets (``orchestrator.sim.ratelimit``):
+            requests and tokens a minute, each a token bucket; a request finding one
+            empty gets 429 with ``Retry-After``, and every answer of
+            ``/v1/chat/completions`` carries the ``x-ratelimit-*`` headers unless
+            ``rate_limit_headers`` is False (a provider that says nothing ahead).
     """
 
     model: str | None = None
@@ -128,6 +134,8 @@ class SimConfig:
     length_model: LengthModel | None = None
     trace: str | None = None
     prefix_cache: int = 0
+    rate_limits: tuple[BucketSpec, ...] = ()
+    rate_limit_headers: bool = True
 
     @property
     def batching(self) -> bool:
@@ -175,6 +183,9 @@ class SimConfig:
         total = sum(self.faults.values())
         if total > 1.0 + 1e-9:
             raise ValueError(f"fault rates add up to {total:g}, more than 1")
+        units = [spec.unit for spec in self.rate_limits]
+        if len(set(units)) != len(units):
+            raise ValueError("one rate limit of each kind (rpm, tpm) at most")
         for text, message in self.refusals.items():
             if not text or not message:
                 raise ValueError(f"refusal {text!r}={message!r} needs a text and a message")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import random
 import signal
 import time
@@ -38,6 +39,7 @@ from orchestrator.sim.config import DEFAULT_MODEL, FAULT_KINDS, SimConfig
 from orchestrator.sim.lengths import dataset_of, quantile
 from orchestrator.sim.options import sim_config, sim_options
 from orchestrator.sim.prefix import PrefixCache, prompt_words
+from orchestrator.sim.ratelimit import Limiter
 
 __all__ = [
     "answer_matches",
@@ -217,6 +219,7 @@ class _Stats:
         self.peak_running = 0
         self.running_tokens = 0
         self.outage_rejected = 0
+        self.rate_limited = 0  # 429s of the provider's buckets (--rate-limit)
         self.faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -259,6 +262,7 @@ class _Stats:
             "running": self.running,
             "peak_running": self.peak_running,
             "outage_rejected": self.outage_rejected,
+            "rate_limited": self.rate_limited,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
         }
@@ -373,6 +377,7 @@ class _State:
         self.stats = _Stats()
         self.batcher = _Batcher(config) if config.batching else None
         self.prefix = PrefixCache(config.prefix_cache) if config.prefix_cache else None
+        self.limiter = Limiter(config.rate_limits) if config.rate_limits else None
         self.fault_rng = random.Random(config.seed)
         self.started = time.monotonic()
         self.closing = asyncio.Event()
@@ -749,6 +754,18 @@ async def _answer_chat(
     if refused is not None:
         stats.invalid += 1
         return refused
+    wait = state.limiter.admit(prompt_tokens + n) if state.limiter else None
+    if wait is not None:
+        stats.rate_limited += 1
+        return _error(
+            429,
+            "simulated provider: rate limit reached, try again later",
+            "RateLimitError",
+            headers={
+                "Retry-After": f"{max(1, math.ceil(wait))}",
+                "retry-after-ms": f"{wait * 1000:.0f}",
+            },
+        )
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or 2 * config.mean_tokens
     cached = state.prefix.serve(prompt_words(messages), answer.words) if state.prefix else None
     state.next_id += 1
@@ -1129,6 +1146,16 @@ def build_app(config: SimConfig) -> web.Application:
         if state.batcher is not None:
             await state.batcher.close()
 
+    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        # Every chat answer, a 429 or a stream too, says the buckets as they are now.
+        if (
+            state.limiter is not None
+            and state.config.rate_limit_headers
+            and request.path == "/v1/chat/completions"
+        ):
+            response.headers.update(state.limiter.headers())
+
+    app.on_response_prepare.append(on_prepare)
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.error_classes import limited_for
 from orchestrator.lengths import MEASURED_AFTER
 from orchestrator.quality import ALL_FLAGS
 
@@ -138,6 +139,21 @@ _MESSAGES = (
     " AND e.error_class = :cls AND e.outcome = :outcome ORDER BY e.id DESC LIMIT :limit"
 )
 
+# Servers that have answered nothing but 429 past the worker's --rate-limited-warn-after:
+# the newest 429s of each dataset that has any, along ix_attempt_errors_class (its
+# entries end in the row id: a seek, not a sort), of which the newest of each server
+# whose message says how long (error_classes.limited_message). Rare, so the answers
+# each such server gave since are then counted for it alone.
+LIMITED_SAMPLE = 200
+_LIMITED = (
+    "SELECT server, created_at, message FROM attempt_errors WHERE dataset_id = :dataset"
+    " AND error_class = 'rate_limited' AND outcome = 'released' ORDER BY id DESC LIMIT :limit"
+)
+_ANSWERED_SINCE = (
+    "SELECT count(*) FROM datasets AS d JOIN outputs AS o ON o.dataset_id = d.id"
+    " AND o.created_at > :at WHERE o.server = :server"
+)
+
 Found = dict[str, Sequence[Sequence[Any]]]
 Messages = dict[tuple[int, str], list[tuple[Any, ...]]]
 
@@ -188,7 +204,30 @@ def snapshot(rows: Rows, *, now: float | None = None, window: float = WINDOW_SEC
     messages: Messages = {}
     for key in _message_keys(found):
         _add_messages(messages, key, rows.fetch(_MESSAGES, key))
-    return _document(found, lengths, costs, messages, where=rows.where, now=now, window=window)
+    snap = _document(found, lengths, costs, messages, where=rows.where, now=now, window=window)
+    snap.document["rate_limited"] = _rate_limited(rows, found["errors"], params["since"], now)
+    return snap
+
+
+def _rate_limited(rows: Rows, errors: Sequence[Sequence[Any]], since: float, now: float) -> Any:
+    """Servers answering only 429 for longer than the worker's warning time, with no
+    answer since: how long as of their latest 429 in the window, and how long ago."""
+    newest: dict[str, tuple[float, int]] = {}
+    for dataset_id in {d for d, cls, outcome, _ in errors if cls == "rate_limited"}:
+        params = {"dataset": dataset_id, "limit": LIMITED_SAMPLE}
+        for server, at, message in rows.fetch(_LIMITED, params):
+            seconds = limited_for(message)
+            later = at >= since and at > newest.get(server, (0.0, 0))[0]
+            if server and seconds is not None and later:
+                newest[server] = (at, seconds)
+    found = []
+    for server, (at, seconds) in newest.items():
+        if rows.fetch(_ANSWERED_SINCE, {"at": at, "server": server})[0][0]:
+            continue
+        found.append(
+            {"server": server, "limited_for_s": seconds, "last_429_age_s": round(now - at, 1)}
+        )
+    return sorted(found, key=lambda s: s["server"])
 
 
 def _percentiles(values: list[int]) -> dict[str, Any]:

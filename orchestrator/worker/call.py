@@ -10,15 +10,16 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from orchestrator import error_classes as ec
-from orchestrator.client import InferenceClient
+from orchestrator.client import Completion, InferenceClient
 from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.params import item_body
-from orchestrator.servers import ServerPool
+from orchestrator.servers import ServerPool, request_tokens
 from orchestrator.store import Failure, Lease, Output
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.worker import classify
@@ -85,13 +86,15 @@ class Caller:
         server = self.pool.pick(body.get("messages") or body.get("prompt"))
         if server is None:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
-        self.pool.request_started(server)
-        try:
-            completion = await self.client.chat(server, body, endpoint=info.endpoint)
-        except Exception as exc:  # a bug here must not take the other requests down
-            return await self._failed(lease, info, server, exc)
-        finally:
-            self.pool.request_ended(server)
+        epoch = self.pool.states[server].epoch
+        sent = await self._send(server, body, info.endpoint)
+        if not isinstance(sent, Completion):
+            if self.pool.states[server].epoch != epoch and not isinstance(sent[0], PermanentError):
+                # A launched server died under the request: an outage, not the item's.
+                reason = f"the server died during the request: {sent[0]}"
+                return Release(lease, Failure(ec.UNAVAILABLE, reason, server), time.time())
+            return await self._failed(lease, info, server, *sent)
+        completion = sent
         usage = completion.usage or {}
         self.pool.succeeded(server, usage.get("completion_tokens") or 0, completion.latency)
         log.debug(
@@ -107,10 +110,36 @@ class Caller:
         )
         return classify.answered(lease, info, body, completion, self.config)
 
+    async def _send(
+        self, server: str, body: dict[str, Any], endpoint: str = "chat"
+    ) -> Completion | tuple[Exception, float | None]:
+        """The request, once the server's pacer lets it go: the answer, or the error and
+        the seconds the server has answered nothing but 429 (past the warning's time)."""
+        self.pool.request_started(server)
+        try:
+            ticket = await self.pool.pace(server, request_tokens(body))
+            try:
+                completion = await self.client.chat(server, body, endpoint=endpoint)
+            except Exception as exc:  # a bug here must not take the other requests down
+                return exc, self.pool.paced(server, ticket, exc)
+            except BaseException as exc:  # cancelled: no longer in flight, for the pacer
+                self.pool.paced(server, ticket, exc)
+                raise
+            self.pool.paced(server, ticket, completion)
+            return completion
+        finally:
+            self.pool.request_ended(server)
+
     async def _failed(
-        self, lease: Lease, info: DatasetInfo, server: str, exc: Exception
+        self,
+        lease: Lease,
+        info: DatasetInfo,
+        server: str,
+        exc: Exception,
+        limited_for: float | None = None,
     ) -> Outcome:
-        """Classify a request's failure; the server's accounting hears of it too."""
+        """Classify a request's failure; the server's accounting hears of it too. A 429
+        from a server rate limited past the warning's time says for how long."""
         if isinstance(exc, ServerUnavailable):
             self.pool.mark_down(server, str(exc))
             return Release(lease, Failure(exc.error_class, str(exc), server), time.time())
@@ -121,6 +150,9 @@ class Caller:
                 self.pool.mark_down(server, str(exc))
                 return Release(lease, Failure(ec.UNAVAILABLE, str(exc), server), time.time())
             self.pool.failed(server, exc.error_class)
+            if limited_for is not None:
+                said = ec.limited_message(limited_for, str(exc))
+                exc = TransientError(said, error_class=exc.error_class, retry_after=exc.retry_after)
             return classify.retry_or_fail(lease, exc, exc.retry_after, self.config, server=server)
         if isinstance(exc, PermanentError):
             failure = Failure(exc.error_class, where(lease) + str(exc), server)

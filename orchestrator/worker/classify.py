@@ -40,17 +40,17 @@ def retry_or_fail(
     server: str | None = None,
 ) -> Retry | Release | Failed:
     """A retryable failure at ``server``: retried after a backoff, or failed once attempts
-    are spent; a rate limit with a Retry-After is released until then, costing no attempt.
-    No server's Retry-After holds an item longer than the backoff cap: a ``1e308`` or a
-    date in 9999 would otherwise keep it, and a run waiting for it, for ever."""
+    are spent. A rate limit is released until its Retry-After (or a backoff), costing no
+    attempt: the provider's budget, not the item, is at fault, and a long rate limit
+    must not use up the items' attempts. No server's Retry-After holds an item longer
+    than the backoff cap: a ``1e308`` or a date in 9999 would otherwise keep it, and a
+    run waiting for it, for ever."""
     failure = Failure(exc.error_class, where(lease) + str(exc), server)
-    if exc.error_class == ec.RATE_LIMITED and retry_after is not None:
-        # The server said when to come back: not the item's fault, so the attempt is
-        # given back and a long rate limit cannot use up the item's attempts.
+    if exc.error_class == ec.RATE_LIMITED:
         delay = backoff_delay(
             1, base=config.backoff_base, cap=config.backoff_cap, retry_after=retry_after
         )
-        if retry_after > config.backoff_cap:
+        if retry_after is not None and retry_after > config.backoff_cap:
             log.warning(
                 "retry_after_capped",
                 item=lease.item_id,

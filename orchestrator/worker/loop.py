@@ -241,6 +241,11 @@ class Worker:
         self._file_gone = error
         self.request_stop(force=True)
 
+    def halt(self, error: RunStopped) -> None:
+        """Stop the run for a reason found outside the worker (its launched servers
+        all given up on); ``run`` raises it once the in-flight items are settled."""
+        self._halt(error)
+
     def _halt(self, error: RunStopped) -> None:
         """Stop the run for a reason the operator must act on; ``run`` raises it."""
         if self.halted is None:
@@ -289,16 +294,23 @@ class Worker:
 def _pool(
     config: WorkerConfig, client: InferenceClient, on_change: Callable[[], None]
 ) -> ServerPool:
-    """The servers, each with its cap; an ``auto`` cap gets its controller."""
+    """The servers, each with its cap and its budgets a minute; an ``auto`` cap gets
+    its controller."""
     caps: dict[str, int] = {}
     controllers: dict[str, Controller] = {}
+    budgets = {
+        server: config.server_budgets.get(server, (config.rpm, config.tpm))
+        for server in config.servers
+    }
     for server in config.servers:
         cap = config.server_caps.get(server, config.concurrency)
         if cap == "auto":
             controllers[server] = Controller(config.auto_limits)
             cap = controllers[server].cap
         caps[server] = cap
-    return ServerPool(caps, client, config, controllers=controllers, on_change=on_change)
+    return ServerPool(
+        caps, client, config, controllers=controllers, budgets=budgets, on_change=on_change
+    )
 
 
 def _sent(config: WorkerConfig, client: InferenceClient) -> dict[str, str]:
