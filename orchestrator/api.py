@@ -189,6 +189,8 @@ class Queue:
         tools_column: str | None = None,
         split: str | None = None,
         config: str | None = None,
+        endpoint: str | None = None,
+        logprobs: int | None = None,
     ) -> EnqueueReport:
         """Add records to ``dataset``: ``orchestrator enqueue``'s options by their Python
         names (``--hf-config`` is ``config``). All or nothing, unless ``skip_invalid``:
@@ -198,6 +200,10 @@ class Queue:
         folder, a glob, ``hf://ORG/NAME``), a ``datasets.Dataset`` / ``IterableDataset``
         (a ``DatasetDict`` with ``split``), a ``pyarrow.Table`` / ``RecordBatchReader``, a
         pandas ``DataFrame``, or dicts in any input format; ``json_schema``: a dict.
+
+        ``endpoint="completions"`` sends each row's plain prompt to ``/v1/completions``;
+        ``logprobs=K`` keeps each answer's token logprobs with K alternatives per token
+        (and the token ids where the server gives them).
         """
         from orchestrator.formats.columns import Columns
 
@@ -207,30 +213,19 @@ class Queue:
         policies = {"on_truncated": on_truncated, "on_invalid": on_invalid}
         given = {**named, "params": params or None, "concurrency": concurrency, **policies}
         given |= {"regenerate": regenerate, "on_overflow": on_overflow, "json_schema": json_schema}
+        given |= {"logprobs": logprobs}
+        columns = Columns(
+            prompt_column=prompt_column, messages_column=messages_column, template=template,
+            template_file=template_file, system=system, id_column=id_column,
+            tools_column=tools_column,
+        )  # fmt: skip
         options = EnqueueOptions(
-            dataset=dataset,
-            params=body,
-            concurrency=concurrency,
-            priority=priority,
-            format=format,
-            regenerate=regenerate,
-            on_overflow=on_overflow,
-            **policies,
-            passthrough=passthrough,
-            update=update,
+            dataset=dataset, params=body, concurrency=concurrency, priority=priority,
+            format=format, regenerate=regenerate, on_overflow=on_overflow, **policies,
+            passthrough=passthrough, update=update, columns=columns, split=split,
+            config=config, endpoint=endpoint, logprobs=logprobs,
             sampling=tuple(name for name, value in given.items() if value is not None),
-            columns=Columns(
-                prompt_column=prompt_column,
-                messages_column=messages_column,
-                template=template,
-                template_file=template_file,
-                system=system,
-                id_column=id_column,
-                tools_column=tools_column,
-            ),
-            split=split,
-            config=config,
-        )
+        )  # fmt: skip
         invalid: list[InputError] = []
         skip = invalid.append if skip_invalid else None
         report = await enqueue_source(self.database, options, records, on_invalid=skip)
@@ -379,6 +374,8 @@ class Queue:
         provenance: bool = False,
         per_turn: bool = False,
         parsed: bool = False,
+        logprobs: bool = False,
+        token_ids: bool = False,
     ) -> Results[dict[str, Any]]:
         """Done items as plain dicts, each the line ``export`` would write, in its order:
         an async iterator over one read transaction (:class:`Results`)."""
@@ -386,6 +383,7 @@ class Queue:
 
         names = _names("dataset", dataset, _DATASETS)
         more = {"per_turn": per_turn, "parsed": parsed}
+        more |= {"logprobs": logprobs, "token_ids": token_ids}
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         batches = line_batches(self.database, dataset_names=names, options=chosen)
         return self._held(Results(batches, orjson.loads))
@@ -450,10 +448,14 @@ class Queue:
         parsed: bool = False,
         shard_rows: int | None = None,
         card: str | os.PathLike[str] | None = None,
+        logprobs: bool = False,
+        token_ids: bool = False,
     ) -> ExportReport:
         """Write done items to ``out`` as ``orchestrator export`` does (all files, or none).
         ``report.summary`` names the rows ``format="specforge"`` skipped, by reason;
-        ``parsed``: each line gets its structured answer's JSON value (``export --parsed``)."""
+        ``parsed``: each line gets its structured answer's JSON value (``export --parsed``);
+        ``logprobs`` and ``token_ids`` add each answer's token columns
+        (``orchestrator.tokens.row_fields``)."""
         from orchestrator.formats.export import export_database
 
         checked("out", out, PATH)
@@ -461,6 +463,7 @@ class Queue:
         more = {"split": split, "include_failed": include_failed, "per_turn": per_turn}
         more["parsed"] = parsed
         more |= {"shard_rows": shard_rows, "card": card}
+        more |= {"logprobs": logprobs, "token_ids": token_ids}
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
 

@@ -20,7 +20,15 @@ from typing import Any, Protocol
 
 from orchestrator.errors import ConfigError
 from orchestrator.formats.choices import EXPORT_FORMATS, INPUT_FORMATS, REASONING_MODES
-from orchestrator.store.columns import INT_MAX, ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import (
+    ENDPOINTS,
+    INT_MAX,
+    ON_INVALID,
+    ON_OVERFLOW,
+    ON_TRUNCATED,
+    REGENERATE,
+)
+from orchestrator.tokens import MAX_TOP
 
 
 class Rule(Protocol):
@@ -304,6 +312,8 @@ DATASET: dict[str, Rule] = {
     "on_overflow": OrNone(Choice(ON_OVERFLOW)),
     "passthrough": FLAG,
     "update": FLAG,
+    "endpoint": OrNone(Choice(ENDPOINTS)),
+    "logprobs": OrNone(Integer(0, MAX_TOP)),
     "split": PART_NAME,
     "config": PART_NAME,
 }
@@ -334,5 +344,7 @@ EXPORT: dict[str, Rule] = {
     "include_failed": OrNone(PATH),
     "shard_rows": OrNone(Integer(minimum=1)),
     "card": OrNone(PATH),
+    "logprobs": FLAG,
+    "token_ids": FLAG,
     "per_turn": FLAG,
 }

@@ -67,6 +67,7 @@ from orchestrator import error_classes as ec
 from orchestrator.answer import Answer
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
+from orchestrator.tokens import BadTokens, Collector, Tokens
 
 log = structlog.get_logger(__name__)
 
@@ -182,9 +183,11 @@ _NO_LIMITS = RateLimits()
 
 @dataclass(frozen=True, slots=True)
 class Completion(Answer):
-    """One answer from a server (``orchestrator.answer.Answer``'s fields), and the rate
-    limits its headers said (not stored: the pacer's)."""
+    """One answer from a server (``orchestrator.answer.Answer``'s fields), the token ids
+    and logprobs it came with (``orchestrator.tokens``; None: the server gave none), and
+    the rate limits its headers said (not stored: the pacer's)."""
 
+    tokens: Tokens | None = None
     rate_limits: RateLimits | None = None
 
     @property
@@ -509,30 +512,22 @@ class InferenceClient:
             return False
 
     async def chat(
-        self, server: str, body: dict[str, Any], progress: Streamed | None = None
+        self,
+        server: str,
+        body: dict[str, Any],
+        progress: Streamed | None = None,
+        *,
+        endpoint: str = "chat",
     ) -> Completion:
-        """POST one chat completion and return it, or raise a classified error.
+        """POST one chat completion (``endpoint="completions"``: one raw completion of
+        ``body["prompt"]``) and return it, or raise a classified error.
 
         ``progress`` hears the completion tokens a stream's chunks say as they come (in
         every chunk with ``stream_usage``): what a request cut mid-way had generated."""
-        url = base_url(server) + "/v1/chat/completions"
-        body = dict(body)
+        raw = endpoint == "completions"
+        url = base_url(server) + ("/v1/completions" if raw else "/v1/chat/completions")
         stream = self.config.stream
-        body["stream"] = stream
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-            if self.config.stream_usage:
-                body["stream_options"]["continuous_usage_stats"] = True
-            timeout = aiohttp.ClientTimeout(
-                total=self.config.request_timeout,
-                connect=self.config.connect_timeout,
-                sock_read=self.config.stream_idle_timeout,
-            )
-        else:
-            body.pop("stream_options", None)
-            timeout = aiohttp.ClientTimeout(
-                total=self.config.request_timeout, connect=self.config.connect_timeout
-            )
+        body, timeout = self._prepared(body)
         started = time.monotonic()
         try:
             resp = await self._send(
@@ -549,9 +544,10 @@ class InferenceClient:
                 if resp.status != 200:
                     _raise_for_status(resp.status, await _read_prefix(resp), resp.headers)
                 if stream:
-                    completion = await self._read_stream(resp, server, started, progress)
+                    completion = await self._read_stream(resp, server, started, progress, raw=raw)
                 else:
-                    completion = self._parse(await _read_capped(resp, limit), resp, server, started)
+                    body_bytes = await _read_capped(resp, limit)
+                    completion = self._parse(body_bytes, resp, server, started, raw=raw)
                 limits = rate_limits(resp.headers)
                 if limits is None:
                     return completion
@@ -588,8 +584,34 @@ class InferenceClient:
                 f"{server} connection error: {exc}", error_class=ec.DISCONNECT
             ) from exc
 
+    def _prepared(self, body: dict[str, Any]) -> tuple[dict[str, Any], aiohttp.ClientTimeout]:
+        """The body as sent (streamed or not, with usage asked of a stream) and its
+        timeouts: a stream's idle gap is bounded, not only the whole request."""
+        body = dict(body)
+        stream = self.config.stream
+        body["stream"] = stream
+        if not stream:
+            body.pop("stream_options", None)
+            return body, aiohttp.ClientTimeout(
+                total=self.config.request_timeout, connect=self.config.connect_timeout
+            )
+        body["stream_options"] = {"include_usage": True}
+        if self.config.stream_usage:
+            body["stream_options"]["continuous_usage_stats"] = True
+        return body, aiohttp.ClientTimeout(
+            total=self.config.request_timeout,
+            connect=self.config.connect_timeout,
+            sock_read=self.config.stream_idle_timeout,
+        )
+
     def _parse(
-        self, raw: bytes, resp: aiohttp.ClientResponse, server: str, started: float
+        self,
+        body: bytes,
+        resp: aiohttp.ClientResponse,
+        server: str,
+        started: float,
+        *,
+        raw: bool = False,
     ) -> Completion:
         latency = time.monotonic() - started
         ctype = resp.headers.get("Content-Type", "")
@@ -598,14 +620,14 @@ class InferenceClient:
                 f"expected a JSON answer, got content type {ctype!r}", error_class=ec.BAD_RESPONSE
             )
         try:
-            doc = orjson.loads(raw)
+            doc = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise TransientError(f"unparsable answer: {exc}", error_class=ec.BAD_RESPONSE) from exc
         choices = doc.get("choices") if isinstance(doc, dict) else None
         if not choices or not isinstance(choices[0], dict):
             raise TransientError("the answer has no choices", error_class=ec.BAD_RESPONSE)
         choice = choices[0]
-        message = choice.get("message")
+        message = {"content": choice.get("text")} if raw else choice.get("message")
         if not isinstance(message, dict):
             raise TransientError("the answer's choice has no message", error_class=ec.BAD_RESPONSE)
         usage = with_cached(doc.get("usage"), doc.get("timings"))
@@ -620,6 +642,8 @@ class InferenceClient:
             server=server,
             model=doc.get("model"),
             response_id=doc.get("id"),
+            tokens=_tokens_of([choice]),
+            raw=raw,
         )
 
     async def _data_events(self, resp: aiohttp.ClientResponse, server: str) -> AsyncIterator[bytes]:
@@ -652,6 +676,8 @@ class InferenceClient:
         server: str,
         started: float,
         progress: Streamed | None = None,
+        *,
+        raw: bool = False,
     ) -> Completion:
         """A streamed answer, complete once its ``finish_reason`` has come: what follows
         (the usage chunk, ``[DONE]``) is read when the server sends it, but a stream that
@@ -663,7 +689,7 @@ class InferenceClient:
                 f"expected an event stream, got content type {ctype!r}",
                 error_class=ec.BAD_RESPONSE,
             )
-        got = _Streamed()
+        got = _Streamed(raw=raw)
         try:
             async for data in self._data_events(resp, server):
                 if data == b"[DONE]":
@@ -696,6 +722,8 @@ class InferenceClient:
             server=server,
             model=got.model,
             response_id=got.response_id,
+            tokens=_tokens_of(got.choices),
+            raw=raw,
         )
 
 
@@ -708,6 +736,17 @@ class Streamed:
     def said(self, tokens: Any) -> None:
         if type(tokens) is int and 0 <= tokens <= _MAX_TOKENS:
             self.tokens = tokens
+
+
+def _tokens_of(choices: list[dict[str, Any]]) -> Tokens | None:
+    """The tokens the choices say (a streamed answer's in order), or ``bad_response``."""
+    collector = Collector()
+    try:
+        for choice in choices:
+            collector.add(choice)
+        return collector.result()
+    except BadTokens as exc:
+        raise _bad(f"unreadable logprobs or token ids: {exc}") from exc
 
 
 #: How a stream can end other than by ``[DONE]`` or a clean close: the connection broken
@@ -753,6 +792,10 @@ class _Streamed:
     timings: Any = None
     model: Any = None
     response_id: Any = None
+    #: A raw completion's stream (``text`` in each choice, not a ``delta``).
+    raw: bool = False
+    #: The choices that carry logprobs or token ids, in order.
+    choices: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, data: bytes) -> None:
         """One ``data:`` payload: a chunk object, or ``bad_response``."""
@@ -771,7 +814,13 @@ class _Streamed:
         if isinstance(chunk.get("timings"), dict):
             self.timings = chunk["timings"]
         for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
+            if not isinstance(choice, dict):
+                raise TransientError(
+                    "a stream choice is not an object", error_class=ec.BAD_RESPONSE
+                )
+            if choice.get("logprobs") or _TOKEN_IDS.intersection(choice):
+                self.choices.append(choice)
+            delta = {"content": choice.get("text")} if self.raw else choice.get("delta") or {}
             if isinstance(delta.get("content"), str):
                 self.content.append(delta["content"])
             piece = _reasoning_of(delta)
@@ -795,6 +844,9 @@ def _counted(said: Any, *args: Any, **kwargs: Any) -> Completion:
         raise
 
 
+_TOKEN_IDS = frozenset(("token_ids", "response_token_ids"))
+
+
 def _completion(
     content: Any,
     reasoning: str | None,
@@ -806,6 +858,8 @@ def _completion(
     server: str,
     model: Any,
     response_id: Any,
+    tokens: Tokens | None = None,
+    raw: bool = False,
 ) -> Completion:
     """Check a received answer and build its Completion, the same for both transports.
 
@@ -814,13 +868,14 @@ def _completion(
     data or cannot be stored at all. Reasoning is split out of the content only when the
     server sent none apart: a server
     without a reasoning parser leaves the model's think tags in the content. A tool-call
-    answer with empty content says ``None``, as a non-streaming server does.
+    answer with empty content says ``None``, as a non-streaming server does. A raw
+    completion (``raw``) is the text as generated: nothing is split out of it.
     """
     content, tool_calls, finish_reason = _checked_answer(content, tool_calls, finish_reason)
     usage = _checked_usage(usage)
     model, response_id = _identifier(model, "model"), _identifier(response_id, "id")
     unclosed = False
-    if reasoning is None and isinstance(content, str):
+    if reasoning is None and isinstance(content, str) and not raw:
         reasoning, content, unclosed = split_think(content)
     if tool_calls and content == "":
         content = None
@@ -842,6 +897,7 @@ def _completion(
             finish_reason=finish_reason,
             unclosed_think=unclosed,
         ),
+        tokens=tokens,
     )
 
 

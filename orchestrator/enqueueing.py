@@ -54,6 +54,11 @@ class EnqueueOptions:
     split: str | None = None
     config: str | None = None
     """A Hub dataset's (or DatasetDict's) split, and a Hub dataset's configuration."""
+    endpoint: str | None = None
+    """chat or completions (``/v1/completions``, plain prompts); None: the dataset's, else
+    chat. Fixed when the dataset is created."""
+    logprobs: int | None = None
+    """Keep each answer's token logprobs and this many top alternatives per token."""
     spelling: Mapping[str, str] = field(default_factory=dict)
     """Option names in the caller's words for messages (``prompt_column`` ->
     ``--prompt-column``); the key itself where absent."""
@@ -85,6 +90,7 @@ def read(
     config: str | None,
     spelling: Mapping[str, str] | None = None,
     on_invalid: Callable[[InputError], None] | None = None,
+    endpoint: str = "chat",
 ) -> Reading[Any]:
     """``source`` opened and checked for a dataset read this way, its rows not read yet:
     the one reading every enqueue (a command's, the API's, a run file's) goes through."""
@@ -101,7 +107,25 @@ def read(
         split=split,
         config=config,
         say=lambda key: names.get(key, key),
+        endpoint=endpoint,
     )
+
+
+def _check_endpoint(
+    name: str, endpoint: str, mode: str, passthrough: bool, logprobs: int | None
+) -> None:
+    """Raw completions are one prompt, one answer; a conversation's turns keep no logprobs."""
+    if endpoint == "completions" and (passthrough or mode == "all"):
+        kind = "pass-through" if passthrough else "regenerate all"
+        raise ConfigError(
+            f"dataset {name!r}: --endpoint completions sends one plain prompt per row; "
+            f"it does not go with {kind}"
+        )
+    if logprobs is not None and mode == "all":
+        raise ConfigError(
+            f"dataset {name!r}: --logprobs keeps one answer's tokens; it does not go with "
+            "regenerate all (each turn is a separate answer)"
+        )
 
 
 async def store_reading(
@@ -140,6 +164,7 @@ async def enqueue_source(
 ) -> EnqueueReport:
     """Read ``source`` the way its dataset is made and add its items in one transaction."""
     from orchestrator.checks import RECORDS, checked
+    from orchestrator.params import logprob_params
     from orchestrator.store import DatasetSpec
     from orchestrator.store.datasets import get_dataset
 
@@ -153,9 +178,11 @@ async def enqueue_source(
             f"no request is sent, so {', '.join(options.sampling)} do not apply"
         )
     mode = options.regenerate or (info.regenerate if info else "last")
+    endpoint = options.endpoint or (info.endpoint if info else "chat")
+    _check_endpoint(name, endpoint, mode, passing, options.logprobs)
     spec = DatasetSpec(
         name=name,
-        params=options.params,
+        params={**options.params, **logprob_params(endpoint, options.logprobs)},
         concurrency=options.concurrency,
         priority=options.priority,
         regenerate=mode,
@@ -163,9 +190,11 @@ async def enqueue_source(
         on_invalid=options.on_invalid,
         on_overflow=options.on_overflow,
         passthrough=passing,
+        endpoint=options.endpoint,
     )
     reading = read(
         source,
+        endpoint=endpoint,
         fmt=options.format,
         regenerate=mode,
         passthrough=passing,
@@ -272,6 +301,7 @@ async def enqueue_plans(
 def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
     from orchestrator.store import DatasetSpec
 
+    _check_endpoint(plan.name, plan.endpoint, plan.regenerate, plan.passthrough, plan.logprobs)
     return DatasetSpec(
         name=plan.name,
         params=plan.params,
@@ -282,4 +312,5 @@ def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
         on_invalid=plan.on_invalid,
         on_overflow=plan.on_overflow,
         passthrough=plan.passthrough,
+        endpoint=plan.endpoint,
     )

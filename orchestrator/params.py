@@ -104,3 +104,13 @@ def problems(body: Mapping[str, object]) -> list[tuple[str, str]]:
         elif want := expected(name, value):
             found.append((name, f"must be {want}, got {shown(value)}"))
     return found
+
+
+def logprob_params(endpoint: str, logprobs: int | None) -> dict[str, Any]:
+    """The request fields that ask for ``logprobs`` top alternatives per token: chat
+    takes ``logprobs: true`` and ``top_logprobs``, a raw completion ``logprobs: K``."""
+    if logprobs is None:
+        return {}
+    if endpoint == "completions":
+        return {"logprobs": logprobs}
+    return {"logprobs": True, "top_logprobs": logprobs}

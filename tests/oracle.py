@@ -242,3 +242,54 @@ def dataset_of(key: str, modes: Mapping[str, str]) -> str:
     if name not in modes:
         raise KeyError(f"{key}: no dataset named by the key")
     return name
+
+
+# ---------------------------------------------------------------- tokens and logprobs
+# The simulated server's tokens, from its documented rule (orchestrator/sim/logprobs.py's
+# docstring), written again here rather than imported: position i of the answer to a
+# request of digest D is token u32(h[0:4]) % 32000 at logprob -(u16(h[4:6]) % 512) / 64,
+# h = sha256(f"{D}:{i}"); its k alternatives are itself, then (id + 7919 j) % 32000 at
+# logprob - j / 4; an alternative's text is " t<id>".
+
+
+def sim_token(digest: str, i: int) -> tuple[int, float]:
+    import hashlib
+
+    h = hashlib.sha256(f"{digest}:{i}".encode()).digest()
+    return int.from_bytes(h[:4], "little") % 32000, -(int.from_bytes(h[4:6], "little") % 512) / 64
+
+
+def check_tokens(key: str, line: Mapping[str, Any], asked: Any, k: int, v: Verdict) -> None:
+    """An exported line's token columns (``export --logprobs --token-ids``) against the
+    answer the simulator gave to ``asked`` (the messages, or a raw completion's prompt):
+    one entry per generated token, each id and logprob its rule's, the top ``k`` in order.
+    With ids exported, no texts; without, the texts spell the answer."""
+    from orchestrator.sim import request_digest
+
+    digest = request_digest(asked)
+    n = line["usage"]["completion_tokens"]
+    want = [sim_token(digest, i) for i in range(n)]
+    if line["token_logprobs"] != [lp for _, lp in want]:
+        v.fault(key, "token logprobs differ from the answer's")
+    tops = line["top_logprobs"]
+    if tops != [[lp - j / 4 for j in range(k)] for _, lp in want]:
+        v.fault(key, "top logprobs differ from the answer's")
+    ids = line.get("token_ids")
+    if ids is not None:
+        if ids != [t for t, _ in want]:
+            v.fault(key, "token ids differ from the answer's")
+        if "tokens" in line:
+            v.fault(key, "token texts exported beside their ids")
+    else:
+        text = line.get("completion")
+        if text is None:
+            text = line["messages"][-1]["content"]
+        if "".join(line["tokens"]) != text:
+            v.fault(key, "token texts do not spell the answer")
+    if "top_tokens" in line:
+        alternatives = [[f" t{(t + 7919 * j) % 32000}" for j in range(1, k)] for t, _ in want]
+        if [row[1:] for row in line["top_tokens"]] != alternatives:
+            v.fault(key, "top token texts differ from the answer's")
+    elif line.get("top_token_ids") != [[(t + 7919 * j) % 32000 for j in range(k)] for t, _ in want]:
+        v.fault(key, "top token ids differ from the answer's")
+    v.answers += 1

@@ -35,6 +35,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "procinfo",
             "quality",
             "structured",
+            "tokens",
             "urls",
         }
     ),

@@ -349,3 +349,71 @@ def test_context_refusal_fails_as_context_overflow(tmp_path: Path) -> None:
             assert state == "done", (key, error)
     flags = query(db, "SELECT count(*) FROM outputs WHERE flags & 256 != 0")[0][0]
     assert flags == 0
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "stream"),
+    [("completions", False), ("completions", True), ("chat", False)],
+    ids=["completions", "completions-stream", "chat"],
+)
+def test_logprobs_and_token_ids_as_llama_cpp_gives_them(
+    llama: str, tmp_path: Path, endpoint: str, stream: bool
+) -> None:
+    """llama.cpp names every token's id in its logprobs (``n_probs``, which its OAI
+    routes take as ``logprobs``/``top_logprobs``): they are kept and exported, one per
+    generated token, and its own ``/detokenize`` spells the stored answer from them.
+    Greedy (temperature 0), so each token is the first of its alternatives."""
+    db = tmp_path / "q.db"
+    if endpoint == "completions":
+        rows = [{"id": f"r{i}", "prompt": f"Once upon a time, stone {i}"} for i in range(6)]
+    else:
+        rows = [
+            {"id": f"r{i}", "messages": [{"role": "user", "content": f"A stone {i}?"}]}
+            for i in range(6)
+        ]
+    enqueue(
+        db,
+        rows,
+        "lp",
+        "--endpoint",
+        endpoint,
+        "--logprobs",
+        "3",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+    )
+    result = cli(
+        "run",
+        "--server",
+        llama,
+        "--db",
+        str(db),
+        "--exit-when-done",
+        *(["--stream"] if stream else []),
+    )
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out.jsonl"
+    shape = ["--format", "completions"] if endpoint == "completions" else []
+    result = cli("export", str(out), "--db", str(db), "--logprobs", "--token-ids", *shape)
+    assert result.returncode == 0, result.stderr
+    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert [line["id"] for line in lines] == [row["id"] for row in rows]
+    for line in lines:
+        n = line["usage"]["completion_tokens"]
+        ids = line["token_ids"]
+        assert len(line["token_logprobs"]) == len(ids), line
+        assert "tokens" not in line  # ids given: no texts kept
+        assert all(len(top) == 3 for top in line["top_token_ids"]), line
+        assert [top[0] for top in line["top_token_ids"]] == ids
+        assert [top[0] for top in line["top_logprobs"]] == line["token_logprobs"]
+        assert all(top == sorted(top, reverse=True) for top in line["top_logprobs"])
+        if endpoint == "chat":
+            # llama.cpp's chat route may give fewer entries than tokens generated (a
+            # token holding part of a UTF-8 character shares the next one's entry):
+            # kept as it gives them.
+            assert 0 < len(ids) <= n, line
+            continue
+        assert len(ids) == n, line
+        assert post(llama, "/detokenize", {"tokens": ids})["content"] == line["completion"]

@@ -21,7 +21,7 @@ from orchestrator.cli.common import (
     tty_progress,
 )
 from orchestrator.formats.choices import INPUT_FORMATS
-from orchestrator.store.columns import ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import ENDPOINTS, ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
 
 if TYPE_CHECKING:
     from orchestrator.enqueueing import Enqueued, EnqueueOptions, PlanFailed
@@ -47,6 +47,8 @@ _SETTINGS = (
     ("--on-overflow", "on_overflow"),
     ("--json-schema", "json_schema"),
     ("--passthrough", "passthrough"),
+    ("--endpoint", "endpoint"),
+    ("--logprobs", "logprobs"),
     ("--prompt-column", "prompt_column"),
     ("--messages-column", "messages_column"),
     ("--template", "template"),
@@ -79,6 +81,7 @@ _SAMPLING = (
     "--on-invalid",
     "--on-overflow",
     "--json-schema",
+    "--logprobs",
 )
 
 
@@ -160,6 +163,20 @@ _SAMPLING = (
     is_flag=True,
     help="The rows already hold the answer (conversations ending with it, or tokens rows): "
     "stored as done, no request sent. Fixed when the dataset is created.",
+)
+@click.option(
+    "--endpoint",
+    type=click.Choice(ENDPOINTS),
+    help="chat: /v1/chat/completions; completions: /v1/completions with each row's plain "
+    "prompt, no chat template (base models, few-shot prompts). Fixed when the dataset is "
+    "created (default: the dataset's, else chat).",
+)
+@click.option(
+    "--logprobs",
+    metavar="K",
+    type=Checked(DATASET["logprobs"]),
+    help="Keep each answer's token logprobs and the K most likely alternatives per token "
+    "(and the token ids where the server gives them); export --logprobs writes them.",
 )
 @click.option(
     "--update",
@@ -319,6 +336,8 @@ def _options(
         on_invalid=settings["on_invalid"],
         on_overflow=settings["on_overflow"],
         passthrough=settings["passthrough"],
+        endpoint=settings["endpoint"],
+        logprobs=settings["logprobs"],
         update=update,
         sampling=tuple(sampling),
         columns=Columns(**{name: _unescaped(name, settings[name]) for name in _COLUMN_OPTIONS}),

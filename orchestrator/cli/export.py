@@ -36,9 +36,10 @@ if TYPE_CHECKING:
     default="messages",
     show_default=True,
     help="Line format: OpenAI messages, ShareGPT (EAGLE-3 trainers), the OpenAI Batch API "
-    "output (failed items in OUT.errors.jsonl) or SpecForge's regenerated data (rows its "
-    "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl); or parquet: "
-    "the messages rows as a Parquet table.",
+    "output (failed items in OUT.errors.jsonl), SpecForge's regenerated data (rows its "
+    "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl), "
+    "completions: prompt and completion (datasets enqueued with --endpoint completions); "
+    "or parquet: the messages rows as a Parquet table.",
 )
 @click.option(
     "--reasoning",
@@ -100,6 +101,17 @@ if TYPE_CHECKING:
     help="Add parsed: the answer's JSON value, for datasets asking for structured output "
     "(response_format, --json-schema); null where the answer is not the JSON asked for.",
 )
+@click.option(
+    "--logprobs",
+    is_flag=True,
+    help="Add each answer's token logprobs: token_logprobs, top_token_ids (top_tokens when "
+    "the server gave no ids) and top_logprobs, per token (enqueue --logprobs K).",
+)
+@click.option(
+    "--token-ids",
+    is_flag=True,
+    help="Add token_ids: the ids of the tokens the model produced, where the server gave them.",
+)
 @db_option
 def export(
     out: Path,
@@ -114,6 +126,8 @@ def export(
     provenance: bool,
     per_turn: bool,
     parsed: bool,
+    logprobs: bool,
+    token_ids: bool,
     db: str | None,
 ) -> None:
     """Write done items to OUT as JSONL, by dataset then input order.
@@ -124,6 +138,7 @@ def export(
     """
     files = {"split": split, "include_failed": include_failed, "shard_rows": shard_rows}
     files |= {"card": card, "per_turn": per_turn, "parsed": parsed}
+    files |= {"logprobs": logprobs, "token_ids": token_ids}
     chosen = run_sync(lambda: _options(fmt, reasoning, exclude_flags, provenance, **files))
     with progress_shown(f"writing {out}:") as progress:
         report = _export_any(db, out, datasets, chosen, progress)

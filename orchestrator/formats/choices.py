@@ -12,9 +12,17 @@ INPUT_FORMATS: tuple[str, ...] = ("auto", *LINE_FORMATS, "tokens")
 """What a file may be declared as: ``auto`` takes any mix of ``LINE_FORMATS`` (and of
 messages, sharegpt and tokens rows when passing through); ``tokens`` is for pass-through
 only."""
-EXPORT_FORMATS: tuple[str, ...] = ("messages", "sharegpt", "openai-batch", "specforge", "parquet")
+EXPORT_FORMATS: tuple[str, ...] = (
+    "messages",
+    "sharegpt",
+    "openai-batch",
+    "specforge",
+    "completions",
+    "parquet",
+)
 """The export's formats: OpenAI messages, ShareGPT, OpenAI Batch API output, SpecForge's
-regenerated data (JSONL lines), and Parquet (the messages rows as a table)."""
+regenerated data, ``prompt``/``completion`` pairs (the datasets enqueued with
+``--endpoint completions``), all JSONL lines, and Parquet (the messages rows as a table)."""
 TABLE_FORMATS: tuple[str, ...] = ("parquet",)
 """The export formats written as tables (``formats.writers``) rather than lines."""
 REASONING_MODES: tuple[str, ...] = ("separate", "inline", "drop")

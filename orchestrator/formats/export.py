@@ -114,6 +114,9 @@ class ExportOptions:
     split: bool = False
     # Where failed items go (for openai-batch, instead of OUT.errors.jsonl).
     include_failed: str | os.PathLike[str] | None = None
+    # Each answer's token logprobs and top-k, and its token ids (orchestrator.tokens).
+    logprobs: bool = False
+    token_ids: bool = False
     # One line per generated assistant turn (writers.turns).
     per_turn: bool = False
     # A table format's --split: at most this many rows per shard (None: SHARD_ROWS).
@@ -146,6 +149,8 @@ class ExportOptions:
             and not self.exclude_flags
             and not self.provenance
             and not self.parsed
+            and not self.logprobs
+            and not self.token_ids
             and not self.per_turn
         )
 
@@ -335,6 +340,7 @@ class _Lines:
         index: _Index | None = None,
         skip: Callable[[bytes], object] | None = None,
     ):
+        check_shape(options, dataset)
         self.dataset = dataset
         self.options = options
         # The file holds other datasets' lines too: ids must say whose each line is.
@@ -412,7 +418,18 @@ class _Lines:
             return self._token_line(key, request)
         usage = orjson.Fragment(usage_json) if usage_json else None
         line: dict[str, Any]
-        if self.options.format == "openai-batch":
+        if self.options.format == "completions":
+            line = {
+                "id": key,
+                "dataset": self.dataset.name,
+                "prompt": request.get("prompt"),
+                "completion": orjson.loads(message_json).get("content"),
+                "finish_reason": finish_reason,
+                "usage": usage,
+            }
+            if self.options.provenance:
+                line.update(self._provenance(row))
+        elif self.options.format == "openai-batch":
             if passthrough:
                 last = request["messages"][-1] if request["messages"] else None
                 message = (
@@ -454,6 +471,8 @@ class _Lines:
                 line.update(self._provenance(row))
         if self.options.parsed:
             line["parsed"] = None if passthrough else _parsed(request, message_json, row[13])
+        if self.options.logprobs or self.options.token_ids:
+            line.update(token_fields(row[14], self.options))
         return line
 
     def _id(self, key: str) -> str:
@@ -586,6 +605,15 @@ def _parsed(request: dict[str, Any], message_json: str, params_json: str | None)
 # ---------------------------------------------------------------------- files
 
 
+def token_fields(packed: bytes | None, options: ExportOptions) -> dict[str, Any]:
+    """An answer's token columns as the options ask (``orchestrator.tokens.row_fields``):
+    the one place a line (or a table's row) gets them."""
+    from orchestrator.tokens import row_fields, unpack
+
+    tokens = unpack(bytes(packed)) if packed is not None else None
+    return row_fields(tokens, logprobs=options.logprobs, token_ids=options.token_ids)
+
+
 def errors_path(out: str | os.PathLike[str]) -> Path:
     """``train.jsonl`` → ``train.errors.jsonl``: where the batch format's failures go."""
     path = Path(out)
@@ -625,7 +653,38 @@ STDOUT = Path("-")
 
 def _fast(options: ExportOptions, dataset: DatasetRef) -> bool:
     """Whether the dataset's lines are written from the narrow rows (``write_lines``)."""
-    return options.plain and dataset.regenerate == "last" and not dataset.passthrough
+    return (
+        options.plain
+        and dataset.regenerate == "last"
+        and not dataset.passthrough
+        and dataset.endpoint == "chat"
+    )
+
+
+def check_shape(options: ExportOptions, dataset: DatasetRef) -> None:
+    """A dataset of raw completions has no conversation to write, a chat dataset no plain
+    prompt: the other format is refused, naming the dataset and the one to use."""
+    raw = dataset.endpoint == "completions"
+    if raw and options.format != "completions":
+        raise ConfigError(
+            f"dataset {dataset.name!r} holds raw completions (--endpoint completions): export "
+            f"it with --format completions (prompt and completion), not {options.format}"
+        )
+    if not raw and options.format == "completions":
+        raise ConfigError(
+            f"dataset {dataset.name!r} holds chat answers: --format completions is for "
+            "datasets enqueued with --endpoint completions"
+        )
+    if (options.logprobs or options.token_ids) and options.format in ("openai-batch", "specforge"):
+        raise ConfigError(
+            f"--logprobs and --token-ids add columns the {options.format} line has no place "
+            "for: export them with --format messages, sharegpt or completions"
+        )
+    if (options.logprobs or options.token_ids or raw) and options.per_turn:
+        raise ConfigError(
+            "--per-turn splits a conversation into its turns: an answer's tokens (and a raw "
+            "completion) belong to one line; export without --per-turn"
+        )
 
 
 def plain_rows(options: ExportOptions, dataset: DatasetRef) -> bool:

@@ -27,6 +27,7 @@ table's row (numbered from 1, as lines are).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -158,6 +159,7 @@ def iter_records(
     split: str | None = None,
     config: str | None = None,
     say: Say | None = None,
+    endpoint: str = "chat",
 ) -> Reading[Record]:
     """Yield one ``Record`` per row of ``source`` (``formats.source.open_source``: a
     path, a folder, a glob, ``-``, ``hf://``, a table or rows in memory).
@@ -172,10 +174,21 @@ def iter_records(
     ``regenerate="all"`` keeps whole conversations and counts their turns;
     ``passthrough`` reads rows that hold their answer (see the module docstring);
     ``columns`` read rows by their columns. An impossible combination raises
-    ``ConfigError`` here.
+    ``ConfigError`` here. ``endpoint="completions"`` takes plain prompts only, each as
+    ``{"prompt": ...}`` (:func:`prompt_request`).
     """
     return _reading(
-        "record", source, on_invalid, fmt, regenerate, passthrough, columns, split, config, say
+        "record",
+        source,
+        on_invalid,
+        fmt,
+        regenerate,
+        passthrough,
+        columns,
+        split,
+        config,
+        say,
+        endpoint,
     )
 
 
@@ -190,11 +203,23 @@ def iter_prepared(
     split: str | None = None,
     config: str | None = None,
     say: Say | None = None,
+    endpoint: str = "chat",
 ) -> Reading[Prepared] | Reading[PreparedItem]:
     """``iter_records`` for bulk loading: the same rows, checks and errors, as ``Prepared``
-    (``PreparedItem`` when read for ``regenerate="all"`` or pass-through)."""
+    (``PreparedItem`` when read for ``regenerate="all"`` or pass-through). For the
+    ``completions`` endpoint each row must be a plain prompt, stored as ``{"prompt"}``."""
     return _reading(
-        "prepared", source, on_invalid, fmt, regenerate, passthrough, columns, split, config, say
+        "prepared",
+        source,
+        on_invalid,
+        fmt,
+        regenerate,
+        passthrough,
+        columns,
+        split,
+        config,
+        say,
+        endpoint,
     )
 
 
@@ -229,6 +254,7 @@ def _reading(
     split: str | None = None,
     config: str | None = None,
     say: Say | None = None,
+    endpoint: str = "chat",
 ) -> Reading[Any]:
     """The one way every entry point reads: options checked, the source resolved, then
     the rows, lazily."""
@@ -236,7 +262,7 @@ def _reading(
     mapper = check_columns(columns, fmt=fmt, mode=mode, say=say or _same)
     wanted = template_columns(columns) if mapper is not None and columns is not None else None
     source = spec if _is_source(spec) else open_source(spec, split=split, config=config)
-    parsers = _Parsers(kind, mode, fmt, mapper)
+    parsers = _Parsers(kind, mode, fmt, mapper, raw=endpoint == "completions")
     return Reading(source, parsers, on_invalid, wanted)  # type: ignore[arg-type]
 
 
@@ -380,7 +406,16 @@ class _Parsers:
     """The per-row function of one read, made for each part: how its raw rows become
     what is yielded (``Record``, ``Prepared`` or ``PreparedItem``)."""
 
-    def __init__(self, kind: str, mode: str, fmt: str, mapper: Callable[[dict], Mapped] | None):
+    def __init__(
+        self,
+        kind: str,
+        mode: str,
+        fmt: str,
+        mapper: Callable[[dict], Mapped] | None,
+        *,
+        raw: bool = False,
+    ):
+        self.raw = raw
         self.kind = kind
         self.mode = mode
         self.fmt = fmt
@@ -388,6 +423,10 @@ class _Parsers:
         self.item_parser = mapper or ITEM_PARSERS[mode, fmt == "tokens"]
 
     def for_part(self, part: Part, offset: int) -> Callable[[Raw, int], Any]:
+        parse = self._for_part(part, offset)
+        return _as_prompt(parse) if self.raw else parse
+
+    def _for_part(self, part: Part, offset: int) -> Callable[[Raw, int], Any]:
         plain = self.mode == "last" and self.mapper is None
         if plain and part.key is None and offset == 0 and part.unit == "line":
             # A JSONL file named directly: nearly every large run's path.
@@ -422,6 +461,45 @@ def _only(fmt: str, parse: Callable[[Any, int], _L]) -> Callable[[Any, int], _L]
         return item
 
     return parse_only
+
+
+def prompt_request(request: dict[str, Any]) -> dict[str, Any]:
+    """A chat request of one user message as a raw completion's: ``{"prompt": ...}`` and
+    its other fields. Anything more (a system message, turns, tools) has no plain-prompt
+    form: ``RowError``, never a prompt silently cut down."""
+    messages = request.get("messages")
+    only = messages[0] if isinstance(messages, list) and len(messages) == 1 else None
+    if not (
+        isinstance(only, dict)
+        and only.get("role") == "user"
+        and isinstance(only.get("content"), str)
+        and set(only) <= {"role", "content"}
+    ):
+        raise RowError(
+            "the completions endpoint sends a plain prompt: the row must be one "
+            '({"prompt": "..."} or --prompt-column, without a system message), not a '
+            "conversation"
+        )
+    if "tools" in request:
+        raise RowError("the completions endpoint takes no tools")
+    rest = {k: v for k, v in request.items() if k != "messages"}
+    return {"prompt": only["content"], **rest}
+
+
+def _as_prompt(parse: Callable[[Raw, int], Any]) -> Callable[[Raw, int], Any]:
+    """``parse``, each row's request made a raw completion's (:func:`prompt_request`)."""
+
+    def parse_prompt(raw: Raw, number: int) -> Any:
+        item = parse(raw, number)
+        if isinstance(item, Record):
+            request = prompt_request(item.request)
+            digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+            return dataclasses.replace(item, request=request, digest=digest)
+        request = prompt_request(orjson.loads(item.body))
+        digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+        return item._replace(digest=digest, body=_dumps(request).decode())
+
+    return parse_prompt
 
 
 def _parse_line(raw: bytes, lineno: int) -> Record:

@@ -56,7 +56,8 @@ from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats import columns as row_columns
 from orchestrator.formats.readers import INPUT_FORMATS, PASSTHROUGH_FORMATS
 from orchestrator.formats.source import open_source
-from orchestrator.store.columns import ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
+from orchestrator.params import logprob_params
+from orchestrator.store.columns import ENDPOINTS, ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
 
 __all__ = ["FORMATS", "DatasetPlan", "Problem", "RunConfigError", "load_prices", "load_run"]
 
@@ -66,7 +67,14 @@ format, as ``enqueue`` does; ``tokens`` is pass-through only."""
 # Request body fields with keys of their own (checked); extra_body holds the rest.
 _BODY_KEYS = ("model", "max_tokens", "temperature", "top_p", "chat_template_kwargs")
 # Keys that shape requests: meaningless on a pass-through dataset.
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body")
+_SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "chat_template_kwargs",
+    "extra_body",
+    "logprobs",
+)
 _REQUEST_KEYS = ("concurrency", "regenerate", "on_truncated", "on_invalid", "on_overflow")
 # extra_body keys that would bypass a check (the rest go through orchestrator.params).
 _EXTRA_BODY_REFUSED = {
@@ -116,6 +124,10 @@ class DatasetPlan:
     config: str | None = None
     columns: row_columns.Columns | None = None
     """How rows are read by their columns; None: as JSONL lines."""
+    endpoint: str = "chat"
+    """``chat`` or ``completions`` (each row's plain prompt to ``/v1/completions``)."""
+    logprobs: int | None = None
+    """Top alternatives kept per token with each token's logprob; None: no logprobs."""
 
     @property
     def source(self) -> str:
@@ -133,6 +145,7 @@ class DatasetPlan:
             "columns": self.columns,
             "split": self.split,
             "config": self.config,
+            "endpoint": self.endpoint,
         }
 
 
@@ -342,6 +355,8 @@ _CHECKS: dict[str, Check] = {
     "on_truncated": _choice(ON_TRUNCATED),
     "on_invalid": _choice(ON_INVALID),
     "on_overflow": _choice(ON_OVERFLOW),
+    "endpoint": _choice(ENDPOINTS),
+    "logprobs": _by(checks.DATASET["logprobs"].expected),
     "chat_template_kwargs": _table,
     "extra_body": _extra_body,
     "hf": _string,
@@ -641,6 +656,8 @@ def _plan(own: dict[str, Any], defaults: dict[str, Any], file: Path) -> DatasetP
         params["chat_template_kwargs"] = kwargs
     extra = {**defaults.get("extra_body", {}), **own.get("extra_body", {})}
     params.update({k: v for k, v in extra.items() if v is not None})
+    endpoint = value("endpoint", "chat")
+    params.update(logprob_params(endpoint, value("logprobs")))
     return DatasetPlan(
         name=own["name"],
         file=file,
@@ -653,4 +670,6 @@ def _plan(own: dict[str, Any], defaults: dict[str, Any], file: Path) -> DatasetP
         passthrough=False,
         on_invalid=value("on_invalid", _REQUEST_DEFAULTS["on_invalid"]),
         on_overflow=value("on_overflow", _REQUEST_DEFAULTS["on_overflow"]),
+        endpoint=endpoint,
+        logprobs=value("logprobs"),
     )

@@ -33,6 +33,7 @@ import orjson
 from aiohttp import web
 
 from orchestrator.quality import split_think
+from orchestrator.sim import logprobs as sim_tokens
 from orchestrator.sim.batching import BatchModel, Seq
 from orchestrator.sim.config import DEFAULT_MODEL, FAULT_KINDS, SimConfig
 from orchestrator.sim.lengths import dataset_of, quantile
@@ -463,7 +464,9 @@ async def _auth_middleware(
     return await handler(request)
 
 
-def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
+def _validate(state: _State, raw: bytes, *, plain: bool = False) -> dict[str, Any] | web.Response:
+    """The request body, or the refusal a server gives it; ``plain``: a raw completion's
+    (a ``prompt`` string where a chat request has messages)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -473,6 +476,14 @@ def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
     missing = [name for name in state.config.required_fields if name not in body]
     if missing:
         return _unprocessable(body, missing)
+    if plain:
+        if not isinstance(body.get("prompt"), str) or not body["prompt"]:
+            return _bad_request("'prompt' must be a non-empty string")
+        if "messages" in body:
+            return _bad_request("a completion takes a 'prompt', not 'messages'")
+        if body.get("logprobs") is not None and sim_tokens.asked(body, True) is None:
+            return _bad_request("'logprobs' must be a non-negative integer")
+        body = {**body, "messages": [{"role": "user", "content": body["prompt"]}]}
     messages = body.get("messages")
     if messages is None:
         return _bad_request("'messages' is a required property")
@@ -582,11 +593,14 @@ def _tool_to_call(body: dict[str, Any], digest: str, config: SimConfig) -> str |
     return first if draw < config.tool_call_rate else None
 
 
-def _generate(body: dict[str, Any], digest: str, config: SimConfig, *, empty: bool) -> _Answer:
+def _generate(
+    body: dict[str, Any], digest: str, config: SimConfig, *, empty: bool, plain: bool = False
+) -> _Answer:
     """The answer to ``body``: reasoning first, then content or a tool call, cut by the
-    request's token limit wherever it falls."""
+    request's token limit wherever it falls. A raw completion (``plain``) is text only."""
     thinking = config.reasoning != "none" and not _thinking_off(body) and not empty
-    tool = None if empty else _tool_to_call(body, digest, config)
+    thinking = thinking and not plain
+    tool = None if empty or plain else _tool_to_call(body, digest, config)
     answer_length, reasoning_length = _lengths(body, digest, config, thinking=thinking)
     full = reasoning_length + answer_length
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
@@ -718,18 +732,49 @@ def _json_deltas(answer: _Answer) -> list[tuple[dict[str, Any], int]]:
     return deltas
 
 
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """How an answer's choices are written: a chat message or a raw completion's text
+    (``plain``), with the token ids and logprobs the request asked for (``texts``: each
+    generated token's text, reasoning first)."""
+
+    body: dict[str, Any]
+    digest: str
+    plain: bool
+    texts: list[str]
+
+    def choice(
+        self, message: dict[str, Any], start: int, count: int, *, streamed: bool = False
+    ) -> dict[str, Any]:
+        """A choice holding ``message`` (a delta when ``streamed``) and tokens ``start ..
+        start + count``."""
+        if self.plain:
+            choice: dict[str, Any] = {"index": 0, "text": message.get("content") or ""}
+        else:
+            choice = {"index": 0, "delta" if streamed else "message": message}
+        if count:
+            texts = self.texts[start : start + count]
+            choice |= sim_tokens.choice_fields(self.body, self.digest, texts, start, raw=self.plain)
+        return choice
+
+
 def _pieces(words: list[str]) -> list[list[str]]:
     return [words[i : i + _CHUNK_WORDS] for i in range(0, len(words), _CHUNK_WORDS)]
 
 
-async def _chat_completions(request: web.Request) -> web.StreamResponse:
+async def _completions(request: web.Request) -> web.StreamResponse:
+    """``/v1/completions``: a plain prompt, answered as a base model would (text only)."""
+    return await _chat_completions(request, plain=True)
+
+
+async def _chat_completions(request: web.Request, *, plain: bool = False) -> web.StreamResponse:
     state = request.app[_STATE]
     stats = state.stats
     stats.chat_requests += 1
     stats.running += 1
     stats.peak_running = max(stats.peak_running, stats.running)
     try:
-        return await _answer_chat(request, state)
+        return await _answer_chat(request, state, plain=plain)
     except asyncio.CancelledError:
         # The client went away (handler cancellation) or the server is stopping.
         stats.aborted += 1
@@ -741,11 +786,13 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         stats.running -= 1
 
 
-async def _answer_chat(request: web.Request, state: _State) -> web.StreamResponse:
+async def _answer_chat(
+    request: web.Request, state: _State, *, plain: bool = False
+) -> web.StreamResponse:
     config, stats = state.config, state.stats
     begun = time.monotonic()
     raw = await request.read()
-    checked = _validate(state, raw)
+    checked = _validate(state, raw, plain=plain)
     if isinstance(checked, web.Response):
         stats.invalid += 1
         return checked
@@ -760,30 +807,22 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
             return faulty
 
     messages: list[Any] = body["messages"]
-    digest = request_digest(messages)
-    answer = _generate(body, digest, config, empty=fault == "empty")
+    digest = request_digest(body["prompt"] if plain else messages)
+    answer = _generate(body, digest, config, empty=fault == "empty", plain=plain)
     n = answer.tokens
     prompt_tokens = _count_prompt_tokens(messages)
     refused = _refusal(state, body, prompt_tokens, n)
     if refused is not None:
         stats.invalid += 1
         return refused
-    wait = state.limiter.admit(prompt_tokens + n) if state.limiter else None
-    if wait is not None:
-        stats.rate_limited += 1
-        return _error(
-            429,
-            "simulated provider: rate limit reached, try again later",
-            "RateLimitError",
-            headers={
-                "Retry-After": f"{max(1, math.ceil(wait))}",
-                "retry-after-ms": f"{wait * 1000:.0f}",
-            },
-        )
+    limited = _rate_limited(state, prompt_tokens + n)
+    if limited is not None:
+        return limited
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or 2 * config.mean_tokens
     cached = state.prefix.serve(prompt_words(messages), answer.words) if state.prefix else None
     state.next_id += 1
-    completion_id = f"chatcmpl-{digest}{state.next_id:08x}"
+    completion_id = f"{'cmpl' if plain else 'chatcmpl'}-{digest}{state.next_id:08x}"
+    shape = _Shape(body, digest, plain, sim_tokens.texts_of([answer.reasoning, answer.words]))
 
     response: web.StreamResponse
     stats.running_tokens += prompt_tokens + n
@@ -793,28 +832,38 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
             include_usage = isinstance(options, dict) and options.get("include_usage") is True
             continuous = include_usage and options.get("continuous_usage_stats") is True
             response = await _stream_answer(
-                request,
-                state,
-                completion_id=completion_id,
-                answer=answer,
-                prompt_tokens=prompt_tokens,
-                cached=cached,
-                include_usage=include_usage,
-                continuous=continuous,
-                cut=fault == "malformed",
-                stall=fault == "stall",
-                limit=limit,
-                model=_served(body, config),
-            )
+                request, state, completion_id=completion_id, answer=answer,
+                prompt_tokens=prompt_tokens, cached=cached, include_usage=include_usage,
+                continuous=continuous, cut=fault == "malformed", stall=fault == "stall",
+                limit=limit, model=_served(body, config), shape=shape,
+            )  # fmt: skip
         else:
             response = await _whole_answer(
-                request, state, body, answer, completion_id, prompt_tokens, limit, fault, cached
-            )
+                request, state, body, answer, completion_id, prompt_tokens, limit, fault,
+                cached, shape=shape,
+            )  # fmt: skip
     finally:
         stats.running_tokens -= prompt_tokens + n
     if fault is None and response.status != 499:  # 499: the client left before the answer
         stats.record_completion(prompt_tokens, n, time.monotonic() - begun)
     return response
+
+
+def _rate_limited(state: _State, tokens: int) -> web.Response | None:
+    """The simulated provider's 429 when its bucket is empty (None: admitted)."""
+    wait = state.limiter.admit(tokens) if state.limiter else None
+    if wait is None:
+        return None
+    state.stats.rate_limited += 1
+    return _error(
+        429,
+        "simulated provider: rate limit reached, try again later",
+        "RateLimitError",
+        headers={
+            "Retry-After": f"{max(1, math.ceil(wait))}",
+            "retry-after-ms": f"{wait * 1000:.0f}",
+        },
+    )
 
 
 async def _fault_response(
@@ -882,6 +931,8 @@ async def _whole_answer(
     limit: int,
     fault: str | None,
     cached: int | None = None,
+    *,
+    shape: _Shape,
 ) -> web.StreamResponse:
     """The answer in one body, once the time it takes to generate has passed."""
     config, n = state.config, answer.tokens
@@ -895,18 +946,14 @@ async def _whole_answer(
     if fault == "malformed":
         truncated = f'{{"id": "{completion_id}", "object": "chat.completion", "choices": [{{'
         return web.Response(status=200, body=truncated.encode(), content_type=_JSON)
+    message = _message(answer, config)
+    choice = shape.choice(message, 0, len(shape.texts))
     doc = {
         "id": completion_id,
-        "object": "chat.completion",
+        "object": "text_completion" if shape.plain else "chat.completion",
         "created": int(time.time()),
         "model": _served(body, config),
-        "choices": [
-            {
-                "index": 0,
-                "message": _message(answer, config),
-                "finish_reason": answer.finish_reason,
-            }
-        ],
+        "choices": [{**choice, "finish_reason": answer.finish_reason}],
         "usage": _usage(prompt_tokens, n, cached),
     }
     return web.Response(body=orjson.dumps(doc), content_type=_JSON)
@@ -972,33 +1019,34 @@ async def _stream_answer(
     stall: bool = False,
     limit: int = 0,
     model: str = "",
+    shape: _Shape | None = None,
 ) -> web.StreamResponse:
     config = state.config
-    # The batching model answers once the whole answer is generated, then streams it.
     batcher = state.batcher
     created = int(time.time())
+    shape = shape or _Shape({}, answer.digest, False, [])
+    at = 0  # the position of the first token of the next delta
 
-    def chunk(delta: dict[str, Any], finish: str | None, so_far: int | None = None) -> bytes:
+    def chunk(
+        delta: dict[str, Any], finish: str | None, tokens: int = 0, so_far: int | None = None
+    ) -> bytes:
+        nonlocal at
+        choice = shape.choice(delta, at, tokens, streamed=True)
+        at += tokens
         payload: dict[str, Any] = {
             "id": completion_id,
-            "object": "chat.completion.chunk",
+            "object": "text_completion" if shape.plain else "chat.completion.chunk",
             "created": created,
             "model": model or _served({}, config),
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            "choices": [{**choice, "finish_reason": finish}],
         }
         if so_far is not None:  # vLLM's continuous_usage_stats: usage in every chunk
             payload["usage"] = _usage(prompt_tokens, so_far, cached)
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-    if batcher is not None:
-        await batcher.generate(prompt_tokens, answer.tokens, limit, cached or 0)
-    else:
-        await _sleep(config.latency + _prefill(state, prompt_tokens, cached))
-    response = web.StreamResponse(
-        status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await response.prepare(request)
-    await response.write(chunk({"role": "assistant", "content": ""}, None))
+    response = await _stream_started(request, state, prompt_tokens, answer, limit, cached)
+    if not shape.plain:
+        await response.write(chunk({"role": "assistant", "content": ""}, None))
     deltas = _deltas(answer, config)
     # A malformed stream stops after about half of its deltas, without finish_reason/[DONE];
     # a stalled one sends the same half, then nothing, keeping the connection open.
@@ -1008,7 +1056,7 @@ async def _stream_answer(
         for delta, tokens in sent:
             await _sleep(0 if batcher is not None else config.per_token * tokens)
             so_far += tokens
-            await response.write(chunk(delta, None, so_far if continuous else None))
+            await response.write(chunk(delta, None, tokens, so_far if continuous else None))
     except (ConnectionError, asyncio.CancelledError):
         # The client left mid-stream: what it was sent is generated and thrown away.
         state.stats.aborted_tokens += so_far
@@ -1030,6 +1078,27 @@ async def _stream_answer(
             await response.write(b"data: " + orjson.dumps(usage) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
+    return response
+
+
+async def _stream_started(
+    request: web.Request,
+    state: _State,
+    prompt_tokens: int,
+    answer: _Answer,
+    limit: int,
+    cached: int | None,
+) -> web.StreamResponse:
+    """The stream's response, once the answer is ready to go: the batching model answers
+    once the whole answer is generated, the plain one after its latency and prefill."""
+    if state.batcher is not None:
+        await state.batcher.generate(prompt_tokens, answer.tokens, limit, cached or 0)
+    else:
+        await _sleep(state.config.latency + _prefill(state, prompt_tokens, cached))
+    response = web.StreamResponse(
+        status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
     return response
 
 
@@ -1170,6 +1239,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/health", _health)
     app.router.add_get("/health_generate", _health)
     app.router.add_get("/v1/models", _models)

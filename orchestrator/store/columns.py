@@ -17,3 +17,6 @@ ON_OVERFLOW: tuple[str, ...] = ("fail", "fit")
 (``context_overflow``), or it is asked again with ``max_tokens`` lowered to fit."""
 INT_MAX = 2**31 - 1
 """The largest concurrency or priority: what a PostgreSQL INTEGER column holds."""
+ENDPOINTS: tuple[str, ...] = ("chat", "completions")
+"""Where a dataset's items go: ``/v1/chat/completions`` (messages) or ``/v1/completions``
+(a plain prompt, no chat template: base models, few-shot prompts)."""

@@ -13,7 +13,14 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError
-from orchestrator.store.columns import INT_MAX, ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import (
+    ENDPOINTS,
+    INT_MAX,
+    ON_INVALID,
+    ON_OVERFLOW,
+    ON_TRUNCATED,
+    REGENERATE,
+)
 from orchestrator.store.engine import Database
 from orchestrator.store.schema import datasets, param_sets
 
@@ -43,8 +50,14 @@ class DatasetSpec:
     passthrough: bool = False
     on_invalid: str | None = None
     on_overflow: str | None = None
+    # chat | completions; None: keep the stored value (chat for a new dataset).
+    endpoint: str | None = None
 
     def __post_init__(self) -> None:
+        if self.endpoint not in (None, *ENDPOINTS):
+            raise ConfigError(
+                f"dataset {self.name}: endpoint must be one of {', '.join(ENDPOINTS)}"
+            )
         if not self.name or len(self.name) > 200:
             raise ConfigError("dataset name must be 1 to 200 characters")
         if self.concurrency is not None and not 1 <= self.concurrency <= INT_MAX:
@@ -83,6 +96,7 @@ class DatasetInfo:
     on_overflow: str = "fail"
     updated_at: float = 0.0
     params_hash: str = ""
+    endpoint: str = "chat"
 
 
 def _info(row: sa.Row[Any]) -> DatasetInfo:
@@ -185,6 +199,7 @@ async def _create(
         "on_invalid": spec.on_invalid or "keep",
         "on_overflow": spec.on_overflow or "fail",
         "passthrough": spec.passthrough,
+        "endpoint": spec.endpoint or "chat",
         **source,
         "input_format": input_format,
         "created_at": now,
@@ -208,6 +223,7 @@ def _checked_differences(info: DatasetInfo, spec: DatasetSpec, *, update: bool) 
         for key, old, new in (
             ("regenerate", info.regenerate, spec.regenerate),
             ("passthrough", info.passthrough, spec.passthrough),
+            ("endpoint", info.endpoint, spec.endpoint),
         )
         if new is not None and new != old
     ]

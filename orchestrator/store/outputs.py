@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 # key, request JSON, message JSON, finish_reason, usage JSON (or None)
 DoneRow = tuple[str, str, str, str | None, str | None]
 # item id, key, request, message, finish_reason, usage, flags, model, response_id,
-# created_at, latency, server, params_hash, params JSON (param_sets; None when unknown)
+# created_at, latency, server, params_hash, params JSON (param_sets; None when unknown),
+# tokens (packed, orchestrator.tokens; None when the server gave none)
 FullRow = tuple[
     int,
     str,
@@ -46,6 +47,7 @@ FullRow = tuple[
     str | None,
     str | None,
     str | None,
+    bytes | None,
 ]
 # key, error_class, last_error, attempts, turn, turns
 FailedRow = tuple[str, str | None, str | None, int, int, int]
@@ -53,7 +55,7 @@ FailedRow = tuple[str, str | None, str | None, int, int, int]
 BATCH = 2000
 
 _DATASETS = "SELECT id, name FROM datasets ORDER BY name"
-_DATASET_REFS = "SELECT id, name, regenerate, passthrough FROM datasets ORDER BY name"
+_DATASET_REFS = "SELECT id, name, regenerate, passthrough, endpoint FROM datasets ORDER BY name"
 # Within a dataset, row ids grow with input position (enqueue inserts lines in order, and
 # a later file is placed after the earlier ones), so walking the (dataset, state) index
 # in id order yields input order without sorting a million rows.
@@ -72,7 +74,7 @@ _DONE_FLAGGED = (
 _DONE_FULL = (
     "SELECT items.id, items.key, items.request, outputs.message, outputs.finish_reason,"
     " outputs.usage, outputs.flags, outputs.model, outputs.response_id, outputs.created_at,"
-    " outputs.latency, outputs.server, outputs.params_hash, param_sets.params"
+    " outputs.latency, outputs.server, outputs.params_hash, param_sets.params, outputs.tokens"
     " FROM items JOIN outputs ON outputs.item_id = items.id"
     " LEFT JOIN param_sets ON param_sets.hash = outputs.params_hash"
     " WHERE items.dataset_id = :dataset_id AND items.state = 'done' ORDER BY items.id"
@@ -82,7 +84,8 @@ _TURNS = "SELECT item_id, message FROM item_turns WHERE item_id IN {ids} ORDER B
 # What the latest answers take in the database, for doctor's disk estimate.
 _BYTES = (
     "SELECT avg(n) FROM (SELECT coalesce(length(content), 0) + coalesce(length(reasoning), 0)"
-    " + length(message) + coalesce(length(usage), 0) AS n FROM outputs"
+    " + length(message) + coalesce(length(usage), 0) + coalesce(length(tokens), 0) AS n"
+    " FROM outputs"
     " ORDER BY item_id DESC LIMIT :limit) AS recent"
 )
 _FAILED = (
@@ -109,6 +112,7 @@ class DatasetRef:
     name: str
     regenerate: str  # last | all
     passthrough: bool
+    endpoint: str = "chat"  # chat | completions
 
 
 # A batch of full rows and, for multi-turn datasets, each item's turn messages in order.
@@ -131,7 +135,13 @@ def _chosen(
 def _refs(rows: Sequence[Sequence[Any]], names: Sequence[str]) -> list[DatasetRef]:
     _missing(names, [tuple(r) for r in rows])
     return [
-        DatasetRef(id=r[0], name=r[1], regenerate=r[2] or "last", passthrough=bool(r[3]))
+        DatasetRef(
+            id=r[0],
+            name=r[1],
+            regenerate=r[2] or "last",
+            passthrough=bool(r[3]),
+            endpoint=r[4] or "chat",
+        )
         for r in rows
         if not names or r[1] in names
     ]

@@ -52,6 +52,7 @@ from orchestrator.store.schema import (
     superseded_outputs,
     superseded_turns,
 )
+from orchestrator.tokens import Tokens, pack
 
 log = structlog.get_logger("orchestrator.store")
 
@@ -94,6 +95,8 @@ class Output(Answer):
     parameters it was asked with."""
 
     params_hash: str | None = None
+    #: The token ids and logprobs the server gave (``orchestrator.tokens``), kept packed.
+    tokens: Tokens | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -553,6 +556,7 @@ _OUTPUT_COLUMNS = (
     "created_at",
     "flags",
     "params_hash",
+    "tokens",
 )
 
 _TURN_COLUMNS = (
@@ -614,6 +618,7 @@ def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
         now,
         out.flags | lease.generated_flags,
         out.params_hash,
+        pack(out.tokens) if out.tokens is not None else None,
     )
 
 

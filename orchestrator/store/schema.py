@@ -45,6 +45,9 @@ datasets = sa.Table(
     sa.Column("on_overflow", sa.String(8), nullable=False, server_default="fail"),
     # Rows already in the target model's format, stored as done (nothing is generated).
     sa.Column("passthrough", sa.Boolean, nullable=False, server_default=sa.false()),
+    # Where items go: chat (/v1/chat/completions) | completions (/v1/completions, a plain
+    # prompt, for base models and few-shot prompts).
+    sa.Column("endpoint", sa.String(16), nullable=False, server_default="chat"),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
 )
@@ -157,6 +160,9 @@ outputs = sa.Table(
     sa.Column("flags", sa.Integer, nullable=False, server_default="0"),
     # The request parameters the answer was made with (param_sets.hash).
     sa.Column("params_hash", sa.String(64), nullable=True),
+    # The answer's token ids, logprobs and top-k as the server gave them, packed
+    # (orchestrator.tokens); NULL when it gave none.
+    sa.Column("tokens", sa.LargeBinary, nullable=True),
 )
 # Status reads outputs through these two narrow indexes, never the wide rows (answer
 # text, message JSON): per-dataset count and tokens, the recent window (a range) and the

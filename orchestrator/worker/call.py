@@ -127,17 +127,17 @@ class Caller:
         once, with ``max_tokens`` lowered to what fits. It is the same attempt, and no
         failure of the server's: neither the item's attempts nor the breaker hear of the
         refusal."""
-        sent = await self._send(server, body, streamed)
+        sent = await self._send(server, body, streamed, info.endpoint)
         if isinstance(sent, Completion) or not isinstance(sent[0], PermanentError):
             return body, sent
         said = classify.overflowed(sent[0], body, self.context_of(server, body.get("model")))
         smaller = classify.fitted(info, body, said) if said is not None else None
         if smaller is None:
             return body, sent
-        return smaller, await self._send(server, smaller, streamed)
+        return smaller, await self._send(server, smaller, streamed, info.endpoint)
 
     async def _send(
-        self, server: str, body: dict[str, Any], streamed: Streamed | None
+        self, server: str, body: dict[str, Any], streamed: Streamed | None, endpoint: str
     ) -> Completion | tuple[Exception, float | None]:
         """The request, once the server's pacer lets it go: the answer, or the error and
         the seconds the server has answered nothing but 429 (past the warning's time)."""
@@ -145,7 +145,7 @@ class Caller:
         try:
             ticket = await self.pool.pace(server, request_tokens(body))
             try:
-                completion = await self.client.chat(server, body, streamed)
+                completion = await self.client.chat(server, body, streamed, endpoint=endpoint)
             except Exception as exc:  # a bug here must not take the other requests down
                 return exc, self.pool.paced(server, ticket, exc)
             except BaseException as exc:  # cancelled: no longer in flight, for the pacer
