@@ -172,6 +172,9 @@ class Queue:
         regenerate: str | None = None,
         on_truncated: str | None = None,
         passthrough: bool = False,
+        samples: int | None = None,
+        seeds: Sequence[int] | None = None,
+        sample_requests: str | None = None,
         update: bool = False,
         skip_invalid: bool = False,
         prompt_column: str | None = None,
@@ -201,6 +204,7 @@ class Queue:
         _check_body(body, {"model": model, **named})
         given = {**named, "params": params or None, "concurrency": concurrency}
         given |= {"regenerate": regenerate, "on_truncated": on_truncated}
+        given |= {"samples": samples, "seeds": seeds, "sample_requests": sample_requests}
         options = EnqueueOptions(
             dataset=dataset,
             params=body,
@@ -211,6 +215,9 @@ class Queue:
             on_truncated=on_truncated,
             passthrough=passthrough,
             update=update,
+            samples=samples,
+            seeds=tuple(seeds) if seeds is not None else None,
+            sample_requests=sample_requests,
             sampling=tuple(name for name, value in given.items() if value is not None),
             columns=Columns(
                 prompt_column=prompt_column,

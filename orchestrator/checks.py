@@ -285,6 +285,8 @@ DATASET: dict[str, Rule] = {
     "on_truncated": OrNone(Choice(ON_TRUNCATED)),
     "passthrough": FLAG,
     "update": FLAG,
+    "samples": OrNone(Integer(1, 1024)),
+    "sample_requests": OrNone(Choice(("n", "seeds"))),
     "split": PART_NAME,
     "config": PART_NAME,
 }

@@ -47,6 +47,11 @@ class EnqueueOptions:
     passthrough: bool = False
     update: bool = False
     sampling: tuple[str, ...] = ()
+    samples: int | None = None
+    """Answers per prompt (None: the dataset's, 1 for a new one); ``seeds`` one each."""
+    seeds: tuple[int, ...] | None = None
+    sample_requests: str | None = None
+    """``n`` (one request with n choices) or ``seeds`` (one per sample)."""
     columns: Columns | None = None
     """How rows are read by their columns (prompt, messages, template, id, tools)."""
     split: str | None = None
@@ -159,6 +164,9 @@ async def enqueue_source(
         regenerate=mode,
         on_truncated=options.on_truncated,
         passthrough=passing,
+        samples=options.samples,
+        seeds=options.seeds,
+        draw_mode=options.sample_requests,
     )
     reading = read(
         source,
@@ -276,4 +284,7 @@ def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
         regenerate=plan.regenerate,
         on_truncated=plan.on_truncated,
         passthrough=plan.passthrough,
+        samples=plan.samples,
+        seeds=plan.seeds,
+        draw_mode=plan.sample_requests,
     )

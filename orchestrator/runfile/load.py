@@ -10,6 +10,9 @@ Format::
     concurrency = 150         # integer >= 1: most requests of the dataset in flight
     regenerate = "last"       # last | all: the final answer, or every assistant turn
     on_truncated = "keep"     # keep | retry | fail: what an answer cut at max_tokens does
+    samples = 1               # answers per prompt, each its own item (1 to 1024)
+    # seeds = [1, 2, 3, 4]    # one per sample, all different (default: from each key)
+    sample_requests = "n"     # n: one request with n choices | seeds: one per sample
     chat_template_kwargs = { enable_thinking = true }
     [defaults.extra_body]     # any other request body fields, sent as they are
     top_k = 20
@@ -65,7 +68,7 @@ format, as ``enqueue`` does; ``tokens`` is pass-through only."""
 _BODY_KEYS = ("model", "max_tokens", "temperature", "top_p", "chat_template_kwargs")
 # Keys that shape requests: meaningless on a pass-through dataset.
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body")
-_REQUEST_KEYS = ("concurrency", "regenerate", "on_truncated")
+_REQUEST_KEYS = ("concurrency", "regenerate", "on_truncated", "samples", "seeds", "sample_requests")
 # extra_body keys that would bypass a check (the rest go through orchestrator.params).
 _EXTRA_BODY_REFUSED = {
     key: f'set it as the key "{key}" (outside extra_body), where it is checked'
@@ -108,6 +111,10 @@ class DatasetPlan:
     config: str | None = None
     columns: row_columns.Columns | None = None
     """How rows are read by their columns; None: as JSONL lines."""
+    samples: int | None = None
+    """Answers per prompt; None: the dataset's (1 for a new one)."""
+    seeds: tuple[int, ...] | None = None
+    sample_requests: str | None = None
 
     @property
     def source(self) -> str:
@@ -283,6 +290,18 @@ def _extra_body(value: object) -> list[tuple[str, str]]:
     return problems
 
 
+def _seeds(value: Any) -> list[tuple[str, str]]:
+    """A list of distinct integers, one per sample."""
+    if not isinstance(value, list) or not value:
+        return [("", "must be a non-empty list of integers")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31 for v in value):
+        return [("", f"must hold integers from 0 to {2**31 - 1}")]
+    repeated = sorted({v for v in value if value.count(v) > 1})
+    if repeated:
+        return [("", f"holds {repeated[0]} twice: every sample must be a distinct draw")]
+    return []
+
+
 _CHECKS: dict[str, Check] = {
     "name": _by(checks.DATASET_NAME.expected),
     "file": _string,
@@ -296,6 +315,9 @@ _CHECKS: dict[str, Check] = {
     "concurrency": _by(checks.DATASET["concurrency"].expected),
     "regenerate": _choice(REGENERATE),
     "on_truncated": _choice(ON_TRUNCATED),
+    "samples": _by(checks.DATASET["samples"].expected),
+    "seeds": _seeds,
+    "sample_requests": _choice(("n", "seeds")),
     "chat_template_kwargs": _table,
     "extra_body": _extra_body,
     "hf": _string,
@@ -599,4 +621,7 @@ def _plan(own: dict[str, Any], defaults: dict[str, Any], file: Path) -> DatasetP
         regenerate=value("regenerate", _REQUEST_DEFAULTS["regenerate"]),
         on_truncated=value("on_truncated", _REQUEST_DEFAULTS["on_truncated"]),
         passthrough=False,
+        samples=value("samples"),
+        seeds=tuple(value("seeds")) if value("seeds") is not None else None,
+        sample_requests=value("sample_requests"),
     )
