@@ -416,6 +416,13 @@ class InferenceClient:
 
     async def chat(self, server: str, body: dict[str, Any]) -> Completion:
         """POST one chat completion and return it, or raise a classified error."""
+        return (await self.chat_choices(server, body))[0]
+
+    async def chat_choices(self, server: str, body: dict[str, Any]) -> list[Completion]:
+        """POST one chat completion and return each of its choices, in index order (a
+        request with ``n`` has several; a server that ignores ``n`` sends fewer). Each
+        choice's usage says the prompt's tokens; its completion tokens only when it is
+        the only choice, as servers count them for the whole request."""
         url = base_url(server) + "/v1/chat/completions"
         body = dict(body)
         stream = self.config.stream
@@ -484,7 +491,7 @@ class InferenceClient:
 
     def _parse(
         self, raw: bytes, resp: aiohttp.ClientResponse, server: str, started: float
-    ) -> Completion:
+    ) -> list[Completion]:
         latency = time.monotonic() - started
         ctype = resp.headers.get("Content-Type", "")
         if "json" not in ctype:
@@ -496,24 +503,30 @@ class InferenceClient:
         except orjson.JSONDecodeError as exc:
             raise TransientError(f"unparsable answer: {exc}", error_class=ec.BAD_RESPONSE) from exc
         choices = doc.get("choices") if isinstance(doc, dict) else None
-        if not choices or not isinstance(choices[0], dict):
+        if not choices or not all(isinstance(c, dict) for c in choices):
             raise TransientError("the answer has no choices", error_class=ec.BAD_RESPONSE)
-        choice = choices[0]
-        message = choice.get("message")
-        if not isinstance(message, dict):
-            raise TransientError("the answer's choice has no message", error_class=ec.BAD_RESPONSE)
-        usage = with_cached(doc.get("usage"), doc.get("timings"))
-        return _completion(
-            message.get("content"),
-            _reasoning_of(message),
-            message.get("tool_calls") or None,
-            choice.get("finish_reason"),
-            usage=usage,
-            latency=latency,
-            server=server,
-            model=doc.get("model"),
-            response_id=doc.get("id"),
-        )
+        usage = _per_choice(with_cached(doc.get("usage"), doc.get("timings")), len(choices))
+        answers = []
+        for choice in sorted(choices, key=_index):
+            message = choice.get("message")
+            if not isinstance(message, dict):
+                raise TransientError(
+                    "the answer's choice has no message", error_class=ec.BAD_RESPONSE
+                )
+            answers.append(
+                _completion(
+                    message.get("content"),
+                    _reasoning_of(message),
+                    message.get("tool_calls") or None,
+                    choice.get("finish_reason"),
+                    usage=usage,
+                    latency=latency,
+                    server=server,
+                    model=doc.get("model"),
+                    response_id=doc.get("id"),
+                )
+            )
+        return answers
 
     async def _data_events(self, resp: aiohttp.ClientResponse, server: str) -> AsyncIterator[bytes]:
         """The payloads of a stream's ``data:`` events, each within ``stream_idle_timeout``
@@ -541,7 +554,7 @@ class InferenceClient:
 
     async def _read_stream(
         self, resp: aiohttp.ClientResponse, server: str, started: float
-    ) -> Completion:
+    ) -> list[Completion]:
         """A streamed answer, complete once its ``finish_reason`` has come: what follows
         (the usage chunk, ``[DONE]``) is read when the server sends it, but a stream that
         ends after the finish reason without them, closed, broken or silent, still
@@ -560,7 +573,7 @@ class InferenceClient:
                 got.add(data)
         except (*_STREAM_BROKEN, TransientError) as exc:
             ended = not isinstance(exc, TransientError) or exc.error_class == ec.STREAM_IDLE
-            if got.finish_reason is None or not ended:
+            if not got.finished or not ended:
                 raise
             log.debug(
                 "stream_ended_after_finish",
@@ -568,21 +581,25 @@ class InferenceClient:
                 usage=got.usage is not None,
                 error=str(exc) or type(exc).__name__,
             )
-        if got.finish_reason is None:
+        if not got.finished:
             raise TransientError(
                 "the stream ended before the answer was complete", error_class=ec.STREAM_CUT
             )
-        return _completion(
-            "".join(got.content),
-            "".join(got.reasoning) or None,
-            [got.tool_calls[i] for i in sorted(got.tool_calls)] or None,
-            got.finish_reason,
-            usage=with_cached(got.usage, got.timings),
-            latency=time.monotonic() - started,
-            server=server,
-            model=got.model,
-            response_id=got.response_id,
-        )
+        usage = _per_choice(with_cached(got.usage, got.timings), len(got.choices))
+        return [
+            _completion(
+                "".join(c.content),
+                "".join(c.reasoning) or None,
+                [c.tool_calls[i] for i in sorted(c.tool_calls)] or None,
+                c.finish_reason,
+                usage=usage,
+                latency=time.monotonic() - started,
+                server=server,
+                model=got.model,
+                response_id=got.response_id,
+            )
+            for _, c in sorted(got.choices.items())
+        ]
 
 
 #: How a stream can end other than by ``[DONE]`` or a clean close: the connection broken
@@ -617,13 +634,20 @@ async def _sse_lines(content: aiohttp.StreamReader, limit: int) -> AsyncIterator
 
 
 @dataclass(slots=True)
-class _Streamed:
-    """What a stream's chunks have said so far."""
+class _StreamedChoice:
+    """What a stream's chunks have said so far of one choice."""
 
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: Any = None
+
+
+@dataclass(slots=True)
+class _Streamed:
+    """What a stream's chunks have said so far: each choice's part, by its index."""
+
+    choices: dict[int, _StreamedChoice] = field(default_factory=dict)
     usage: Any = None
     timings: Any = None
     model: Any = None
@@ -646,16 +670,37 @@ class _Streamed:
         if isinstance(chunk.get("timings"), dict):
             self.timings = chunk["timings"]
         for choice in chunk.get("choices") or []:
+            got = self.choices.setdefault(_index(choice), _StreamedChoice())
             delta = choice.get("delta") or {}
             if isinstance(delta.get("content"), str):
-                self.content.append(delta["content"])
+                got.content.append(delta["content"])
             piece = _reasoning_of(delta)
             if piece:
-                self.reasoning.append(piece)
+                got.reasoning.append(piece)
             for call in delta.get("tool_calls") or []:
-                _merge_tool_call(self.tool_calls, call)
+                _merge_tool_call(got.tool_calls, call)
             if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+                got.finish_reason = choice["finish_reason"]
+
+    @property
+    def finished(self) -> bool:
+        """Every choice begun has its finish reason."""
+        return bool(self.choices) and all(
+            c.finish_reason is not None for c in self.choices.values()
+        )
+
+
+def _index(choice: dict[str, Any]) -> int:
+    index = choice.get("index")
+    return index if isinstance(index, int) and not isinstance(index, bool) else 0
+
+
+def _per_choice(usage: Any, choices: int) -> Any:
+    """The usage each of ``choices`` answers keeps: all of it for one; for several, the
+    prompt's counts only, as a server counts completion tokens for the whole request."""
+    if choices <= 1 or not isinstance(usage, dict):
+        return usage
+    return {k: v for k, v in usage.items() if k not in ("completion_tokens", "total_tokens")}
 
 
 def _completion(

@@ -161,6 +161,7 @@ def _retried(db: str, faulty: SimProcess, sound: SimProcess) -> list[dict[str, A
         # A retry keeps the attempt counted, a release gives it back.
         retries = sum(e["outcome"] == "retry" for e in record["errors"])
         assert record["answer"]["attempt"] == retries + 1
+
     def count(records: list[dict[str, Any]]) -> int:
         return sum(e["error_class"] == "http_500" for r in records for e in r["errors"])
 

@@ -78,7 +78,7 @@ def _longest_index(*, with_sample: bool) -> None:
 
 
 _COLUMNS = (
-    "id, dataset_id, \"key\", position, request, digest, state, attempts, lease_token,"
+    'id, dataset_id, "key", position, request, digest, state, attempts, lease_token,'
     " lease_owner, lease_expires_at, not_before, error_class, last_error, created_at,"
     " updated_at, finished_at, turn, turns, predicted_tokens"
 )
@@ -151,6 +151,9 @@ def _rebuild_sqlite(*, with_sample: bool) -> None:
     )
     op.create_index("ix_items_dataset_state", "items", ["dataset_id", "state"])
     op.create_index(
-        "ix_items_failed", "items", ["dataset_id", "error_class"], sqlite_where=sa.text("state = 'failed'")
+        "ix_items_failed",
+        "items",
+        ["dataset_id", "error_class"],
+        sqlite_where=sa.text("state = 'failed'"),
     )
     _longest_index(with_sample=with_sample)

@@ -103,7 +103,9 @@ def _check_draws(spec: DatasetSpec) -> None:
         raise ConfigError(f"{where}: sample requests must be one of {', '.join(DRAW_MODES)}")
     if spec.seeds is None:
         return
-    if any(not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= INT_MAX for s in spec.seeds):
+    if any(
+        not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= INT_MAX for s in spec.seeds
+    ):
         raise ConfigError(f"{where}: seeds must be integers from 0 to {INT_MAX}")
     repeated = sorted({s for s in spec.seeds if spec.seeds.count(s) > 1})
     if repeated:

@@ -211,12 +211,12 @@ async def _seeded_line(conn: AsyncConnection, dataset_id: int) -> str | None:
 
 
 _MISSING_SAMPLE = (
-    "INSERT INTO items (dataset_id, \"key\", position, request, digest, created_at, updated_at,"
+    'INSERT INTO items (dataset_id, "key", position, request, digest, created_at, updated_at,'
     " predicted_tokens, turns, sample)"
-    " SELECT dataset_id, \"key\", position, request, digest, :now, :now, predicted_tokens, turns,"
+    ' SELECT dataset_id, "key", position, request, digest, :now, :now, predicted_tokens, turns,'
     " :sample FROM items AS first WHERE dataset_id = :dataset AND sample = 0 AND NOT EXISTS"
     " (SELECT 1 FROM items AS other WHERE other.dataset_id = first.dataset_id"
-    " AND other.\"key\" = first.\"key\" AND other.sample = :sample)"
+    ' AND other."key" = first."key" AND other.sample = :sample)'
 )
 
 
