@@ -357,6 +357,16 @@ async def get_dataset(database: Database, name: str) -> DatasetInfo | None:
     return _info(row) if row is not None else None
 
 
+async def set_draw_mode(database: Database, dataset_id: int, mode: str) -> None:
+    """How the dataset's samples are asked for from now on (``DRAW_MODES``)."""
+    async with database.write() as conn:
+        await conn.execute(
+            datasets.update()
+            .where(datasets.c.id == dataset_id)
+            .values(draw_mode=mode, updated_at=time.time())
+        )
+
+
 async def set_paused(database: Database, name: str, paused: bool) -> bool:
     """Pause or resume a dataset; returns False when there is no such dataset."""
     async with database.write() as conn:
