@@ -79,20 +79,36 @@ _LATENCY_BUCKETS = (
 _JSON = "application/json"
 
 
-def request_digest(messages: Any) -> str:
-    """Digest of a request's messages; key order does not matter, content does."""
-    return hashlib.sha256(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+def request_digest(messages: Any, seed: Any = None) -> str:
+    """Digest of a request's messages; key order does not matter, content does. With a
+    ``seed`` (a request's, or choice ``i`` of a request with ``n``: seed + i), another
+    digest: the answer is another draw, the same for the same seed."""
+    digest = hashlib.sha256(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+    if seed is None:
+        return digest
+    return hashlib.sha256(f"{digest}:{seed}".encode()).hexdigest()[:16]
 
 
-def answer_matches(messages: Any, answer: Any) -> bool:
+def choice_seeds(body: dict[str, Any], n: int) -> list[Any]:
+    """The seed each of a request's ``n`` choices is drawn with: choice ``i`` of a
+    request seeded ``s`` as a request seeded ``s + i`` would be (unseeded: the first as
+    an unseeded request, the others each their own)."""
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return [seed + i for i in range(n)]
+    return [None, *(f"choice-{i}" for i in range(1, n))]
+
+
+def answer_matches(messages: Any, answer: Any, seed: Any = None) -> bool:
     """Whether ``answer`` is a simulated answer to ``messages`` (and not to another prompt).
 
     ``answer`` is the content string, or the whole assistant message: then every part it
     has (content, reasoning, each tool call's arguments) must carry the digest, and it must
     have one, so a truncated answer that is all reasoning is still proven. A ``<think>``
-    block left in a content string is checked as reasoning.
+    block left in a content string is checked as reasoning. ``seed``: the answer must be
+    the draw of that seed.
     """
-    digest = request_digest(messages)
+    digest = request_digest(messages, seed)
     if isinstance(answer, str):
         reasoning, content, _ = split_think(answer)
         return _starts_with(content, f"[sim:{digest}]") and (
@@ -477,6 +493,12 @@ def _validate(state: _State, raw: bytes) -> dict[str, Any] | web.Response:
             return _bad_request(f"'{key}' must be a positive integer, got {value!r}")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         return _bad_request("'stream' must be a boolean")
+    n = body.get("n", 1)
+    if type(n) is not int or not 1 <= n <= 128:
+        return _bad_request(f"'n' must be an integer from 1 to 128, got {n!r}")
+    seed = body.get("seed")
+    if seed is not None and type(seed) is not int:
+        return _bad_request(f"'seed' must be an integer, got {seed!r}")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         return _bad_request("'chat_template_kwargs' must be an object")
@@ -694,9 +716,14 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
             return faulty
 
     messages: list[Any] = body["messages"]
-    digest = request_digest(messages)
-    answer = _generate(body, digest, config, empty=fault == "empty")
-    n = answer.tokens
+    choices = 1 if config.ignore_n else body.get("n", 1)
+    answers = [
+        _generate(body, request_digest(messages, seed), config, empty=fault == "empty")
+        for seed in choice_seeds(body, choices)
+    ]
+    answer = answers[0]
+    digest = answer.digest
+    n = sum(a.tokens for a in answers)
     prompt_tokens = _count_prompt_tokens(messages)
     refused = _refusal(state, body, prompt_tokens, n)
     if refused is not None:
@@ -717,7 +744,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
                 request,
                 state,
                 completion_id=completion_id,
-                answer=answer,
+                answers=answers,
                 prompt_tokens=prompt_tokens,
                 cached=cached,
                 include_usage=include_usage,
@@ -728,7 +755,7 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
             )
         else:
             response = await _whole_answer(
-                request, state, body, answer, completion_id, prompt_tokens, limit, fault, cached
+                request, state, body, answers, completion_id, prompt_tokens, limit, fault, cached
             )
     finally:
         stats.running_tokens -= prompt_tokens + n
@@ -796,15 +823,16 @@ async def _whole_answer(
     request: web.Request,
     state: _State,
     body: dict[str, Any],
-    answer: _Answer,
+    answers: list[_Answer],
     completion_id: str,
     prompt_tokens: int,
     limit: int,
     fault: str | None,
     cached: int | None = None,
 ) -> web.StreamResponse:
-    """The answer in one body, once the time it takes to generate has passed."""
-    config, n = state.config, answer.tokens
+    """The answer in one body, once the time it takes to generate has passed (the
+    longest choice's: a request's choices are generated side by side)."""
+    config, n = state.config, max(a.tokens for a in answers)
     if state.batcher is not None:
         await state.batcher.generate(prompt_tokens, n, limit, cached or 0)
     else:
@@ -822,12 +850,13 @@ async def _whole_answer(
         "model": _served(body, config),
         "choices": [
             {
-                "index": 0,
+                "index": i,
                 "message": _message(answer, config),
                 "finish_reason": answer.finish_reason,
             }
+            for i, answer in enumerate(answers)
         ],
-        "usage": _usage(prompt_tokens, n, cached),
+        "usage": _usage(prompt_tokens, sum(a.tokens for a in answers), cached),
     }
     return web.Response(body=orjson.dumps(doc), content_type=_JSON)
 
@@ -883,7 +912,7 @@ async def _stream_answer(
     state: _State,
     *,
     completion_id: str,
-    answer: _Answer,
+    answers: list[_Answer],
     prompt_tokens: int,
     include_usage: bool,
     cut: bool,
@@ -897,37 +926,42 @@ async def _stream_answer(
     batcher = state.batcher
     created = int(time.time())
 
-    def chunk(delta: dict[str, Any], finish: str | None) -> bytes:
+    def chunk(delta: dict[str, Any], finish: str | None, index: int = 0) -> bytes:
         payload = {
             "id": completion_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model or _served({}, config),
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish}],
         }
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
+    longest = max(a.tokens for a in answers)
     if batcher is not None:
-        await batcher.generate(prompt_tokens, answer.tokens, limit, cached or 0)
+        await batcher.generate(prompt_tokens, longest, limit, cached or 0)
     else:
         await _sleep(config.latency + _prefill(state, prompt_tokens, cached))
     response = web.StreamResponse(
         status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    await response.write(chunk({"role": "assistant", "content": ""}, None))
-    deltas = _deltas(answer, config)
+    for i in range(len(answers)):
+        await response.write(chunk({"role": "assistant", "content": ""}, None, i))
+    # Each choice's deltas then its finish, one choice after the other.
+    entries: list[tuple[int, dict[str, Any], int, str | None]] = []
+    for i, answer in enumerate(answers):
+        entries += [(i, delta, tokens, None) for delta, tokens in _deltas(answer, config)]
+        entries.append((i, {}, 0, answer.finish_reason))
     # A malformed stream stops after about half of its deltas, without finish_reason/[DONE];
     # a stalled one sends the same half, then nothing, keeping the connection open.
-    sent = deltas[: max(1, len(deltas) // 2)] if cut or stall else deltas
-    for delta, tokens in sent:
-        await _sleep(0 if batcher is not None else config.per_token * tokens)
-        await response.write(chunk(delta, None))
+    sent = entries[: max(1, (len(entries) - 1) // 2)] if cut or stall else entries
+    for index, delta, tokens, finish in sent:
+        await _sleep(0 if batcher is not None or finish else config.per_token * tokens)
+        await response.write(chunk(delta, finish, index))
     if stall:
         await _hang(request, state)
         return response
     if not cut:
-        await response.write(chunk({}, answer.finish_reason))
         if include_usage:
             usage = {
                 "id": completion_id,
@@ -935,7 +969,7 @@ async def _stream_answer(
                 "created": created,
                 "model": model or _served({}, config),
                 "choices": [],
-                "usage": _usage(prompt_tokens, answer.tokens, cached),
+                "usage": _usage(prompt_tokens, sum(a.tokens for a in answers), cached),
             }
             await response.write(b"data: " + orjson.dumps(usage) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
