@@ -337,13 +337,16 @@ class Queue:
         reasoning: str = "separate",
         exclude_flags: str | Sequence[str] = (),
         provenance: bool = False,
+        group_samples: bool = False,
     ) -> Results[dict[str, Any]]:
         """Done items as plain dicts, each the line ``export`` would write, in its order:
         an async iterator over one read transaction (:class:`Results`)."""
         from orchestrator.formats.export import line_batches
 
         names = _names("dataset", dataset, _DATASETS)
-        chosen = _export_options(format, reasoning, exclude_flags, provenance)
+        chosen = _export_options(
+            format, reasoning, exclude_flags, provenance, group_samples=group_samples
+        )
         batches = line_batches(self.database, dataset_names=names, options=chosen)
         return self._held(Results(batches, orjson.loads))
 
@@ -403,13 +406,14 @@ class Queue:
         exclude_flags: str | Sequence[str] = (),
         include_failed: str | os.PathLike[str] | None = None,
         provenance: bool = False,
+        group_samples: bool = False,
     ) -> ExportReport:
         """Write done items to ``out`` as ``orchestrator export`` does (all files, or none)."""
         from orchestrator.formats.export import export_database
 
         checked("out", out, PATH)
         names = _names("datasets", datasets, _DATASETS)
-        more = {"split": split, "include_failed": include_failed}
+        more = {"split": split, "include_failed": include_failed, "group_samples": group_samples}
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
 

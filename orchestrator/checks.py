@@ -312,6 +312,7 @@ EXPORT: dict[str, Rule] = {
     "reasoning": Choice(REASONING_MODES),
     "exclude_flags": Integer(minimum=0),
     "provenance": FLAG,
+    "group_samples": FLAG,
     "split": FLAG,
     "include_failed": OrNone(PATH),
 }

@@ -68,6 +68,12 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Add model, params, params_hash, server, created_at, started_at and flags.",
 )
+@click.option(
+    "--group-samples",
+    is_flag=True,
+    help='A prompt\'s samples (enqueue --samples) in one line, its answers in "answers" '
+    '(openai-batch: one choice each); without it, a line per sample with its "sample".',
+)
 @db_option
 def export(
     out: Path,
@@ -78,6 +84,7 @@ def export(
     exclude_flags: tuple[str, ...],
     include_failed: Path | None,
     provenance: bool,
+    group_samples: bool,
     db: str | None,
 ) -> None:
     """Write done items to OUT as JSONL, by dataset then input order.
@@ -87,7 +94,9 @@ def export(
     a temporary name and renamed once all are complete: never half a file.
     """
     chosen = run_sync(
-        lambda: _options(fmt, reasoning, exclude_flags, provenance, split, include_failed)
+        lambda: _options(
+            fmt, reasoning, exclude_flags, provenance, split, include_failed, group_samples
+        )
     )
     with progress_shown(f"writing {out}:") as progress:
         report = _export_any(db, out, datasets, chosen, progress)
@@ -103,6 +112,7 @@ def _options(
     provenance: bool,
     split: bool,
     include_failed: Path | None,
+    group_samples: bool = False,
 ) -> ExportOptions:
     from orchestrator.formats.export import ExportOptions
     from orchestrator.quality import parse_flags
@@ -117,6 +127,7 @@ def _options(
         provenance=provenance,
         split=split,
         include_failed=include_failed,
+        group_samples=group_samples,
     )
 
 

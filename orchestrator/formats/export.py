@@ -41,6 +41,7 @@ import orjson
 from orchestrator import atomicfile
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
+from orchestrator.formats import draws
 from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES  # noqa: F401
 from orchestrator.quality import TOOL_MISMATCH, flag_names
 from orchestrator.store import access
@@ -95,6 +96,8 @@ class ExportOptions:
     # Done items whose quality flags (orchestrator.quality) share a bit with this are left out.
     exclude_flags: int = 0
     provenance: bool = False
+    # A prompt's samples in one line (``answers``), not a line each (orchestrator.formats.draws).
+    group_samples: bool = False
     # OUT is a directory with one file per dataset.
     split: bool = False
     # Where failed items go (for openai-batch, instead of OUT.errors.jsonl).
@@ -113,6 +116,7 @@ class ExportOptions:
             and self.reasoning == "separate"
             and not self.exclude_flags
             and not self.provenance
+            and not self.group_samples
         )
 
 
@@ -267,19 +271,49 @@ class _Lines:
             and not dataset.passthrough
             and options.format != "openai-batch"
         )
+        self.groups = (
+            draws.Groups(options.format, dataset.regenerate)
+            if options.group_samples and dataset.samples > 1
+            else None
+        )
 
     def write(self, write: Callable[[bytes], object], batch: FullBatch) -> int:
         rows, turns = batch
         written = 0
         for row in rows:
-            line = self.line(row, turns)
-            if line is not None:
+            for line in self.lines(row, turns):
                 write(line)
                 write(b"\n")
                 written += 1
         return written
 
-    def line(self, row: FullRow, turns: dict[int, list[str]]) -> bytes | None:
+    def finish(self, write: Callable[[bytes], object]) -> int:
+        """The dataset's last lines, held back until its rows ended (a group of samples)."""
+        if self.groups is None:
+            return 0
+        written = 0
+        for record in self.groups.finish():
+            write(orjson.dumps(record))
+            write(b"\n")
+            written += 1
+        return written
+
+    def lines(self, row: FullRow, turns: dict[int, list[str]]) -> Iterator[bytes]:
+        """The lines one row makes: its own, or, samples grouped, the prompt's before."""
+        record = self.record(row, turns)
+        if record is None:
+            return
+        if self.dataset.samples <= 1 or isinstance(record, bytes):
+            yield record if isinstance(record, bytes) else orjson.dumps(record)
+            return
+        record = draws.sampled(record, row[14])
+        if self.groups is None:
+            yield orjson.dumps(record)
+            return
+        for done in self.groups.add(row[1], record):
+            yield orjson.dumps(done)
+
+    def record(self, row: FullRow, turns: dict[int, list[str]]) -> dict[str, Any] | bytes | None:
         item_id, key, request_json, message_json, finish_reason, usage_json, flags = row[:7]
         if flags & self.options.exclude_flags:
             self.excluded += 1
@@ -288,7 +322,7 @@ class _Lines:
         passthrough = self.dataset.passthrough
         if passthrough and "messages" not in request:
             self.tokens += 1
-            return orjson.dumps(self._token_line(key, request))
+            return orjson.dumps(self._token_line(key, request))  # already a line
         usage = orjson.Fragment(usage_json) if usage_json else None
         line: dict[str, Any]
         if self.options.format == "openai-batch":
@@ -329,7 +363,7 @@ class _Lines:
                         line[name] = request[name]
             if self.options.provenance:
                 line.update(self._provenance(row))
-        return orjson.dumps(line)
+        return line
 
     def _id(self, key: str) -> str:
         return line_id(self.dataset.name, key) if self.shared else key
@@ -484,7 +518,12 @@ STDOUT = Path("-")
 
 def _fast(options: ExportOptions, dataset: DatasetRef) -> bool:
     """Whether the dataset's lines are written from the narrow rows (``write_lines``)."""
-    return options.plain and dataset.regenerate == "last" and not dataset.passthrough
+    return (
+        options.plain
+        and dataset.regenerate == "last"
+        and not dataset.passthrough
+        and dataset.samples == 1
+    )
 
 
 def _check_target(target: Path) -> None:
@@ -797,6 +836,7 @@ def export_rows(
                     lines = job.lines(dataset)
                     for batch in full_batches(rows, dataset, turns=lines.turns):
                         job.counter.add(lines.write(fh.write, batch))
+                    job.counter.add(lines.finish(fh.write))
         for target, group in job.failures:
             with job.staged.open(target) as fh:
                 for dataset in group:
@@ -841,6 +881,9 @@ def _line_batches(
         lines = _Lines(dataset, options, shared=shared)
         for batch in full_batches(rows, dataset, turns=lines.turns):
             lines.write(out.append, batch)
+            yield out[::2]
+            out.clear()
+        if lines.finish(out.append):
             yield out[::2]
             out.clear()
 
