@@ -427,6 +427,8 @@ class Queue:
         max_tokens: int | None = None,
         all: bool = False,
         dry_run: bool = False,
+        keys: Sequence[str] = (),
+        samples: Sequence[int] = (),
     ) -> int | dict[tuple[str, str], int]:
         """Send items back to pending, as ``orchestrator requeue``: the number moved, or
         with ``dry_run`` what would move per (dataset, state). Done items need a filter
@@ -447,6 +449,8 @@ class Queue:
             flags=mask,
             everything=all,
             max_tokens=max_tokens,
+            keys=tuple(keys),
+            samples=tuple(samples),
         )
         await check_datasets(self.database, names)
         if dry_run:
