@@ -79,6 +79,16 @@ def _cache_lines(prompt: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _sample_lines(snap: dict[str, Any]) -> list[str]:
+    """Datasets of several samples per prompt count samples above: their prompts here."""
+    return [
+        f"{e['name']}: {e['samples']} samples per prompt; prompts with every sample done "
+        f"{e['prompts']['done']:,}/{e['prompts']['total']:,}"
+        for e in snap["datasets"]
+        if e.get("samples", 1) > 1
+    ]
+
+
 def render_status(snap: dict[str, Any]) -> str:
     window = int(snap["window_seconds"])
     header = [
@@ -114,6 +124,7 @@ def render_status(snap: dict[str, Any]) -> str:
         ]
         lines.append("  ".join(cells))
     lines.extend(_cache_lines(snap["totals"].get("prompt_tokens")))
+    lines.extend(_sample_lines(snap))
     errors = snap["totals"]["errors"]
     if errors:
         lines.append("")

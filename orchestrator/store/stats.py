@@ -39,8 +39,17 @@ STATES = ("pending", "running", "done", "failed")
 # would not match the index's WHERE).
 _QUERIES: dict[str, str] = {
     "datasets": (
-        "SELECT id, name, paused, concurrency, priority, passthrough, params"
+        "SELECT id, name, paused, concurrency, priority, passthrough, params, samples"
         " FROM datasets ORDER BY name"
+    ),
+    # Prompts of datasets with several samples each, and those whose every sample is
+    # done; read only for such datasets (one row per prompt and sample).
+    "prompts": (
+        "SELECT p.dataset_id, count(*), sum(CASE WHEN p.done = d.samples THEN 1 ELSE 0 END)"
+        " FROM (SELECT dataset_id, sum(CASE WHEN state = 'done' THEN 1 ELSE 0 END) AS done"
+        " FROM items WHERE dataset_id IN (SELECT id FROM datasets WHERE samples > 1)"
+        ' GROUP BY dataset_id, "key") AS p JOIN datasets AS d ON d.id = p.dataset_id'
+        " GROUP BY p.dataset_id"
     ),
     "counts": "SELECT dataset_id, state, count(*) FROM items GROUP BY dataset_id, state",
     "overall": (
@@ -220,9 +229,12 @@ def _document(
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
     cache_by = {r[0]: tuple(r[1:]) for r in rows["cache"]}
     names = {row[0]: row[1] for row in rows["datasets"]}
+    prompts_by = {r[0]: {"total": r[1], "done": int(r[2] or 0)} for r in rows["prompts"]}
     entries = []
     work: list[dict[str, Any]] = []
-    for ds_id, name, paused, concurrency, priority, passthrough, ds_params in rows["datasets"]:
+    for ds_id, name, paused, concurrency, priority, passthrough, ds_params, samples in rows[
+        "datasets"
+    ]:
         entry = _dataset_figures(
             state_counts[ds_id],
             overall_by.get(ds_id),
@@ -253,6 +265,12 @@ def _document(
                 ),
                 "failed_by_class": failed_by.get(ds_id, {}),
                 "flags": flags_by[ds_id],
+                # Items are samples; prompts count each prompt once (done: every sample).
+                "samples": samples or 1,
+                "prompts": prompts_by.get(
+                    ds_id,
+                    {"total": entry["counts"]["total"], "done": entry["counts"]["done"]},
+                ),
             }
         )
     workers = [_worker(row, now) for row in rows["workers"]]
