@@ -130,16 +130,24 @@ def _rebuild_sqlite(*, with_sample: bool) -> None:
     version = bind.execute(sa.text("PRAGMA schema_version")).scalar_one()
     op.execute("PRAGMA writable_schema = ON")
     for child in _CHILDREN:
-        op.execute(
-            sa.text(
-                "UPDATE sqlite_master SET sql = replace(sql, 'REFERENCES items (id)',"
-                " 'REFERENCES items_rebuilt (id)') WHERE type = 'table' AND name = :name"
-            ).bindparams(name=child)
-        )
+        # As first created, or as a rename wrote it (quoted).
+        for name in ("items", '"items"'):
+            op.execute(
+                sa.text(
+                    "UPDATE sqlite_master SET sql = replace(sql, :old, :new)"
+                    " WHERE type = 'table' AND name = :name"
+                ).bindparams(
+                    old=f"REFERENCES {name} (id)", new="REFERENCES items_rebuilt (id)", name=child
+                )
+            )
     op.execute(f"PRAGMA schema_version = {version + 1}")
     op.execute("PRAGMA writable_schema = OFF")
+    kept = {t: bind.execute(sa.text(f"SELECT count(*) FROM {t}")).scalar_one() for t in _CHILDREN}
     op.execute("DROP TABLE items")  # its indexes go with it; no row references it now
     op.execute("ALTER TABLE items_rebuilt RENAME TO items")
+    for table, count in kept.items():
+        if bind.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one() != count:
+            raise RuntimeError(f"rebuilding items would have lost rows of {table}")
     op.create_index(
         "ix_items_suspect",
         "items",

@@ -11,7 +11,7 @@ Grouped, what the samples share stays where it was (``id``, ``dataset``, the pro
 messages or turns, ``tools``) and what is each sample's own goes into its answer:
 
 * ``messages`` / ``sharegpt``, ``regenerate = "last"``: the prompt without an answer;
-  each answer is ``{"sample", "message"}`` (ShareGPT: the ``gpt`` turn) plus that
+  each answer is ``{"sample", "message"}`` (ShareGPT: the message a ``gpt`` turn) plus that
   sample's ``finish_reason``, ``usage`` and provenance fields.
 * ``regenerate = "all"``: each sample is a conversation of its own; its answer holds the
   whole of it (``messages`` / ``conversations``), and the record keeps only the ids.
