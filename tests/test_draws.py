@@ -288,3 +288,27 @@ def test_migration_keeps_every_answer_of_an_older_database(tmp_path: Path) -> No
     engine.dispose()
     assert query(db, "SELECT sample FROM items") == [(0,), (0,), (0,)]
     assert query(db, "PRAGMA integrity_check") == [("ok",)]
+
+
+def test_plan_counts_every_sample_and_says_how_they_are_asked(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "a.jsonl", prompts(10))
+    run = tmp_path / "run.toml"
+    run.write_text(
+        '[defaults]\nmax_tokens = 100\n[[dataset]]\nname = "a"\nfile = "a.jsonl"\n'
+        'samples = 4\n[[dataset]]\nname = "b"\nfile = "a.jsonl"\nsamples = 2\n'
+        'sample_requests = "seeds"\n[[dataset]]\nname = "c"\nfile = "a.jsonl"\n'
+    )
+    result = cli("plan", "--config", str(run), "--json", "--db", str(tmp_path / "q.db"))
+    assert result.returncode == 0, result.stderr
+    doc = {d["name"]: d for d in json.loads(result.stdout)["datasets"]}
+    assert [doc[n]["requests"] for n in "abc"] == [40, 20, 10]
+    assert [doc[n]["generated_tokens"] for n in "abc"] == [4 * doc["c"]["generated_tokens"],
+                                                          2 * doc["c"]["generated_tokens"],
+                                                          doc["c"]["generated_tokens"]]  # fmt: skip
+    assert [doc[n]["sample_requests"] for n in "abc"] == ["n", "seeds", None]
+    text = cli("plan", "--config", str(run), "--db", str(tmp_path / "q.db")).stdout
+    assert "a: 4 samples per prompt" in " ".join(text.split())
+    assert "asked with n=4 in one request" in " ".join(text.split())
+    assert "b: 2 samples per prompt, each counted as a request, one request per sample" in (
+        " ".join(text.split())
+    )
