@@ -312,3 +312,29 @@ def test_plan_counts_every_sample_and_says_how_they_are_asked(tmp_path: Path) ->
     assert "b: 2 samples per prompt, each counted as a request, one request per sample" in (
         " ".join(text.split())
     )
+
+
+def test_several_servers_with_auto_concurrency_one_ignoring_n(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """Two servers, caps tuned from their metrics: the one that ignores n turns the
+    dataset to a request per sample for both, logged once, and every sample is still
+    its own draw, once."""
+    honest, ignoring = (
+        sim_process("--latency", "0.02"),
+        sim_process("--ignore-n", "--latency", "0.02"),
+    )
+    db = str(tmp_path / "q.db")
+    keys = [f"p{i:06d}" for i in range(40)]
+    _enqueue(db, write_jsonl(tmp_path / "in.jsonl", prompts(40)), "--samples", "3")
+    argv = ("--log-json", "run", "--server", honest.url, "--server", ignoring.url)
+    result = cli(*argv, "--db", db, "--exit-when-done", "--concurrency", "auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ignored = [e for e in events(result.stderr) if e["event"] == "n_ignored"]
+    assert len(ignored) <= 1
+    mode = "seeds" if ignored else "n"
+    assert query(db, "SELECT draw_mode FROM datasets") == [(mode,)]
+    assert all(e["server"] == ignoring.url for e in ignored)
+    _check(_export(db, tmp_path / "out.jsonl"), keys, 3)
+    requests = honest.stats()["chat_requests"] + ignoring.stats()["chat_requests"]
+    assert requests <= 120

@@ -29,7 +29,7 @@ from orchestrator.client import InferenceClient
 from orchestrator.errors import RunStopped, ServersUnreachable, StorageError
 from orchestrator.guard import RunGuard
 from orchestrator.servers import ServerPool
-from orchestrator.store import Database, Lease, Queue
+from orchestrator.store import Database, Failure, Lease, Queue
 from orchestrator.store import workers as worker_rows
 from orchestrator.store.datasets import set_draw_mode
 from orchestrator.urls import credentials_sent
@@ -157,6 +157,14 @@ class Worker:
             self.claims.slot_freed(len(leases))
             outcomes += [None] * (len(leases) - len(outcomes))
             for lease, outcome in zip(leases, outcomes, strict=True):
+                if (
+                    outcome is None
+                    and lease is not held.lease
+                    and lease.item_id in self.claims.held
+                ):
+                    # The request stopped (its first sample's lease lost, a shutdown):
+                    # the other samples it asked for go back, their attempts given back.
+                    outcome = Release(lease, Failure(ec.SHUTDOWN, _STOPPED), 0.0)
                 self._hand_over(lease.item_id, outcome)
 
     def _joins(self, first: Lease, lease: Lease, count: int) -> bool:
@@ -315,6 +323,9 @@ class Worker:
         """A server came or went, or its cap changed: claim and start what now fits."""
         self.claims.capacity_changed()
         self.committer.poke()
+
+
+_STOPPED = "released: the request that asked for it stopped before its answer came"
 
 
 def _pool(
