@@ -124,7 +124,7 @@ async def enqueue(
     source_sha256: str | None = None,
     place: Place | None = None,
 ) -> EnqueueReport:
-    """Insert every record of one file, or nothing.
+    """Insert every record of one file, or nothing; then every prompt's missing samples.
 
     A key already in the dataset with the same content is skipped (enqueue is
     idempotent); with other content it is an error, as is a key repeated within the
@@ -134,8 +134,8 @@ async def enqueue(
     ``regenerate="all"`` or pass-through (``ConfigError`` otherwise, before anything is
     written). Pass-through rows are stored done, each with an empty output row, and are
     never claimed. ``update``: see ``datasets.declare``. ``hash_source=False``: ``path``
-    only names the records, ``source_sha256`` is their digest if any. ``place`` names a
-    record by its ``line`` where ``path:line`` would not (a folder's Parquet rows)."""
+    names the records, ``source_sha256`` is their digest. ``place`` names a record by its
+    ``line`` where ``path:line`` would not (a folder's Parquet rows)."""
     now = time.time()
     sha = file_sha256(path) if hash_source else source_sha256
     async with database.write() as conn:

@@ -229,12 +229,9 @@ def _document(
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
     cache_by = {r[0]: tuple(r[1:]) for r in rows["cache"]}
     names = {row[0]: row[1] for row in rows["datasets"]}
-    prompts_by = {r[0]: {"total": r[1], "done": int(r[2] or 0)} for r in rows["prompts"]}
     entries = []
     work: list[dict[str, Any]] = []
-    for ds_id, name, paused, concurrency, priority, passthrough, ds_params, samples in rows[
-        "datasets"
-    ]:
+    for ds_id, name, paused, concurrency, priority, passthrough, ds_params, _ in rows["datasets"]:
         entry = _dataset_figures(
             state_counts[ds_id],
             overall_by.get(ds_id),
@@ -265,14 +262,9 @@ def _document(
                 ),
                 "failed_by_class": failed_by.get(ds_id, {}),
                 "flags": flags_by[ds_id],
-                # Items are samples; prompts count each prompt once (done: every sample).
-                "samples": samples or 1,
-                "prompts": prompts_by.get(
-                    ds_id,
-                    {"total": entry["counts"]["total"], "done": entry["counts"]["done"]},
-                ),
             }
         )
+    _count_prompts(entries, rows)
     workers = [_worker(row, now) for row in rows["workers"]]
     live = sum(w["in_flight"] for w in workers if not w["stopped"] and not w["silent"])
     # The seconds of the recent window the run was going on: requests in flight are
@@ -299,6 +291,18 @@ def _document(
     }
     ids = [row[0] for row in rows["datasets"]]
     return Snapshot(document, ids, [_work(**w, busy=busy) for w in work], live)
+
+
+def _count_prompts(entries: list[dict[str, Any]], rows: Found) -> None:
+    """Items are samples: each entry says its samples per prompt and counts its prompts
+    (done: every sample done), which differ from its items only with several samples."""
+    prompts_by = {r[0]: {"total": r[1], "done": int(r[2] or 0)} for r in rows["prompts"]}
+    for entry, row in zip(entries, rows["datasets"], strict=True):
+        counts = entry["counts"]
+        entry["samples"] = row[7] or 1
+        entry["prompts"] = prompts_by.get(
+            row[0], {"total": counts["total"], "done": counts["done"]}
+        )
 
 
 def _predicted_by(rows: Found) -> dict[int, dict[str, Any]]:
