@@ -130,12 +130,12 @@ async def enqueue(
     idempotent); with other content it is an error, as is a key repeated within the
     file. ``on_invalid`` given: such lines are reported to it and skipped instead.
     ``records`` may be ``Record``s or, cheaper, ``Prepared`` tuples
-    (``orchestrator.formats.iter_prepared``), read the way the dataset needs: for
-    ``regenerate="all"`` or pass-through (``ConfigError`` otherwise, before anything is
-    written). Pass-through rows are stored done, each with an empty output row, and are
-    never claimed. ``update``: see ``datasets.declare``. ``hash_source=False``: ``path``
-    names the records, ``source_sha256`` is their digest. ``place`` names a record by its
-    ``line`` where ``path:line`` would not (a folder's Parquet rows)."""
+    (``formats.iter_prepared``) read the way the dataset needs: for ``regenerate="all"``
+    or pass-through (``ConfigError`` otherwise, before anything is written). Pass-through
+    rows are stored done, each with an empty output row, and are never claimed.
+    ``update``: see ``datasets.declare``. ``hash_source=False``: ``path`` names the
+    records, ``source_sha256`` is their digest. ``place`` names a record by its ``line``
+    where ``path:line`` would not (a folder's Parquet rows)."""
     now = time.time()
     sha = file_sha256(path) if hash_source else source_sha256
     async with database.write() as conn:
