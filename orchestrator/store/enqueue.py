@@ -134,8 +134,7 @@ async def enqueue(
     or pass-through (``ConfigError`` otherwise, before anything is written). Pass-through
     rows are stored done, each with an empty output row, and are never claimed.
     ``update``: see ``datasets.declare``. ``hash_source=False``: ``path`` names the
-    records, ``source_sha256`` is their digest. ``place`` names a record by its ``line``
-    where ``path:line`` would not (a folder's Parquet rows)."""
+    records, ``source_sha256`` is their digest. ``place``: where a record's ``line`` is."""
     now = time.time()
     sha = file_sha256(path) if hash_source else source_sha256
     async with database.write() as conn:
