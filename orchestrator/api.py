@@ -36,6 +36,7 @@ from orchestrator.checks import (
     Choice,
     Integer,
     Names,
+    Number,
     OrNone,
     PathName,
     Text,
@@ -65,6 +66,7 @@ _DB = OrNone(PathName("a path or a database URL"))
 _DATASETS = Names("a dataset name")
 _FLAGS = Names("a quality flag name")
 _SERVERS = Names("a server URL")
+_LAUNCH = Names("a server command")
 _CLOSED = "the queue is closed: open it again (orchestrator.open(db))"
 
 __all__ = ["Queue", "RunOutcome", "Status", "SyncQueue", "open", "open_sync"]
@@ -263,7 +265,12 @@ class Queue:
     async def run(
         self,
         *,
-        servers: Sequence[str],
+        servers: Sequence[str] = (),
+        launch: Sequence[str] = (),
+        replicas: int | None = None,
+        gpus_per_server: int | None = None,
+        startup_timeout: float = 1800.0,
+        launch_dir: str | os.PathLike[str] | None = None,
         concurrency: int | str = 64,
         datasets: Sequence[str] = (),
         until_done: bool = True,
@@ -285,6 +292,11 @@ class Queue:
         ``stopped``; a run that cannot go on (no server, a model the servers do not
         serve, answers the database did not take) raises its ``RunStopped`` or
         ``StorageError``. Cancelled, it stops at once and releases its leases.
+
+        ``launch``: server commands (each with ``{port}``) the run starts, as ``run
+        --launch`` does, ``replicas`` or ``gpus_per_server`` times; ready before the
+        first claim, restarted when they die, stopped when the run ends (``ServersLost``
+        when none stays up).
         """
         from orchestrator.running import RunSettings
 
@@ -303,9 +315,13 @@ class Queue:
             stream_idle_timeout=stream_idle_timeout,
             max_response_mb=max_response_mb,
         )
-        config, client_config = _configs(servers, api_key, settings)
         database = self.database
-        return _checked_outcome(await self._track(_run(database, config, client_config)))
+        supervisor = _supervisor(launch, replicas, gpus_per_server, startup_timeout, launch_dir,
+                                 database)  # fmt: skip
+        launched = supervisor.server_specs() if supervisor is not None else []
+        config, client_config = _configs(servers, api_key, settings, launched)
+        run = _run(database, config, client_config, supervisor)
+        return _checked_outcome(await self._track(run))
 
     async def _track(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` in a task of its own that ``close`` can stop."""
@@ -337,6 +353,7 @@ class Queue:
         reasoning: str = "separate",
         exclude_flags: str | Sequence[str] = (),
         provenance: bool = False,
+        per_turn: bool = False,
         group_samples: bool = False,
     ) -> Results[dict[str, Any]]:
         """Done items as plain dicts, each the line ``export`` would write, in its order:
@@ -345,7 +362,12 @@ class Queue:
 
         names = _names("dataset", dataset, _DATASETS)
         chosen = _export_options(
-            format, reasoning, exclude_flags, provenance, group_samples=group_samples
+            format,
+            reasoning,
+            exclude_flags,
+            provenance,
+            per_turn=per_turn,
+            group_samples=group_samples,
         )
         batches = line_batches(self.database, dataset_names=names, options=chosen)
         return self._held(Results(batches, orjson.loads))
@@ -406,14 +428,17 @@ class Queue:
         exclude_flags: str | Sequence[str] = (),
         include_failed: str | os.PathLike[str] | None = None,
         provenance: bool = False,
+        per_turn: bool = False,
         group_samples: bool = False,
     ) -> ExportReport:
-        """Write done items to ``out`` as ``orchestrator export`` does (all files, or none)."""
+        """Write done items to ``out`` as ``orchestrator export`` does (all files, or none).
+        ``report.summary`` names the rows ``format="specforge"`` skipped, by reason."""
         from orchestrator.formats.export import export_database
 
         checked("out", out, PATH)
         names = _names("datasets", datasets, _DATASETS)
-        more = {"split": split, "include_failed": include_failed, "group_samples": group_samples}
+        more = {"split": split, "include_failed": include_failed, "per_turn": per_turn}
+        more["group_samples"] = group_samples
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
 
@@ -545,27 +570,60 @@ def _cap(concurrency: int | str) -> int | str:
     return concurrency
 
 
-def _configs(servers: Sequence[str], api_key: str | None, settings: Any) -> tuple[Any, Any]:
+def _supervisor(
+    launch: Sequence[str],
+    replicas: int | None,
+    gpus_per_server: int | None,
+    startup_timeout: float,
+    launch_dir: str | os.PathLike[str] | None,
+    database: Database,
+) -> Any:
+    """The supervisor of the servers ``run(launch=...)`` starts; None without any."""
+    from orchestrator.launch.spec import SuperviseSettings, build_specs
+    from orchestrator.launch.state import default_dir
+    from orchestrator.launch.supervisor import Supervisor
+
+    commands = _names("launch", launch, _LAUNCH)
+    for name, value in (("replicas", replicas), ("gpus_per_server", gpus_per_server)):
+        checked(name, value, OrNone(Integer(1)))
+    checked("startup_timeout", startup_timeout, Number(0, above=True))
+    checked("launch_dir", launch_dir, OrNone(PATH))
+    specs = build_specs([(c, None, None) for c in commands], source="launch",
+                        replicas=replicas, gpus_per_server=gpus_per_server)  # fmt: skip
+    if not specs:
+        return None
+    path = str(database.url.database) if database.is_sqlite and database.url.database else None
+    base = Path(launch_dir) if launch_dir is not None else default_dir(path)
+    return Supervisor(specs, SuperviseSettings(startup_timeout=startup_timeout), base)
+
+
+def _configs(
+    servers: Sequence[str], api_key: str | None, settings: Any, launched: Sequence[Any] = ()
+) -> tuple[Any, Any]:
     """The worker's and the client's configuration as the command makes them, from the
-    servers as given (each through the check of every server source)."""
+    servers as given (each through the check of every server source) and those the
+    run launches."""
     from orchestrator.running import configs, without_credentials
     from orchestrator.servers import ServerSpec, check_server_url
     from orchestrator.urls import api_key as checked_key
 
     urls = _names("servers", servers, _SERVERS)
     checked("api_key", api_key, OrNone(Text()))
-    if not urls:
-        raise ConfigError("run needs at least one server URL (servers=[...])")
+    if not urls and not launched:
+        raise ConfigError("run needs at least one server URL (servers=[...]) or launch=[...]")
     specs = [ServerSpec(check_server_url(url, "servers")[0]) for url in urls]
+    specs += list(launched)
     key = checked_key(api_key, "api_key")
     specs, auth = without_credentials(specs, key)
     return configs(specs, auth, key, settings)
 
 
-async def _run(database: Database, config: Any, client_config: Any) -> RunOutcome:
+async def _run(
+    database: Database, config: Any, client_config: Any, launch: Any = None
+) -> RunOutcome:
     from orchestrator.running import run_worker
 
-    return await run_worker(database, config, client_config)
+    return await run_worker(database, config, client_config, launch=launch)
 
 
 def _checked_outcome(outcome: RunOutcome) -> RunOutcome:

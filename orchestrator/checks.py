@@ -315,4 +315,5 @@ EXPORT: dict[str, Rule] = {
     "group_samples": FLAG,
     "split": FLAG,
     "include_failed": OrNone(PATH),
+    "per_turn": FLAG,
 }

@@ -974,6 +974,34 @@ async def models(session: aiohttp.ClientSession, server: str, seconds: float) ->
     return Models(status, names)
 
 
+async def context_length(session: aiohttp.ClientSession, server: str, seconds: float) -> int | None:
+    """The longest request the server takes, in tokens, where it says: ``max_model_len``
+    in ``/v1/models`` (vLLM, SGLang), else llama.cpp's ``/props`` (its
+    ``n_ctx`` is per slot: ``-c`` over ``-np``); None when neither does."""
+    base = base_url(server)
+    for path, read in (("/v1/models", _max_model_len), ("/props", _props_n_ctx)):
+        try:
+            reply = await get(session, base + path, seconds)
+            doc = orjson.loads(reply.body) if reply.status == 200 else None
+        except (RequestFailed, orjson.JSONDecodeError):
+            continue
+        found = read(doc)
+        if isinstance(found, int) and not isinstance(found, bool) and found > 0:
+            return found
+    return None
+
+
+def _max_model_len(doc: Any) -> Any:
+    data = doc.get("data") if isinstance(doc, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    return first.get("max_model_len") if isinstance(first, dict) else None
+
+
+def _props_n_ctx(doc: Any) -> Any:
+    settings = doc.get("default_generation_settings") if isinstance(doc, dict) else None
+    return settings.get("n_ctx") if isinstance(settings, dict) else None
+
+
 def _models_reason(doc: object, body: bytes) -> str:
     if isinstance(doc, dict):
         err = doc.get("error", doc)

@@ -12,8 +12,10 @@
     │   ├── RunHalted            a setting is wrong for every request: the circuit breaker
     │   │                        stopped the run and gave the items their attempts back (5)
     │   ├── ItemsFailed          ``--exit-when-done``: finished, some items failed (6)
-    │   └── ItemsLeftPending     ``--exit-when-done``: finished, items of paused datasets
+    │   ├── ItemsLeftPending     ``--exit-when-done``: finished, items of paused datasets
     │                            are still pending (7)
+    │   └── ServersLost          ``--launch``: no launched server started, or every one
+    │                            died too often and was given up on (8)
     └── InferenceError           an inference request did not give a usable answer
         ├── PermanentError       the server rejected the request (400, 401, 403, 404, 422):
         │                        retrying cannot help, the item fails at once
@@ -103,10 +105,18 @@ class ItemsLeftPending(RunStopped):
     exit_code = 7
 
 
+class ServersLost(RunStopped):
+    """The servers the run launched could not start, or all died too often: the command,
+    the model or the machine needs a look (the servers' last log lines say which)."""
+
+    exit_code = 8
+
+
 #: The exit codes a restart cannot fix, where a person has to act first: a bad option or
 #: setting (2), a database that refuses (3: missing, of a newer schema, read-only, full,
 #: replaced), a setting every request is refused for (5), items failed (6: requeue them)
-#: or left in paused datasets (7: resume them). A service manager must not restart on
+#: or left in paused datasets (7: resume them), launched servers that would not stay up
+#: (8: their logs say why). A service manager must not restart on
 #: these (the systemd unit's ``RestartPreventExitStatus=``): a restart would refuse the
 #: same way, or retry the trial items, every few seconds for ever. A crash (1, a
 #: signal) and servers that stayed unreachable (4) are restarted.
@@ -119,6 +129,7 @@ NEEDS_A_PERSON: tuple[int, ...] = tuple(
             RunHalted.exit_code,
             ItemsFailed.exit_code,
             ItemsLeftPending.exit_code,
+            ServersLost.exit_code,
         }
     )
 )

@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from orchestrator.client import ClientConfig
     from orchestrator.errors import RunStopped
+    from orchestrator.launch.supervisor import Supervisor
     from orchestrator.servers import ServerSpec
     from orchestrator.store import Database
     from orchestrator.worker import WorkerConfig, WorkerStats
@@ -117,48 +120,116 @@ async def run_worker(
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
     signals: bool = False,
+    launch: Supervisor | None = None,
 ) -> RunOutcome:
     """Run a worker on an open database until it stops.
 
     ``signals``: SIGTERM/SIGINT stop it (the command; a second one forces). Cancelling
     the task running this stops the worker at once, its leases released, and then the
-    cancellation goes on: an embedded run never leaves items running.
+    cancellation goes on: an embedded run never leaves items running. ``launch``: the
+    servers the run starts itself, ready before the first claim and stopped after the
+    last answer (orchestrator.launch).
     """
     from orchestrator.client import InferenceClient
-    from orchestrator.errors import RunStopped
-    from orchestrator.monitor import progress
+    from orchestrator.errors import ServersLost
     from orchestrator.ops.systemd import SystemdNotifier
     from orchestrator.store import check_datasets
-    from orchestrator.worker import Worker
+    from orchestrator.worker import WorkerStats
 
     await check_datasets(database, config.datasets)
-    outcome: RunOutcome | None = None
-    stopped: list[RunStopped] = []
     # Under systemd (Type=notify): READY=1, STOPPING=1, status and watchdog pings.
     async with InferenceClient(client_config) as client, SystemdNotifier() as notifier:
-        metrics = None
-        if metrics_port is not None:
-            from orchestrator.metrics import WorkerMetrics
-
-            metrics = WorkerMetrics()
-        worker = Worker(database, client, config, notifier=notifier, metrics=metrics)
-        if signals:
-            import signal
-
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, worker.request_stop)
-        line = progress.start(database, worker)  # on a terminal only
         try:
-            run = _run_with_metrics(worker, metrics, metrics_host, metrics_port)
-            outcome = RunOutcome(await _stop_on_cancel(worker, run), stopped)
-        except RunStopped as exc:
-            stopped.append(exc)  # said after the worker's own last line
-            outcome = RunOutcome(worker.stats, stopped)
-        finally:
-            await progress.stop(line)
-            if worker.unfinished is not None:
-                stopped.append(worker.unfinished)
+            async with _launched(launch, client, signals) as go:
+                if not go:  # stopped while the servers were starting
+                    return RunOutcome(WorkerStats())
+                parts = (database, client, config, notifier)
+                return await _work(*parts, launch, signals, metrics_host, metrics_port)
+        except ServersLost as exc:  # none of them started
+            return RunOutcome(WorkerStats(), [exc])
+
+
+@contextlib.asynccontextmanager
+async def _launched(launch: Supervisor | None, client: Any, signals: bool) -> AsyncIterator[bool]:
+    """The run's own servers started (if any) before the worker, stopped after it;
+    False when a signal came while they were starting."""
+    if launch is None:
+        yield True
+        return
+    stopping = asyncio.Event()
+    if signals:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+    try:
+        await launch.start(client.session, stopping)
+        yield not stopping.is_set()
+    finally:
+        await launch.stop()
+
+
+def _supervised(worker: Any, launch: Supervisor) -> None:
+    """Tie the supervisor to the worker's pool: a death takes the server out (its
+    in-flight items given back), a server given up on leaves it, the last one halts."""
+    from orchestrator.errors import ServersLost
+
+    def given_up(url: str, message: str) -> None:
+        worker.pool.retire(url, message)
+        if worker.pool.all_retired():
+            worker.halt(ServersLost(f"no server left: {message}"))
+
+    launch.on_down = worker.pool.server_died
+    launch.on_given_up = given_up
+    for server in launch.servers:
+        if server.state == "given_up":
+            worker.pool.retire(server.url, "it did not start")
+    launch.watch()
+
+
+async def _work(
+    database: Database,
+    client: Any,
+    config: WorkerConfig,
+    notifier: Any,
+    launch: Supervisor | None,
+    signals: bool,
+    metrics_host: str,
+    metrics_port: int | None,
+) -> RunOutcome:
+    """The worker itself, from its start to its last write."""
+    from orchestrator.errors import RunStopped
+    from orchestrator.monitor import progress
+    from orchestrator.worker import Worker
+
+    outcome: RunOutcome | None = None
+    stopped: list[RunStopped] = []
+    metrics = None
+    if metrics_port is not None:
+        from orchestrator.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics()
+    worker = Worker(database, client, config, notifier=notifier, metrics=metrics)
+    if launch is not None:
+        _supervised(worker, launch)
+    if signals:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.request_stop)
+    line = progress.start(database, worker)  # on a terminal only
+    try:
+        run = _run_with_metrics(worker, metrics, metrics_host, metrics_port)
+        outcome = RunOutcome(await _stop_on_cancel(worker, run), stopped)
+    except RunStopped as exc:
+        stopped.append(exc)  # said after the worker's own last line
+        outcome = RunOutcome(worker.stats, stopped)
+    finally:
+        await progress.stop(line)
+        if worker.unfinished is not None:
+            stopped.append(worker.unfinished)
     return outcome
 
 

@@ -12,7 +12,10 @@ Servers come from ``--server`` (repeatable) and from a servers file, one per lin
     http://gpu-2:30000  concurrency=128   # this one takes more
     http://gpu-3:30000  concurrency=auto  # this one adapts (see orchestrator.autoconcurrency)
 
-A server without ``concurrency=`` gets the worker's ``--concurrency``.
+A server without ``concurrency=`` gets the worker's ``--concurrency``. A ``launch``
+line is a server the run starts itself (orchestrator.launch), on a port it picks::
+
+    launch = "llama-server -m /models/m.gguf --port {port} --metrics"  concurrency=8
 """
 
 from __future__ import annotations
@@ -92,7 +95,22 @@ def parse_cap(text: str) -> Cap:
 _COMMENT = re.compile(r"(?:^|(?<=\s))#")
 
 
+@dataclass(frozen=True, slots=True)
+class LaunchLine:
+    """A servers file's ``launch = "CMD"`` line: a command with ``{port}``, its cap, and
+    the port it must have (``port=N``; by default a free one is picked)."""
+
+    command: str
+    concurrency: Cap | None = None
+    port: int | None = None
+
+
 def parse_servers_file(path: Path) -> list[ServerSpec]:
+    """The servers a servers file lists (its ``launch`` lines aside)."""
+    return read_servers_file(path)[0]
+
+
+def read_servers_file(path: Path) -> tuple[list[ServerSpec], list[LaunchLine]]:
     """Read a servers file; a bad line stops it with ``FILE:LINE: what is wrong``."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -101,36 +119,78 @@ def parse_servers_file(path: Path) -> list[ServerSpec]:
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     specs: list[ServerSpec] = []
+    launches: list[LaunchLine] = []
     seen: dict[str, int] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = _COMMENT.split(raw, 1)[0].strip()
         if not line:
             continue
         where = f"{path}:{number}"
+        if _LAUNCH.match(line):
+            launches.append(_launch_line(line, where))
+            continue
         raw_url, *options = split_on_space(line, where)
         url, note = check_server_url(raw_url, where)
         if note:
             log.info("server_url_corrected", source=where, note=note)
-        cap: Cap | None = None
-        for option in options:
-            key, sep, value = option.partition("=")
-            if key != "concurrency" or not sep:
-                raise ConfigError(
-                    f"{where}: unknown option {mask(option)!r}; expected concurrency=N or "
-                    "concurrency=auto"
-                )
-            try:
-                cap = parse_cap(value)
-            except ValueError as exc:
-                raise ConfigError(f"{where}: {exc}") from None
+        cap = _options_cap(options, where)
         key = _same(url)
         if key in seen:
             raise ConfigError(f"{where}: {mask(url)} is already listed on line {seen[key]}")
         seen[key] = number
         specs.append(ServerSpec(url, cap))
-    if not specs:
+    if not specs and not launches:
         raise ConfigError(f"{path}: no server listed")
-    return specs
+    return specs, launches
+
+
+_LAUNCH = re.compile(r"launch\s*=")
+
+
+def _options_cap(options: list[str], where: str) -> Cap | None:
+    """A line's ``concurrency=N|auto``, the one option a server takes."""
+    cap: Cap | None = None
+    for option in options:
+        key, sep, value = option.partition("=")
+        if key != "concurrency" or not sep:
+            more = " (or port=N on a launch line)"
+            raise ConfigError(
+                f"{where}: unknown option {mask(option)!r}; expected concurrency=N or "
+                f"concurrency=auto{more}"
+            )
+        try:
+            cap = parse_cap(value)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return cap
+
+
+def _launch_line(line: str, where: str) -> LaunchLine:
+    """``launch = "CMD --port {port}" [concurrency=N] [port=N]``: the command quoted as
+    one word."""
+    import shlex
+
+    from orchestrator.launch.spec import check_command
+
+    rest = _LAUNCH.sub("", line, count=1).strip()
+    try:
+        words = shlex.split(rest)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc} (quote the launch command as one word)") from None
+    if not words:
+        raise ConfigError(f'{where}: launch = "COMMAND --port {{port}}" expected')
+    options, port = [], None
+    for option in words[1:]:
+        key, _, value = option.partition("=")
+        if key != "port":
+            options.append(option)
+        elif not value.isdigit() or not 0 < int(value) < 65536:
+            raise ConfigError(
+                f"{where}: port must be a whole number from 1 to 65535, not {value!r}"
+            )
+        else:
+            port = int(value)
+    return LaunchLine(check_command(words[0], where), _options_cap(options, where), port)
 
 
 #: Endpoint paths pasted after a base URL: the client adds them itself.
@@ -299,6 +359,10 @@ class ServerState:
     unsampled: float = 0.0
     metrics_misses: int = 0
     metrics_seen: bool = False
+    # A launched server's deaths (orchestrator.launch): a request that ends in another
+    # epoch than it began died with the server, and costs its item no attempt.
+    epoch: int = 0
+    retired: bool = False  # a launched server given up on: never probed again
 
     @property
     def blind(self) -> bool:
@@ -391,7 +455,7 @@ class ServerPool:
 
     def mark_down(self, server: str, reason: str, *, quiet: bool = False) -> None:
         state = self.states[server]
-        if state.probe is not None and not state.probe.done():
+        if state.retired or (state.probe is not None and not state.probe.done()):
             return
         state.healthy = False
         self.prefixes.forget(server)
@@ -405,6 +469,27 @@ class ServerPool:
         state.probe = asyncio.create_task(self._probe(server), name=f"probe {server}")
         state.probe.add_done_callback(lambda task: self._probe_ended(server, task))
         self._on_change()
+
+    def server_died(self, server: str, reason: str) -> None:
+        """A launched server's process died or was found wedged: out of rotation at
+        once, and its requests in flight are known to have died with it."""
+        self.states[server].epoch += 1
+        self.mark_down(server, reason)
+
+    def retire(self, server: str, reason: str) -> None:
+        """A launched server given up on: out for good, no longer probed."""
+        state = self.states[server]
+        state.retired = True
+        state.healthy = False
+        state.down_reason = reason
+        if state.probe is not None:
+            state.probe.cancel()
+        if not self.healthy():
+            self.available.clear()
+        self._on_change()
+
+    def all_retired(self) -> bool:
+        return all(st.retired for st in self.states.values())
 
     def _probe_ended(self, server: str, task: asyncio.Task[None]) -> None:
         """A prober that died would leave its server out for good and the worker waiting

@@ -49,9 +49,12 @@ class Verdict:
 
 
 def from_line(line: Mapping[str, Any], fmt: str) -> list[Message]:
-    """The conversation of an exported line, in OpenAI form (``messages`` or ShareGPT)."""
+    """The conversation of an exported line, in OpenAI form (``messages``, ShareGPT or
+    SpecForge's ``role``/``content`` conversations)."""
     if fmt == "messages":
         return [dict(m) for m in line["messages"]]
+    if fmt == "specforge":
+        return [dict(m) for m in line["conversations"]]
     out = []
     for turn in line["conversations"]:
         message = {k: v for k, v in turn.items() if k not in ("from", "value")}
@@ -82,6 +85,13 @@ def _same_original(exported: Message, original: Message, fmt: str) -> bool:
     """A message the run must not change (tool results: but for the call they answer)."""
     mine = {k: v for k, v in exported.items() if k != "tool_call_id"}
     theirs = {k: v for k, v in original.items() if k != "tool_call_id"}
+    if fmt == "specforge":
+        # An assistant turn always says reasoning_content, null when it had none; a
+        # developer message is a system one.
+        if mine.get("role") == "assistant" and mine.get("reasoning_content") is None:
+            mine.pop("reasoning_content", None)
+        if theirs["role"] == "developer":
+            theirs["role"] = "system"
     if fmt == "sharegpt":
         # ShareGPT has no developer speaker (a system prompt under its newer name), and
         # writes a null content as "".

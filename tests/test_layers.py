@@ -39,7 +39,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     ),
     frozenset({"store", "client"}),
     frozenset({"server_metrics", "formats", "checks", "metrics", "sim"}),
-    frozenset({"servers", "runfile", "guard"}),
+    frozenset({"servers", "runfile", "guard", "launch"}),
     frozenset({"worker"}),
     frozenset({"monitor"}),
     frozenset({"ops", "running", "enqueueing"}),

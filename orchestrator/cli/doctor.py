@@ -18,6 +18,7 @@ from orchestrator.cli.common import (
     run_sync,
     servers_option,
 )
+from orchestrator.cli.launching import launch_commands_options, supervisor, take_launch_options
 
 
 @click.command()
@@ -29,6 +30,7 @@ from orchestrator.cli.common import (
     help="Bytes each remaining answer adds to the database (default: measured).",
 )
 @click.option("--clock-tolerance", type=click.FloatRange(min=0), default=60.0, show_default=True)
+@launch_commands_options
 @api_key_file_option
 @basic_auth_file_option
 @db_option
@@ -41,12 +43,14 @@ def doctor(
 ) -> None:
     """Check a run can go the distance: database, servers, model, disk, clock.
 
-    One PASS/FAIL line per check; exit code 1 when any fails. Reads only.
+    One PASS/FAIL line per check; exit code 1 when any fails. Reads only. Servers
+    given with --launch are started for the checks, then stopped.
     """
-    from orchestrator.ops.doctor import DoctorConfig, passed, run_checks
+    from orchestrator.ops.doctor import DoctorConfig, passed, run_checks, run_checks_launched
     from orchestrator.running import without_credentials
     from orchestrator.servers import ServerSpec
 
+    launched = supervisor(take_launch_options(expected), db)
     api_key = read_api_key(api_key_file)
     shared = read_basic_auth(basic_auth_file)
     specs, basic_auth = run_sync(
@@ -54,7 +58,9 @@ def doctor(
     )
     urls = tuple(spec.url for spec in specs)
     config = DoctorConfig(db=db, servers=urls, api_key=api_key, basic_auth=basic_auth, **expected)
-    checks = run_async(run_checks(config))
+    checks = run_async(
+        run_checks(config) if launched is None else run_checks_launched(config, launched)
+    )
     for check in checks:
         click.echo(check.line)
     if not passed(checks):

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     type=click.Choice(EXPORT_FORMATS),
     default="messages",
     show_default=True,
-    help="Line format: OpenAI messages, ShareGPT (SpecForge / EAGLE-3 trainers) or the "
-    "OpenAI Batch API output (failed items in OUT.errors.jsonl).",
+    help="Line format: OpenAI messages, ShareGPT (EAGLE-3 trainers), the OpenAI Batch API "
+    "output (failed items in OUT.errors.jsonl) or SpecForge's regenerated data (rows its "
+    "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl).",
 )
 @click.option(
     "--reasoning",
@@ -69,6 +70,12 @@ if TYPE_CHECKING:
     help="Add model, params, params_hash, server, created_at, started_at and flags.",
 )
 @click.option(
+    "--per-turn",
+    is_flag=True,
+    help="One line per generated assistant turn (id <id>#turn<k>), the conversation up to "
+    "it, earlier turns without their reasoning: SpecForge's per-turn rows.",
+)
+@click.option(
     "--group-samples",
     is_flag=True,
     help='A prompt\'s samples (enqueue --samples) in one line, its answers in "answers" '
@@ -84,6 +91,7 @@ def export(
     exclude_flags: tuple[str, ...],
     include_failed: Path | None,
     provenance: bool,
+    per_turn: bool,
     group_samples: bool,
     db: str | None,
 ) -> None:
@@ -95,7 +103,14 @@ def export(
     """
     chosen = run_sync(
         lambda: _options(
-            fmt, reasoning, exclude_flags, provenance, split, include_failed, group_samples
+            fmt,
+            reasoning,
+            exclude_flags,
+            provenance,
+            split,
+            include_failed,
+            per_turn,
+            group_samples,
         )
     )
     with progress_shown(f"writing {out}:") as progress:
@@ -112,6 +127,7 @@ def _options(
     provenance: bool,
     split: bool,
     include_failed: Path | None,
+    per_turn: bool,
     group_samples: bool = False,
 ) -> ExportOptions:
     from orchestrator.formats.export import ExportOptions
@@ -127,6 +143,7 @@ def _options(
         provenance=provenance,
         split=split,
         include_failed=include_failed,
+        per_turn=per_turn,
         group_samples=group_samples,
     )
 
@@ -160,7 +177,14 @@ def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> Non
     piped = is_stdout(out)
     where = f"{len(report.files):,} files in {out}" if chosen.split else str(out)
     where = "standard output" if piped else where
-    click.echo(f"exported {report.lines:,} items to {where}", err=piped)
+    if chosen.per_turn:
+        click.echo(
+            f"exported {report.lines:,} turns of {report.items:,} items to {where}", err=piped
+        )
+    else:
+        click.echo(f"exported {report.lines:,} items to {where}", err=piped)
+    if report.summary:
+        click.echo(report.summary, err=True)
     if chosen.exclude_flags:
         names = ", ".join(flag_names(chosen.exclude_flags))
         click.echo(f"left out {report.excluded:,} answers flagged {names}", err=piped)

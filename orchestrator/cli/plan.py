@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import db_option, echo_json, on_database, run_sync
+from orchestrator.cli.common import db_option, echo_json, on_database, run_async, run_sync
+from orchestrator.cli.launching import launch_options, supervisor, take_launch_options
 
 DEFAULT_TOKENS_PER_SECOND = 850.0
 """``plan``'s default rate: the total tokens per second of a typical single-GPU reasoning
@@ -31,11 +32,22 @@ run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md.
     "reasoning run; `status` shows a running run's.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable.")
+@launch_options
 @db_option
-def plan(config: Path | None, tokens_per_second: float, as_json: bool, db: str | None) -> None:
-    """Requests, tokens to generate, time left and database size, per dataset and in total."""
+def plan(
+    config: Path | None, tokens_per_second: float, as_json: bool, db: str | None, **launch: Any
+) -> None:
+    """Requests, tokens to generate, time left and database size, per dataset and in total.
+
+    With --launch (or --engine), the first server is started briefly first, to say how
+    long it took to be ready, its context length and whose metrics it serves.
+    """
     from orchestrator import runfile
     from orchestrator.store.reader import sqlite_path
+
+    looked = _look(launch, db)
+    if looked is not None and not as_json:
+        click.echo(_looked_line(looked))
 
     plans = run_sync(lambda: runfile.load_run(config)) if config is not None else None
     path = sqlite_path(db)
@@ -57,7 +69,8 @@ def plan(config: Path | None, tokens_per_second: float, as_json: bool, db: str |
             return
         result = runfile.plan_stored(held, tokens_per_second=tokens_per_second)
     if as_json:
-        echo_json(runfile.plan_json(result))
+        document = runfile.plan_json(result)
+        echo_json(document if looked is None else {**document, "launched": looked})
     else:
         click.echo(runfile.render_plan(result), nl=False)
 
@@ -67,3 +80,29 @@ def _stored(db: str | None) -> list[Any]:
     from orchestrator.store.planning import stored_datasets
 
     return on_database(db, stored_datasets, mode="read")
+
+
+def _look(launch: dict[str, Any], db: str | None) -> dict[str, Any] | None:
+    """The first launched server, started and stopped again (None: none to launch)."""
+    launched = supervisor(take_launch_options(launch), db)
+    if launched is None:
+        return None
+    from orchestrator.client import plain_session
+    from orchestrator.launch.supervisor import look_briefly
+
+    async def look() -> dict[str, Any]:
+        async with plain_session("orchestrator-plan", None, {}) as session:
+            return await look_briefly(launched, session)
+
+    return run_async(look())
+
+
+def _looked_line(looked: dict[str, Any]) -> str:
+    if looked.get("error"):
+        return f"launched {looked['name']}: did not start: {looked['error']}"
+    context = looked["context_length"]
+    shown = f"{context:,} tokens" if context else "not said"
+    return (
+        f"launched {looked['name']}: ready in {looked['ready_s']:g}s, context length {shown}, "
+        f"metrics: {looked['metrics'] or 'none'} ({looked['command']})"
+    )

@@ -20,6 +20,8 @@ from orchestrator.cli.common import (
     run_sync,
     servers_option,
 )
+from orchestrator.cli.launching import launch_options, take_launch_options
+from orchestrator.cli.launching import supervisor as launched_servers
 from orchestrator.errors import StorageError
 
 max_response_option = click.option(
@@ -37,22 +39,30 @@ def _servers(
     servers_file: Path | None,
     key_file: Path | None,
     auth_file: Path | None,
-) -> tuple[list[Any], dict[str, Any], str | None]:
-    """The servers of --server (checked as parsed) and --servers-file, their Basic
-    credentials and the API key."""
+    launch: dict[str, Any],
+    db: str | None,
+) -> tuple[list[Any], dict[str, Any], str | None, Any]:
+    """The servers of --server (checked as parsed), --servers-file and those the run
+    launches, their Basic credentials, the API key, and the launched servers' supervisor."""
     from orchestrator.running import without_credentials
-    from orchestrator.servers import merge_servers, parse_servers_file
+    from orchestrator.servers import merge_servers, read_servers_file
 
-    listed = run_sync(lambda: parse_servers_file(servers_file)) if servers_file else []
+    listed, launches = (
+        run_sync(lambda: read_servers_file(servers_file)) if servers_file else ([], [])
+    )
+    supervisor = launched_servers(launch, db, launches)
     api_key = read_api_key(key_file)
     shared = read_basic_auth(auth_file)
     merged = merge_servers(servers, listed)
+    if supervisor is not None:
+        merged += supervisor.server_specs()
     specs, basic_auth = run_sync(lambda: without_credentials(merged, api_key, shared))
     if not specs:
         raise click.UsageError(
-            "give at least one --server URL (or --servers-file, or ORCHESTRATOR_SERVERS)"
+            "give at least one --server URL (or --servers-file, or ORCHESTRATOR_SERVERS), "
+            "or a server to start (--launch, --engine)"
         )
-    return specs, basic_auth, api_key
+    return specs, basic_auth, api_key, supervisor
 
 
 def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
@@ -86,7 +96,8 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     "--exit-when-done",
     is_flag=True,
     help="Exit once no item is pending or running: 0 when every item is done, 6 when some "
-    "failed, 7 when items of paused datasets are left pending.",
+    "failed, 7 when items of paused datasets are left pending (8: launched servers would "
+    "not stay up).",
 )
 @click.option(
     "--give-up-after",
@@ -148,6 +159,7 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     show_default=True,
     help="Address the metrics server binds; another than loopback exposes it to the network.",
 )
+@launch_options
 @api_key_file_option
 @basic_auth_file_option
 @max_response_option
@@ -165,15 +177,19 @@ def run(
     """Work on the queue: claim items, call the servers, commit each answer once.
 
     SIGTERM or SIGINT stops claiming and lets in-flight requests finish within --grace;
-    a second signal stops at once. Unfinished items go back to pending.
+    a second signal stops at once. Unfinished items go back to pending. Servers it
+    launched (--launch, --engine) are ready before the first claim and stopped after
+    the last answer; if none of them will stay up it exits 8.
     """
     from orchestrator.running import RunSettings, configs, run_worker
 
-    specs, basic_auth, api_key = _servers(servers, servers_file, api_key_file, basic_auth_file)
+    launch = take_launch_options(settings)
+    files = (servers_file, api_key_file, basic_auth_file)
+    specs, basic_auth, api_key, supervisor = _servers(servers, *files, launch, db)
     config, client_config = configs(specs, basic_auth, api_key, RunSettings(**settings))
-    metrics = {"metrics_port": metrics_port, "metrics_host": metrics_host}
+    extra = {"metrics_port": metrics_port, "metrics_host": metrics_host, "launch": supervisor}
     outcome = on_database(
-        db, lambda d: run_worker(d, config, client_config, signals=True, **metrics), mode="write"
+        db, lambda d: run_worker(d, config, client_config, signals=True, **extra), mode="write"
     )
     _say_how_run_ended(outcome.stats, outcome.stopped)
 

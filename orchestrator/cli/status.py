@@ -60,6 +60,12 @@ def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) ->
         from orchestrator.server_metrics import scrape
 
         snap["servers"] = [scrape(server) for server in servers]
+    from orchestrator.launch.state import default_dir, read_states
+    from orchestrator.store.reader import sqlite_path
+
+    launched = read_states(default_dir(sqlite_path(db)))
+    if launched:
+        snap["launched"] = launched
     return snap
 
 

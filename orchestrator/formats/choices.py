@@ -12,7 +12,8 @@ INPUT_FORMATS: tuple[str, ...] = ("auto", *LINE_FORMATS, "tokens")
 """What a file may be declared as: ``auto`` takes any mix of ``LINE_FORMATS`` (and of
 messages, sharegpt and tokens rows when passing through); ``tokens`` is for pass-through
 only."""
-EXPORT_FORMATS: tuple[str, ...] = ("messages", "sharegpt", "openai-batch")
-"""The export's line formats: OpenAI messages, ShareGPT, OpenAI Batch API output."""
+EXPORT_FORMATS: tuple[str, ...] = ("messages", "sharegpt", "openai-batch", "specforge")
+"""The export's line formats: OpenAI messages, ShareGPT, OpenAI Batch API output,
+SpecForge's regenerated data."""
 REASONING_MODES: tuple[str, ...] = ("separate", "inline", "drop")
 """Where the export puts generated reasoning: its own field, inline as <think>, nowhere."""

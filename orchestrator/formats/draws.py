@@ -32,8 +32,11 @@ _CONVERSATION = {"messages": "messages", "sharegpt": "conversations"}
 _SHARED = ("id", "dataset", "tools", "custom_id")
 
 
-def sampled(record: dict[str, Any], sample: int) -> dict[str, Any]:
-    """One sample's record, its index right after the prompt's id."""
+def sampled(record: dict[str, Any], sample: int, fmt: str = "messages") -> dict[str, Any]:
+    """One sample's record, its index right after the prompt's id. SpecForge's rows are
+    each a conversation with an id of its own: ``<id>#sample<s>``."""
+    if fmt == "specforge":
+        record = {**record, "id": f"{record['id']}#sample{sample}"}
     out: dict[str, Any] = {}
     for name, value in record.items():
         out[name] = value

@@ -14,10 +14,12 @@ fraction of the cost. The default shape (:func:`write_lines`) parses only the re
 to splice its messages in; the other shapes (:class:`ExportOptions`) parse what they
 change.
 
-Three line formats (README, "Export formats"): ``messages`` (the default), ``sharegpt``
-(``from``/``value`` turns, as SpecForge and other EAGLE-3 trainers read them) and
+Four line formats (README, "Export formats"): ``messages`` (the default), ``sharegpt``
+(``from``/``value`` turns, as SpecForge and other EAGLE-3 trainers read them),
 ``openai-batch`` (the OpenAI Batch API / ``vllm run-batch`` output line, failed items in
-an error file beside it).
+an error file beside it) and ``specforge`` (SpecForge's regenerated data, rows its
+validator refuses and failed items in files beside it: ``writers.specforge``). Any
+conversation format can be written a row per generated turn (``writers.turns``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
 from orchestrator.formats import draws
 from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES  # noqa: F401
+from orchestrator.formats.writers import specforge
+from orchestrator.formats.writers import turns as per_turn
 from orchestrator.quality import TOOL_MISMATCH, flag_names
 from orchestrator.store import access
 from orchestrator.store.outputs import (
@@ -102,11 +106,28 @@ class ExportOptions:
     split: bool = False
     # Where failed items go (for openai-batch, instead of OUT.errors.jsonl).
     include_failed: str | os.PathLike[str] | None = None
+    # One line per generated assistant turn (writers.turns).
+    per_turn: bool = False
 
     def __post_init__(self) -> None:
         from orchestrator.checks import EXPORT, check_all
 
         check_all({name: getattr(self, name) for name in EXPORT}, EXPORT)
+        if self.format == "specforge" and self.reasoning == "inline":
+            raise ConfigError(
+                "--format specforge keeps reasoning in reasoning_content: --reasoning inline "
+                "would leave <think> markers in content, which SpecForge's validator refuses"
+            )
+        if self.per_turn and not per_turn.expandable(self.format):
+            raise ConfigError(
+                f"--per-turn splits conversations; --format {self.format} has none: use "
+                "messages, sharegpt or specforge"
+            )
+        if self.group_samples and (self.per_turn or self.format == "specforge"):
+            raise ConfigError(
+                "--group-samples puts a prompt's samples in one line: --per-turn and --format "
+                "specforge write one conversation a line (each sample's its own)"
+            )
 
     @property
     def plain(self) -> bool:
@@ -116,19 +137,29 @@ class ExportOptions:
             and self.reasoning == "separate"
             and not self.exclude_flags
             and not self.provenance
+            and not self.per_turn
             and not self.group_samples
         )
 
 
 @dataclass(slots=True)
 class ExportReport:
-    lines: int = 0  # done items written
+    lines: int = 0  # lines written: one per done item, or per generated turn (per_turn)
     excluded: int = 0  # done items left out for their quality flags
     failed: int = 0  # failed items written to failed_files
     files: list[Path] = field(default_factory=list)
     failed_files: list[Path] = field(default_factory=list)
     # (file, pre-tokenised rows, other lines) for each file that mixes the two kinds.
     mixed: list[tuple[Path, int, int]] = field(default_factory=list)
+    # specforge: rows its validator refuses, by reason (writers.specforge.REASONS).
+    skipped: dict[str, int] = field(default_factory=dict)
+    skipped_files: list[Path] = field(default_factory=list)
+    items: int = 0  # done items the lines came from (fewer than lines with per_turn)
+
+    @property
+    def summary(self) -> str | None:
+        """The line naming the skipped rows by reason, or None when none were."""
+        return specforge.summary(self.skipped, self.skipped_files)
 
 
 def messages_line(item: DoneItem) -> dict[str, Any]:
@@ -254,15 +285,40 @@ def batch_error_line(dataset: str, row: FailedRow, *, shared: bool = False) -> d
     }
 
 
+class _Index:
+    """The next line's index in a file of whole conversations: ``--per-turn`` rows name
+    the row they come from by it, across the datasets that share the file."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def take(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
 class _Lines:
     """Shapes one dataset's full rows into lines of the chosen format."""
 
-    def __init__(self, dataset: DatasetRef, options: ExportOptions, *, shared: bool = False):
+    def __init__(
+        self,
+        dataset: DatasetRef,
+        options: ExportOptions,
+        *,
+        shared: bool = False,
+        index: _Index | None = None,
+        skip: Callable[[bytes], object] | None = None,
+    ):
         self.dataset = dataset
         self.options = options
         # The file holds other datasets' lines too: ids must say whose each line is.
         self.shared = shared
+        self.index = index or _Index()
+        # Where rows SpecForge's validator refuses go (None: counted only).
+        self.skip = skip
+        self.skipped: dict[str, int] = {}
         self.excluded = 0
+        self.extra = 0  # lines written beyond one per item (per_turn)
         self.tokens = 0  # pre-tokenised rows written
         # The generated turns are read only where they are written: the batch format
         # answers with the final completion alone.
@@ -281,8 +337,8 @@ class _Lines:
         rows, turns = batch
         written = 0
         for row in rows:
-            for line in self.lines(row, turns):
-                write(line)
+            for line in self.rows(row, turns):
+                write(orjson.dumps(line))
                 write(b"\n")
                 written += 1
         return written
@@ -296,24 +352,54 @@ class _Lines:
             write(orjson.dumps(record))
             write(b"\n")
             written += 1
+            self.extra += 1
         return written
 
-    def lines(self, row: FullRow, turns: dict[int, list[str]]) -> Iterator[bytes]:
-        """The lines one row makes: its own, or, samples grouped, the prompt's before."""
-        record = self.record(row, turns)
-        if record is None:
+    def rows(self, row: FullRow, turns: dict[int, list[str]]) -> Iterator[dict[str, Any]]:
+        """What one done item becomes, for any writer: nothing (left out for its flags, or
+        refused by SpecForge's rules), its line, or with ``per_turn`` a line per turn."""
+        tokens = self.tokens
+        line = self.line(row, turns)
+        if line is None:
             return
-        if self.dataset.samples <= 1 or isinstance(record, bytes):
-            yield record if isinstance(record, bytes) else orjson.dumps(record)
+        if self._refused(line):
+            self.tokens = tokens  # not in the file: no mix to warn of
             return
-        record = draws.sampled(record, row[14])
-        if self.groups is None:
-            yield orjson.dumps(record)
+        if self.dataset.samples > 1:
+            line = draws.sampled(line, row[14], self.options.format)
+            if self.groups is not None:
+                self.extra -= 1  # an item, in the line of its prompt
+                for group in self.groups.add(row[1], line):
+                    self.extra += 1
+                    yield group
+                return
+        index = self.index.take()
+        if not self.options.per_turn:
+            yield line
             return
-        for done in self.groups.add(row[1], record):
-            yield orjson.dumps(done)
+        count = 0
+        every = self.dataset.regenerate == "all" or self.dataset.passthrough
+        fmt, mode = self.options.format, self.options.reasoning
+        for event in per_turn.expand(line, fmt, index, every_turn=every, reasoning=mode):
+            count += 1
+            yield event
+        self.extra += count - 1
 
-    def record(self, row: FullRow, turns: dict[int, list[str]]) -> dict[str, Any] | bytes | None:
+    def _refused(self, line: dict[str, Any]) -> bool:
+        """A SpecForge row its validator would refuse: counted, and sent to the skipped file."""
+        if self.options.format != "specforge":
+            return False
+        found = specforge.problem(line)
+        if found is None:
+            return False
+        reason, error = found
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if self.skip is not None:
+            self.skip(orjson.dumps(specforge.skipped(line, error)))
+            self.skip(b"\n")
+        return True
+
+    def line(self, row: FullRow, turns: dict[int, list[str]]) -> dict[str, Any] | None:
         item_id, key, request_json, message_json, finish_reason, usage_json, flags = row[:7]
         if flags & self.options.exclude_flags:
             self.excluded += 1
@@ -322,7 +408,7 @@ class _Lines:
         passthrough = self.dataset.passthrough
         if passthrough and "messages" not in request:
             self.tokens += 1
-            return orjson.dumps(self._token_line(key, request))  # already a line
+            return self._token_line(key, request)
         usage = orjson.Fragment(usage_json) if usage_json else None
         line: dict[str, Any]
         if self.options.format == "openai-batch":
@@ -350,6 +436,8 @@ class _Lines:
                     # or drops every tool schema when only some lines have the key.
                     "tools": request.get("tools") or [],
                 }
+            elif self.options.format == "specforge":
+                line = specforge.line(self._id(key), messages, request)
             else:
                 line = {
                     "id": key,
@@ -376,7 +464,7 @@ class _Lines:
         ``tools`` key every line of such a file has.
         """
         fmt = self.options.format
-        if self.shared:
+        if self.shared or fmt == "specforge":  # a SpecForge row always has its id
             if fmt == "messages":
                 rest = {k: v for k, v in row.items() if k not in ("id", "dataset")}
                 row = {"id": key, "dataset": self.dataset.name, **rest}
@@ -389,7 +477,10 @@ class _Lines:
 
     def _generated(self, message_json: str) -> Any:
         """The stored answer as the line needs it: the stored bytes when unchanged."""
-        if self.options.reasoning == "separate" and self.options.format != "sharegpt":
+        # Parsed where the line changes it or looks into it (per-turn rows).
+        options = self.options
+        kept = options.format in ("messages", "openai-batch") and not options.per_turn
+        if options.reasoning == "separate" and kept:
             return orjson.Fragment(message_json)
         return apply_reasoning(orjson.loads(message_json), self.options.reasoning)
 
@@ -685,12 +776,14 @@ class _Job:
         self.outputs: list[tuple[Path, list[DatasetRef]]] = []
         self.failures: list[tuple[Path, list[DatasetRef]]] = []
         batch = options.format == "openai-batch"
+        sides = options.format == "specforge"  # its skipped and error files beside OUT
         stream = target == STDOUT or atomicfile.is_stream(target)
-        if stream and (options.split or (batch and options.include_failed is None)):
+        if stream and (options.split or sides or (batch and options.include_failed is None)):
             raise ConfigError(
                 f"{target}: a stream (standard output, a pipe, a device), written as one: "
-                "--split needs a directory, and --format openai-batch needs "
-                "--include-failed FILE for the failed items"
+                "--split needs a directory, --format openai-batch needs "
+                "--include-failed FILE for the failed items, and --format specforge "
+                "writes its skipped rows beside OUT"
             )
         if options.split:
             if target.exists() and not target.is_dir():
@@ -707,9 +800,15 @@ class _Job:
             self.outputs = [(target, datasets)]
             if batch and options.include_failed is None:
                 self.failures = [(errors_path(target), datasets)]
+        if sides and options.include_failed is None:
+            self.failures = [(specforge.beside(p, "error"), group) for p, group in self.outputs]
         if options.include_failed is not None:
             self.failures = [(Path(options.include_failed), datasets)]
-        paths = [p for p, _ in [*self.outputs, *self.failures]]
+        # Each output's file of rows SpecForge's validator would refuse.
+        self.skips = {p: specforge.beside(p, "skipped") for p, _ in self.outputs if sides}
+        self._skip: Callable[[bytes], object] | None = None
+        self._index = _Index()
+        paths = [p for p, _ in [*self.outputs, *self.failures]] + list(self.skips.values())
         seen = {os.path.abspath(p) for p in paths}
         if len(seen) != len(paths):
             raise ConfigError("two export files would share a name; choose other paths")
@@ -728,16 +827,25 @@ class _Job:
         return _fast(self.options, dataset)
 
     def lines(self, dataset: DatasetRef) -> _Lines:
-        lines = _Lines(dataset, self.options, shared=dataset.id in self._shared)
+        shared = dataset.id in self._shared
+        lines = _Lines(dataset, self.options, shared=shared, index=self._index, skip=self._skip)
         self._lines.append(lines)
         return lines
 
     @contextlib.contextmanager
     def output(self, target: Path) -> Iterator[IO[bytes]]:
-        """A file of done items, noted in ``mixed`` if it mixes token rows with others."""
+        """A file of done items (and its skipped file, if it has one), noted in ``mixed``
+        if it mixes token rows with others."""
         before, shapes = self.counter.count, len(self._lines)
-        with self.staged.open(target) as fh:
+        self._index = _Index()
+        skips = self.skips.get(target)
+        with (
+            self.staged.open(target) as fh,
+            self.staged.open(skips) if skips else contextlib.nullcontext() as skip,
+        ):
+            self._skip = skip.write if skip is not None else None
             yield fh
+        self._skip = None
         tokens = sum(lines.tokens for lines in self._lines[shapes:])
         others = self.counter.count - before - tokens
         if tokens and others:
@@ -750,6 +858,13 @@ class _Job:
             shared = dataset.id in self._shared_failures
             for row in rows:
                 write(orjson.dumps(batch_error_line(dataset.name, row, shared=shared)))
+                write(b"\n")
+        elif self.options.format == "specforge":
+            shared = dataset.id in self._shared_failures
+            for row in rows:
+                line = failed_line(dataset.name, row)
+                line["id"] = line_id(dataset.name, row[0]) if shared else row[0]
+                write(orjson.dumps(specforge.error_line(line)))
                 write(b"\n")
         else:
             for row in rows:
@@ -774,7 +889,18 @@ class _Job:
             files=[p for p, _ in self.outputs],
             failed_files=[p for p, _ in self.failures],
             mixed=list(self._mixed),
+            skipped=_merged(lines.skipped for lines in self._lines),
+            skipped_files=list(self.skips.values()),
+            items=self.counter.count - sum(lines.extra for lines in self._lines),
         )
+
+
+def _merged(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for part in counts:
+        for name, n in part.items():
+            total[name] = total.get(name, 0) + n
+    return total
 
 
 # ---------------------------------------------------------------------- writing
@@ -869,6 +995,7 @@ def _line_batches(
 ) -> Iterator[list[bytes]]:
     datasets = dataset_refs(rows, dataset_names)
     shared = len(datasets) > 1
+    index = _Index()
     for dataset in datasets:
         out: list[bytes] = []
         # Both writers put a line, then its newline: every other entry is a line.
@@ -878,7 +1005,7 @@ def _line_batches(
                 yield out[::2]
                 out.clear()
             continue
-        lines = _Lines(dataset, options, shared=shared)
+        lines = _Lines(dataset, options, shared=shared, index=index)
         for batch in full_batches(rows, dataset, turns=lines.turns):
             lines.write(out.append, batch)
             yield out[::2]

@@ -155,7 +155,21 @@ def render_status(snap: dict[str, Any]) -> str:
                 f" last heartbeat {duration(w['heartbeat_age_s'])} ago{note}"
             )
     lines.extend(_server_lines(snap.get("servers") or []))
+    lines.extend(_launched_lines(snap.get("launched") or []))
     return "\n".join(lines)
+
+
+def _launched_lines(launched: list[dict[str, Any]]) -> list[str]:
+    """The servers the running workers launched: where each stands, and its log."""
+    if not launched:
+        return []
+    lines = ["", "launched servers:"]
+    for s in launched:
+        pid = f" pid {s['pid']}," if s.get("pid") else ""
+        last = f", last exit: {s['last_exit']}" if s.get("last_exit") else ""
+        lines.append(f"  {s['name']} {s['url']}  {s['state']},{pid} restarts {s['restarts']}{last}")
+        lines.append(f"    log: {s['log']}")
+    return lines
 
 
 def _message_lines(entry: dict[str, Any] | None, now: float) -> list[str]:

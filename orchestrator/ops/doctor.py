@@ -273,6 +273,32 @@ async def run_checks(config: DoctorConfig) -> list[Check]:
     return checks
 
 
+async def run_checks_launched(config: DoctorConfig, supervisor: Any) -> list[Check]:
+    """The checks with the servers ``supervisor`` launches for them: started, each a
+    ``launch`` line (ready, or why not), checked as any server, then stopped."""
+    import asyncio
+    import contextlib
+    import dataclasses
+
+    from orchestrator.errors import ServersLost
+
+    session = inference.plain_session("orchestrator-doctor", config.api_key, config.basic_auth)
+    checks: list[Check] = []
+    async with session:
+        try:
+            with contextlib.suppress(ServersLost):  # each server's line below says why
+                await supervisor.start(session, asyncio.Event())
+            for server in supervisor.servers:
+                ok = server.state == "up"
+                detail = f"{server.name} ready at {server.url}" if ok else server.failure
+                checks.append(Check("launch", ok, detail or "not started"))
+            ready = tuple(s.url for s in supervisor.servers if s.state == "up")
+            more = dataclasses.replace(config, servers=config.servers + ready)
+            return checks + await run_checks(more)
+        finally:
+            await supervisor.stop()
+
+
 def passed(checks: list[Check]) -> bool:
     return all(c.ok is not False for c in checks)
 

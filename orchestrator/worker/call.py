@@ -99,9 +99,14 @@ class Caller:
         if server is None:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         self.pool.request_started(server)
+        epoch = self.pool.states[server].epoch
         try:
             completion = await self.client.chat(server, body)
         except Exception as exc:  # a bug here must not take the other requests down
+            if self.pool.states[server].epoch != epoch and not isinstance(exc, PermanentError):
+                # A launched server died under the request: an outage, not the item's.
+                reason = f"the server died during the request: {exc}"
+                return Release(lease, Failure(ec.UNAVAILABLE, reason, server), time.time())
             return await self._failed(lease, info, server, exc)
         finally:
             self.pool.request_ended(server)

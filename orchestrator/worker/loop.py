@@ -280,6 +280,11 @@ class Worker:
         self._file_gone = error
         self.request_stop(force=True)
 
+    def halt(self, error: RunStopped) -> None:
+        """Stop the run for a reason found outside the worker (its launched servers
+        all given up on); ``run`` raises it once the in-flight items are settled."""
+        self._halt(error)
+
     def _halt(self, error: RunStopped) -> None:
         """Stop the run for a reason the operator must act on; ``run`` raises it."""
         if self.halted is None:

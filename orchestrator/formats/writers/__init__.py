@@ -1,0 +1,1 @@
+"""Export writers and row shapes beyond the JSONL line formats of ``formats.export``."""
