@@ -338,3 +338,21 @@ def test_several_servers_with_auto_concurrency_one_ignoring_n(
     _check(_export(db, tmp_path / "out.jsonl"), keys, 3)
     requests = honest.stats()["chat_requests"] + ignoring.stats()["chat_requests"]
     assert requests <= 120
+
+
+def test_specforge_rows_name_their_sample_and_cannot_be_grouped(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    server = sim_process()
+    db = str(tmp_path / "q.db")
+    _enqueue(db, write_jsonl(tmp_path / "in.jsonl", prompts(2)), "--samples", "2")
+    _run(db, server)
+    rows = _export(db, tmp_path / "sf.jsonl", "--format", "specforge")
+    assert [(r["id"], r["sample"]) for r in rows] == [
+        (f"p00000{i}#sample{s}", s) for i in range(2) for s in range(2)
+    ]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for extra in (("--format", "specforge"), ("--per-turn",)):
+        result = cli("export", str(tmp_path / "g.jsonl"), "--db", db, "--group-samples", *extra)
+        assert result.returncode != 0 and "--group-samples" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
