@@ -191,6 +191,12 @@ def test_requeue_one_sample_and_on_truncated_act_per_sample(
     ]
     _run(db_url, server)
     _check(_export(db_url, tmp_path / "out.jsonl"), keys, 3)
+    shown = cli("inspect", "--dataset", "d", "--id", "p000002", "--json", "--db", db_url)
+    records = [json.loads(line) for line in shown.stdout.splitlines()]
+    assert [(r["draw"], r["request"]["seed"]) for r in records] == [
+        (s, seed_of("p000002", s)) for s in range(3)
+    ]
+    assert len(records[1]["requeues"]) == 1 and not records[0]["requeues"]
     # Every answer is cut at 16 tokens: with --on-truncated fail each sample fails alone.
     data = write_jsonl(tmp_path / "t.jsonl", prompts(2, prefix="t"))
     _enqueue(db_url, data, "--samples", "2", "--on-truncated", "fail", dataset="t")

@@ -48,7 +48,8 @@ _KEY = "SELECT id FROM items WHERE dataset_id = :dataset AND key = :key"
 # The selection, in input order (ids grow with position within a dataset).
 _MATCHING = "SELECT i.id FROM items AS i WHERE i.dataset_id = :dataset{where} ORDER BY i.id"
 _BY_STATE = " AND i.state = :state"
-_BY_ID = " AND i.id = :item"
+# A key names a prompt: every sample of it (one item, for a dataset of one sample).
+_BY_ID = ' AND i."key" = (SELECT "key" FROM items WHERE id = :item)'
 # Any attempt that failed with the class (ix_attempt_errors_class), or the item's own
 # class (a failed item, or one released or retried with it).
 _BY_CLASS = (
