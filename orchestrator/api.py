@@ -173,6 +173,9 @@ class Queue:
         format: str = "auto",
         regenerate: str | None = None,
         on_truncated: str | None = None,
+        on_invalid: str | None = None,
+        on_overflow: str | None = None,
+        json_schema: dict[str, Any] | None = None,
         passthrough: bool = False,
         samples: int | None = None,
         seeds: Sequence[int] | None = None,
@@ -189,24 +192,23 @@ class Queue:
         split: str | None = None,
         config: str | None = None,
     ) -> EnqueueReport:
-        """Add records to ``dataset``: ``orchestrator enqueue``'s options by their Python
-        names (``--hf-config`` is ``config``). All or nothing, unless ``skip_invalid``:
-        then bad rows are left out and listed in the report's ``invalid``.
+        """Add records to ``dataset``: ``enqueue``'s options by their Python names
+        (``--hf-config`` is ``config``). All or nothing, unless ``skip_invalid``.
 
         ``records`` is what the command's SOURCE is (a JSONL, Parquet, CSV or Arrow file, a
         folder, a glob, ``hf://ORG/NAME``), a ``datasets.Dataset`` / ``IterableDataset``
         (a ``DatasetDict`` with ``split``), a ``pyarrow.Table`` / ``RecordBatchReader``, a
-        pandas ``DataFrame``, or dicts in any input format.
+        pandas ``DataFrame``, or dicts in any input format; ``json_schema``: a dict.
         """
         from orchestrator.formats.columns import Columns
 
         checked("skip_invalid", skip_invalid, FLAG)
         named = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
-        body = request_body(params, model=model, **named)
-        _check_body(body, {"model": model, **named})
-        given = {**named, "params": params or None, "concurrency": concurrency}
-        given |= {"regenerate": regenerate, "on_truncated": on_truncated}
-        given |= {"samples": samples, "seeds": seeds, "sample_requests": sample_requests}
+        body = _enqueue_body(params, model, named, json_schema)
+        policies = {"on_truncated": on_truncated, "on_invalid": on_invalid, "samples": samples}
+        policies["sample_requests"], policies["seeds"] = sample_requests, seeds
+        given = {**named, "params": params or None, "concurrency": concurrency, **policies}
+        given |= {"regenerate": regenerate, "on_overflow": on_overflow, "json_schema": json_schema}
         options = EnqueueOptions(
             dataset=dataset,
             params=body,
@@ -214,12 +216,10 @@ class Queue:
             priority=priority,
             format=format,
             regenerate=regenerate,
-            on_truncated=on_truncated,
+            on_overflow=on_overflow,
+            **policies,
             passthrough=passthrough,
             update=update,
-            samples=samples,
-            seeds=tuple(seeds) if seeds is not None else None,
-            sample_requests=sample_requests,
             sampling=tuple(name for name, value in given.items() if value is not None),
             columns=Columns(
                 prompt_column=prompt_column,
@@ -234,8 +234,8 @@ class Queue:
             config=config,
         )
         invalid: list[InputError] = []
-        on_invalid = invalid.append if skip_invalid else None
-        report = await enqueue_source(self.database, options, records, on_invalid=on_invalid)
+        skip = invalid.append if skip_invalid else None
+        report = await enqueue_source(self.database, options, records, on_invalid=skip)
         report.invalid = skipped(invalid, report)
         return report
 
@@ -284,6 +284,9 @@ class Queue:
         stream_idle_timeout: float = 120.0,
         api_key: str | None = None,
         max_response_mb: float = 64.0,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        rate_limited_warn_after: float = 600.0,
     ) -> RunOutcome:
         """Work on the queue as ``orchestrator run`` does, until every item is done or
         failed (``until_done``) or the task running it is cancelled.
@@ -297,6 +300,8 @@ class Queue:
         --launch`` does, ``replicas`` or ``gpus_per_server`` times; ready before the
         first claim, restarted when they die, stopped when the run ends (``ServersLost``
         when none stays up).
+        ``rpm``/``tpm`` pace each server under a hosted API's requests and tokens a
+        minute (``--rpm``/``--tpm``); without them its ``x-ratelimit-*`` headers do.
         """
         from orchestrator.running import RunSettings
 
@@ -314,6 +319,9 @@ class Queue:
             stream=stream,
             stream_idle_timeout=stream_idle_timeout,
             max_response_mb=max_response_mb,
+            rpm=rpm,
+            tpm=tpm,
+            rate_limited_warn_after=rate_limited_warn_after,
         )
         database = self.database
         supervisor = _supervisor(launch, replicas, gpus_per_server, startup_timeout, launch_dir,
@@ -354,6 +362,7 @@ class Queue:
         exclude_flags: str | Sequence[str] = (),
         provenance: bool = False,
         per_turn: bool = False,
+        parsed: bool = False,
         group_samples: bool = False,
     ) -> Results[dict[str, Any]]:
         """Done items as plain dicts, each the line ``export`` would write, in its order:
@@ -361,14 +370,8 @@ class Queue:
         from orchestrator.formats.export import line_batches
 
         names = _names("dataset", dataset, _DATASETS)
-        chosen = _export_options(
-            format,
-            reasoning,
-            exclude_flags,
-            provenance,
-            per_turn=per_turn,
-            group_samples=group_samples,
-        )
+        more = {"per_turn": per_turn, "parsed": parsed, "group_samples": group_samples}
+        chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         batches = line_batches(self.database, dataset_names=names, options=chosen)
         return self._held(Results(batches, orjson.loads))
 
@@ -429,15 +432,18 @@ class Queue:
         include_failed: str | os.PathLike[str] | None = None,
         provenance: bool = False,
         per_turn: bool = False,
+        parsed: bool = False,
         group_samples: bool = False,
     ) -> ExportReport:
         """Write done items to ``out`` as ``orchestrator export`` does (all files, or none).
-        ``report.summary`` names the rows ``format="specforge"`` skipped, by reason."""
+        ``report.summary`` names the rows ``format="specforge"`` skipped, by reason;
+        ``parsed``: each line gets its structured answer's JSON value (``export --parsed``)."""
         from orchestrator.formats.export import export_database
 
         checked("out", out, PATH)
         names = _names("datasets", datasets, _DATASETS)
         more = {"split": split, "include_failed": include_failed, "per_turn": per_turn}
+        more["parsed"] = parsed
         more["group_samples"] = group_samples
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
@@ -515,6 +521,22 @@ class Queue:
         checked("dataset", dataset, DATASET_NAME)
         if not await set_paused(self.database, dataset, paused):
             raise ConfigError(f"no such dataset: {dataset}")
+
+
+def _enqueue_body(
+    params: dict[str, Any] | None,
+    model: str | None,
+    named: dict[str, Any],
+    json_schema: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The dataset's request body, checked; a schema becomes its ``response_format``."""
+    from orchestrator.structured import response_format_for
+
+    body = request_body(params, model=model, **named)
+    _check_body(body, {"model": model, **named})
+    if json_schema is not None:
+        body["response_format"] = response_format_for(json_schema, source="json_schema")
+    return body
 
 
 def _check_body(body: dict[str, Any], named: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from orchestrator.errors import ConfigError
 from orchestrator.formats.choices import EXPORT_FORMATS, INPUT_FORMATS, REASONING_MODES
-from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import INT_MAX, ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
 
 
 class Rule(Protocol):
@@ -262,6 +262,9 @@ RUN: dict[str, Rule] = {
     "stream": FLAG,
     "stream_idle_timeout": Number(minimum=1),
     "max_response_mb": Number(minimum=0.001),
+    "rpm": OrNone(Integer(1, INT_MAX)),
+    "tpm": OrNone(Integer(1, INT_MAX)),
+    "rate_limited_warn_after": Number(minimum=0, above=True),
 }
 
 #: What a dataset's name may be (every source of one: options, run files, the API).
@@ -283,6 +286,8 @@ DATASET: dict[str, Rule] = {
     "format": Choice(INPUT_FORMATS),
     "regenerate": OrNone(Choice(REGENERATE)),
     "on_truncated": OrNone(Choice(ON_TRUNCATED)),
+    "on_invalid": OrNone(Choice(ON_INVALID)),
+    "on_overflow": OrNone(Choice(ON_OVERFLOW)),
     "passthrough": FLAG,
     "update": FLAG,
     "samples": OrNone(Integer(1, 1024)),
@@ -312,6 +317,7 @@ EXPORT: dict[str, Rule] = {
     "reasoning": Choice(REASONING_MODES),
     "exclude_flags": Integer(minimum=0),
     "provenance": FLAG,
+    "parsed": FLAG,
     "group_samples": FLAG,
     "split": FLAG,
     "include_failed": OrNone(PATH),

@@ -12,7 +12,8 @@ the queue. Every failure leaves as one of the errors in
                        stream_idle   a stream that stopped sending
                        disconnect    connection reset or closed mid-request
                        rate_limited  429 (``retry_after`` from ``retry-after-ms`` or
-                                     ``Retry-After``)
+                                     ``Retry-After``; ``rate_limits`` from its
+                                     ``x-ratelimit-*`` headers)
                        http_5xx      other server errors
                        bad_response  unparsable body, wrong content type, no choices
                        stream_cut    a stream that ended without a finish_reason (after
@@ -32,6 +33,10 @@ while it sat idle (llama.cpp's server closes after every streamed answer althoug
 headers say keep-alive) fails before any byte of answer arrives: it is sent again at once
 on a new connection, as urllib3 and httpx do, and is no error at all.
 
+A hosted provider's ``x-ratelimit-*`` headers (:class:`RateLimits`) are read from every
+answer, streamed or not, and from a 429: the server pool's pacers learn the provider's
+limits from them (``orchestrator.servers``).
+
 An answer that is usable but poor (cut by ``max_tokens``, reasoning without an answer) is
 not an error: it is returned with its quality flags (``orchestrator.quality``), and what to
 do with it is the caller's choice.
@@ -41,9 +46,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import email.utils
 import math
+import re
 import ssl
 import time
 import urllib.request
@@ -94,8 +101,88 @@ class ClientConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RateLimits:
+    """What a provider's ``x-ratelimit-*`` headers said (OpenAI's names, which many
+    providers copy): per minute limits, what is left of them, and seconds until they are
+    whole again. None: that header was absent or unreadable."""
+
+    limit_requests: int | None = None
+    remaining_requests: int | None = None
+    reset_requests: float | None = None
+    limit_tokens: int | None = None
+    remaining_tokens: int | None = None
+    reset_tokens: float | None = None
+
+
+#: One term of a Go-style duration as providers send it: ``6m0s``, ``1.5s``, ``120ms``.
+_DURATION_TERM = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_DURATION_UNITS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+
+
+def parse_duration(text: str | None) -> float | None:
+    """Seconds of a reset header: ``1s``, ``6m0s``, ``120ms``, ``1h2m3.5s``, or plain
+    seconds (``0.5``); None when absent, negative or unreadable."""
+    if text is None:
+        return None
+    value = text.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
+    if not value:
+        return None
+    total, at = 0.0, 0
+    for term in _DURATION_TERM.finditer(value):
+        if term.start() != at:
+            return None
+        total += float(term.group(1)) * _DURATION_UNITS[term.group(2)]
+        at = term.end()
+    return total if at == len(value) and math.isfinite(total) else None
+
+
+def _count(text: str | None) -> int | None:
+    """A limit's or remainder's whole count; None when absent, negative or unreadable."""
+    if text is None:
+        return None
+    try:
+        value = float(text.strip())
+    except ValueError:
+        return None
+    return int(value) if math.isfinite(value) and value >= 0 else None
+
+
+def rate_limits(headers: Any) -> RateLimits | None:
+    """The ``x-ratelimit-*`` headers of an answer or a 429; None when it sent none."""
+    found = RateLimits(
+        limit_requests=_count(headers.get("x-ratelimit-limit-requests")),
+        remaining_requests=_count(headers.get("x-ratelimit-remaining-requests")),
+        reset_requests=parse_duration(headers.get("x-ratelimit-reset-requests")),
+        limit_tokens=_count(headers.get("x-ratelimit-limit-tokens")),
+        remaining_tokens=_count(headers.get("x-ratelimit-remaining-tokens")),
+        reset_tokens=parse_duration(headers.get("x-ratelimit-reset-tokens")),
+    )
+    return None if found == _NO_LIMITS else found
+
+
+_NO_LIMITS = RateLimits()
+
+
+@dataclass(frozen=True, slots=True)
 class Completion(Answer):
-    """One answer from a server (``orchestrator.answer.Answer``'s fields)."""
+    """One answer from a server (``orchestrator.answer.Answer``'s fields), and the rate
+    limits its headers said (not stored: the pacer's)."""
+
+    rate_limits: RateLimits | None = None
 
     @property
     def tool_calls(self) -> list[dict[str, Any]] | None:
@@ -182,7 +269,11 @@ def _raise_for_status(status: int, body: bytes, headers: Any) -> None:
         raise _redirected(status, headers)
     reason = _error_reason(status, body)
     if status == 429:
-        raise TransientError(reason, error_class=ec.RATE_LIMITED, retry_after=_retry_after(headers))
+        limited = TransientError(
+            reason, error_class=ec.RATE_LIMITED, retry_after=_retry_after(headers)
+        )
+        limited.rate_limits = rate_limits(headers)
+        raise limited
     if status in _UNAVAILABLE:
         raise ServerUnavailable(
             reason, error_class=f"http_{status}", retry_after=_retry_after(headers)
@@ -455,8 +546,13 @@ class InferenceClient:
                 if resp.status != 200:
                     _raise_for_status(resp.status, await _read_prefix(resp), resp.headers)
                 if stream:
-                    return await self._read_stream(resp, server, started)
-                return self._parse(await _read_capped(resp, limit), resp, server, started)
+                    choices = await self._read_stream(resp, server, started)
+                else:
+                    choices = self._parse(await _read_capped(resp, limit), resp, server, started)
+                limits = rate_limits(resp.headers)
+                if limits is None:
+                    return choices
+                return [dataclasses.replace(c, rate_limits=limits) for c in choices]
         except aiohttp.ClientConnectorError as exc:
             raise ServerUnavailable(
                 f"cannot connect to {server}: {exc}", error_class=ec.CONNECT
@@ -894,6 +990,8 @@ class Models:
     status: int | None
     names: tuple[str, ...] = ()
     reason: str = ""
+    #: Model name -> its context length, where the server says (vLLM's ``max_model_len``).
+    contexts: dict[str, int] = field(default_factory=dict)
 
 
 def _connect_reason(server: str, exc: aiohttp.ClientConnectorError) -> str:
@@ -971,7 +1069,19 @@ async def models(session: aiohttp.ClientSession, server: str, seconds: float) ->
     if not isinstance(data, list):
         return Models(status, reason="no model list in the answer")
     names = tuple(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
-    return Models(status, names)
+    return Models(status, names, contexts=_contexts(data))
+
+
+def _contexts(data: list[Any]) -> dict[str, int]:
+    """``max_model_len`` of each listed model that has a usable one (vLLM lists it)."""
+    found: dict[str, int] = {}
+    for entry in data:
+        if not isinstance(entry, dict) or "id" not in entry:
+            continue
+        length = entry.get("max_model_len")
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            found[str(entry["id"])] = length
+    return found
 
 
 async def context_length(session: aiohttp.ClientSession, server: str, seconds: float) -> int | None:

@@ -9,7 +9,7 @@ holds (a file added to an existing dataset is read the way the dataset was made)
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,12 +44,14 @@ class EnqueueOptions:
     format: str = "auto"
     regenerate: str | None = None
     on_truncated: str | None = None
+    on_invalid: str | None = None
+    on_overflow: str | None = None
     passthrough: bool = False
     update: bool = False
     sampling: tuple[str, ...] = ()
     samples: int | None = None
     """Answers per prompt (None: the dataset's, 1 for a new one); ``seeds`` one each."""
-    seeds: tuple[int, ...] | None = None
+    seeds: Sequence[int] | None = None
     sample_requests: str | None = None
     """``n`` (one request with n choices) or ``seeds`` (one per sample)."""
     columns: Columns | None = None
@@ -163,9 +165,11 @@ async def enqueue_source(
         priority=options.priority,
         regenerate=mode,
         on_truncated=options.on_truncated,
+        on_invalid=options.on_invalid,
+        on_overflow=options.on_overflow,
         passthrough=passing,
         samples=options.samples,
-        seeds=options.seeds,
+        seeds=tuple(options.seeds) if options.seeds is not None else None,
         draw_mode=options.sample_requests,
     )
     reading = read(
@@ -283,6 +287,8 @@ def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
         priority=plan.priority,
         regenerate=plan.regenerate,
         on_truncated=plan.on_truncated,
+        on_invalid=plan.on_invalid,
+        on_overflow=plan.on_overflow,
         passthrough=plan.passthrough,
         samples=plan.samples,
         seeds=plan.seeds,

@@ -156,6 +156,8 @@ class TransientError(InferenceError):
     ):
         super().__init__(message, error_class=error_class)
         self.retry_after = retry_after
+        #: A 429's ``x-ratelimit-*`` headers (``orchestrator.client.RateLimits``), if any.
+        self.rate_limits: object | None = None
 
 
 class ServerUnavailable(TransientError):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -64,6 +65,8 @@ class RunGuard:
     breaker: Breaker[Held] = field(init=False)
     halted: RunHalted | None = None
     served: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Server -> model -> its context length, as its ``/v1/models`` says.
+    contexts: dict[str, dict[str, int]] = field(default_factory=dict)
     _vetted: set[int] = field(default_factory=set)
     _trying: dict[int, tuple[int, float]] = field(default_factory=dict)  # dataset -> item, since
     _retry_at: dict[int, float] = field(default_factory=dict)  # dataset -> next look
@@ -91,6 +94,7 @@ class RunGuard:
             )
             return None
         self.served[server] = found.names
+        self.contexts[server] = found.contexts
         unlisted: dict[str, list[str]] = {}
         for info in datasets:
             model = info.params.get("model")
@@ -106,6 +110,14 @@ class RunGuard:
                 note="the first request of each dataset tells whether the server answers to it",
             )
         return None
+
+    def context_of(self, server: str, model: Any) -> int | None:
+        """The context length ``server`` said ``model`` has (its only model's, when
+        the request names none it lists), or None: unknown."""
+        known = self.contexts.get(server) or {}
+        if isinstance(model, str) and model in known:
+            return known[model]
+        return next(iter(known.values())) if len(known) == 1 else None
 
     # ------------------------------------------------------------------ trials
 

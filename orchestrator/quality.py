@@ -23,8 +23,11 @@ from orchestrator.errors import ConfigError
 __all__ = [
     "ALL_FLAGS",
     "EMPTY_CONTENT",
+    "INVALID_JSON",
+    "MAX_TOKENS_REDUCED",
     "NUL_CHAR",
     "REASONING_ONLY",
+    "SCHEMA_MISMATCH",
     "TOOL_MISMATCH",
     "TRUNCATED",
     "UNCLOSED_THINK",
@@ -50,6 +53,14 @@ NUL_CHAR = 16
 #: ``regenerate = "all"``: a regenerated turn's tool calls did not line up with the
 #: original's (orchestrator.conversation), so the conversation stopped after it.
 TOOL_MISMATCH = 32
+#: Structured output (``response_format`` ``json_object`` or ``json_schema``): the answer,
+#: its reasoning split off, does not parse as JSON (``orchestrator.structured``).
+INVALID_JSON = 64
+#: Structured output: the answer parses, but does not satisfy the dataset's JSON schema.
+SCHEMA_MISMATCH = 128
+#: ``on_overflow = "fit"``: the prompt and ``max_tokens`` overflowed the server's context,
+#: and the answer was asked again with ``max_tokens`` lowered to what fits.
+MAX_TOKENS_REDUCED = 256
 
 #: Every flag by the name users type, in bit order.
 ALL_FLAGS: Mapping[str, int] = MappingProxyType(
@@ -60,6 +71,9 @@ ALL_FLAGS: Mapping[str, int] = MappingProxyType(
         "reasoning_only": REASONING_ONLY,
         "nul": NUL_CHAR,
         "tool_mismatch": TOOL_MISMATCH,
+        "invalid_json": INVALID_JSON,
+        "schema_mismatch": SCHEMA_MISMATCH,
+        "max_tokens_reduced": MAX_TOKENS_REDUCED,
     }
 )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,6 @@ def without_credentials(
     password reaches a log line, a row or a label."""
     import structlog
 
-    from orchestrator.servers import ServerSpec
     from orchestrator.urls import server_credentials
 
     shown, auth = server_credentials([s.url for s in specs], api_key=api_key, shared=shared)
@@ -51,7 +51,7 @@ def without_credentials(
             servers=in_urls,
             hint="anyone on this machine can read process arguments: use --basic-auth-file",
         )
-    clean = [ServerSpec(url, spec.concurrency) for url, spec in zip(shown, specs, strict=True)]
+    clean = [dataclasses.replace(spec, url=url) for url, spec in zip(shown, specs, strict=True)]
     return clean, auth
 
 
@@ -74,6 +74,9 @@ class RunSettings:
     stream: bool = False
     stream_idle_timeout: float = 120.0
     max_response_mb: float = 64.0
+    rpm: int | None = None
+    tpm: int | None = None
+    rate_limited_warn_after: float = 600.0
 
     def __post_init__(self) -> None:
         from orchestrator.checks import RUN, check_all
@@ -93,6 +96,14 @@ def configs(
         servers=tuple(spec.url for spec in specs),
         concurrency=settings.concurrency,  # type: ignore[arg-type]
         server_caps={s.url: s.concurrency for s in specs if s.concurrency is not None},
+        rpm=settings.rpm,
+        tpm=settings.tpm,
+        server_budgets={
+            s.url: (s.rpm or settings.rpm, s.tpm or settings.tpm)
+            for s in specs
+            if s.rpm is not None or s.tpm is not None
+        },
+        rate_limited_warn_after=settings.rate_limited_warn_after,
         datasets=settings.datasets,
         exit_when_done=settings.exit_when_done,
         lease_seconds=settings.lease_seconds,

@@ -11,9 +11,12 @@ Servers come from ``--server`` (repeatable) and from a servers file, one per lin
     http://gpu-1:30000
     http://gpu-2:30000  concurrency=128   # this one takes more
     http://gpu-3:30000  concurrency=auto  # this one adapts (see orchestrator.autoconcurrency)
+    https://api.example.com  rpm=500 tpm=200000  # a hosted API's limits a minute
 
-A server without ``concurrency=`` gets the worker's ``--concurrency``. A ``launch``
-line is a server the run starts itself (orchestrator.launch), on a port it picks::
+A server without ``concurrency=`` gets the worker's ``--concurrency``, one without
+``rpm=``/``tpm=`` the worker's ``--rpm``/``--tpm`` (and, without those, the limits its
+``x-ratelimit-*`` headers say: see :class:`Pacer`). A ``launch`` line is a server the
+run starts itself (orchestrator.launch), on a port it picks::
 
     launch = "llama-server -m /models/m.gguf --port {port} --metrics"  concurrency=8
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import re
 import time
@@ -43,7 +47,7 @@ from orchestrator.urls import mask, split_on_space, take_userinfo, with_userinfo
 
 if TYPE_CHECKING:
     from orchestrator.autoconcurrency import Controller
-    from orchestrator.client import InferenceClient
+    from orchestrator.client import InferenceClient, RateLimits
 
 log = structlog.get_logger("orchestrator.servers")
 
@@ -70,10 +74,28 @@ SERVER_FAULTS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class ServerSpec:
-    """One server and its cap (None: the worker's ``--concurrency``)."""
+    """One server, its cap (None: the worker's ``--concurrency``) and its requests and
+    tokens a minute (None: the worker's ``--rpm``/``--tpm``)."""
 
     url: str
     concurrency: Cap | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+
+
+def parse_per_minute(name: str, text: str) -> int:
+    """A ``rpm``/``tpm`` value: a whole number, at least 1."""
+    from orchestrator.checks import RUN, problem
+
+    try:
+        value: object = int(text.strip())
+    except ValueError:
+        value = text
+    found = problem(name, value, RUN[name])
+    if found:
+        raise ValueError(found)
+    assert isinstance(value, int)
+    return value
 
 
 def parse_cap(text: str) -> Cap:
@@ -133,12 +155,12 @@ def read_servers_file(path: Path) -> tuple[list[ServerSpec], list[LaunchLine]]:
         url, note = check_server_url(raw_url, where)
         if note:
             log.info("server_url_corrected", source=where, note=note)
-        cap = _options_cap(options, where)
+        given = _server_options(options, where)
         key = _same(url)
         if key in seen:
             raise ConfigError(f"{where}: {mask(url)} is already listed on line {seen[key]}")
         seen[key] = number
-        specs.append(ServerSpec(url, cap))
+        specs.append(ServerSpec(url, **given))
     if not specs and not launches:
         raise ConfigError(f"{path}: no server listed")
     return specs, launches
@@ -191,6 +213,23 @@ def _launch_line(line: str, where: str) -> LaunchLine:
         else:
             port = int(value)
     return LaunchLine(check_command(words[0], where), _options_cap(options, where), port)
+
+
+def _server_options(options: list[str], where: str) -> dict[str, Cap | int]:
+    """A servers file line's ``concurrency=``, ``rpm=`` and ``tpm=``."""
+    given: dict[str, Cap | int] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if key not in ("concurrency", "rpm", "tpm") or not sep:
+            raise ConfigError(
+                f"{where}: unknown option {mask(option)!r}; expected concurrency=N, "
+                "concurrency=auto, rpm=N or tpm=N"
+            )
+        try:
+            given[key] = parse_cap(value) if key == "concurrency" else parse_per_minute(key, value)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return given
 
 
 #: Endpoint paths pasted after a base URL: the client adds them itself.
@@ -323,6 +362,190 @@ def _same(url: str) -> str:
     return url.strip().rstrip("/").removesuffix("/v1").lower()
 
 
+# ------------------------------------------------------------------------ pacing
+# A hosted API limits requests and tokens per minute, not a GPU: a request it has no
+# budget for comes back as a 429, which the provider counts against the key. Each server
+# has a pacer that holds a request before it is sent until both budgets have room.
+
+#: Seconds of budget a cap given as ``--rpm``/``--tpm`` may be spent in at once: small,
+#: since the provider's own burst is unknown; its headers, once seen, tell it.
+CAP_BURST_SECONDS = 1.0
+#: Longest the first request to a server is waited for, alone, before the others go
+#: unpaced: its headers say whether the server paces (a hosted API), and a self-hosted
+#: server that says nothing loses no more than this at the start of a run.
+LEARN_SECONDS = 2.0
+#: Share of a provider's bucket (as its headers say) kept back, and one request at least.
+HEADROOM = 0.02
+#: Backoff after a 429 that says no ``Retry-After``: doubles from the first, up to the last.
+LIMITED_BACKOFF = (1.0, 60.0)
+#: Seconds between two warnings about a server that still answers only 429.
+LIMITED_REPORT_EVERY = 60.0
+
+
+def request_tokens(body: Mapping[str, object]) -> int:
+    """A request's tokens as a provider counts them before it answers: its prompt
+    (about four characters a token, as OpenAI's guide says) plus ``max_tokens``."""
+    prompt = body.get("messages") or body.get("prompt") or ""
+    text = prompt if isinstance(prompt, str) else orjson.dumps(prompt)
+    limit = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    return len(text) // 4 + 1 + (limit if isinstance(limit, int) else 0)
+
+
+class _Bucket:
+    """One budget (requests or tokens): ``rate`` a second, at most ``size`` at once;
+    ``level`` may go below zero, a debt paid off before the next request goes."""
+
+    __slots__ = ("given", "level", "rate", "size", "stamp")
+
+    def __init__(self, per_minute: float | None, clock: float) -> None:
+        self.given = bool(per_minute)  # a cap given: the headers' limit does not replace it
+        self.rate = per_minute / 60 if per_minute else None
+        self.size = max(1.0, self.rate * CAP_BURST_SECONDS) if self.rate else 0.0
+        self.level = self.size
+        self.stamp = clock
+
+    def refill(self, now: float) -> None:
+        if self.rate is not None:
+            self.level = min(self.size, self.level + self.rate * (now - self.stamp))
+        self.stamp = now
+
+    def wait(self, need: float) -> float:
+        """Seconds until ``need`` (no more than the whole bucket) is there."""
+        if self.rate is None:
+            return 0.0
+        short = min(need, self.size) - self.level
+        return max(0.0, short / self.rate)
+
+    def learn(
+        self, limit: int | None, remaining: int | None, reset: float | None, since: float
+    ) -> None:
+        """The provider's account: its limit a minute, what is left, and the seconds
+        until its bucket is full again; ``since``: what is in flight beside it."""
+        if limit and not self.given:
+            self.rate = limit / 60
+        if self.rate is None or remaining is None:
+            return
+        full = remaining + self.rate * reset if reset is not None else remaining
+        self.size = max(self.size, 1.0, full)
+        # A little is kept back: requests reach the provider in another order, and a
+        # moment later or earlier, than they were sent.
+        reserve = max(1.0, HEADROOM * self.size)
+        self.level = min(self.size, remaining - since - reserve)
+
+
+class Pacer:
+    """Holds a server's requests until its request and token budgets have room.
+
+    The budgets are the caps given (``rpm``, ``tpm``), else learned from the server's
+    ``x-ratelimit-*`` headers: its first request goes alone, up to ``LEARN_SECONDS``,
+    and a server that sends none is not paced. A request is counted with its estimated
+    tokens when it is sent, corrected by the usage its answer reports. What a header
+    says is left is taken less every other request still in flight, which it may not
+    have counted yet. A 429 pauses every request to a paced server until its
+    ``Retry-After`` (or a backoff).
+    """
+
+    def __init__(self, rpm: int | None = None, tpm: int | None = None) -> None:
+        now = time.monotonic()
+        self.requests = _Bucket(rpm, now)
+        self.tokens = _Bucket(tpm, now)
+        self.learning = not (rpm or tpm)
+        self.paused_until = 0.0
+        self.backoff = LIMITED_BACKOFF[0]
+        self.sent = 0  # requests sent so far: the ticket of the next one
+        self._flying: dict[int, int] = {}  # ticket -> estimated tokens, until it ends
+        self._flying_tokens = 0
+        self._applied = -1  # the newest ticket whose headers were applied
+        self._lock = asyncio.Lock()
+        self._learned = asyncio.Event()
+        self._probing = False
+
+    async def acquire(self, tokens: int) -> int:
+        """Wait until a request of ``tokens`` estimated tokens may go; its ticket."""
+        async with self._lock:
+            while self.learning and self._probing:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._learned.wait(), LEARN_SECONDS)
+                if not self._learned.is_set():
+                    self.learning = False  # it says nothing in time: not paced
+            # The budgets refill with time, not on an event: sleep until there is room.
+            while (wait := self._wait(tokens)) > 0:  # noqa: ASYNC110
+                await asyncio.sleep(wait)
+            self._probing = self.learning
+            self.requests.level -= 1
+            self.tokens.level -= tokens
+            ticket = self.sent
+            self.sent += 1
+            self._flying[ticket] = tokens
+            self._flying_tokens += tokens
+            return ticket
+
+    def _wait(self, tokens: int) -> float:
+        now = time.monotonic()
+        self.requests.refill(now)
+        self.tokens.refill(now)
+        paused = self.paused_until - now
+        return max(paused, self.requests.wait(1), self.tokens.wait(tokens))
+
+    def answered(self, ticket: int, limits: RateLimits | None, used: int | None) -> None:
+        """An answer: its headers teach the budgets, its usage corrects the estimate."""
+        estimate = self._landed(ticket)
+        if used is not None and self.tokens.rate is not None:
+            self.tokens.level += estimate - used
+        self.backoff = LIMITED_BACKOFF[0]
+        self._heard(ticket, limits)
+
+    def failed(self, ticket: int, limits: RateLimits | None) -> None:
+        """A request that got no answer (not a 429): nothing was learned of its tokens."""
+        self._landed(ticket)
+        self._heard(ticket, limits)
+
+    def limited(self, ticket: int, retry_after: float | None, limits: RateLimits | None) -> float:
+        """A 429: every request waits until ``retry_after`` or the backoff; the wait.
+        Only a paced server (its budget given or learned) is paused so: from another,
+        a 429 is a single request's (a proxy's, a fault's), and its item waits alone."""
+        self._landed(ticket)
+        self._heard(ticket, limits)
+        if self.requests.rate is None and self.tokens.rate is None:
+            return retry_after or 0.0
+        if retry_after is None:
+            retry_after = self.backoff
+            self.backoff = min(self.backoff * 2, LIMITED_BACKOFF[1])
+        self.paused_until = max(self.paused_until, time.monotonic() + retry_after)
+        self.requests.level = min(self.requests.level, 0.0)
+        return retry_after
+
+    def _landed(self, ticket: int) -> int:
+        """The request is no longer in flight: its estimated tokens."""
+        estimate = self._flying.pop(ticket, 0)
+        self._flying_tokens -= estimate
+        return estimate
+
+    def _heard(self, ticket: int, limits: RateLimits | None) -> None:
+        """What the server's headers said, when newer than what was applied before."""
+        if self.learning:
+            self.learning = self._probing = False
+            self._learned.set()
+        if limits is None or ticket <= self._applied:
+            return
+        self._applied = ticket
+        now = time.monotonic()
+        self.requests.refill(now)
+        self.tokens.refill(now)
+        self.requests.learn(
+            limits.limit_requests,
+            limits.remaining_requests,
+            limits.reset_requests,
+            len(self._flying),
+        )
+        self.tokens.learn(
+            limits.limit_tokens,
+            limits.remaining_tokens,
+            limits.reset_tokens,
+            self._flying_tokens,
+        )
+
+
 class PoolSettings(Protocol):
     """What the pool reads of the worker's configuration."""
 
@@ -332,6 +555,8 @@ class PoolSettings(Protocol):
     def probe_max(self) -> float: ...
     @property
     def failure_limit(self) -> int: ...
+    @property
+    def rate_limited_warn_after(self) -> float: ...
 
 
 @dataclass(slots=True)
@@ -363,6 +588,13 @@ class ServerState:
     # epoch than it began died with the server, and costs its item no attempt.
     epoch: int = 0
     retired: bool = False  # a launched server given up on: never probed again
+    pacer: Pacer = dataclasses.field(default_factory=Pacer)
+    # 429s since its last answer: since when (wall clock), how many, how many since the
+    # last warning, and when the next warning may be said (monotonic; None: none said).
+    limited_since: float | None = None
+    limited_count: int = 0
+    limited_unsaid: int = 0
+    limited_report_at: float | None = None
 
     @property
     def blind(self) -> bool:
@@ -389,13 +621,21 @@ class ServerPool:
         config: PoolSettings,
         *,
         controllers: Mapping[str, Controller] | None = None,
+        budgets: Mapping[str, tuple[int | None, int | None]] | None = None,
         on_change: Callable[[], None] | None = None,
     ):
         self.client = client
         self.config = config
         controllers = controllers or {}
+        budgets = budgets or {}
         self.states = {
-            url: ServerState(url, cap, controller=controllers.get(url)) for url, cap in caps.items()
+            url: ServerState(
+                url,
+                cap,
+                controller=controllers.get(url),
+                pacer=Pacer(*budgets.get(url, (None, None))),
+            )
+            for url, cap in caps.items()
         }
         self.prefixes = PrefixIndex(self.states)
         self.available = asyncio.Event()
@@ -583,6 +823,65 @@ class ServerPool:
         others = any(s.healthy for s in self.states.values() if s is not state)
         if state.errors >= self.config.failure_limit and state.healthy and others:
             self.mark_down(server, f"{state.errors} failures in a row ({error_class})")
+
+    async def pace(self, server: str, tokens: int) -> int:
+        """Wait until the server's budgets take a request of ``tokens`` estimated tokens;
+        its ticket, for :meth:`paced`."""
+        return await self.states[server].pacer.acquire(tokens)
+
+    def paced(self, server: str, ticket: int, outcome: object) -> float | None:
+        """How a paced request went (a ``Completion`` or the exception): its headers and
+        usage teach the server's pacer. For a 429, the seconds the server has answered
+        nothing but 429 when that is past ``rate_limited_warn_after``, else None."""
+        state = self.states[server]
+        limits = getattr(outcome, "rate_limits", None)
+        if isinstance(outcome, BaseException):
+            if getattr(outcome, "error_class", None) != ec.RATE_LIMITED:
+                state.pacer.failed(ticket, limits)
+                return None
+            wait = state.pacer.limited(ticket, getattr(outcome, "retry_after", None), limits)
+            return self._limited(state, wait)
+        usage = getattr(outcome, "usage", None) or {}
+        used = usage.get("total_tokens")
+        if used is None and "completion_tokens" in usage:
+            used = (usage.get("prompt_tokens") or 0) + usage["completion_tokens"]
+        state.pacer.answered(ticket, limits, used)
+        if state.limited_report_at is not None:
+            assert state.limited_since is not None
+            log.info(
+                "server_rate_limit_lifted",
+                server=server,
+                limited_for_s=round(time.time() - state.limited_since),
+                rate_limited=state.limited_count,
+            )
+        state.limited_since, state.limited_count, state.limited_report_at = None, 0, None
+        return None
+
+    def _limited(self, state: ServerState, wait: float) -> float | None:
+        """Count a 429; past ``rate_limited_warn_after`` without an answer, say so: one
+        warning, then one every ``LIMITED_REPORT_EVERY`` summing up those between."""
+        now = time.time()
+        state.limited_since = state.limited_since or now
+        state.limited_count += 1
+        state.limited_unsaid += 1
+        elapsed = now - state.limited_since
+        if elapsed < self.config.rate_limited_warn_after:
+            return None
+        tick = time.monotonic()
+        if state.limited_report_at is None or tick >= state.limited_report_at:
+            log.warning(
+                "server_rate_limited",
+                server=state.url,
+                limited_for_s=round(elapsed),
+                since=_clock(state.limited_since),
+                rate_limited=state.limited_count,
+                since_last_warning=state.limited_unsaid,
+                retry_in_s=round(wait, 2),
+                hint="every answer is a 429: check the key's quota and --rpm/--tpm",
+            )
+            state.limited_unsaid = 0
+            state.limited_report_at = tick + LIMITED_REPORT_EVERY
+        return elapsed
 
     def tuned(self) -> list[ServerState]:
         """The servers whose cap adapts (``concurrency=auto``)."""

@@ -284,9 +284,9 @@ def test_migration_keeps_every_answer_of_an_older_database(tmp_path: Path) -> No
         conn.commit()
     engine = create_engine(f"sqlite:///{db}")
     event.listen(engine, "connect", lambda c, _: c.execute("PRAGMA foreign_keys = ON"))
-    for target in ("0011", "0013"):
+    for target in ("0012", "0013"):
         with engine.begin() as conn:
-            (command.downgrade if target == "0011" else command.upgrade)(
+            (command.downgrade if target == "0012" else command.upgrade)(
                 alembic_config(conn), target
             )
         assert query(db, "SELECT count(*) FROM outputs") == [(3,)], target

@@ -56,11 +56,11 @@ def test_pause_resume_requeue(tmp_path: Path, sim_process: Callable[..., SimProc
     assert "20 failed" in result.stderr and "20 pending in paused datasets" in result.stderr
     rows = dict((k, s) for k, s, _ in item_rows(db))
     assert {rows[f"a{i:06d}"] for i in range(20)} == {"pending"}  # paused: untouched
-    assert {rows[f"b{i:06d}"] for i in range(20)} == {"failed"}  # 400: too long
+    assert {rows[f"b{i:06d}"] for i in range(20)} == {"failed"}  # longer than the context
     status = json.loads(cli("status", "--json", "--db", str(db)).stdout)
-    assert status["totals"]["failed_by_class"] == {"http_400": 20}
+    assert status["totals"]["failed_by_class"] == {"context_overflow": 20}
     assert cli("resume", "a", "--db", str(db)).returncode == 0
-    result = cli("requeue", "--dataset", "b", "--error-class", "http_400", "--db", str(db))
+    result = cli("requeue", "--dataset", "b", "--error-class", "context_overflow", "--db", str(db))
     assert result.stdout.strip() == "requeued 20 failed items"
     assert {s for k, s, n in item_rows(db) if k.startswith("b")} == {"pending"}
     assert cli("pause", "nope", "--db", str(db)).returncode == 2

@@ -194,13 +194,13 @@ def test_a_requeue_of_every_answer_can_be_taken_back(
 def test_undo_gives_failed_items_their_error_back(
     tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
 ) -> None:
-    # Each request exceeds the context: every item fails alone (http_400).
+    # Each request exceeds the context: every item fails alone (context_overflow).
     server = sim_process("--latency", "0.001", "--max-model-len", "4000")
     data = write_jsonl(tmp_path / "in.jsonl", prompts(5))
     cli("enqueue", str(data), "-d", "d", "--db", db_url, "--max-tokens", "4000")
     cli("run", "--server", server.url, "--db", db_url, "--exit-when-done")
     failed = query(db_url, "SELECT key, state, attempts, error_class FROM items ORDER BY key")
-    assert {row[1:] for row in failed} == {("failed", 1, "http_400")}
+    assert {row[1:] for row in failed} == {("failed", 1, "context_overflow")}
     assert cli("requeue", "--db", db_url).stdout.strip() == "requeued 5 failed items"
     assert "put back 5 items" in cli("requeue", "--undo", "--db", db_url).stdout
     assert query(db_url, "SELECT key, state, attempts, error_class FROM items ORDER BY key") == (

@@ -31,9 +31,11 @@ LAYERS: tuple[frozenset[str], ...] = (
             "lazy",
             "lengths",
             "logs",
+            "overflow",
             "params",
             "procinfo",
             "quality",
+            "structured",
             "urls",
         }
     ),

@@ -278,6 +278,79 @@ def test_doctor_passes(llama: str, tmp_path: Path) -> None:
     assert wrong.returncode == 1 and "another-model" in wrong.stdout, wrong.stdout
 
 
+ENUM_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_answers_are_checked(llama: str, tmp_path: Path) -> None:
+    """llama.cpp turns the schema into a grammar: its answers parse and match, and the
+    check (reasoning split, parse, validate) agrees with jsonschema run here."""
+    import jsonschema
+
+    db = tmp_path / "q.db"
+    schema = tmp_path / "yes-no.json"
+    schema.write_bytes(orjson.dumps(ENUM_SCHEMA))
+    rows = [
+        {"id": f"j{i:03d}", "messages": [{"role": "user", "content": f"Is {i} a stone?"}]}
+        for i in range(24)
+    ]
+    enqueue(db, rows, "json", "--max-tokens", "200", "--json-schema", str(schema))
+    result = cli("run", "--server", llama, "--db", str(db), "--exit-when-done")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out.jsonl"
+    assert cli("export", str(out), "--db", str(db), "--parsed", "--provenance").returncode == 0
+    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert len(lines) == len(rows)
+    valid = 0
+    for line in lines:
+        content = line["messages"][-1]["content"]
+        try:
+            value = json.loads(content)
+        except ValueError:
+            assert "invalid_json" in line["flags"] and line["parsed"] is None, line
+            continue
+        if jsonschema.Draft202012Validator(ENUM_SCHEMA).is_valid(value):
+            valid += 1
+            assert line["parsed"] == value and not {"invalid_json", "schema_mismatch"} & set(
+                line["flags"]
+            ), line
+        else:
+            assert "schema_mismatch" in line["flags"] and line["parsed"] is None, line
+    assert valid > len(rows) // 2  # the grammar holds the model to the schema
+
+
+def test_context_refusal_fails_as_context_overflow(tmp_path: Path) -> None:
+    """A prompt longer than llama.cpp's context (``-c``) alone: its refusal names the
+    numbers, and the item fails as ``context_overflow`` at once, even with ``fit``; a
+    short prompt with a large max_tokens is answered (llama.cpp stops at the context
+    instead of refusing), so nothing is lowered."""
+    if not llama_server.binary_path().exists() or not llama_server.model_path().exists():
+        pytest.skip("llama-server not built: python3 scripts/llama_server.py")
+    db = tmp_path / "q.db"
+    long = " ".join(f"word{i}" for i in range(400))
+    rows = [
+        {"id": f"c{i:03d}", "messages": [{"role": "user", "content": long if i % 2 else "hi"}]}
+        for i in range(12)
+    ]
+    with llama_server.LlamaServer(slots=1, context=256) as server:
+        enqueue(db, rows, "ctx", "--max-tokens", "10000", "--on-overflow", "fit")
+        result = cli("run", "--server", server.url, "--db", str(db), "--exit-when-done")
+    assert result.returncode == 6, result.stderr  # failed items, not a halted run
+    items = query(db, "SELECT key, state, attempts, error_class, last_error FROM items")
+    for key, state, attempts, error_class, error in items:
+        if int(key[1:]) % 2:
+            assert (state, attempts, error_class) == ("failed", 1, "context_overflow"), key
+            assert "the prompt has" in error and "the server's context is 256 tokens" in error
+        else:
+            assert state == "done", (key, error)
+    flags = query(db, "SELECT count(*) FROM outputs WHERE flags & 256 != 0")[0][0]
+    assert flags == 0
+
+
 def test_llamacpp_honours_n_so_samples_go_out_in_one_request(llama: str, tmp_path: Path) -> None:
     """llama-server answers ``n`` choices (its ``n_cmpl``): a prompt's samples claimed
     together are asked in one request, each stored as its own sample, and the dataset

@@ -31,11 +31,14 @@ def test_bits_are_stable_and_distinct():
         "reasoning_only": 8,
         "nul": 16,
         "tool_mismatch": 32,
+        "invalid_json": 64,
+        "schema_mismatch": 128,
+        "max_tokens_reduced": 256,
     }
     assert (TRUNCATED, EMPTY_CONTENT, UNCLOSED_THINK, REASONING_ONLY) == (1, 2, 4, 8)
     assert TOOL_MISMATCH == 32
     with pytest.raises(TypeError):
-        ALL_FLAGS["new"] = 64  # type: ignore[index]
+        ALL_FLAGS["new"] = 512  # type: ignore[index]
 
 
 @pytest.mark.parametrize(

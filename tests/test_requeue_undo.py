@@ -174,13 +174,14 @@ def test_two_undos_at_once_take_the_requeue_back_once(
 # ------------------------------------------------------------------ a failed re-run
 
 
-@pytest.mark.parametrize("fault", ["http_400", "http_500"])
+@pytest.mark.parametrize("fault", ["context_overflow", "http_500"])
 def test_undo_brings_back_the_answers_of_a_failed_rerun(
     tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess], fault: str
 ) -> None:
     """``requeue --flag truncated --max-tokens 40960`` against a 4,096-token server (every
-    request a 400), or a re-run against a server answering 500: the items fail, their
-    answers leave the export, and ``requeue --undo`` brings every one of them back."""
+    request refused as longer than its context), or a re-run against a server answering
+    500: the items fail, their answers leave the export, and ``requeue --undo`` brings
+    every one of them back."""
     server = sim_process("--latency", "0.001", "--max-model-len", "4096")
     keys = enqueue(tmp_path, db_url, 30)
     assert run_to_end(db_url, server.url).returncode == 0
@@ -196,7 +197,7 @@ def test_undo_brings_back_the_answers_of_a_failed_rerun(
     assert "`orchestrator requeue --undo` brings them back" in dry.stdout
 
     requeue = ["requeue", "--flag", "truncated", "--db", db_url]
-    if fault == "http_400":
+    if fault == "context_overflow":
         assert cli(*requeue, "--max-tokens", "40960").returncode == 0
         rerun = run_to_end(db_url, server.url)
     else:

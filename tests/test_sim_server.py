@@ -1059,3 +1059,46 @@ def test_cli_choices_match_the_server():
         "time_scale",
     ):
         assert params[name].default == getattr(SimConfig(), name), name
+
+
+@pytest.mark.parametrize("max_tokens", [400, 10])
+async def test_json_answers_stream_as_they_answer_whole(
+    start_sim: StartSim, session: aiohttp.ClientSession, max_tokens: int
+) -> None:
+    """Asked for JSON: the kind each prompt gets is ``json_answer_kind`` of its digest,
+    streamed content equals the whole answer's, and an answer cut by max_tokens never
+    parses."""
+    from orchestrator.sim import json_answer_kind, request_digest
+
+    base = await start_sim(json_invalid_rate=0.3, json_mismatch_rate=0.3)
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}
+    kinds = set()
+    for i in range(40):
+        messages = [{"role": "user", "content": f"json {i}"}]
+        extra = {"max_tokens": max_tokens, "response_format": fmt}
+        _, body = await chat(session, base, messages, **extra)
+        content = body["choices"][0]["message"]["content"]
+        async with session.post(
+            f"{base}/v1/chat/completions", json={"messages": messages, "stream": True, **extra}
+        ) as resp:
+            raw = (await resp.read()).decode()
+        chunks = [
+            json.loads(e.removeprefix("data: "))
+            for e in raw.split("\n\n")
+            if e.startswith("data: {")
+        ]
+        streamed = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+        )
+        assert streamed == content
+        kind = json_answer_kind(request_digest(messages), 0, 0.3, 0.3)
+        kinds.add(kind)
+        try:
+            value = json.loads(content)
+        except ValueError:
+            assert kind == "invalid_json" or max_tokens == 10
+            continue
+        assert kind != "invalid_json" and max_tokens == 400
+        assert value["sim"] == request_digest(messages)
+        assert ("text" in value) == (kind == "valid") and ("words" in value) != (kind == "valid")
+    assert kinds == {"valid", "invalid_json", "schema_mismatch"}

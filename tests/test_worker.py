@@ -116,7 +116,8 @@ async def test_rejected_request_fails_at_once(
             sa.select(items.c.attempts, items.c.error_class, items.c.last_error)
         )
         rows = result.all()
-    assert {(r.attempts, r.error_class) for r in rows} == {(1, "http_400")}
+    assert {(r.attempts, r.error_class) for r in rows} == {(1, "context_overflow")}
+    assert all("the prompt has 2 tokens, max_tokens 4,000" in r.last_error for r in rows)
     assert all("maximum context length is 4000 tokens" in r.last_error for r in rows)
 
 

@@ -14,7 +14,7 @@ which the SQLite documentation allows for constraints that change nothing on dis
 before the old one is dropped, so that dropping it cascades to none of their rows.
 
 Revision ID: 0013
-Revises: 0011
+Revises: 0012
 Create Date: 2026-12-02
 """
 
@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0013"
-down_revision = "0011"
+down_revision = "0012"
 branch_labels = None
 depends_on = None
 

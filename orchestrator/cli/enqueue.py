@@ -21,7 +21,7 @@ from orchestrator.cli.common import (
     tty_progress,
 )
 from orchestrator.formats.choices import INPUT_FORMATS
-from orchestrator.store.columns import ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
 
 if TYPE_CHECKING:
     from orchestrator.enqueueing import Enqueued, EnqueueOptions, PlanFailed
@@ -43,6 +43,9 @@ _SETTINGS = (
     ("--format", "fmt"),
     ("--regenerate", "regenerate"),
     ("--on-truncated", "on_truncated"),
+    ("--on-invalid", "on_invalid"),
+    ("--on-overflow", "on_overflow"),
+    ("--json-schema", "json_schema"),
     ("--passthrough", "passthrough"),
     ("--samples", "samples"),
     ("--seeds", "seeds"),
@@ -76,6 +79,9 @@ _SAMPLING = (
     "--concurrency",
     "--regenerate",
     "--on-truncated",
+    "--on-invalid",
+    "--on-overflow",
+    "--json-schema",
     "--samples",
     "--seeds",
     "--sample-requests",
@@ -134,6 +140,26 @@ _SAMPLING = (
     type=click.Choice(ON_TRUNCATED),
     help="What an answer cut at max_tokens does: keep it, retry it, or fail the item "
     "(default: the dataset's, else keep).",
+)
+@click.option(
+    "--json-schema",
+    type=click.Path(path_type=Path),
+    help="A JSON schema file: each request asks for an answer that satisfies it "
+    "(response_format json_schema), and each answer is checked against it.",
+)
+@click.option(
+    "--on-invalid",
+    type=click.Choice(ON_INVALID),
+    help="What structured output (response_format) that does not parse or match its "
+    "schema does: keep it flagged, retry it, or fail the item (default: the dataset's, "
+    "else keep).",
+)
+@click.option(
+    "--on-overflow",
+    type=click.Choice(ON_OVERFLOW),
+    help="A prompt and max_tokens longer than the server's context: fail the item "
+    "(context_overflow), or fit: ask again at once with max_tokens lowered to what fits, "
+    "flagged max_tokens_reduced (default: the dataset's, else fail).",
 )
 @click.option(
     "--samples",
@@ -295,6 +321,8 @@ def _options(
         raise click.UsageError("Missing option '--dataset' / '-d'.", ctx)
     named = {k: settings[k] for k in ("max_tokens", "temperature", "top_p")}
     body = request_body(_parse_params(settings["params"]), model=settings["model"], **named)
+    if settings["json_schema"] is not None:
+        body["response_format"] = run_sync(lambda: _schema_format(settings["json_schema"]))
     _check_params(body, {**named, "model": settings["model"]})
     sampling = _given(settings, _SAMPLING)
     if settings["passthrough"] and sampling:
@@ -311,6 +339,8 @@ def _options(
         format=settings["fmt"],
         regenerate=settings["regenerate"],
         on_truncated=settings["on_truncated"],
+        on_invalid=settings["on_invalid"],
+        on_overflow=settings["on_overflow"],
         passthrough=settings["passthrough"],
         update=update,
         sampling=tuple(sampling),
@@ -322,6 +352,23 @@ def _options(
         config=settings["hf_config"],
         spelling=_SPELLING,
     )
+
+
+def _schema_format(path: Path) -> dict[str, Any]:
+    """``--json-schema FILE`` as the ``response_format`` it sets; a file that cannot be
+    read, is not JSON or is no JSON schema stops here, naming it (exit 2)."""
+    import orjson
+
+    from orchestrator.errors import ConfigError
+    from orchestrator.structured import response_format_for
+
+    try:
+        schema = orjson.loads(path.read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"--json-schema {path}: cannot read it: {exc.strerror or exc}") from None
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"--json-schema {path}: not JSON: {exc}") from None
+    return response_format_for(schema, source=f"--json-schema {path}", name=path.stem)
 
 
 _ESCAPES = re.compile(r"\\(n|t|\\)")

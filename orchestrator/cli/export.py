@@ -56,7 +56,8 @@ if TYPE_CHECKING:
     multiple=True,
     metavar="FLAG[,FLAG]",
     help="Leave out answers with this quality flag: truncated, empty, unclosed_think, "
-    "reasoning_only, tool_mismatch. Repeat or comma-separate.",
+    "reasoning_only, tool_mismatch, nul, invalid_json, schema_mismatch, max_tokens_reduced. "
+    "Repeat or comma-separate.",
 )
 @click.option(
     "--include-failed",
@@ -76,6 +77,12 @@ if TYPE_CHECKING:
     "it, earlier turns without their reasoning: SpecForge's per-turn rows.",
 )
 @click.option(
+    "--parsed",
+    is_flag=True,
+    help="Add parsed: the answer's JSON value, for datasets asking for structured output "
+    "(response_format, --json-schema); null where the answer is not the JSON asked for.",
+)
+@click.option(
     "--group-samples",
     is_flag=True,
     help='A prompt\'s samples (enqueue --samples) in one line, its answers in "answers" '
@@ -92,6 +99,7 @@ def export(
     include_failed: Path | None,
     provenance: bool,
     per_turn: bool,
+    parsed: bool,
     group_samples: bool,
     db: str | None,
 ) -> None:
@@ -110,6 +118,7 @@ def export(
             split,
             include_failed,
             per_turn,
+            parsed,
             group_samples,
         )
     )
@@ -128,6 +137,7 @@ def _options(
     split: bool,
     include_failed: Path | None,
     per_turn: bool,
+    parsed: bool = False,
     group_samples: bool = False,
 ) -> ExportOptions:
     from orchestrator.formats.export import ExportOptions
@@ -144,6 +154,7 @@ def _options(
         split=split,
         include_failed=include_failed,
         per_turn=per_turn,
+        parsed=parsed,
         group_samples=group_samples,
     )
 

@@ -43,7 +43,8 @@ _STATES = ("pending", "running", "done", "failed")
     multiple=True,
     metavar="FLAG[,FLAG]",
     help="Only items with an answer (current, or set aside by a requeue) carrying this quality "
-    "flag: truncated, empty, unclosed_think, reasoning_only, tool_mismatch, nul. Repeatable.",
+    "flag: truncated, empty, unclosed_think, reasoning_only, tool_mismatch, nul, invalid_json, "
+    "schema_mismatch, max_tokens_reduced. Repeatable.",
 )
 @click.option(
     "--error-class",

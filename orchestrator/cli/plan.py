@@ -31,16 +31,37 @@ run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md.
     help="The servers' total generation rate. The default is a typical single-GPU "
     "reasoning run; `status` shows a running run's.",
 )
+@click.option(
+    "--server",
+    "servers",
+    multiple=True,
+    metavar="URL",
+    help="With --config: read the server's context length from its /v1/models "
+    "(max_model_len, as vLLM serves it) and warn of the requests that will not fit it.",
+)
+@click.option(
+    "--max-model-len",
+    type=click.IntRange(min=1),
+    help="With --config: the server's context length in tokens, for the same warning.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable.")
 @launch_options
 @db_option
 def plan(
-    config: Path | None, tokens_per_second: float, as_json: bool, db: str | None, **launch: Any
+    config: Path | None,
+    tokens_per_second: float,
+    servers: tuple[str, ...],
+    max_model_len: int | None,
+    as_json: bool,
+    db: str | None,
+    **launch: Any,
 ) -> None:
     """Requests, tokens to generate, time left and database size, per dataset and in total.
 
     With --launch (or --engine), the first server is started briefly first, to say how
-    long it took to be ready, its context length and whose metrics it serves.
+    long it took to be ready, its context length and whose metrics it serves. With the
+    context known (that, --server's /v1/models, --max-model-len), the requests that will
+    not fit it are warned of.
     """
     from orchestrator import runfile
     from orchestrator.store.reader import sqlite_path
@@ -50,13 +71,18 @@ def plan(
         click.echo(_looked_line(looked))
 
     plans = run_sync(lambda: runfile.load_run(config)) if config is not None else None
+    context = max_model_len or (looked or {}).get("context_length")
+    if context is None and servers and plans:
+        context = _served_context(servers, plans)
     path = sqlite_path(db)
     if plans is not None:
         # A run file is planned before its database exists: then nothing is done yet.
         held = _stored(db) if path is None or os.path.exists(path) else []
         stats = runfile.done_stats(held)
         result = run_sync(
-            lambda: runfile.plan_run(plans, tokens_per_second=tokens_per_second, done_stats=stats)
+            lambda: runfile.plan_run(
+                plans, tokens_per_second=tokens_per_second, done_stats=stats, context=context
+            )
         )
     else:
         # Without one, the database is what is planned: a missing one is refused (exit 3)
@@ -73,6 +99,29 @@ def plan(
         echo_json(document if looked is None else {**document, "launched": looked})
     else:
         click.echo(runfile.render_plan(result), nl=False)
+
+
+def _served_context(servers: tuple[str, ...], plans: Any) -> int | None:
+    """The smallest context the servers say the run's models have (``/v1/models``):
+    a request that fits it fits every server. None: no server says."""
+    import asyncio
+
+    import aiohttp
+
+    from orchestrator.client import models
+
+    async def look() -> list[dict[str, int]]:
+        async with aiohttp.ClientSession() as session:
+            return [(await models(session, url, 10)).contexts for url in servers]
+
+    wanted = {p.params.get("model") for p in plans}
+    found = [
+        length
+        for contexts in asyncio.run(look())
+        for model, length in contexts.items()
+        if model in wanted or len(contexts) == 1
+    ]
+    return min(found) if found else None
 
 
 def _stored(db: str | None) -> list[Any]:

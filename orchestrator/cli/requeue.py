@@ -33,7 +33,8 @@ from orchestrator.errors import ConfigError
     multiple=True,
     metavar="FLAG",
     help="Only done items whose output has this quality flag (truncated, empty, "
-    "unclosed_think, reasoning_only, tool_mismatch); implies --state done. Repeatable.",
+    "unclosed_think, reasoning_only, tool_mismatch, nul, invalid_json, schema_mismatch, "
+    "max_tokens_reduced); implies --state done. Repeatable.",
 )
 @click.option(
     "--key", "keys", multiple=True, metavar="KEY", help="Only the items of this key. Repeatable."

@@ -79,8 +79,8 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
 @click.option(
     "--servers-file",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="More servers, one URL a line, each optionally with its own concurrency=N|auto "
-    "('#' starts a comment, at a line's start or after white space).",
+    help="More servers, one URL a line, each optionally with its own concurrency=N|auto, "
+    "rpm=N and tpm=N ('#' starts a comment, at a line's start or after white space).",
 )
 @click.option(
     "--concurrency",
@@ -105,6 +105,28 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     metavar="SECONDS",
     help="Stop (exit 4) when no server has answered for this long; by default a worker "
     "waits for its servers as long as it takes.",
+)
+@click.option(
+    "--rpm",
+    type=Checked(RUN["rpm"]),
+    metavar="N",
+    help="Most requests a minute sent to each server (a hosted API's limit; per server: "
+    "rpm=N in --servers-file). Without it a server's x-ratelimit-* headers set the pace.",
+)
+@click.option(
+    "--tpm",
+    type=Checked(RUN["tpm"]),
+    metavar="N",
+    help="Most tokens a minute sent to each server (prompt estimate plus max_tokens, "
+    "corrected by each answer's usage; per server: tpm=N in --servers-file).",
+)
+@click.option(
+    "--rate-limited-warn-after",
+    type=Checked(RUN["rate_limited_warn_after"]),
+    default=600.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Warn (log and status) when a server has answered nothing but HTTP 429 this long.",
 )
 @click.option(
     "--request-timeout",

@@ -40,13 +40,14 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
-from orchestrator import atomicfile
+from orchestrator import atomicfile, structured
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
 from orchestrator.formats import draws
 from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES  # noqa: F401
 from orchestrator.formats.writers import specforge
 from orchestrator.formats.writers import turns as per_turn
+from orchestrator.params import item_body
 from orchestrator.quality import TOOL_MISMATCH, flag_names
 from orchestrator.store import access
 from orchestrator.store.outputs import (
@@ -100,6 +101,9 @@ class ExportOptions:
     # Done items whose quality flags (orchestrator.quality) share a bit with this are left out.
     exclude_flags: int = 0
     provenance: bool = False
+    # Structured output: each line gets ``parsed``, its answer's JSON value (None when
+    # the answer is not the JSON its request asked for).
+    parsed: bool = False
     # A prompt's samples in one line (``answers``), not a line each (orchestrator.formats.draws).
     group_samples: bool = False
     # OUT is a directory with one file per dataset.
@@ -137,6 +141,7 @@ class ExportOptions:
             and self.reasoning == "separate"
             and not self.exclude_flags
             and not self.provenance
+            and not self.parsed
             and not self.per_turn
             and not self.group_samples
         )
@@ -451,6 +456,8 @@ class _Lines:
                         line[name] = request[name]
             if self.options.provenance:
                 line.update(self._provenance(row))
+        if self.options.parsed:
+            line["parsed"] = None if passthrough else _parsed(request, message_json, row[13])
         return line
 
     def _id(self, key: str) -> str:
@@ -565,6 +572,19 @@ class _Lines:
             "started_at": created_at - latency,
             "flags": flag_names(flags),
         }
+
+
+def _parsed(request: dict[str, Any], message_json: str, params_json: str | None) -> Any:
+    """The answer's JSON value, recomputed from the stored content and the request it was
+    made with (its parameter set, the item's own fields over them): None when the
+    request did not ask for JSON or the answer is not the JSON it asked for."""
+    body = item_body(orjson.loads(params_json) if params_json else {}, request)
+    fmt = structured.expected_format(body)
+    if fmt is None:
+        return None
+    content = orjson.loads(message_json).get("content")
+    checked = structured.check(content if isinstance(content, str) else None, fmt)
+    return checked.parsed if not checked.flags else None
 
 
 # ---------------------------------------------------------------------- files

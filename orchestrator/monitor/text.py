@@ -68,6 +68,20 @@ def _flag_lines(snap: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _structured_lines(snap: dict[str, Any]) -> list[str]:
+    """Per dataset asking for JSON: the share of its done answers that are not that JSON."""
+    asked = [e for e in snap["datasets"] if e.get("structured")]
+    if not asked:
+        return []
+    width = max(len(e["name"]) for e in asked)
+    lines = ["", "structured output (answers not the JSON asked for):"]
+    for e in asked:
+        share = e["structured"]["invalid_share"]
+        shown = f"{share:.1%}" if share is not None else "-"
+        lines.append(f"  {e['name']:<{width}}  invalid {shown} ({e['structured']['invalid']:,})")
+    return lines
+
+
 def _cache_lines(prompt: dict[str, Any] | None) -> list[str]:
     """The share of prompt tokens the servers' prefix caches served: what routing a
     prompt to the server holding its prefix saves. Nothing when no server says."""
@@ -142,6 +156,7 @@ def render_status(snap: dict[str, Any]) -> str:
             "`orchestrator requeue --error-class CLASS` sends them back)"
         )
     lines.extend(_flag_lines(snap))
+    lines.extend(_structured_lines(snap))
     live = [w for w in snap["workers"] if not w["stopped"]]
     if live:
         lines.append("")
@@ -154,6 +169,7 @@ def render_status(snap: dict[str, Any]) -> str:
                 f"  {w['id']}  in flight {w['in_flight']}, done {w['completed']:,},"
                 f" last heartbeat {duration(w['heartbeat_age_s'])} ago{note}"
             )
+    lines.extend(_limited_lines(snap.get("rate_limited") or []))
     lines.extend(_server_lines(snap.get("servers") or []))
     lines.extend(_launched_lines(snap.get("launched") or []))
     return "\n".join(lines)
@@ -170,6 +186,18 @@ def _launched_lines(launched: list[dict[str, Any]]) -> list[str]:
         lines.append(f"  {s['name']} {s['url']}  {s['state']},{pid} restarts {s['restarts']}{last}")
         lines.append(f"    log: {s['log']}")
     return lines
+
+
+def _limited_lines(limited: list[dict[str, Any]]) -> list[str]:
+    """Servers that answer nothing but 429: the run waits on them, and says so."""
+    lines = []
+    for s in limited:
+        lines.append(
+            f"RATE LIMITED: {s['server']} has answered only HTTP 429 for "
+            f"{duration(s['limited_for_s'])} (latest {duration(s['last_429_age_s'])} ago): "
+            "check the key's quota and --rpm/--tpm"
+        )
+    return ["", *lines] if lines else []
 
 
 def _message_lines(entry: dict[str, Any] | None, now: float) -> list[str]:

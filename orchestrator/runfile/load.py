@@ -10,6 +10,8 @@ Format::
     concurrency = 150         # integer >= 1: most requests of the dataset in flight
     regenerate = "last"       # last | all: the final answer, or every assistant turn
     on_truncated = "keep"     # keep | retry | fail: what an answer cut at max_tokens does
+    on_invalid = "keep"       # keep | retry | fail: structured output that is not the JSON asked
+    on_overflow = "fail"      # fail | fit: a prompt and max_tokens longer than the context
     samples = 1               # answers per prompt, each its own item (1 to 1024)
     # seeds = [1, 2, 3, 4]    # one per sample, all different (default: from each key)
     sample_requests = "n"     # n: one request with n choices | seeds: one per sample
@@ -57,7 +59,7 @@ from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats import columns as row_columns
 from orchestrator.formats.readers import INPUT_FORMATS, PASSTHROUGH_FORMATS
 from orchestrator.formats.source import open_source
-from orchestrator.store.columns import ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
 
 __all__ = ["FORMATS", "DatasetPlan", "Problem", "RunConfigError", "load_run"]
 
@@ -68,7 +70,16 @@ format, as ``enqueue`` does; ``tokens`` is pass-through only."""
 _BODY_KEYS = ("model", "max_tokens", "temperature", "top_p", "chat_template_kwargs")
 # Keys that shape requests: meaningless on a pass-through dataset.
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body")
-_REQUEST_KEYS = ("concurrency", "regenerate", "on_truncated", "samples", "seeds", "sample_requests")
+_REQUEST_KEYS = (
+    "concurrency",
+    "regenerate",
+    "on_truncated",
+    "on_invalid",
+    "on_overflow",
+    "samples",
+    "seeds",
+    "sample_requests",
+)
 # extra_body keys that would bypass a check (the rest go through orchestrator.params).
 _EXTRA_BODY_REFUSED = {
     key: f'set it as the key "{key}" (outside extra_body), where it is checked'
@@ -105,6 +116,12 @@ class DatasetPlan:
     transient failure, or ``fail`` the item."""
     passthrough: bool
     """The rows are stored as they are, as done; no request is sent."""
+    on_invalid: str = "keep"
+    """Structured output (``response_format``) that does not parse or match its schema:
+    ``keep`` it flagged, ``retry`` it, or ``fail`` the item."""
+    on_overflow: str = "fail"
+    """A prompt and ``max_tokens`` longer than the server's context: ``fail`` the item
+    (``context_overflow``), or ``fit``: ask again with ``max_tokens`` lowered to fit."""
     hf: str | None = None
     """A Hub dataset (``ORG/NAME``) read instead of a file."""
     split: str | None = None
@@ -315,6 +332,8 @@ _CHECKS: dict[str, Check] = {
     "concurrency": _by(checks.DATASET["concurrency"].expected),
     "regenerate": _choice(REGENERATE),
     "on_truncated": _choice(ON_TRUNCATED),
+    "on_invalid": _choice(ON_INVALID),
+    "on_overflow": _choice(ON_OVERFLOW),
     "samples": _by(checks.DATASET["samples"].expected),
     "seeds": _seeds,
     "sample_requests": _choice(("n", "seeds")),
@@ -338,7 +357,12 @@ _COLUMN_KEYS = tuple(f.name for f in fields(row_columns.Columns))
 _DATASET_KEYS = tuple(_CHECKS)
 _DEFAULT_KEYS = tuple(k for k in _CHECKS if k not in _OWN_KEYS)
 _TOP_KEYS = ("defaults", "dataset")
-_REQUEST_DEFAULTS = {"regenerate": "last", "on_truncated": "keep"}
+_REQUEST_DEFAULTS = {
+    "regenerate": "last",
+    "on_truncated": "keep",
+    "on_invalid": "keep",
+    "on_overflow": "fail",
+}
 
 
 # Request body fields people reach for that belong in extra_body: a hint, not a limit.
@@ -621,6 +645,8 @@ def _plan(own: dict[str, Any], defaults: dict[str, Any], file: Path) -> DatasetP
         regenerate=value("regenerate", _REQUEST_DEFAULTS["regenerate"]),
         on_truncated=value("on_truncated", _REQUEST_DEFAULTS["on_truncated"]),
         passthrough=False,
+        on_invalid=value("on_invalid", _REQUEST_DEFAULTS["on_invalid"]),
+        on_overflow=value("on_overflow", _REQUEST_DEFAULTS["on_overflow"]),
         samples=value("samples"),
         seeds=tuple(value("seeds")) if value("seeds") is not None else None,
         sample_requests=value("sample_requests"),

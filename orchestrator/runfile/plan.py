@@ -7,6 +7,7 @@ database; ``plan_stored`` estimates from what a database holds instead
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -86,6 +87,11 @@ class DatasetEstimate:
     """Requests counted at the length of the answer their line holds (times the ratio of
     new to original lengths of the answers done so far, at most max_tokens): the figures
     the claim ranks items by (``orchestrator.lengths``); the others as ``measured`` says."""
+    overflows: int = 0
+    """With the server's context known: requests whose prompt (estimated from its text)
+    and max_tokens will not fit it..."""
+    too_long: int = 0
+    """...and of them, those whose prompt alone will not."""
 
     @property
     def db_bytes(self) -> int:
@@ -103,6 +109,8 @@ class RunPlan:
     source: str = "config"
     """``config``: from a run file's data files (``plan_run``); ``database``: from what a
     database holds (``plan_stored``)."""
+    context: int | None = None
+    """The server's context length, when known (``plan --server``, ``--max-model-len``)."""
 
     @property
     def rows(self) -> int:
@@ -140,8 +148,12 @@ def plan_run(
     tokens_per_second: float,
     done_stats: Mapping[str, tuple[int, float]] | None = None,
     completion_fraction: float = COMPLETION_FRACTION,
+    context: int | None = None,
 ) -> RunPlan:
     """Estimate the run from the data files (read once each) and what is done so far.
+
+    ``context``: the server's context length; the requests that will not fit it are
+    counted (``DatasetEstimate.overflows``), their prompts estimated from their text.
 
     ``done_stats`` maps a dataset name to (answers done, their mean completion tokens), as
     ``status`` reports them, and optionally the ratio of new answers to the lengths their
@@ -155,7 +167,7 @@ def plan_run(
     estimates = tuple(
         _estimate(
             plan,
-            _scan(plan, stats.get(plan.name, (0, 0.0, 1.0))[2]),
+            _scan(plan, stats.get(plan.name, (0, 0.0, 1.0))[2], context),
             stats.get(plan.name),
             completion_fraction,
             tokens_per_second,
@@ -167,6 +179,7 @@ def plan_run(
         tokens_per_second=float(tokens_per_second),
         completion_fraction=completion_fraction,
         assumptions=_assumptions(estimates, tokens_per_second, completion_fraction),
+        context=context,
     )
 
 
@@ -181,12 +194,32 @@ class _Scan(NamedTuple):
     """Requests whose line holds an answer of its own..."""
     predicted_tokens: int = 0
     """...and their tokens: that answer's length times the scale, at most max_tokens."""
+    overflows: int = 0
+    too_long: int = 0
 
 
-def _scan(plan: DatasetPlan, scale: float = 1.0) -> _Scan:
+#: Tokens a chat template adds per message (role markers), for the prompt estimate.
+TEMPLATE_TOKENS = 8
+
+
+def prompt_estimate(request: Mapping[str, object]) -> int:
+    """A request's prompt tokens as its text suggests (``BYTES_PER_TOKEN``), the chat
+    template's markers and tool schemas included: what ``plan`` compares to a context."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return len(orjson.dumps(request.get("prompt", ""))) // BYTES_PER_TOKEN
+    size = len(orjson.dumps(request.get("tools"))) if request.get("tools") else 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        size += len(content.encode()) if isinstance(content, str) else len(orjson.dumps(content))
+    return size // BYTES_PER_TOKEN + TEMPLATE_TOKENS * len(messages)
+
+
+def _scan(plan: DatasetPlan, scale: float = 1.0, context: int | None = None) -> _Scan:
     """Read the data as ``enqueue`` will, so both accept and refuse the same rows."""
     default_cap = plan.params.get("max_tokens", 0)
     rows = requests = budget = size = predicted = predicted_tokens = 0
+    overflows = too_long = 0
     records = iter_records(plan.source, **plan.reading)
     for record in records:
         rows += 1
@@ -196,13 +229,17 @@ def _scan(plan: DatasetPlan, scale: float = 1.0) -> _Scan:
         request = record.request
         cap = request.get("max_tokens") or request.get("max_completion_tokens") or default_cap
         requests += record.turns
+        if context is not None:
+            prompt = prompt_estimate(request)
+            overflows += record.turns if prompt + (cap or 0) > context else 0
+            too_long += record.turns if prompt >= context else 0
         if record.predicted_tokens:
             predicted += record.turns
             tokens = scale * record.predicted_tokens
             predicted_tokens += round(min(tokens, cap * record.turns) if cap else tokens)
         else:
             budget += cap * record.turns
-    return _Scan(rows, requests, budget, size, predicted, predicted_tokens)
+    return _Scan(rows, requests, budget, size, predicted, predicted_tokens, overflows, too_long)
 
 
 def done_stats(stored: Sequence[StoredDataset]) -> dict[str, tuple[int, float, float]]:
@@ -344,7 +381,7 @@ def _estimate(
         samples=k,
         sample_requests=plan.sample_requests or "n",
     )
-    return _priced(
+    estimate = _priced(
         counted,
         per_request=per_request,
         measured=measured,
@@ -353,6 +390,7 @@ def _estimate(
         tokens_per_second=tokens_per_second,
         predicted=scan.predicted * k,
     )
+    return dataclasses.replace(estimate, overflows=scan.overflows, too_long=scan.too_long)
 
 
 def _stored_estimate(

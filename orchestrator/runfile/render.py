@@ -118,7 +118,26 @@ def render_plan(plan: RunPlan) -> str:
     out.append("")
     for note in plan.assumptions:
         out.extend(textwrap.wrap(note, width=88, initial_indent="- ", subsequent_indent="  "))
+    out.extend(overflow_warnings(plan))
     return "\n".join(out) + "\n"
+
+
+def overflow_warnings(plan: RunPlan) -> list[str]:
+    """With the server's context known: each dataset whose requests will not fit it."""
+    if plan.context is None:
+        return []
+    out = []
+    for d in plan.datasets:
+        if not d.overflows:
+            continue
+        alone = f", {d.too_long:,} of them with a prompt longer than it alone" if d.too_long else ""
+        out.append(
+            f"warning: dataset {d.name}: about {d.overflows:,} of {d.requests:,} requests will "
+            f"not fit the server's context of {plan.context:,} tokens (prompt and max_tokens)"
+            f'{alone}; they fail as context_overflow, or, with on_overflow = "fit", are '
+            "answered with max_tokens lowered"
+        )
+    return out
 
 
 def plan_json(plan: RunPlan) -> dict[str, Any]:
@@ -148,12 +167,15 @@ def plan_json(plan: RunPlan) -> dict[str, Any]:
             duration_seconds=round(d.duration_seconds, 1),
             db_bytes=d.db_bytes,
         )
+        if plan.context is not None:
+            doc.update(overflows=d.overflows, too_long=d.too_long)
         return doc
 
     return {
         "source": plan.source,
         "tokens_per_second": plan.tokens_per_second,
         "completion_fraction": plan.completion_fraction,
+        "context": plan.context,
         "datasets": [dataset(d) for d in plan.datasets],
         "total": {
             "rows": plan.rows,

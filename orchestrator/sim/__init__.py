@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from orchestrator.sim.server import (
         answer_matches,
         build_app,
+        json_answer_kind,
         request_digest,
         run_forever,
         serve,
@@ -33,6 +34,7 @@ __all__ = [
     "SimConfig",
     "answer_matches",
     "build_app",
+    "json_answer_kind",
     "parse_fault",
     "parse_outage",
     "parse_refusal",

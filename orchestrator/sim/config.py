@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from orchestrator.sim.lengths import LengthModel
+    from orchestrator.sim.ratelimit import BucketSpec
 
 #: Fault kinds in the order their probability ranges are laid out on ``[0, 1)``.
 FAULT_KINDS: tuple[str, ...] = (
@@ -71,6 +72,13 @@ class SimConfig:
             or absent) that are answered with a call of the first tool; which ones is fixed
             by the request's digest. ``tool_choice`` "required" or naming a function always
             calls, "none" never.
+        json_invalid_rate: fraction of requests asking for JSON (``response_format``
+            ``json_object`` or ``json_schema``) answered with JSON that does not parse (its
+            closing brace left out); which ones is fixed by the request's digest
+            (``json_answer_kind``), so an oracle knows. The others answer
+            ``{"sim": DIGEST, "text": WORDS}``, cut like any answer by ``max_tokens``.
+        json_mismatch_rate: fraction answered with JSON of another shape, ``{"sim":
+            DIGEST, "words": WORDS}``: it parses, and misses a schema's ``text``.
         kv_tokens: KV-cache size in tokens. With it (or ``max_running``) the server batches
             as SGLang does (``latency`` and ``per_token`` then do not apply): requests wait
             in a queue until they fit, are decoded together one token per step, and when
@@ -105,6 +113,11 @@ class SimConfig:
             start of one seen lately has those tokens reported as
             ``usage.prompt_tokens_details.cached_tokens`` and not prefilled (batching),
             or, without batching, the others cost ``prefill_per_token`` each.
+        rate_limits: a hosted provider's budgets (``orchestrator.sim.ratelimit``):
+            requests and tokens a minute, each a token bucket; a request finding one
+            empty gets 429 with ``Retry-After``, and every answer of
+            ``/v1/chat/completions`` carries the ``x-ratelimit-*`` headers unless
+            ``rate_limit_headers`` is False (a provider that says nothing ahead).
     """
 
     model: str | None = None
@@ -119,6 +132,8 @@ class SimConfig:
     reasoning: str = "none"
     reasoning_field: str = "reasoning_content"
     tool_call_rate: float = 0.5
+    json_invalid_rate: float = 0.0
+    json_mismatch_rate: float = 0.0
     kv_tokens: int = 0
     max_running: int = 0
     step_time: float = 0.01
@@ -132,6 +147,8 @@ class SimConfig:
     length_model: LengthModel | None = None
     trace: str | None = None
     prefix_cache: int = 0
+    rate_limits: tuple[BucketSpec, ...] = ()
+    rate_limit_headers: bool = True
 
     @property
     def batching(self) -> bool:
@@ -149,6 +166,9 @@ class SimConfig:
                 f"unknown reasoning field {self.reasoning_field!r}; "
                 f"known: {', '.join(REASONING_FIELDS)}"
             )
+        rates = (self.json_invalid_rate, self.json_mismatch_rate)
+        if not all(0.0 <= r <= 1.0 for r in rates) or sum(rates) > 1.0:
+            raise ValueError(f"json rates must be within [0, 1], at most 1 together, got {rates}")
         if not 0.0 <= self.tool_call_rate <= 1.0:
             raise ValueError(f"tool_call_rate must be within [0, 1], got {self.tool_call_rate!r}")
         for name in ("kv_tokens", "max_running", "max_model_len", "prefix_cache"):
@@ -179,6 +199,9 @@ class SimConfig:
         total = sum(self.faults.values())
         if total > 1.0 + 1e-9:
             raise ValueError(f"fault rates add up to {total:g}, more than 1")
+        units = [spec.unit for spec in self.rate_limits]
+        if len(set(units)) != len(units):
+            raise ValueError("one rate limit of each kind (rpm, tpm) at most")
         for text, message in self.refusals.items():
             if not text or not message:
                 raise ValueError(f"refusal {text!r}={message!r} needs a text and a message")

@@ -148,6 +148,21 @@ OPTIONS: tuple[SimOption, ...] = (
     ),
     SimOption("--retry-after", "retry_after", float, 0),
     SimOption(
+        "--rate-limit",
+        "rate_limits",
+        metavar="rpm=N[,burst=B]|tpm=N[,burst=B]",
+        multiple=True,
+        show_default=False,
+        help="A hosted provider's budget a minute (a token bucket, real time): 429 with "
+        "Retry-After when empty, x-ratelimit-* headers on every answer. Once per kind.",
+    ),
+    SimOption(
+        "--rate-limit-headers",
+        "rate_limit_headers",
+        bool,
+        help="Whether --rate-limit's buckets send x-ratelimit-* headers (false: only 429s).",
+    ),
+    SimOption(
         "--reasoning",
         "reasoning",
         REASONING_MODES,
@@ -167,6 +182,22 @@ OPTIONS: tuple[SimOption, ...] = (
         0,
         1,
         help="Fraction of requests offering tools (tool_choice auto) answered with a tool call.",
+    ),
+    SimOption(
+        "--json-invalid-rate",
+        "json_invalid_rate",
+        float,
+        0,
+        1,
+        help="Fraction of requests asking for JSON (response_format) answered with broken JSON.",
+    ),
+    SimOption(
+        "--json-mismatch-rate",
+        "json_mismatch_rate",
+        float,
+        0,
+        1,
+        help="Fraction of requests asking for JSON answered with JSON missing the schema's text.",
     ),
     SimOption(
         "--kv-tokens",
@@ -256,6 +287,12 @@ def sim_config(values: dict[str, Any]) -> SimConfig:
         given["outages"] = [parse_outage(o) for o in given.get("outages", ())]
         given["refusals"] = dict(parse_refusal(r) for r in given.get("refusals", ()))
         given["required_fields"] = tuple(given.get("required_fields", ()))
+        if given.get("rate_limits"):
+            from orchestrator.sim.ratelimit import parse_rate_limit
+
+            given["rate_limits"] = tuple(parse_rate_limit(r) for r in given["rate_limits"])
+        else:
+            given["rate_limits"] = ()
         if given.get("length_model"):
             from orchestrator.sim.lengths import load_length_model
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import random
 import signal
 import time
@@ -37,6 +38,7 @@ from orchestrator.sim.config import DEFAULT_MODEL, FAULT_KINDS, SimConfig
 from orchestrator.sim.lengths import dataset_of, quantile
 from orchestrator.sim.options import sim_config, sim_options
 from orchestrator.sim.prefix import PrefixCache, prompt_words
+from orchestrator.sim.ratelimit import Limiter
 
 __all__ = [
     "answer_matches",
@@ -111,7 +113,7 @@ def answer_matches(messages: Any, answer: Any, seed: Any = None) -> bool:
     digest = request_digest(messages, seed)
     if isinstance(answer, str):
         reasoning, content, _ = split_think(answer)
-        return _starts_with(content, f"[sim:{digest}]") and (
+        return _content_matches(content, digest) and (
             reasoning is None or _starts_with(reasoning, _reasoning_tag(digest))
         )
     if not isinstance(answer, dict):
@@ -125,7 +127,7 @@ def answer_matches(messages: Any, answer: Any, seed: Any = None) -> bool:
     calls = answer.get("tool_calls") or []
     parts = 0
     if content is not None and (not isinstance(content, str) or content.strip()):
-        if not _starts_with(content, f"[sim:{digest}]"):
+        if not _content_matches(content, digest):
             return False
         parts += 1
     if reasoning is not None:
@@ -137,6 +139,13 @@ def answer_matches(messages: Any, answer: Any, seed: Any = None) -> bool:
             return False
         parts += 1
     return parts > 0
+
+
+def _content_matches(content: Any, digest: str) -> bool:
+    """Plain content starts with the digest's tag; a JSON answer with its ``sim`` key."""
+    if isinstance(content, str) and content.startswith('{"sim": '):
+        return content.startswith(f'{{"sim": "{digest}"')
+    return _starts_with(content, f"[sim:{digest}]")
 
 
 def _starts_with(text: Any, tag: str) -> bool:
@@ -232,6 +241,7 @@ class _Stats:
         self.peak_running = 0
         self.running_tokens = 0
         self.outage_rejected = 0
+        self.rate_limited = 0  # 429s of the provider's buckets (--rate-limit)
         self.faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -274,6 +284,7 @@ class _Stats:
             "running": self.running,
             "peak_running": self.peak_running,
             "outage_rejected": self.outage_rejected,
+            "rate_limited": self.rate_limited,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
         }
@@ -388,6 +399,7 @@ class _State:
         self.stats = _Stats()
         self.batcher = _Batcher(config) if config.batching else None
         self.prefix = PrefixCache(config.prefix_cache) if config.prefix_cache else None
+        self.limiter = Limiter(config.rate_limits) if config.rate_limits else None
         self.fault_rng = random.Random(config.seed)
         self.started = time.monotonic()
         self.closing = asyncio.Event()
@@ -559,6 +571,7 @@ class _Answer:
     words: list[str]  # answer words: the content, or the tool call's argument tokens
     tool: str | None  # name of the called function, when the answer is a tool call
     finish_reason: str
+    json_kind: str | None = None  # asked for JSON: valid, invalid_json or schema_mismatch
 
     @property
     def tokens(self) -> int:
@@ -604,7 +617,34 @@ def _generate(body: dict[str, Any], digest: str, config: SimConfig, *, empty: bo
     reasoning = _reasoning_words(digest, config.seed, reasoning_length)[:in_reasoning]
     words = _answer_words(digest, config.seed, answer_length)[: budget - in_reasoning]
     closed = in_reasoning == reasoning_length
-    return _Answer(digest, thinking, reasoning, closed, words, tool, finish_reason)
+    kind = _json_kind(body, digest, config) if tool is None else None
+    return _Answer(digest, thinking, reasoning, closed, words, tool, finish_reason, kind)
+
+
+def json_answer_kind(digest: str, seed: int, invalid_rate: float, mismatch_rate: float) -> str:
+    """What a request asking for JSON is answered with: ``valid``, ``invalid_json`` or
+    ``schema_mismatch``, fixed by its digest (an oracle recomputes it)."""
+    draw = random.Random(f"{seed}:{digest}:json").random()
+    if draw < invalid_rate:
+        return "invalid_json"
+    return "schema_mismatch" if draw < invalid_rate + mismatch_rate else "valid"
+
+
+def _json_kind(body: dict[str, Any], digest: str, config: SimConfig) -> str | None:
+    fmt = body.get("response_format")
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
+        return None
+    return json_answer_kind(
+        digest, config.seed, config.json_invalid_rate, config.json_mismatch_rate
+    )
+
+
+def _json_content(digest: str, words: list[str], kind: str, *, complete: bool) -> str:
+    """A JSON answer made of ``words`` (the first stands for the digest), as far as it got:
+    complete, it parses, unless its kind is ``invalid_json``."""
+    key = "words" if kind == "schema_mismatch" else "text"
+    text = _tool_arguments(digest, words, complete=complete and kind != "invalid_json")
+    return text.replace('"text": "', f'"{key}": "', 1)
 
 
 def _tool_call(answer: _Answer) -> dict[str, Any]:
@@ -623,6 +663,9 @@ def _message(answer: _Answer, config: SimConfig) -> dict[str, Any]:
     """The assistant message of a non-streaming answer."""
     # A tool call's answer is in the call; its content is null, or only the thinking.
     text = " ".join(answer.words) if answer.tool is None else ""
+    if answer.json_kind is not None:
+        complete = answer.finish_reason != "length"
+        text = _json_content(answer.digest, answer.words, answer.json_kind, complete=complete)
     thought = " ".join(answer.reasoning)
     close = _THINK_CLOSE if answer.reasoning_closed else ""
     message: dict[str, Any] = {"role": "assistant"}
@@ -667,10 +710,30 @@ def _deltas(answer: _Answer, config: SimConfig) -> list[tuple[dict[str, Any], in
             part = {"index": 0, "function": {"arguments": upto[len(sent) :]}}
             deltas.append(({"tool_calls": [part]}, len(piece)))
             sent = upto
+    elif answer.json_kind is not None:
+        deltas.extend(_json_deltas(answer))
     elif answer.tool is None:
         for i, piece in enumerate(_pieces(answer.words)):
             text = " ".join(piece)
             deltas.append(({"content": text if i == 0 else " " + text}, len(piece)))
+    return deltas
+
+
+def _json_deltas(answer: _Answer) -> list[tuple[dict[str, Any], int]]:
+    """A JSON answer's content deltas: each adds its words to the text sent so far, and the
+    last one ends it as the whole answer does."""
+    assert answer.json_kind is not None
+    deltas: list[tuple[dict[str, Any], int]] = []
+    sent, count = "", 0
+    complete = answer.finish_reason != "length"
+    for piece in _pieces(answer.words):
+        count += len(piece)
+        last = count == len(answer.words)
+        upto = _json_content(
+            answer.digest, answer.words[:count], answer.json_kind, complete=complete and last
+        )
+        deltas.append(({"content": upto[len(sent) :]}, len(piece)))
+        sent = upto
     return deltas
 
 
@@ -729,6 +792,18 @@ async def _answer_chat(request: web.Request, state: _State) -> web.StreamRespons
     if refused is not None:
         stats.invalid += 1
         return refused
+    wait = state.limiter.admit(prompt_tokens + n) if state.limiter else None
+    if wait is not None:
+        stats.rate_limited += 1
+        return _error(
+            429,
+            "simulated provider: rate limit reached, try again later",
+            "RateLimitError",
+            headers={
+                "Retry-After": f"{max(1, math.ceil(wait))}",
+                "retry-after-ms": f"{wait * 1000:.0f}",
+            },
+        )
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or 2 * config.mean_tokens
     cached = state.prefix.serve(prompt_words(messages), answer.words) if state.prefix else None
     state.next_id += 1
@@ -1100,6 +1175,16 @@ def build_app(config: SimConfig) -> web.Application:
         if state.batcher is not None:
             await state.batcher.close()
 
+    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        # Every chat answer, a 429 or a stream too, says the buckets as they are now.
+        if (
+            state.limiter is not None
+            and state.config.rate_limit_headers
+            and request.path == "/v1/chat/completions"
+        ):
+            response.headers.update(state.limiter.headers())
+
+    app.on_response_prepare.append(on_prepare)
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)

@@ -10,5 +10,10 @@ REGENERATE: tuple[str, ...] = ("last", "all")
 """``last``: one request per row, for its final answer; ``all``: one per assistant turn."""
 ON_TRUNCATED: tuple[str, ...] = ("keep", "retry", "fail")
 """What an answer cut at max_tokens becomes: kept, retried, or the item failed."""
+ON_INVALID: tuple[str, ...] = ("keep", "retry", "fail")
+"""What structured output that does not parse or match its schema becomes."""
+ON_OVERFLOW: tuple[str, ...] = ("fail", "fit")
+"""What a request longer than the server's context does: the item fails
+(``context_overflow``), or it is asked again with ``max_tokens`` lowered to fit."""
 INT_MAX = 2**31 - 1
 """The largest concurrency or priority: what a PostgreSQL INTEGER column holds."""

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError
-from orchestrator.store.columns import INT_MAX, ON_TRUNCATED, REGENERATE
+from orchestrator.store.columns import INT_MAX, ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
 from orchestrator.store.engine import Database
 from orchestrator.store.schema import datasets, param_sets
 
@@ -41,6 +41,8 @@ class DatasetSpec:
     regenerate: str | None = None
     on_truncated: str | None = None
     passthrough: bool = False
+    on_invalid: str | None = None
+    on_overflow: str | None = None
     # Answers per prompt (None: keep the stored number, 1 for a new dataset); it may only
     # grow. ``seeds``: one per sample, all different (None: derived from each key).
     samples: int | None = None
@@ -59,10 +61,13 @@ class DatasetSpec:
             raise ConfigError(
                 f"dataset {self.name}: regenerate must be one of {', '.join(REGENERATE)}"
             )
-        if self.on_truncated not in (None, *ON_TRUNCATED):
-            raise ConfigError(
-                f"dataset {self.name}: on_truncated must be one of {', '.join(ON_TRUNCATED)}"
-            )
+        for key, value, valid in (
+            ("on_truncated", self.on_truncated, ON_TRUNCATED),
+            ("on_invalid", self.on_invalid, ON_INVALID),
+            ("on_overflow", self.on_overflow, ON_OVERFLOW),
+        ):
+            if value not in (None, *valid):
+                raise ConfigError(f"dataset {self.name}: {key} must be one of {', '.join(valid)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,8 @@ class DatasetInfo:
     regenerate: str = "last"
     on_truncated: str = "keep"
     passthrough: bool = False
+    on_invalid: str = "keep"
+    on_overflow: str = "fail"
     updated_at: float = 0.0
     params_hash: str = ""
     samples: int = 1
@@ -161,7 +168,8 @@ async def declare(
     the items not done yet are sent with the new parameters, and every output records
     the set it was made with. Whether a dataset regenerates its last turn or all of
     them, and whether it is pass-through, decide what its items are: they never change.
-    Concurrency, priority and the truncation policy are operational knobs and may.
+    Concurrency, priority and the truncation, invalid-answer and overflow policies are
+    operational knobs and may.
     """
     row = (await conn.execute(sa.select(datasets).where(datasets.c.name == spec.name))).first()
     source = {"source_path": source_path, "source_sha256": source_sha256}
@@ -179,6 +187,8 @@ async def declare(
             ("concurrency", spec.concurrency),
             ("priority", spec.priority),
             ("on_truncated", spec.on_truncated),
+            ("on_invalid", spec.on_invalid),
+            ("on_overflow", spec.on_overflow),
         )
         if value is not None
     )
@@ -254,6 +264,8 @@ async def _create(
         "paused": False,
         "regenerate": spec.regenerate or "last",
         "on_truncated": spec.on_truncated or "keep",
+        "on_invalid": spec.on_invalid or "keep",
+        "on_overflow": spec.on_overflow or "fail",
         "passthrough": spec.passthrough,
         **_draws(spec, None),
         **source,

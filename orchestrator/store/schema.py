@@ -39,6 +39,10 @@ datasets = sa.Table(
     sa.Column("regenerate", sa.String(8), nullable=False, server_default="last"),
     # What a truncated answer (finish_reason "length") becomes: keep | retry | fail.
     sa.Column("on_truncated", sa.String(8), nullable=False, server_default="keep"),
+    # What structured output that is not the JSON asked for becomes: keep | retry | fail.
+    sa.Column("on_invalid", sa.String(8), nullable=False, server_default="keep"),
+    # A request longer than the server's context: fail, or fit (max_tokens lowered).
+    sa.Column("on_overflow", sa.String(8), nullable=False, server_default="fail"),
     # Rows already in the target model's format, stored as done (nothing is generated).
     sa.Column("passthrough", sa.Boolean, nullable=False, server_default=sa.false()),
     # Answers per prompt (items.sample), the seeds a user gave them (JSON list; NULL:

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.error_classes import limited_for
 from orchestrator.lengths import MEASURED_AFTER
 from orchestrator.quality import ALL_FLAGS
+from orchestrator.structured import INVALID_FLAGS, expected_format
 
 if TYPE_CHECKING:
     from orchestrator.store.reader import Rows
@@ -147,6 +149,21 @@ _MESSAGES = (
     " AND e.error_class = :cls AND e.outcome = :outcome ORDER BY e.id DESC LIMIT :limit"
 )
 
+# Servers that have answered nothing but 429 past the worker's --rate-limited-warn-after:
+# the newest 429s of each dataset that has any, along ix_attempt_errors_class (its
+# entries end in the row id: a seek, not a sort), of which the newest of each server
+# whose message says how long (error_classes.limited_message). Rare, so the answers
+# each such server gave since are then counted for it alone.
+LIMITED_SAMPLE = 200
+_LIMITED = (
+    "SELECT server, created_at, message FROM attempt_errors WHERE dataset_id = :dataset"
+    " AND error_class = 'rate_limited' AND outcome = 'released' ORDER BY id DESC LIMIT :limit"
+)
+_ANSWERED_SINCE = (
+    "SELECT count(*) FROM datasets AS d JOIN outputs AS o ON o.dataset_id = d.id"
+    " AND o.created_at > :at WHERE o.server = :server"
+)
+
 Found = dict[str, Sequence[Sequence[Any]]]
 Messages = dict[tuple[int, str], list[tuple[Any, ...]]]
 
@@ -197,7 +214,30 @@ def snapshot(rows: Rows, *, now: float | None = None, window: float = WINDOW_SEC
     messages: Messages = {}
     for key in _message_keys(found):
         _add_messages(messages, key, rows.fetch(_MESSAGES, key))
-    return _document(found, lengths, costs, messages, where=rows.where, now=now, window=window)
+    snap = _document(found, lengths, costs, messages, where=rows.where, now=now, window=window)
+    snap.document["rate_limited"] = _rate_limited(rows, found["errors"], params["since"], now)
+    return snap
+
+
+def _rate_limited(rows: Rows, errors: Sequence[Sequence[Any]], since: float, now: float) -> Any:
+    """Servers answering only 429 for longer than the worker's warning time, with no
+    answer since: how long as of their latest 429 in the window, and how long ago."""
+    newest: dict[str, tuple[float, int]] = {}
+    for dataset_id in {d for d, cls, outcome, _ in errors if cls == "rate_limited"}:
+        params = {"dataset": dataset_id, "limit": LIMITED_SAMPLE}
+        for server, at, message in rows.fetch(_LIMITED, params):
+            seconds = limited_for(message)
+            later = at >= since and at > newest.get(server, (0.0, 0))[0]
+            if server and seconds is not None and later:
+                newest[server] = (at, seconds)
+    found = []
+    for server, (at, seconds) in newest.items():
+        if rows.fetch(_ANSWERED_SINCE, {"at": at, "server": server})[0][0]:
+            continue
+        found.append(
+            {"server": server, "limited_for_s": seconds, "last_429_age_s": round(now - at, 1)}
+        )
+    return sorted(found, key=lambda s: s["server"])
 
 
 def _percentiles(values: list[int]) -> dict[str, Any]:
@@ -262,6 +302,7 @@ def _document(
                 ),
                 "failed_by_class": failed_by.get(ds_id, {}),
                 "flags": flags_by[ds_id],
+                "structured": _structured(ds_id, ds_params, rows["flags"], state_counts[ds_id]),
             }
         )
     _count_prompts(entries, rows)
@@ -345,6 +386,23 @@ def _by_dataset(rows: Found) -> tuple[Any, Any, Any, Any]:
             if mask & bit:
                 counts[name] += n
     return state_counts, errors_by, failed_by, flags_by
+
+
+def _structured(
+    dataset_id: int, params_json: str | None, flag_rows: Any, counts: dict[str, int]
+) -> dict[str, Any] | None:
+    """Structured output: the done answers that are not the JSON asked for, and their
+    share of the done ones. None for a dataset that asks for no JSON and has none."""
+    invalid = sum(n for ds, mask, n in flag_rows if ds == dataset_id and mask & INVALID_FLAGS)
+    try:
+        params = json.loads(params_json or "{}")
+    except ValueError:
+        params = {}
+    asked = isinstance(params, dict) and expected_format(params) is not None
+    if not asked and not invalid:
+        return None
+    done = counts["done"]
+    return {"invalid": invalid, "invalid_share": round(invalid / done, 4) if done else None}
 
 
 def _error_messages(

@@ -10,16 +10,17 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
 from orchestrator import error_classes as ec
-from orchestrator.client import InferenceClient
+from orchestrator.client import Completion, InferenceClient
 from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.draws import seed_of
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.params import item_body
-from orchestrator.servers import ServerPool
+from orchestrator.servers import ServerPool, request_tokens
 from orchestrator.store import Failure, Lease, Output
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.worker import classify
@@ -47,6 +48,8 @@ class Caller:
     client: InferenceClient
     config: WorkerConfig
     submit: Callable[[Outcome], None]
+    #: The context length a server said a model has (``/v1/models``), or None.
+    context_of: Callable[[str, Any], int | None] = lambda server, model: None
     #: Called once a server is found to ignore ``n`` for a dataset (its id): the
     #: dataset's samples are asked for one request each from then on.
     ignores_n: Callable[[int], Awaitable[None]] | None = None
@@ -98,18 +101,15 @@ class Caller:
         server = self.pool.pick(body.get("messages") or body.get("prompt"))
         if server is None:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
-        self.pool.request_started(server)
         epoch = self.pool.states[server].epoch
-        try:
-            completion = await self.client.chat(server, body)
-        except Exception as exc:  # a bug here must not take the other requests down
-            if self.pool.states[server].epoch != epoch and not isinstance(exc, PermanentError):
+        asked, sent = await self._fitting(server, info, body)
+        if not isinstance(sent, list):
+            if self.pool.states[server].epoch != epoch and not isinstance(sent[0], PermanentError):
                 # A launched server died under the request: an outage, not the item's.
-                reason = f"the server died during the request: {exc}"
+                reason = f"the server died during the request: {sent[0]}"
                 return Release(lease, Failure(ec.UNAVAILABLE, reason, server), time.time())
-            return await self._failed(lease, info, server, exc)
-        finally:
-            self.pool.request_ended(server)
+            return await self._failed(lease, info, server, asked, *sent)
+        completion = sent[0]
         usage = completion.usage or {}
         self.pool.succeeded(server, usage.get("completion_tokens") or 0, completion.latency)
         log.debug(
@@ -123,7 +123,48 @@ class Caller:
             completion_tokens=usage.get("completion_tokens"),
             finish_reason=completion.finish_reason,
         )
-        return classify.answered(lease, info, body, completion, self.config)
+        result = classify.answered(lease, info, asked, completion, self.config)
+        if asked is not body and isinstance(result, Output):
+            result = classify.reduced(result, lease, asked)
+        return result
+
+    async def _fitting(
+        self, server: str, info: DatasetInfo, body: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[Completion] | tuple[Exception, float | None]]:
+        """The body last sent, and what :meth:`_send` made of it: with ``on_overflow =
+        "fit"``, a request the server refused as longer than its context is sent again at
+        once, with ``max_tokens`` lowered to what fits. It is the same attempt, and no
+        failure of the server's: neither the item's attempts nor the breaker hear of the
+        refusal."""
+        sent = await self._send(server, body)
+        if isinstance(sent, list) or not isinstance(sent[0], PermanentError):
+            return body, sent
+        said = classify.overflowed(sent[0], body, self.context_of(server, body.get("model")))
+        smaller = classify.fitted(info, body, said) if said is not None else None
+        if smaller is None:
+            return body, sent
+        return smaller, await self._send(server, smaller)
+
+    async def _send(
+        self, server: str, body: dict[str, Any]
+    ) -> list[Completion] | tuple[Exception, float | None]:
+        """The request, once the server's pacer lets it go: the answer (each of its
+        choices), or the error and the seconds the server has answered nothing but 429
+        (past the warning's time)."""
+        self.pool.request_started(server)
+        try:
+            ticket = await self.pool.pace(server, request_tokens(body))
+            try:
+                completion = await self.client.chat_choices(server, body)
+            except Exception as exc:  # a bug here must not take the other requests down
+                return exc, self.pool.paced(server, ticket, exc)
+            except BaseException as exc:  # cancelled: no longer in flight, for the pacer
+                self.pool.paced(server, ticket, exc)
+                raise
+            self.pool.paced(server, ticket, completion[0])
+            return completion
+        finally:
+            self.pool.request_ended(server)
 
     async def draws(self, leases: list[Lease], info: DatasetInfo) -> list[Outcome]:
         """Samples of one prompt (consecutive seeds, the first's given) in one request
@@ -137,23 +178,20 @@ class Caller:
         if server is None:
             failure = Failure(ec.UNAVAILABLE, "no server reachable")
             return [Release(each, failure, time.time()) for each in leases]
-        self.pool.request_started(server)
-        try:
-            choices = await self.client.chat_choices(server, body)
-        except Exception as exc:  # a bug here must not take the other requests down
-            first = await self._failed(lease, info, server, exc)
-            return [
-                first,
-                *(_failed_too(each, first, exc, info, self.config) for each in leases[1:]),
-            ]
-        finally:
-            self.pool.request_ended(server)
+        asked, sent = await self._fitting(server, info, body)
+        if not isinstance(sent, list):
+            first = await self._failed(lease, info, server, asked, *sent)
+            exc = sent[0]
+            return [first, *(_failed_too(e, first, exc, info, self.config) for e in leases[1:])]
+        choices = sent
         tokens = sum((c.usage or {}).get("completion_tokens") or 0 for c in choices)
         self.pool.succeeded(server, tokens, choices[0].latency)
-        outcomes = [
-            _done(each, classify.answered(each, info, body, answer, self.config))
-            for each, answer in zip(leases, choices, strict=False)
-        ]
+        outcomes = []
+        for each, answer in zip(leases, choices, strict=False):
+            result = classify.answered(each, info, asked, answer, self.config)
+            if asked is not body and isinstance(result, Output):
+                result = classify.reduced(result, each, asked)
+            outcomes.append(_done(each, result))
         if len(choices) < len(leases):
             await self._n_ignored(info, server, len(leases), len(choices))
             rest = leases[len(choices) :]
@@ -185,9 +223,16 @@ class Caller:
         )
 
     async def _failed(
-        self, lease: Lease, info: DatasetInfo, server: str, exc: Exception
+        self,
+        lease: Lease,
+        info: DatasetInfo,
+        server: str,
+        body: dict[str, Any],
+        exc: Exception,
+        limited_for: float | None = None,
     ) -> Outcome:
-        """Classify a request's failure; the server's accounting hears of it too."""
+        """Classify a request's failure; the server's accounting hears of it too. A 429
+        from a server rate limited past the warning's time says for how long."""
         if isinstance(exc, ServerUnavailable):
             self.pool.mark_down(server, str(exc))
             return Release(lease, Failure(exc.error_class, str(exc), server), time.time())
@@ -198,8 +243,15 @@ class Caller:
                 self.pool.mark_down(server, str(exc))
                 return Release(lease, Failure(ec.UNAVAILABLE, str(exc), server), time.time())
             self.pool.failed(server, exc.error_class)
+            if limited_for is not None:
+                said = ec.limited_message(limited_for, str(exc))
+                exc = TransientError(said, error_class=exc.error_class, retry_after=exc.retry_after)
             return classify.retry_or_fail(lease, exc, exc.retry_after, self.config, server=server)
         if isinstance(exc, PermanentError):
+            said = classify.overflowed(exc, body, self.context_of(server, body.get("model")))
+            if said is not None:
+                # The item's own length, not a setting: failed at once, the breaker aside.
+                return classify.overflow_failed(lease, body, said, server, str(exc))
             failure = Failure(exc.error_class, where(lease) + str(exc), server)
             return Rejected(lease, server, str(exc), failure, info.params_hash)
         if not isinstance(exc, InferenceError):

@@ -11,10 +11,11 @@ from typing import Any
 import structlog
 
 from orchestrator import error_classes as ec
+from orchestrator import overflow, structured
 from orchestrator.answer import ANSWER_FIELDS
 from orchestrator.client import Completion
-from orchestrator.errors import InferenceError, TransientError
-from orchestrator.quality import TOOL_MISMATCH
+from orchestrator.errors import InferenceError, PermanentError, TransientError
+from orchestrator.quality import INVALID_JSON, MAX_TOKENS_REDUCED, TOOL_MISMATCH
 from orchestrator.store import Failure, Lease, Output
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.worker.config import WorkerConfig, backoff_delay
@@ -40,17 +41,17 @@ def retry_or_fail(
     server: str | None = None,
 ) -> Retry | Release | Failed:
     """A retryable failure at ``server``: retried after a backoff, or failed once attempts
-    are spent; a rate limit with a Retry-After is released until then, costing no attempt.
-    No server's Retry-After holds an item longer than the backoff cap: a ``1e308`` or a
-    date in 9999 would otherwise keep it, and a run waiting for it, for ever."""
+    are spent. A rate limit is released until its Retry-After (or a backoff), costing no
+    attempt: the provider's budget, not the item, is at fault, and a long rate limit
+    must not use up the items' attempts. No server's Retry-After holds an item longer
+    than the backoff cap: a ``1e308`` or a date in 9999 would otherwise keep it, and a
+    run waiting for it, for ever."""
     failure = Failure(exc.error_class, where(lease) + str(exc), server)
-    if exc.error_class == ec.RATE_LIMITED and retry_after is not None:
-        # The server said when to come back: not the item's fault, so the attempt is
-        # given back and a long rate limit cannot use up the item's attempts.
+    if exc.error_class == ec.RATE_LIMITED:
         delay = backoff_delay(
             1, base=config.backoff_base, cap=config.backoff_cap, retry_after=retry_after
         )
-        if retry_after > config.backoff_cap:
+        if retry_after is not None and retry_after > config.backoff_cap:
             log.warning(
                 "retry_after_capped",
                 item=lease.item_id,
@@ -86,18 +87,88 @@ def answered(
     completion: Completion,
     config: WorkerConfig,
 ) -> Output | Retry | Release | Failed:
-    """An answer to store, or, cut at ``max_tokens``, what the dataset's ``on_truncated``
-    says to do with it."""
+    """An answer to store, or, cut at ``max_tokens`` or not the JSON asked for, what the
+    dataset's ``on_truncated`` or ``on_invalid`` says to do with it."""
     if completion.finish_reason == "length" and info.on_truncated != "keep":
         limit = body.get("max_tokens") or body.get("max_completion_tokens")
         truncated = TransientError(
             f"the answer was cut at max_tokens={limit}", error_class=ec.TRUNCATED
         )
-        if info.on_truncated == "fail":
-            failure = Failure(ec.TRUNCATED, where(lease) + str(truncated), completion.server)
-            return Failed(lease, failure)
-        return retry_or_fail(lease, truncated, None, config, server=completion.server)
-    return output(completion, info.params_hash)
+        return _act(lease, info.on_truncated, truncated, completion.server, config)
+    result = output(completion, info.params_hash)
+    fmt = structured.expected_format(body)
+    if fmt is None or completion.tool_calls:
+        return result  # a tool call answers in its arguments, not in JSON content
+    checked = structured.check(completion.content, fmt)
+    if not checked.flags:
+        return result
+    if info.on_invalid == "keep":
+        return dataclasses.replace(result, flags=result.flags | checked.flags)
+    error_class = ec.INVALID_JSON if checked.flags & INVALID_JSON else ec.SCHEMA_MISMATCH
+    invalid = TransientError(checked.reason, error_class=error_class)
+    return _act(lease, info.on_invalid, invalid, completion.server, config)
+
+
+def _act(
+    lease: Lease, policy: str, exc: TransientError, server: str | None, config: WorkerConfig
+) -> Retry | Release | Failed:
+    """A usable answer refused by the dataset's policy: the item fails, or is retried."""
+    if policy == "fail":
+        return Failed(lease, Failure(exc.error_class, where(lease) + str(exc), server))
+    return retry_or_fail(lease, exc, None, config, server=server)
+
+
+def overflowed(exc: Exception, body: dict[str, Any], limit: int | None) -> overflow.Overflow | None:
+    """What a refusal said of the context, when it is a context-length refusal."""
+    if not isinstance(exc, PermanentError) or exc.error_class not in ("http_400", "http_413"):
+        return None
+    return overflow.parse(str(exc), limit=limit)
+
+
+def sent_max_tokens(body: dict[str, Any]) -> int | None:
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def fitted(
+    info: DatasetInfo, body: dict[str, Any], said: overflow.Overflow
+) -> dict[str, Any] | None:
+    """The request again with ``max_tokens`` lowered to what the context leaves after the
+    prompt (``on_overflow = "fit"``); None when that cannot help: the dataset fails such
+    items, the prompt alone fills the context, or the prompt's length is not known."""
+    if info.on_overflow != "fit":
+        return None
+    asked = sent_max_tokens(body)
+    prompt = said.prompt_tokens(asked)
+    if prompt is None or prompt >= said.limit:
+        return None
+    room = said.limit - prompt
+    if asked is not None and room >= asked:
+        return None  # the server's count is not ours: lowering by nothing would loop
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    return {**body, key: room}
+
+
+def overflow_failed(
+    lease: Lease, body: dict[str, Any], said: overflow.Overflow, server: str, reason: str
+) -> Failed:
+    """An item whose request does not fit the server's context: the numbers, then the
+    server's own words."""
+    numbers = said.describe(sent_max_tokens(body))
+    message = f"{where(lease)}the request does not fit the server's context: {numbers} ({reason})"
+    return Failed(lease, Failure(ec.CONTEXT_OVERFLOW, message, server))
+
+
+def reduced(result: Output, lease: Lease, body: dict[str, Any]) -> Output:
+    """An answer asked with ``max_tokens`` lowered to fit the context: flagged."""
+    log.info(
+        "max_tokens_reduced",
+        item=lease.item_id,
+        key=lease.key,
+        turn=lease.turn,
+        max_tokens=sent_max_tokens(body),
+    )
+    return dataclasses.replace(result, flags=result.flags | MAX_TOKENS_REDUCED)
 
 
 def output(c: Completion, params_hash: str) -> Output:

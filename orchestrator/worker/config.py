@@ -28,6 +28,12 @@ class WorkerConfig:
     the sum of its healthy servers' caps in flight. ``"auto"`` adapts a server's cap to
     what it takes (``orchestrator.autoconcurrency``), within ``auto_limits``, looking at
     it every ``auto_interval`` seconds.
+
+    ``rpm`` and ``tpm`` cap the requests and tokens a minute sent to each server
+    (``server_budgets`` overrides them for some, as ``(rpm, tpm)``); without them a
+    server's ``x-ratelimit-*`` headers set its pace (``orchestrator.servers.Pacer``). A
+    server that has answered nothing but 429 for ``rate_limited_warn_after`` seconds is
+    warned about.
     """
 
     servers: tuple[str, ...]
@@ -36,6 +42,12 @@ class WorkerConfig:
     auto_limits: Limits = dataclasses.field(default_factory=Limits)
     auto_interval: float = 1.0
     failure_limit: int = 5
+    rpm: int | None = None
+    tpm: int | None = None
+    server_budgets: Mapping[str, tuple[int | None, int | None]] = dataclasses.field(
+        default_factory=dict
+    )
+    rate_limited_warn_after: float = 600.0
     datasets: tuple[str, ...] = ()
     exit_when_done: bool = False
     lease_seconds: float = 120.0
@@ -62,12 +74,18 @@ class WorkerConfig:
             raise ConfigError("at least one --server is needed")
         for cap in (self.concurrency, *self.server_caps.values()):
             checked("concurrency", cap, RUN["concurrency"])
-        unknown = set(self.server_caps) - set(self.servers)
+        for rpm, tpm in (
+            (self.rpm, self.tpm),
+            *self.server_budgets.values(),
+        ):
+            check_all({"rpm": rpm, "tpm": tpm}, RUN)
+        unknown = (set(self.server_caps) | set(self.server_budgets)) - set(self.servers)
         if unknown:
-            raise ConfigError(f"a cap is given for servers not in use: {sorted(unknown)}")
+            raise ConfigError(f"a limit is given for servers not in use: {sorted(unknown)}")
         # The settings a run is given, by the rules its options and arguments have.
         given = {"lease_seconds": self.lease_seconds, "max_attempts": self.max_attempts}
         given |= {"grace": self.grace_seconds, "give_up_after": self.give_up_after}
+        given |= {"rate_limited_warn_after": self.rate_limited_warn_after}
         check_all(given, RUN)
         if self.failure_limit < 1:
             raise ConfigError("failure_limit must be at least 1")

@@ -94,7 +94,14 @@ class Worker:
             idle_poll=config.poll_interval,
             unstorable=lambda entry, reason: classify.unstorable(entry, reason, config),
         )
-        self.caller = Caller(self.pool, client, config, self.committer.submit, self._ignores_n)
+        self.caller = Caller(
+            self.pool,
+            client,
+            config,
+            self.committer.submit,
+            context_of=self.guard.context_of,
+            ignores_n=self._ignores_n,
+        )
         self.claims.joins = self._joins
         self.gate = Gate(self.guard, self.committer, self.catalog, client, self._halt)
         self.pool.vet = self.gate.vet
@@ -336,16 +343,23 @@ _STOPPED = "released: the request that asked for it stopped before its answer ca
 def _pool(
     config: WorkerConfig, client: InferenceClient, on_change: Callable[[], None]
 ) -> ServerPool:
-    """The servers, each with its cap; an ``auto`` cap gets its controller."""
+    """The servers, each with its cap and its budgets a minute; an ``auto`` cap gets
+    its controller."""
     caps: dict[str, int] = {}
     controllers: dict[str, Controller] = {}
+    budgets = {
+        server: config.server_budgets.get(server, (config.rpm, config.tpm))
+        for server in config.servers
+    }
     for server in config.servers:
         cap = config.server_caps.get(server, config.concurrency)
         if cap == "auto":
             controllers[server] = Controller(config.auto_limits)
             cap = controllers[server].cap
         caps[server] = cap
-    return ServerPool(caps, client, config, controllers=controllers, on_change=on_change)
+    return ServerPool(
+        caps, client, config, controllers=controllers, budgets=budgets, on_change=on_change
+    )
 
 
 def _sent(config: WorkerConfig, client: InferenceClient) -> dict[str, str]:
