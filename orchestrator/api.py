@@ -178,6 +178,9 @@ class Queue:
         on_overflow: str | None = None,
         json_schema: dict[str, Any] | None = None,
         passthrough: bool = False,
+        samples: int | None = None,
+        seeds: Sequence[int] | None = None,
+        sample_requests: str | None = None,
         update: bool = False,
         skip_invalid: bool = False,
         prompt_column: str | None = None,
@@ -192,9 +195,8 @@ class Queue:
         endpoint: str | None = None,
         logprobs: int | None = None,
     ) -> EnqueueReport:
-        """Add records to ``dataset``: ``orchestrator enqueue``'s options by their Python
-        names (``--hf-config`` is ``config``). All or nothing, unless ``skip_invalid``:
-        then bad rows are left out and listed in the report's ``invalid``.
+        """Add records to ``dataset``: ``enqueue``'s options by their Python names
+        (``--hf-config`` is ``config``). All or nothing, unless ``skip_invalid``.
 
         ``records`` is what the command's SOURCE is (a JSONL, Parquet, CSV or Arrow file, a
         folder, a glob, ``hf://ORG/NAME``), a ``datasets.Dataset`` / ``IterableDataset``
@@ -210,7 +212,8 @@ class Queue:
         checked("skip_invalid", skip_invalid, FLAG)
         named = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         body = _enqueue_body(params, model, named, json_schema)
-        policies = {"on_truncated": on_truncated, "on_invalid": on_invalid}
+        policies = {"on_truncated": on_truncated, "on_invalid": on_invalid, "samples": samples}
+        policies["sample_requests"], policies["seeds"] = sample_requests, seeds
         given = {**named, "params": params or None, "concurrency": concurrency, **policies}
         given |= {"regenerate": regenerate, "on_overflow": on_overflow, "json_schema": json_schema}
         given |= {"logprobs": logprobs}
@@ -376,6 +379,7 @@ class Queue:
         parsed: bool = False,
         logprobs: bool = False,
         token_ids: bool = False,
+        group_samples: bool = False,
     ) -> Results[dict[str, Any]]:
         """Done items as plain dicts, each the line ``export`` would write, in its order:
         an async iterator over one read transaction (:class:`Results`)."""
@@ -384,6 +388,7 @@ class Queue:
         names = _names("dataset", dataset, _DATASETS)
         more = {"per_turn": per_turn, "parsed": parsed}
         more |= {"logprobs": logprobs, "token_ids": token_ids}
+        more["group_samples"] = group_samples
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         batches = line_batches(self.database, dataset_names=names, options=chosen)
         return self._held(Results(batches, orjson.loads))
@@ -450,6 +455,7 @@ class Queue:
         card: str | os.PathLike[str] | None = None,
         logprobs: bool = False,
         token_ids: bool = False,
+        group_samples: bool = False,
     ) -> ExportReport:
         """Write done items to ``out`` as ``orchestrator export`` does (all files, or none).
         ``report.summary`` names the rows ``format="specforge"`` skipped, by reason;
@@ -464,6 +470,7 @@ class Queue:
         more["parsed"] = parsed
         more |= {"shard_rows": shard_rows, "card": card}
         more |= {"logprobs": logprobs, "token_ids": token_ids}
+        more["group_samples"] = group_samples
         chosen = _export_options(format, reasoning, exclude_flags, provenance, **more)
         return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
 
@@ -512,6 +519,8 @@ class Queue:
         max_tokens: int | None = None,
         all: bool = False,
         dry_run: bool = False,
+        keys: Sequence[str] = (),
+        samples: Sequence[int] = (),
     ) -> int | dict[tuple[str, str], int]:
         """Send items back to pending, as ``orchestrator requeue``: the number moved, or
         with ``dry_run`` what would move per (dataset, state). Done items need a filter
@@ -532,6 +541,8 @@ class Queue:
             flags=mask,
             everything=all,
             max_tokens=max_tokens,
+            keys=tuple(keys),
+            samples=tuple(samples),
         )
         await check_datasets(self.database, names)
         if dry_run:

@@ -314,6 +314,8 @@ DATASET: dict[str, Rule] = {
     "update": FLAG,
     "endpoint": OrNone(Choice(ENDPOINTS)),
     "logprobs": OrNone(Integer(0, MAX_TOP)),
+    "samples": OrNone(Integer(1, 1024)),
+    "sample_requests": OrNone(Choice(("n", "seeds"))),
     "split": PART_NAME,
     "config": PART_NAME,
 }
@@ -340,6 +342,7 @@ EXPORT: dict[str, Rule] = {
     "exclude_flags": Integer(minimum=0),
     "provenance": FLAG,
     "parsed": FLAG,
+    "group_samples": FLAG,
     "split": FLAG,
     "include_failed": OrNone(PATH),
     "shard_rows": OrNone(Integer(minimum=1)),

@@ -520,7 +520,21 @@ class InferenceClient:
         endpoint: str = "chat",
     ) -> Completion:
         """POST one chat completion (``endpoint="completions"``: one raw completion of
-        ``body["prompt"]``) and return it, or raise a classified error.
+        ``body["prompt"]``) and return it, or raise a classified error."""
+        return (await self.chat_choices(server, body, progress, endpoint=endpoint))[0]
+
+    async def chat_choices(
+        self,
+        server: str,
+        body: dict[str, Any],
+        progress: Streamed | None = None,
+        *,
+        endpoint: str = "chat",
+    ) -> list[Completion]:
+        """POST one chat completion (or raw completion) and return each of its choices, in
+        index order (a request with ``n`` has several; a server that ignores ``n`` sends
+        fewer). Each choice's usage says the prompt's tokens; its completion tokens only
+        when it is the only choice, as servers count them for the whole request.
 
         ``progress`` hears the completion tokens a stream's chunks say as they come (in
         every chunk with ``stream_usage``): what a request cut mid-way had generated."""
@@ -544,14 +558,14 @@ class InferenceClient:
                 if resp.status != 200:
                     _raise_for_status(resp.status, await _read_prefix(resp), resp.headers)
                 if stream:
-                    completion = await self._read_stream(resp, server, started, progress, raw=raw)
+                    choices = await self._read_stream(resp, server, started, progress, raw=raw)
                 else:
                     body_bytes = await _read_capped(resp, limit)
-                    completion = self._parse(body_bytes, resp, server, started, raw=raw)
+                    choices = self._parse(body_bytes, resp, server, started, raw=raw)
                 limits = rate_limits(resp.headers)
                 if limits is None:
-                    return completion
-                return dataclasses.replace(completion, rate_limits=limits)
+                    return choices
+                return [dataclasses.replace(c, rate_limits=limits) for c in choices]
         except aiohttp.ClientConnectorError as exc:
             raise ServerUnavailable(
                 f"cannot connect to {server}: {exc}", error_class=ec.CONNECT
@@ -612,7 +626,7 @@ class InferenceClient:
         started: float,
         *,
         raw: bool = False,
-    ) -> Completion:
+    ) -> list[Completion]:
         latency = time.monotonic() - started
         ctype = resp.headers.get("Content-Type", "")
         if "json" not in ctype:
@@ -624,27 +638,33 @@ class InferenceClient:
         except orjson.JSONDecodeError as exc:
             raise TransientError(f"unparsable answer: {exc}", error_class=ec.BAD_RESPONSE) from exc
         choices = doc.get("choices") if isinstance(doc, dict) else None
-        if not choices or not isinstance(choices[0], dict):
+        if not choices or not all(isinstance(c, dict) for c in choices):
             raise TransientError("the answer has no choices", error_class=ec.BAD_RESPONSE)
-        choice = choices[0]
-        message = {"content": choice.get("text")} if raw else choice.get("message")
-        if not isinstance(message, dict):
-            raise TransientError("the answer's choice has no message", error_class=ec.BAD_RESPONSE)
-        usage = with_cached(doc.get("usage"), doc.get("timings"))
-        return _counted(
-            usage,
-            message.get("content"),
-            _reasoning_of(message),
-            message.get("tool_calls") or None,
-            choice.get("finish_reason"),
-            usage=usage,
-            latency=latency,
-            server=server,
-            model=doc.get("model"),
-            response_id=doc.get("id"),
-            tokens=_tokens_of([choice]),
-            raw=raw,
-        )
+        usage = _per_choice(with_cached(doc.get("usage"), doc.get("timings")), len(choices))
+        answers = []
+        for choice in sorted(choices, key=_index):
+            message = {"content": choice.get("text")} if raw else choice.get("message")
+            if not isinstance(message, dict):
+                raise TransientError(
+                    "the answer's choice has no message", error_class=ec.BAD_RESPONSE
+                )
+            answers.append(
+                _counted(
+                    usage,
+                    message.get("content"),
+                    _reasoning_of(message),
+                    message.get("tool_calls") or None,
+                    choice.get("finish_reason"),
+                    usage=usage,
+                    latency=latency,
+                    server=server,
+                    model=doc.get("model"),
+                    response_id=doc.get("id"),
+                    tokens=_tokens_of([choice]),
+                    raw=raw,
+                )
+            )
+        return answers
 
     async def _data_events(self, resp: aiohttp.ClientResponse, server: str) -> AsyncIterator[bytes]:
         """The payloads of a stream's ``data:`` events, each within ``stream_idle_timeout``
@@ -678,7 +698,7 @@ class InferenceClient:
         progress: Streamed | None = None,
         *,
         raw: bool = False,
-    ) -> Completion:
+    ) -> list[Completion]:
         """A streamed answer, complete once its ``finish_reason`` has come: what follows
         (the usage chunk, ``[DONE]``) is read when the server sends it, but a stream that
         ends after the finish reason without them, closed, broken or silent, still
@@ -699,7 +719,7 @@ class InferenceClient:
                     progress.said(got.usage.get("completion_tokens"))
         except (*_STREAM_BROKEN, TransientError) as exc:
             ended = not isinstance(exc, TransientError) or exc.error_class == ec.STREAM_IDLE
-            if got.finish_reason is None or not ended:
+            if not got.finished or not ended:
                 raise
             log.debug(
                 "stream_ended_after_finish",
@@ -707,24 +727,28 @@ class InferenceClient:
                 usage=got.usage is not None,
                 error=str(exc) or type(exc).__name__,
             )
-        if got.finish_reason is None:
+        if not got.finished:
             raise TransientError(
                 "the stream ended before the answer was complete", error_class=ec.STREAM_CUT
             )
-        return _counted(
-            got.usage,
-            "".join(got.content),
-            "".join(got.reasoning) or None,
-            [got.tool_calls[i] for i in sorted(got.tool_calls)] or None,
-            got.finish_reason,
-            usage=with_cached(got.usage, got.timings),
-            latency=time.monotonic() - started,
-            server=server,
-            model=got.model,
-            response_id=got.response_id,
-            tokens=_tokens_of(got.choices),
-            raw=raw,
-        )
+        usage = _per_choice(with_cached(got.usage, got.timings), len(got.choices))
+        return [
+            _counted(
+                usage,
+                "".join(c.content),
+                "".join(c.reasoning) or None,
+                [c.tool_calls[i] for i in sorted(c.tool_calls)] or None,
+                c.finish_reason,
+                usage=usage,
+                latency=time.monotonic() - started,
+                server=server,
+                model=got.model,
+                response_id=got.response_id,
+                tokens=_tokens_of(c.token_parts),
+                raw=raw,
+            )
+            for _, c in sorted(got.choices.items())
+        ]
 
 
 @dataclass(slots=True)
@@ -781,21 +805,28 @@ async def _sse_lines(content: aiohttp.StreamReader, limit: int) -> AsyncIterator
 
 
 @dataclass(slots=True)
-class _Streamed:
-    """What a stream's chunks have said so far."""
+class _StreamedChoice:
+    """What a stream's chunks have said so far of one choice."""
 
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: Any = None
+    #: Its chunks that carry logprobs or token ids, in order.
+    token_parts: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Streamed:
+    """What a stream's chunks have said so far: each choice's part, by its index."""
+
+    choices: dict[int, _StreamedChoice] = field(default_factory=dict)
     usage: Any = None
     timings: Any = None
     model: Any = None
     response_id: Any = None
     #: A raw completion's stream (``text`` in each choice, not a ``delta``).
     raw: bool = False
-    #: The choices that carry logprobs or token ids, in order.
-    choices: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, data: bytes) -> None:
         """One ``data:`` payload: a chunk object, or ``bad_response``."""
@@ -818,18 +849,39 @@ class _Streamed:
                 raise TransientError(
                     "a stream choice is not an object", error_class=ec.BAD_RESPONSE
                 )
+            got = self.choices.setdefault(_index(choice), _StreamedChoice())
             if choice.get("logprobs") or _TOKEN_IDS.intersection(choice):
-                self.choices.append(choice)
+                got.token_parts.append(choice)
             delta = {"content": choice.get("text")} if self.raw else choice.get("delta") or {}
             if isinstance(delta.get("content"), str):
-                self.content.append(delta["content"])
+                got.content.append(delta["content"])
             piece = _reasoning_of(delta)
             if piece:
-                self.reasoning.append(piece)
+                got.reasoning.append(piece)
             for call in delta.get("tool_calls") or []:
-                _merge_tool_call(self.tool_calls, call)
+                _merge_tool_call(got.tool_calls, call)
             if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+                got.finish_reason = choice["finish_reason"]
+
+    @property
+    def finished(self) -> bool:
+        """Every choice begun has its finish reason."""
+        return bool(self.choices) and all(
+            c.finish_reason is not None for c in self.choices.values()
+        )
+
+
+def _index(choice: dict[str, Any]) -> int:
+    index = choice.get("index")
+    return index if isinstance(index, int) and not isinstance(index, bool) else 0
+
+
+def _per_choice(usage: Any, choices: int) -> Any:
+    """The usage each of ``choices`` answers keeps: all of it for one; for several, the
+    prompt's counts only, as a server counts completion tokens for the whole request."""
+    if choices <= 1 or not isinstance(usage, dict):
+        return usage
+    return {k: v for k, v in usage.items() if k not in ("completion_tokens", "total_tokens")}
 
 
 def _counted(said: Any, *args: Any, **kwargs: Any) -> Completion:

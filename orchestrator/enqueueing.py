@@ -9,7 +9,7 @@ holds (a file added to an existing dataset is read the way the dataset was made)
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,11 @@ class EnqueueOptions:
     passthrough: bool = False
     update: bool = False
     sampling: tuple[str, ...] = ()
+    samples: int | None = None
+    """Answers per prompt (None: the dataset's, 1 for a new one); ``seeds`` one each."""
+    seeds: Sequence[int] | None = None
+    sample_requests: str | None = None
+    """``n`` (one request with n choices) or ``seeds`` (one per sample)."""
     columns: Columns | None = None
     """How rows are read by their columns (prompt, messages, template, id, tools)."""
     split: str | None = None
@@ -191,6 +196,9 @@ async def enqueue_source(
         on_overflow=options.on_overflow,
         passthrough=passing,
         endpoint=options.endpoint,
+        samples=options.samples,
+        seeds=tuple(options.seeds) if options.seeds is not None else None,
+        draw_mode=options.sample_requests,
     )
     reading = read(
         source,
@@ -313,4 +321,7 @@ def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
         on_overflow=plan.on_overflow,
         passthrough=plan.passthrough,
         endpoint=plan.endpoint,
+        samples=plan.samples,
+        seeds=plan.seeds,
+        draw_mode=plan.sample_requests,
     )

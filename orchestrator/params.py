@@ -25,11 +25,17 @@ REFUSED: dict[str, str] = {
 }
 
 
-def item_body(dataset_params: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, Any]:
+def item_body(
+    dataset_params: Mapping[str, Any], request: Mapping[str, Any], seed: int | None = None
+) -> dict[str, Any]:
     """The body an item is sent with: its dataset's parameters, the item's own fields over
-    them. The worker sends it and ``inspect`` shows it; both build it here, so what is shown
-    is what goes out (the worker then sets ``stream``, and a multi-turn item's messages)."""
-    return {**dataset_params, **request}
+    them, and the sample's seed when the prompt has several (``orchestrator.draws``). The
+    worker sends it and ``inspect`` shows it; both build it here, so what is shown is what
+    goes out (the worker then sets ``stream``, and a multi-turn item's messages)."""
+    body = {**dataset_params, **request}
+    if seed is not None:
+        body["seed"] = seed
+    return body
 
 
 def _is_number(value: object) -> bool:
@@ -63,8 +69,10 @@ def _top_p(value: object) -> str:
 
 
 def _n(value: object) -> str:
-    # One answer per request: each item stores one output.
-    return "" if value == 1 and not isinstance(value, bool) else "1 (one answer per request)"
+    # One answer per request: each item stores one output (--samples asks for more).
+    if value == 1 and not isinstance(value, bool):
+        return ""
+    return "1 (one answer per request)"
 
 
 def _model(value: object) -> str:

@@ -24,6 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "autoconcurrency",
             "breaker",
             "conversation",
+            "draws",
             "error_classes",
             "errors",
             "eta",

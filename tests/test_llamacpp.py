@@ -417,3 +417,28 @@ def test_logprobs_and_token_ids_as_llama_cpp_gives_them(
             continue
         assert len(ids) == n, line
         assert post(llama, "/detokenize", {"tokens": ids})["content"] == line["completion"]
+
+
+def test_llamacpp_honours_n_so_samples_go_out_in_one_request(llama: str, tmp_path: Path) -> None:
+    """llama-server answers ``n`` choices (its ``n_cmpl``): a prompt's samples claimed
+    together are asked in one request, each stored as its own sample, and the dataset
+    never falls back to a request per sample."""
+    answer = post(llama, "/v1/chat/completions", {
+        "model": MODEL, "messages": dialogue("hello"), "n": 3, "max_tokens": 4, "seed": 1,
+    })  # fmt: skip
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    db = tmp_path / "q.db"
+    rows = [{"id": f"p{i}", "messages": dialogue(f"question {i}")} for i in range(6)]
+    enqueue(db, rows, "s", "--max-tokens", "8", "--samples", "3")
+    argv = ("--concurrency", "8", "--exit-when-done")
+    result = cli("--log-json", "run", "--server", llama, "--db", str(db), *argv)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "n_ignored" not in result.stderr
+    assert query(db, "SELECT draw_mode FROM datasets") == [("n",)]
+    lines = export(db)
+    assert [(line["id"], line["sample"]) for line in lines] == [
+        (f"p{i}", s) for i in range(6) for s in range(3)
+    ]
+    # One request answered several samples: they share its response id.
+    ids = query(db, "SELECT response_id, count(*) FROM outputs GROUP BY response_id")
+    assert any(n > 1 for _, n in ids), ids

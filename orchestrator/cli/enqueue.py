@@ -49,6 +49,9 @@ _SETTINGS = (
     ("--passthrough", "passthrough"),
     ("--endpoint", "endpoint"),
     ("--logprobs", "logprobs"),
+    ("--samples", "samples"),
+    ("--seeds", "seeds"),
+    ("--sample-requests", "sample_requests"),
     ("--prompt-column", "prompt_column"),
     ("--messages-column", "messages_column"),
     ("--template", "template"),
@@ -82,6 +85,9 @@ _SAMPLING = (
     "--on-overflow",
     "--json-schema",
     "--logprobs",
+    "--samples",
+    "--seeds",
+    "--sample-requests",
 )
 
 
@@ -157,6 +163,23 @@ _SAMPLING = (
     help="A prompt and max_tokens longer than the server's context: fail the item "
     "(context_overflow), or fit: ask again at once with max_tokens lowered to what fits, "
     "flagged max_tokens_reduced (default: the dataset's, else fail).",
+)
+@click.option(
+    "--samples",
+    type=Checked(DATASET["samples"]),
+    help="Answers per prompt, each its own item with its own seed (default: the "
+    "dataset's, else 1). Raising it later adds only the missing samples.",
+)
+@click.option(
+    "--seeds",
+    metavar="S1,S2,...",
+    help="One seed per sample, all different (default: derived from each prompt's key).",
+)
+@click.option(
+    "--sample-requests",
+    type=click.Choice(("n", "seeds")),
+    help="How samples are asked for: n: one request with n choices (a server that "
+    "ignores n is detected and the dataset falls back); seeds: one request per sample.",
 )
 @click.option(
     "--passthrough",
@@ -340,6 +363,9 @@ def _options(
         logprobs=settings["logprobs"],
         update=update,
         sampling=tuple(sampling),
+        samples=settings["samples"],
+        seeds=_parse_seeds(settings["seeds"]),
+        sample_requests=settings["sample_requests"],
         columns=Columns(**{name: _unescaped(name, settings[name]) for name in _COLUMN_OPTIONS}),
         split=settings["split"],
         config=settings["hf_config"],
@@ -373,6 +399,17 @@ def _unescaped(name: str, value: Any) -> Any:
     if name not in ("template", "system") or value is None:
         return value
     return _ESCAPES.sub(lambda m: {"n": "\n", "t": "\t"}.get(m[1], "\\"), value)
+
+
+def _parse_seeds(value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not a comma-separated list of integers", param_hint="--seeds"
+        ) from None
 
 
 def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
@@ -422,6 +459,12 @@ def _show_skipped(invalid: list[InputError], report: EnqueueReport) -> None:
 def _enqueued(report: EnqueueReport, file: str) -> str:
     """The line ``enqueue`` prints for one file."""
     name = report.dataset
+    extra = report.samples_added - report.added
+    if report.added == 0 and report.already_present and extra > 0:
+        return (
+            f"added {extra:,} samples to the {report.already_present:,} prompts of {file} in "
+            f"dataset {name!r} ({report.samples} samples per prompt)"
+        )
     if report.added == 0 and report.already_present:
         return (
             f"nothing new: all {report.already_present:,} items of {file} are already in "
@@ -437,6 +480,8 @@ def _enqueued(report: EnqueueReport, file: str) -> str:
         )
     if report.mode == "all":
         details += f"; {report.turns:,} turns to generate"
+    if report.samples > 1:
+        details += f"; {report.samples_added:,} samples, {report.samples} per prompt"
     return f"enqueued {report.added:,} items {verb} dataset {name!r} ({details})"
 
 

@@ -112,6 +112,12 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Add token_ids: the ids of the tokens the model produced, where the server gave them.",
 )
+@click.option(
+    "--group-samples",
+    is_flag=True,
+    help='A prompt\'s samples (enqueue --samples) in one line, its answers in "answers" '
+    '(openai-batch: one choice each); without it, a line per sample with its "sample".',
+)
 @db_option
 def export(
     out: Path,
@@ -128,6 +134,7 @@ def export(
     parsed: bool,
     logprobs: bool,
     token_ids: bool,
+    group_samples: bool,
     db: str | None,
 ) -> None:
     """Write done items to OUT as JSONL, by dataset then input order.
@@ -139,6 +146,7 @@ def export(
     files = {"split": split, "include_failed": include_failed, "shard_rows": shard_rows}
     files |= {"card": card, "per_turn": per_turn, "parsed": parsed}
     files |= {"logprobs": logprobs, "token_ids": token_ids}
+    files["group_samples"] = group_samples
     chosen = run_sync(lambda: _options(fmt, reasoning, exclude_flags, provenance, **files))
     with progress_shown(f"writing {out}:") as progress:
         report = _export_any(db, out, datasets, chosen, progress)

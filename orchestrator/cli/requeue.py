@@ -37,6 +37,16 @@ from orchestrator.errors import ConfigError
     "max_tokens_reduced); implies --state done. Repeatable.",
 )
 @click.option(
+    "--key", "keys", multiple=True, metavar="KEY", help="Only the items of this key. Repeatable."
+)
+@click.option(
+    "--sample",
+    "samples",
+    multiple=True,
+    type=click.IntRange(min=0),
+    help="Only this sample of each prompt (enqueue --samples; 0 is the first). Repeatable.",
+)
+@click.option(
     "--max-tokens",
     type=int,
     help="Give the requeued items this max_tokens (e.g. more room for truncated answers).",
@@ -63,6 +73,8 @@ def requeue(
     state: str,
     error_class: str | None,
     flag_names: tuple[str, ...],
+    keys: tuple[str, ...],
+    samples: tuple[int, ...],
     max_tokens: int | None,
     everything: bool,
     dry_run: bool,
@@ -79,7 +91,9 @@ def requeue(
         _refuse_with_undo(ctx)
         _undo(db, datasets, dry_run=dry_run)
         return
-    selection = _selection(state, datasets, error_class, flag_names, everything, max_tokens)
+    selection = _selection(
+        state, datasets, error_class, flag_names, everything, max_tokens, keys, samples
+    )
     result = on_database(
         db, lambda d: _requeue(d, selection, dry_run, max_tokens), "read" if dry_run else "write"
     )
@@ -91,6 +105,8 @@ _SELECTING = {
     "state": "--state",
     "error_class": "--error-class",
     "flag_names": "--flag",
+    "keys": "--key",
+    "samples": "--sample",
     "max_tokens": "--max-tokens",
     "everything": "--all",
 }
@@ -126,6 +142,8 @@ def _selection(
     flag_names: tuple[str, ...],
     everything: bool,
     max_tokens: int | None,
+    keys: tuple[str, ...] = (),
+    samples: tuple[int, ...] = (),
 ) -> Any:
     """The options through the library's guard; what it refuses is a usage error."""
     from orchestrator.quality import parse_flags
@@ -143,6 +161,8 @@ def _selection(
             everything=everything,
             max_tokens=max_tokens,
             spelling=requeues.COMMAND,
+            keys=keys,
+            samples=samples,
         )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None

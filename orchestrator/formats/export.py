@@ -46,6 +46,7 @@ import orjson
 from orchestrator import atomicfile, structured
 from orchestrator.conversation import assemble, targets
 from orchestrator.errors import ConfigError, StorageError
+from orchestrator.formats import draws
 from orchestrator.formats.choices import (  # noqa: F401
     EXPORT_FORMATS,
     REASONING_MODES,
@@ -110,6 +111,8 @@ class ExportOptions:
     # Structured output: each line gets ``parsed``, its answer's JSON value (None when
     # the answer is not the JSON its request asked for).
     parsed: bool = False
+    # A prompt's samples in one line (``answers``), not a line each (orchestrator.formats.draws).
+    group_samples: bool = False
     # OUT is a directory with one file per dataset.
     split: bool = False
     # Where failed items go (for openai-batch, instead of OUT.errors.jsonl).
@@ -139,6 +142,17 @@ class ExportOptions:
                 f"--per-turn splits conversations; --format {self.format} has none: use "
                 "messages, sharegpt, specforge or parquet"
             )
+        if self.group_samples and (self.per_turn or self.format == "specforge"):
+            raise ConfigError(
+                "--group-samples puts a prompt's samples in one line: --per-turn and --format "
+                "specforge write one conversation a line (each sample's its own)"
+            )
+        if self.group_samples and self.format in TABLE_FORMATS:
+            raise ConfigError(
+                f"--group-samples writes a prompt's answers as a list in one line: not in "
+                f"--format {self.format}, whose rows hold one conversation each (with their "
+                "sample column); group them with --format messages or sharegpt"
+            )
 
     @property
     def plain(self) -> bool:
@@ -152,6 +166,7 @@ class ExportOptions:
             and not self.logprobs
             and not self.token_ids
             and not self.per_turn
+            and not self.group_samples
         )
 
 
@@ -359,6 +374,11 @@ class _Lines:
             and not dataset.passthrough
             and options.format != "openai-batch"
         )
+        self.groups = (
+            draws.Groups(options.format, dataset.regenerate)
+            if options.group_samples and dataset.samples > 1
+            else None
+        )
 
     def write(self, write: Callable[[bytes], object], batch: FullBatch) -> int:
         rows, turns = batch
@@ -368,6 +388,18 @@ class _Lines:
                 write(orjson.dumps(line))
                 write(b"\n")
                 written += 1
+        return written
+
+    def finish(self, write: Callable[[bytes], object]) -> int:
+        """The dataset's last lines, held back until its rows ended (a group of samples)."""
+        if self.groups is None:
+            return 0
+        written = 0
+        for record in self.groups.finish():
+            write(orjson.dumps(record))
+            write(b"\n")
+            written += 1
+            self.extra += 1
         return written
 
     def rows(self, row: FullRow, turns: dict[int, list[str]]) -> Iterator[dict[str, Any]]:
@@ -380,6 +412,14 @@ class _Lines:
         if self._refused(line):
             self.tokens = tokens  # not in the file: no mix to warn of
             return
+        if self.dataset.samples > 1:
+            line = draws.sampled(line, row[15], self.options.format)
+            if self.groups is not None:
+                self.extra -= 1  # an item, in the line of its prompt
+                for group in self.groups.add(row[1], line):
+                    self.extra += 1
+                    yield group
+                return
         index = self.index.take()
         if not self.options.per_turn:
             yield line
@@ -658,6 +698,7 @@ def _fast(options: ExportOptions, dataset: DatasetRef) -> bool:
         and dataset.regenerate == "last"
         and not dataset.passthrough
         and dataset.endpoint == "chat"
+        and dataset.samples == 1
     )
 
 
@@ -692,7 +733,8 @@ def plain_rows(options: ExportOptions, dataset: DatasetRef) -> bool:
     the messages shape (JSONL, Parquet): nothing in them changes the stored answer."""
     plain = options.reasoning == "separate" and not options.exclude_flags
     plain = plain and not options.provenance and not options.per_turn and not options.parsed
-    return plain and dataset.regenerate == "last" and not dataset.passthrough
+    plain = plain and dataset.regenerate == "last" and not dataset.passthrough
+    return plain and dataset.samples == 1
 
 
 def _check_target(target: Path) -> None:
@@ -1134,6 +1176,7 @@ def _write_jsonl(job: _Job, rows: Rows) -> None:
                     lines = job.lines(dataset)
                     for batch in full_batches(rows, dataset, turns=lines.turns):
                         job.counter.add(lines.write(fh.write, batch))
+                    job.counter.add(lines.finish(fh.write))
                 job.written[dataset.id] = job.counter.count - before
 
 
@@ -1172,6 +1215,9 @@ def _line_batches(
         lines = _Lines(dataset, options, shared=shared, index=index)
         for batch in full_batches(rows, dataset, turns=lines.turns):
             lines.write(out.append, batch)
+            yield out[::2]
+            out.clear()
+        if lines.finish(out.append):
             yield out[::2]
             out.clear()
 

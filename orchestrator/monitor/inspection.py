@@ -117,6 +117,8 @@ def _header(r: ItemRecord, now: float) -> RenderableType:
         _fields(
             [
                 ("position", r.position),
+                # A prompt's sample, when its request is seeded as samples are.
+                ("sample", r.draw if r.draw or "seed" in r.request else None),
                 ("kind", kind),
                 ("attempts", r.attempts),
                 ("turn", turn),

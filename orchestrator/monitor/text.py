@@ -139,6 +139,16 @@ def _cost_lines(cost: dict[str, Any] | None) -> list[str]:
     return ["", line]
 
 
+def _sample_lines(snap: dict[str, Any]) -> list[str]:
+    """Datasets of several samples per prompt count samples above: their prompts here."""
+    return [
+        f"{e['name']}: {e['samples']} samples per prompt; prompts with every sample done "
+        f"{e['prompts']['done']:,}/{e['prompts']['total']:,}"
+        for e in snap["datasets"]
+        if e.get("samples", 1) > 1
+    ]
+
+
 def render_status(snap: dict[str, Any]) -> str:
     window = int(snap["window_seconds"])
     header = [
@@ -176,6 +186,7 @@ def render_status(snap: dict[str, Any]) -> str:
     lines.extend(_cache_lines(snap["totals"].get("prompt_tokens")))
     lines.extend(_waste_lines(snap))
     lines.extend(_cost_lines(snap.get("cost")))
+    lines.extend(_sample_lines(snap))
     errors = snap["totals"]["errors"]
     if errors:
         lines.append("")

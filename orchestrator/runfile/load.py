@@ -12,6 +12,9 @@ Format::
     on_truncated = "keep"     # keep | retry | fail: what an answer cut at max_tokens does
     on_invalid = "keep"       # keep | retry | fail: structured output that is not the JSON asked
     on_overflow = "fail"      # fail | fit: a prompt and max_tokens longer than the context
+    samples = 1               # answers per prompt, each its own item (1 to 1024)
+    # seeds = [1, 2, 3, 4]    # one per sample, all different (default: from each key)
+    sample_requests = "n"     # n: one request with n choices | seeds: one per sample
     chat_template_kwargs = { enable_thinking = true }
     [defaults.extra_body]     # any other request body fields, sent as they are
     top_k = 20
@@ -75,7 +78,16 @@ _SAMPLING_KEYS = (
     "extra_body",
     "logprobs",
 )
-_REQUEST_KEYS = ("concurrency", "regenerate", "on_truncated", "on_invalid", "on_overflow")
+_REQUEST_KEYS = (
+    "concurrency",
+    "regenerate",
+    "on_truncated",
+    "on_invalid",
+    "on_overflow",
+    "samples",
+    "seeds",
+    "sample_requests",
+)
 # extra_body keys that would bypass a check (the rest go through orchestrator.params).
 _EXTRA_BODY_REFUSED = {
     key: f'set it as the key "{key}" (outside extra_body), where it is checked'
@@ -128,6 +140,10 @@ class DatasetPlan:
     """``chat`` or ``completions`` (each row's plain prompt to ``/v1/completions``)."""
     logprobs: int | None = None
     """Top alternatives kept per token with each token's logprob; None: no logprobs."""
+    samples: int | None = None
+    """Answers per prompt; None: the dataset's (1 for a new one)."""
+    seeds: tuple[int, ...] | None = None
+    sample_requests: str | None = None
 
     @property
     def source(self) -> str:
@@ -340,6 +356,18 @@ def _extra_body(value: object) -> list[tuple[str, str]]:
     return problems
 
 
+def _seeds(value: Any) -> list[tuple[str, str]]:
+    """A list of distinct integers, one per sample."""
+    if not isinstance(value, list) or not value:
+        return [("", "must be a non-empty list of integers")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31 for v in value):
+        return [("", f"must hold integers from 0 to {2**31 - 1}")]
+    repeated = sorted({v for v in value if value.count(v) > 1})
+    if repeated:
+        return [("", f"holds {repeated[0]} twice: every sample must be a distinct draw")]
+    return []
+
+
 _CHECKS: dict[str, Check] = {
     "name": _by(checks.DATASET_NAME.expected),
     "file": _string,
@@ -357,6 +385,9 @@ _CHECKS: dict[str, Check] = {
     "on_overflow": _choice(ON_OVERFLOW),
     "endpoint": _choice(ENDPOINTS),
     "logprobs": _by(checks.DATASET["logprobs"].expected),
+    "samples": _by(checks.DATASET["samples"].expected),
+    "seeds": _seeds,
+    "sample_requests": _choice(("n", "seeds")),
     "chat_template_kwargs": _table,
     "extra_body": _extra_body,
     "hf": _string,
@@ -672,4 +703,7 @@ def _plan(own: dict[str, Any], defaults: dict[str, Any], file: Path) -> DatasetP
         on_overflow=value("on_overflow", _REQUEST_DEFAULTS["on_overflow"]),
         endpoint=endpoint,
         logprobs=value("logprobs"),
+        samples=value("samples"),
+        seeds=tuple(value("seeds")) if value("seeds") is not None else None,
+        sample_requests=value("sample_requests"),
     )

@@ -78,6 +78,11 @@ class DatasetEstimate:
     failed: int | None = None
     """Requests of running, pending and failed items (``plan_stored`` only): with ``done``
     they add up to ``requests``."""
+    samples: int = 1
+    """Answers per prompt; each is counted as a request (``requests`` includes them)."""
+    sample_requests: str = "n"
+    """``n``: a prompt's samples asked in one request with n choices where the server
+    honours it; ``seeds``: one request per sample."""
     predicted: int = 0
     """Requests counted at the length of the answer their line holds (times the ratio of
     new to original lengths of the answers done so far, at most max_tokens): the figures
@@ -309,6 +314,8 @@ class _Counted(NamedTuple):
     running: int | None = None
     pending: int | None = None
     failed: int | None = None
+    samples: int = 1
+    sample_requests: str = "n"
 
 
 def _priced(
@@ -352,23 +359,27 @@ def _estimate(
     dataset's share of its requests left."""
     done, mean, _ = stats if stats is not None and not plan.passthrough else (0, 0.0, 1.0)
     measured = done > 0
+    k = 1 if plan.passthrough else plan.samples or 1  # every sample is generated
+    requests = scan.requests * k
     plain = scan.requests - scan.predicted
     if measured:
-        generated = round(scan.predicted_tokens + plain * float(mean))
-        left = max(scan.requests - done, 0) / scan.requests if scan.requests else 0.0
+        generated = round((scan.predicted_tokens + plain * float(mean)) * k)
+        left = max(requests - done, 0) / requests if requests else 0.0
         remaining = round(generated * left)
     else:
-        generated = remaining = round(scan.predicted_tokens + scan.budget * fraction)
-    per_request = generated / scan.requests if scan.requests else 0.0
+        generated = remaining = round((scan.predicted_tokens + scan.budget * fraction) * k)
+    per_request = generated / requests if requests else 0.0
     counted = _Counted(
         name=plan.name,
         format=plan.format,
         mode="passthrough" if plan.passthrough else plan.regenerate,
         rows=scan.rows,
-        requests=scan.requests,
+        requests=requests,
         done=done,
         max_tokens=None if plan.passthrough else plan.params.get("max_tokens"),
-        request_bytes=scan.request_bytes,
+        request_bytes=scan.request_bytes * k,  # each sample's item holds the request
+        samples=k,
+        sample_requests=plan.sample_requests or "n",
     )
     estimate = _priced(
         counted,
@@ -377,7 +388,7 @@ def _estimate(
         generated=generated,
         remaining=remaining,
         tokens_per_second=tokens_per_second,
-        predicted=scan.predicted,
+        predicted=scan.predicted * k,
     )
     return dataclasses.replace(estimate, overflows=scan.overflows, too_long=scan.too_long)
 
@@ -414,6 +425,8 @@ def _stored_estimate(
         running=s.running,
         pending=s.pending,
         failed=s.failed,
+        samples=s.samples,
+        sample_requests=s.sample_requests,
     )
     return _priced(
         counted,
@@ -424,6 +437,24 @@ def _stored_estimate(
         tokens_per_second=tokens_per_second,
         predicted=predicted,
     )
+
+
+def _sample_notes(senders: Sequence[DatasetEstimate]) -> list[str]:
+    """How each dataset of several samples per prompt asks for them."""
+    notes = []
+    for d in senders:
+        if d.samples <= 1:
+            continue
+        if d.sample_requests == "n" and d.mode == "last":
+            how = (
+                f"asked with n={d.samples} in one request (the prompt prefilled once), or one "
+                "request each with its own seed where a server answers fewer choices"
+            )
+        else:
+            reason = "each its own conversation" if d.mode == "all" else "as set"
+            how = f"one request per sample, each with its own seed ({reason})"
+        notes.append(f"{d.name}: {d.samples} samples per prompt, each counted as a request, {how}")
+    return notes
 
 
 def _assumptions(
@@ -478,6 +509,7 @@ def _assumptions(
             "plus the final answer when a row ends on a user or tool turn; the conversation "
             "is stored once, with each generated turn"
         )
+    notes.extend(_sample_notes(senders))
     if any(d.mode == "passthrough" for d in estimates):
         notes.append(
             "passthrough: rows stored as they are, as done, without requests; counted at "

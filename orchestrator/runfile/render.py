@@ -160,6 +160,8 @@ def plan_json(plan: RunPlan) -> dict[str, Any]:
             tokens_per_request=round(d.tokens_per_request, 1),
             measured=d.measured,
             predicted=d.predicted,
+            samples=d.samples,
+            sample_requests=d.sample_requests if d.samples > 1 else None,
             generated_tokens=d.generated_tokens,
             remaining_tokens=d.remaining_tokens,
             duration_seconds=round(d.duration_seconds, 1),

@@ -93,6 +93,9 @@ class SimConfig:
             of a retracted request when it is admitted again).
         time_scale: multiplies every simulated duration of the batching model, so a
             benchmark of a slow server finishes in seconds.
+        ignore_n: answer one choice whatever ``n`` a request asks for (as a server
+            without ``n`` does); otherwise choice ``i`` of a request seeded ``s`` is the
+            answer to that request seeded ``s + i``.
         max_model_len: the context length (0: none): a request whose prompt and
             ``max_tokens`` exceed it gets vLLM's 400, which names its own lengths.
         refusals: text -> message: a request whose messages contain the text gets a 400
@@ -138,6 +141,7 @@ class SimConfig:
     prefill_per_token: float = 0.00002
     time_scale: float = 1.0
     max_model_len: int = 0
+    ignore_n: bool = False
     refusals: dict[str, str] = field(default_factory=dict)
     required_fields: tuple[str, ...] = ()
     length_model: LengthModel | None = None

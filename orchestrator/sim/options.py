@@ -47,6 +47,7 @@ class SimOption:
     default: Any = None
     module_flags: tuple[str, ...] = ()
     module_default: Any = None
+    is_flag: bool = False
 
     def click_type(self, checked: bool) -> Any:
         """The click type; with ``checked``, bounded as SimConfig bounds the field."""
@@ -62,6 +63,8 @@ class SimOption:
         if module and self.module_default is not None:
             default = self.module_default
         flags = (self.flag, *(self.module_flags if module else ()))
+        if self.is_flag:
+            return click.option(*flags, self.name, is_flag=True, help=self.help)
         return click.option(
             *flags,
             self.name,
@@ -91,6 +94,12 @@ OPTIONS: tuple[SimOption, ...] = (
         "model",
         show_default=False,
         help="Serve only this model name (others get 404); by default it answers to any name.",
+    ),
+    SimOption(
+        "--ignore-n",
+        "ignore_n",
+        is_flag=True,
+        help="Answer one choice whatever n a request asks for, as some servers do.",
     ),
     SimOption(
         "--max-model-len",

@@ -82,20 +82,36 @@ _LATENCY_BUCKETS = (
 _JSON = "application/json"
 
 
-def request_digest(messages: Any) -> str:
-    """Digest of a request's messages; key order does not matter, content does."""
-    return hashlib.sha256(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+def request_digest(messages: Any, seed: Any = None) -> str:
+    """Digest of a request's messages; key order does not matter, content does. With a
+    ``seed`` (a request's, or choice ``i`` of a request with ``n``: seed + i), another
+    digest: the answer is another draw, the same for the same seed."""
+    digest = hashlib.sha256(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+    if seed is None:
+        return digest
+    return hashlib.sha256(f"{digest}:{seed}".encode()).hexdigest()[:16]
 
 
-def answer_matches(messages: Any, answer: Any) -> bool:
+def choice_seeds(body: dict[str, Any], n: int) -> list[Any]:
+    """The seed each of a request's ``n`` choices is drawn with: choice ``i`` of a
+    request seeded ``s`` as a request seeded ``s + i`` would be (unseeded: the first as
+    an unseeded request, the others each their own)."""
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return [seed + i for i in range(n)]
+    return [None, *(f"choice-{i}" for i in range(1, n))]
+
+
+def answer_matches(messages: Any, answer: Any, seed: Any = None) -> bool:
     """Whether ``answer`` is a simulated answer to ``messages`` (and not to another prompt).
 
     ``answer`` is the content string, or the whole assistant message: then every part it
     has (content, reasoning, each tool call's arguments) must carry the digest, and it must
     have one, so a truncated answer that is all reasoning is still proven. A ``<think>``
-    block left in a content string is checked as reasoning.
+    block left in a content string is checked as reasoning. ``seed``: the answer must be
+    the draw of that seed.
     """
-    digest = request_digest(messages)
+    digest = request_digest(messages, seed)
     if isinstance(answer, str):
         reasoning, content, _ = split_think(answer)
         return _content_matches(content, digest) and (
@@ -503,6 +519,12 @@ def _validate(state: _State, raw: bytes, *, plain: bool = False) -> dict[str, An
             return _bad_request(f"'{key}' must be a positive integer, got {value!r}")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         return _bad_request("'stream' must be a boolean")
+    n = body.get("n", 1)
+    if type(n) is not int or not 1 <= n <= 128:
+        return _bad_request(f"'n' must be an integer from 1 to 128, got {n!r}")
+    seed = body.get("seed")
+    if seed is not None and type(seed) is not int:
+        return _bad_request(f"'seed' must be an integer, got {seed!r}")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         return _bad_request("'chat_template_kwargs' must be an object")
@@ -744,14 +766,20 @@ class _Shape:
     texts: list[str]
 
     def choice(
-        self, message: dict[str, Any], start: int, count: int, *, streamed: bool = False
+        self,
+        message: dict[str, Any],
+        start: int,
+        count: int,
+        *,
+        streamed: bool = False,
+        index: int = 0,
     ) -> dict[str, Any]:
-        """A choice holding ``message`` (a delta when ``streamed``) and tokens ``start ..
-        start + count``."""
+        """Choice ``index`` holding ``message`` (a delta when ``streamed``) and tokens
+        ``start .. start + count``."""
         if self.plain:
-            choice: dict[str, Any] = {"index": 0, "text": message.get("content") or ""}
+            choice: dict[str, Any] = {"index": index, "text": message.get("content") or ""}
         else:
-            choice = {"index": 0, "delta" if streamed else "message": message}
+            choice = {"index": index, "delta" if streamed else "message": message}
         if count:
             texts = self.texts[start : start + count]
             choice |= sim_tokens.choice_fields(self.body, self.digest, texts, start, raw=self.plain)
@@ -807,9 +835,15 @@ async def _answer_chat(
             return faulty
 
     messages: list[Any] = body["messages"]
-    digest = request_digest(body["prompt"] if plain else messages)
-    answer = _generate(body, digest, config, empty=fault == "empty", plain=plain)
-    n = answer.tokens
+    choices = 1 if config.ignore_n else body.get("n", 1)
+    asked = body["prompt"] if plain else messages
+    answers = [
+        _generate(body, request_digest(asked, seed), config, empty=fault == "empty", plain=plain)
+        for seed in choice_seeds(body, choices)
+    ]
+    answer = answers[0]
+    digest = answer.digest
+    n = sum(a.tokens for a in answers)
     prompt_tokens = _count_prompt_tokens(messages)
     refused = _refusal(state, body, prompt_tokens, n)
     if refused is not None:
@@ -822,7 +856,9 @@ async def _answer_chat(
     cached = state.prefix.serve(prompt_words(messages), answer.words) if state.prefix else None
     state.next_id += 1
     completion_id = f"{'cmpl' if plain else 'chatcmpl'}-{digest}{state.next_id:08x}"
-    shape = _Shape(body, digest, plain, sim_tokens.texts_of([answer.reasoning, answer.words]))
+    shapes = [
+        _Shape(body, a.digest, plain, sim_tokens.texts_of([a.reasoning, a.words])) for a in answers
+    ]
 
     response: web.StreamResponse
     stats.running_tokens += prompt_tokens + n
@@ -832,15 +868,15 @@ async def _answer_chat(
             include_usage = isinstance(options, dict) and options.get("include_usage") is True
             continuous = include_usage and options.get("continuous_usage_stats") is True
             response = await _stream_answer(
-                request, state, completion_id=completion_id, answer=answer,
+                request, state, completion_id=completion_id, answers=answers,
                 prompt_tokens=prompt_tokens, cached=cached, include_usage=include_usage,
                 continuous=continuous, cut=fault == "malformed", stall=fault == "stall",
-                limit=limit, model=_served(body, config), shape=shape,
+                limit=limit, model=_served(body, config), shapes=shapes,
             )  # fmt: skip
         else:
             response = await _whole_answer(
-                request, state, body, answer, completion_id, prompt_tokens, limit, fault,
-                cached, shape=shape,
+                request, state, body, answers, completion_id, prompt_tokens, limit, fault,
+                cached, shapes=shapes,
             )  # fmt: skip
     finally:
         stats.running_tokens -= prompt_tokens + n
@@ -925,17 +961,18 @@ async def _whole_answer(
     request: web.Request,
     state: _State,
     body: dict[str, Any],
-    answer: _Answer,
+    answers: list[_Answer],
     completion_id: str,
     prompt_tokens: int,
     limit: int,
     fault: str | None,
     cached: int | None = None,
     *,
-    shape: _Shape,
+    shapes: list[_Shape],
 ) -> web.StreamResponse:
-    """The answer in one body, once the time it takes to generate has passed."""
-    config, n = state.config, answer.tokens
+    """The answer in one body, once the time it takes to generate has passed (the
+    longest choice's: a request's choices are generated side by side)."""
+    config, n = state.config, max(a.tokens for a in answers)
     if state.batcher is not None:
         await state.batcher.generate(prompt_tokens, n, limit, cached or 0)
     else:
@@ -946,15 +983,19 @@ async def _whole_answer(
     if fault == "malformed":
         truncated = f'{{"id": "{completion_id}", "object": "chat.completion", "choices": [{{'
         return web.Response(status=200, body=truncated.encode(), content_type=_JSON)
-    message = _message(answer, config)
-    choice = shape.choice(message, 0, len(shape.texts))
     doc = {
         "id": completion_id,
-        "object": "text_completion" if shape.plain else "chat.completion",
+        "object": "text_completion" if shapes[0].plain else "chat.completion",
         "created": int(time.time()),
         "model": _served(body, config),
-        "choices": [{**choice, "finish_reason": answer.finish_reason}],
-        "usage": _usage(prompt_tokens, n, cached),
+        "choices": [
+            {
+                **shape.choice(_message(each, config), 0, len(shape.texts), index=i),
+                "finish_reason": each.finish_reason,
+            }
+            for i, (each, shape) in enumerate(zip(answers, shapes, strict=True))
+        ],
+        "usage": _usage(prompt_tokens, sum(a.tokens for a in answers), cached),
     }
     return web.Response(body=orjson.dumps(doc), content_type=_JSON)
 
@@ -1010,7 +1051,7 @@ async def _stream_answer(
     state: _State,
     *,
     completion_id: str,
-    answer: _Answer,
+    answers: list[_Answer],
     prompt_tokens: int,
     include_usage: bool,
     cut: bool,
@@ -1019,23 +1060,26 @@ async def _stream_answer(
     stall: bool = False,
     limit: int = 0,
     model: str = "",
-    shape: _Shape | None = None,
+    shapes: list[_Shape] | None = None,
 ) -> web.StreamResponse:
     config = state.config
     batcher = state.batcher
     created = int(time.time())
-    shape = shape or _Shape({}, answer.digest, False, [])
-    at = 0  # the position of the first token of the next delta
+    shapes = shapes or [_Shape({}, a.digest, False, []) for a in answers]
+    at = [0] * len(answers)  # each choice's position of the first token of its next delta
 
     def chunk(
-        delta: dict[str, Any], finish: str | None, tokens: int = 0, so_far: int | None = None
+        delta: dict[str, Any],
+        finish: str | None,
+        index: int = 0,
+        tokens: int = 0,
+        so_far: int | None = None,
     ) -> bytes:
-        nonlocal at
-        choice = shape.choice(delta, at, tokens, streamed=True)
-        at += tokens
+        choice = shapes[index].choice(delta, at[index], tokens, streamed=True, index=index)
+        at[index] += tokens
         payload: dict[str, Any] = {
             "id": completion_id,
-            "object": "text_completion" if shape.plain else "chat.completion.chunk",
+            "object": "text_completion" if shapes[0].plain else "chat.completion.chunk",
             "created": created,
             "model": model or _served({}, config),
             "choices": [{**choice, "finish_reason": finish}],
@@ -1044,19 +1088,22 @@ async def _stream_answer(
             payload["usage"] = _usage(prompt_tokens, so_far, cached)
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-    response = await _stream_started(request, state, prompt_tokens, answer, limit, cached)
-    if not shape.plain:
-        await response.write(chunk({"role": "assistant", "content": ""}, None))
-    deltas = _deltas(answer, config)
+    longest = max(a.tokens for a in answers)
+    response = await _stream_started(request, state, prompt_tokens, longest, limit, cached)
+    if not shapes[0].plain:
+        for i in range(len(answers)):
+            await response.write(chunk({"role": "assistant", "content": ""}, None, i))
+    entries = _entries(answers, config)
     # A malformed stream stops after about half of its deltas, without finish_reason/[DONE];
     # a stalled one sends the same half, then nothing, keeping the connection open.
-    sent = deltas[: max(1, len(deltas) // 2)] if cut or stall else deltas
+    sent = entries[: max(1, (len(entries) - 1) // 2)] if cut or stall else entries
     so_far = 0
     try:
-        for delta, tokens in sent:
-            await _sleep(0 if batcher is not None else config.per_token * tokens)
+        for index, delta, tokens, finish in sent:
+            await _sleep(0 if batcher is not None or finish else config.per_token * tokens)
             so_far += tokens
-            await response.write(chunk(delta, None, tokens, so_far if continuous else None))
+            usage_now = so_far if continuous and finish is None else None
+            await response.write(chunk(delta, finish, index, tokens, usage_now))
     except (ConnectionError, asyncio.CancelledError):
         # The client left mid-stream: what it was sent is generated and thrown away.
         state.stats.aborted_tokens += so_far
@@ -1065,7 +1112,6 @@ async def _stream_answer(
         await _hang(request, state)
         return response
     if not cut:
-        await response.write(chunk({}, answer.finish_reason))
         if include_usage:
             usage = {
                 "id": completion_id,
@@ -1073,7 +1119,7 @@ async def _stream_answer(
                 "created": created,
                 "model": model or _served({}, config),
                 "choices": [],
-                "usage": _usage(prompt_tokens, answer.tokens, cached),
+                "usage": _usage(prompt_tokens, sum(a.tokens for a in answers), cached),
             }
             await response.write(b"data: " + orjson.dumps(usage) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
@@ -1081,18 +1127,31 @@ async def _stream_answer(
     return response
 
 
+def _entries(
+    answers: list[_Answer], config: SimConfig
+) -> list[tuple[int, dict[str, Any], int, str | None]]:
+    """What a stream sends: each choice's deltas then its finish, one choice after the
+    other (index, delta, tokens, finish reason)."""
+    entries: list[tuple[int, dict[str, Any], int, str | None]] = []
+    for i, each in enumerate(answers):
+        entries += [(i, delta, tokens, None) for delta, tokens in _deltas(each, config)]
+        entries.append((i, {}, 0, each.finish_reason))
+    return entries
+
+
 async def _stream_started(
     request: web.Request,
     state: _State,
     prompt_tokens: int,
-    answer: _Answer,
+    tokens: int,
     limit: int,
     cached: int | None,
 ) -> web.StreamResponse:
-    """The stream's response, once the answer is ready to go: the batching model answers
-    once the whole answer is generated, the plain one after its latency and prefill."""
+    """The stream's response, once the answer (its longest choice, of ``tokens``) is
+    ready to go: the batching model answers once the whole answer is generated, the plain
+    one after its latency and prefill."""
     if state.batcher is not None:
-        await state.batcher.generate(prompt_tokens, answer.tokens, limit, cached or 0)
+        await state.batcher.generate(prompt_tokens, tokens, limit, cached or 0)
     else:
         await _sleep(state.config.latency + _prefill(state, prompt_tokens, cached))
     response = web.StreamResponse(

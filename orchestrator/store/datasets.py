@@ -53,11 +53,18 @@ class DatasetSpec:
     # chat | completions; None: keep the stored value (chat for a new dataset).
     endpoint: str | None = None
 
+    # Answers per prompt (None: keep the stored number, 1 for a new dataset); it may only
+    # grow. ``seeds``: one per sample, all different (None: derived from each key).
+    samples: int | None = None
+    seeds: tuple[int, ...] | None = None
+    draw_mode: str | None = None
+
     def __post_init__(self) -> None:
         if self.endpoint not in (None, *ENDPOINTS):
             raise ConfigError(
                 f"dataset {self.name}: endpoint must be one of {', '.join(ENDPOINTS)}"
             )
+        _check_draws(self)
         if not self.name or len(self.name) > 200:
             raise ConfigError("dataset name must be 1 to 200 characters")
         if self.concurrency is not None and not 1 <= self.concurrency <= INT_MAX:
@@ -97,6 +104,40 @@ class DatasetInfo:
     updated_at: float = 0.0
     params_hash: str = ""
     endpoint: str = "chat"
+    samples: int = 1
+    draw_seeds: tuple[int, ...] | None = None
+    draw_mode: str = "n"
+
+
+DRAW_MODES = ("n", "seeds")
+"""How a dataset's samples are asked for: one request with ``n`` choices, or a request
+per sample, each with its own seed."""
+
+MAX_SAMPLES = 1024
+
+
+def _check_draws(spec: DatasetSpec) -> None:
+    """Samples are distinct draws: a count in range, seeds all different and one each."""
+    where = f"dataset {spec.name}"
+    if spec.samples is not None and not 1 <= spec.samples <= MAX_SAMPLES:
+        raise ConfigError(f"{where}: samples must be 1 to {MAX_SAMPLES}, got {spec.samples}")
+    if spec.draw_mode not in (None, *DRAW_MODES):
+        raise ConfigError(f"{where}: sample requests must be one of {', '.join(DRAW_MODES)}")
+    if spec.seeds is None:
+        return
+    if any(
+        not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= INT_MAX for s in spec.seeds
+    ):
+        raise ConfigError(f"{where}: seeds must be integers from 0 to {INT_MAX}")
+    repeated = sorted({s for s in spec.seeds if spec.seeds.count(s) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{where}: seed {repeated[0]} is given twice: every sample must be a distinct draw"
+        )
+    if spec.samples is not None and len(spec.seeds) != spec.samples:
+        raise ConfigError(
+            f"{where}: {len(spec.seeds)} seeds for {spec.samples} samples: give one per sample"
+        )
 
 
 def _info(row: sa.Row[Any]) -> DatasetInfo:
@@ -108,6 +149,7 @@ def _info(row: sa.Row[Any]) -> DatasetInfo:
         params_hash=params_hash(params),
         paused=bool(values["paused"]),
         passthrough=bool(values["passthrough"]),
+        draw_seeds=tuple(orjson.loads(values["draw_seeds"])) if values["draw_seeds"] else None,
     )
     return DatasetInfo(**values)
 
@@ -150,7 +192,7 @@ async def declare(
         return await _create(conn, spec, source, input_format, now), True
     info = _info(row)
     differences = _checked_differences(info, spec, update=update)
-    changes: dict[str, Any] = {**source, "updated_at": now}
+    changes: dict[str, Any] = {**source, **_draws(spec, info), "updated_at": now}
     if differences:
         changes["params"] = _dumps(spec.params)
         await _record_params(conn, spec.params, now)
@@ -170,9 +212,50 @@ async def declare(
     elif input_format:
         changes["input_format"] = input_format
     await conn.execute(datasets.update().where(datasets.c.id == info.id).values(**changes))
-    if differences:
+    if differences or changes.keys() & {"samples", "draw_seeds", "draw_mode"}:
         info = await _read(conn, info.id)
     return info, False
+
+
+def _draws(spec: DatasetSpec, info: DatasetInfo | None) -> dict[str, Any]:
+    """The sample columns ``spec`` sets (all of them for a new dataset, ``info`` None).
+
+    Samples only grow (fewer would mean deleting answers: requeue does what can be
+    undone), and the seeds of samples already there stay theirs: new seeds must extend
+    the stored ones.
+    """
+    samples = spec.samples or (len(spec.seeds) if spec.seeds else None)
+    seeds = list(spec.seeds) if spec.seeds is not None else None
+    if info is None:
+        return {
+            "samples": samples or 1,
+            "draw_seeds": orjson.dumps(seeds).decode() if seeds else None,
+            "draw_mode": spec.draw_mode or "n",
+        }
+    changes: dict[str, Any] = {}
+    if samples is not None and samples != info.samples:
+        if samples < info.samples:
+            raise ConfigError(
+                f"dataset {spec.name!r} has {info.samples} samples per prompt; it cannot "
+                f"have fewer ({samples})"
+            )
+        changes["samples"] = samples
+    if seeds is not None and tuple(seeds) != info.draw_seeds:
+        stored = list(info.draw_seeds or ())
+        if info.samples > 1 and seeds[: len(stored)] != stored:
+            raise ConfigError(
+                f"dataset {spec.name!r} was enqueued with seeds {stored}: seeds given "
+                "again must start with those (the samples drawn with them keep them)"
+            )
+        changes["draw_seeds"] = orjson.dumps(seeds).decode()
+    elif info.draw_seeds is not None and samples is not None and samples > info.samples:
+        raise ConfigError(
+            f"dataset {spec.name!r} has seeds {list(info.draw_seeds)}: give one for each "
+            f"of the {samples} samples (--seeds)"
+        )
+    if spec.draw_mode is not None and spec.draw_mode != info.draw_mode:
+        changes["draw_mode"] = spec.draw_mode
+    return changes
 
 
 async def _read(conn: AsyncConnection, dataset_id: int) -> DatasetInfo:
@@ -200,6 +283,7 @@ async def _create(
         "on_overflow": spec.on_overflow or "fail",
         "passthrough": spec.passthrough,
         "endpoint": spec.endpoint or "chat",
+        **_draws(spec, None),
         **source,
         "input_format": input_format,
         "created_at": now,
@@ -300,6 +384,16 @@ async def get_dataset(database: Database, name: str) -> DatasetInfo | None:
     async with database.read() as conn:
         row = (await conn.execute(sa.select(datasets).where(datasets.c.name == name))).first()
     return _info(row) if row is not None else None
+
+
+async def set_draw_mode(database: Database, dataset_id: int, mode: str) -> None:
+    """How the dataset's samples are asked for from now on (``DRAW_MODES``)."""
+    async with database.write() as conn:
+        await conn.execute(
+            datasets.update()
+            .where(datasets.c.id == dataset_id)
+            .values(draw_mode=mode, updated_at=time.time())
+        )
 
 
 async def set_paused(database: Database, name: str, paused: bool) -> bool:

@@ -96,6 +96,11 @@ class EnqueueReport:
     """``last``, ``all`` or ``passthrough`` (its items are stored as done)."""
     turns: int = 0
     """Assistant turns to generate for the items added (``added`` unless ``all``)."""
+    samples: int = 1
+    """Samples per prompt of the dataset (``items.sample``)."""
+    samples_added: int = 0
+    """Sample rows added: ``added`` times ``samples``, plus those added to prompts
+    already present when ``samples`` grew."""
 
 
 def file_sha256(path: str | Path) -> str:
@@ -119,18 +124,17 @@ async def enqueue(
     source_sha256: str | None = None,
     place: Place | None = None,
 ) -> EnqueueReport:
-    """Insert every record of one file, or nothing.
+    """Insert every record of one file, or nothing; then every prompt's missing samples.
 
     A key already in the dataset with the same content is skipped (enqueue is
     idempotent); with other content it is an error, as is a key repeated within the
     file. ``on_invalid`` given: such lines are reported to it and skipped instead.
     ``records`` may be ``Record``s or, cheaper, ``Prepared`` tuples
-    (``orchestrator.formats.iter_prepared``), read the way the dataset needs: for
-    ``regenerate="all"`` or pass-through (``ConfigError`` otherwise, before anything is
-    written). Pass-through rows are stored done, each with an empty output row, and are
-    never claimed. ``update``: see ``datasets.declare``. ``hash_source=False``: ``path``
-    only names the records, ``source_sha256`` is their digest if any. ``place`` names a
-    record by its ``line`` where ``path:line`` would not (a folder's Parquet rows)."""
+    (``formats.iter_prepared``) read the way the dataset needs: for ``regenerate="all"``
+    or pass-through (``ConfigError`` otherwise, before anything is written). Pass-through
+    rows are stored done, each with an empty output row, and are never claimed.
+    ``update``: see ``datasets.declare``. ``hash_source=False``: ``path`` names the
+    records, ``source_sha256`` is their digest. ``place``: where a record's ``line`` is."""
     now = time.time()
     sha = file_sha256(path) if hash_source else source_sha256
     async with database.write() as conn:
@@ -185,7 +189,66 @@ async def enqueue(
                 await writer.close()
         if progress:
             progress(seen)
+        await _add_samples(conn, info, report, now, str(path))
     return report
+
+
+async def _seeded_line(conn: AsyncConnection, dataset_id: int) -> str | None:
+    """The key of a prompt whose request sets ``seed``, if any: the few bodies holding
+    the text are parsed (a tool's parameter may be called seed too)."""
+    rows = await conn.stream(
+        sa.select(items.c.key, items.c.request).where(
+            items.c.dataset_id == dataset_id,
+            items.c.sample == 0,
+            items.c.request.like('%"seed":%'),
+        )
+    )
+    async for key, request in rows:
+        if "seed" in orjson.loads(request):
+            return str(key)
+    return None
+
+
+_MISSING_SAMPLE = (
+    'INSERT INTO items (dataset_id, "key", position, request, digest, created_at, updated_at,'
+    " predicted_tokens, turns, sample)"
+    ' SELECT dataset_id, "key", position, request, digest, :now, :now, predicted_tokens, turns,'
+    " :sample FROM items AS first WHERE dataset_id = :dataset AND sample = 0 AND NOT EXISTS"
+    " (SELECT 1 FROM items AS other WHERE other.dataset_id = first.dataset_id"
+    ' AND other."key" = first."key" AND other.sample = :sample)'
+)
+
+
+async def _add_samples(
+    conn: AsyncConnection, info: DatasetInfo, report: EnqueueReport, now: float, path: str
+) -> None:
+    """Every prompt of the dataset gets the samples it lacks, 1 to ``samples - 1``: the
+    lines just added, and the prompts already there when the count grew. Each sample is
+    a copy of sample 0 (the same key, position and request), pending; none is ever
+    added twice (the unique key and the NOT EXISTS). A fixed seed in the parameters or
+    in a line would make every sample the same draw: refused."""
+    report.samples = info.samples
+    report.samples_added = report.added
+    if info.samples <= 1:
+        return
+    if info.passthrough:
+        raise ConfigError(f"dataset {info.name!r} is pass-through: it cannot have samples")
+    if "seed" in info.params:
+        raise ConfigError(
+            f"dataset {info.name!r}: a seed in the parameters would make its "
+            f"{info.samples} samples the same draw; give each its own with --seeds"
+        )
+    key = await _seeded_line(conn, info.id)
+    if key is not None:
+        raise InputError(
+            f"key {key!r} sets its own seed: its {info.samples} samples would be the same "
+            "draw (drop the line's seed, or give each sample one with --seeds)",
+            path=path,
+        )
+    for sample in range(1, info.samples):
+        params = {"now": now, "sample": sample, "dataset": info.id}
+        added = await conn.execute(sa.text(_MISSING_SAMPLE), params)
+        report.samples_added += max(added.rowcount or 0, 0)
 
 
 def _prepared(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from orchestrator.draws import seed_of
 from orchestrator.errors import ConfigError
 from orchestrator.params import item_body
 from orchestrator.quality import flag_names
@@ -38,13 +39,17 @@ BATCH = 200
 STATES = ("pending", "running", "done", "failed")
 Json = dict[str, Any]
 
-_DATASETS = "SELECT id, name, params, regenerate, passthrough FROM datasets ORDER BY name"
+_DATASETS = (
+    "SELECT id, name, params, regenerate, passthrough, samples, draw_seeds FROM datasets"
+    " ORDER BY name"
+)
 # One seek per dataset on the (dataset_id, key) unique index.
 _KEY = "SELECT id FROM items WHERE dataset_id = :dataset AND key = :key"
 # The selection, in input order (ids grow with position within a dataset).
 _MATCHING = "SELECT i.id FROM items AS i WHERE i.dataset_id = :dataset{where} ORDER BY i.id"
 _BY_STATE = " AND i.state = :state"
-_BY_ID = " AND i.id = :item"
+# A key names a prompt: every sample of it (one item, for a dataset of one sample).
+_BY_ID = ' AND i."key" = (SELECT "key" FROM items WHERE id = :item)'
 # Any attempt that failed with the class (ix_attempt_errors_class), or the item's own
 # class (a failed item, or one released or retried with it).
 _BY_CLASS = (
@@ -61,7 +66,7 @@ _BY_FLAGS = (
 _ITEMS = (
     "SELECT i.id, i.dataset_id, i.key, i.position, i.request, i.state, i.attempts, i.turn,"
     " i.turns, i.error_class, i.last_error, i.lease_owner, i.lease_expires_at, i.not_before,"
-    " i.created_at, i.updated_at, i.finished_at, w.heartbeat_at"
+    " i.created_at, i.updated_at, i.finished_at, w.heartbeat_at, i.sample"
     " FROM items AS i LEFT JOIN workers AS w ON w.id = i.lease_owner WHERE i.id IN {ids}"
 )
 _ANSWER_COLUMNS = (
@@ -208,6 +213,8 @@ class ItemRecord:
     updated_at: float
     finished_at: float | None
     not_before: float | None
+    draw: int = 0
+    """Which of its prompt's samples the item is (``enqueue --samples``; 0 when one)."""
 
 
 # -------------------------------------------------------------------------- selection
@@ -293,6 +300,8 @@ class _Dataset:
     params: Json
     regenerate: str
     passthrough: bool
+    samples: int = 1
+    seeds: tuple[int, ...] | None = None
 
 
 def inspect_items(
@@ -333,8 +342,16 @@ def inspect_items(
 
 def _datasets(rows: Rows) -> list[_Dataset]:
     return [
-        _Dataset(i, n, orjson.loads(p), r or "last", bool(pt))
-        for i, n, p, r, pt in rows.fetch(_DATASETS)
+        _Dataset(
+            i,
+            n,
+            orjson.loads(p),
+            r or "last",
+            bool(pt),
+            s or 1,
+            tuple(orjson.loads(d)) if d else None,
+        )
+        for i, n, p, r, pt, s, d in rows.fetch(_DATASETS)
     ]
 
 
@@ -516,8 +533,9 @@ def _records(rows: Rows, ids: Sequence[int], datasets: Mapping[int, _Dataset]) -
 def _record(row: Sequence[Any], found: _Found, datasets: Mapping[int, _Dataset]) -> ItemRecord:
     item_id, dataset_id, key, position, request, state, attempts, turn, turns = row[:9]
     error_class, last_error, owner, expires, not_before, created, updated, finished = row[9:17]
-    heartbeat = row[17]
+    heartbeat, draw = row[17], row[18]
     dataset = datasets[dataset_id]
+    seed = _seed(dataset, key, draw)
     answer = found.answers.get(item_id)
     item_request = orjson.loads(request)
     requeues = _requeues(item_id, item_request, found, dataset)
@@ -532,7 +550,7 @@ def _record(row: Sequence[Any], found: _Found, datasets: Mapping[int, _Dataset])
         turns=turns,
         regenerate=dataset.regenerate,
         passthrough=dataset.passthrough,
-        request=_sent(item_request, answer, found, dataset),
+        request=_sent(item_request, answer, found, dataset, seed),
         params_hash=_params_hash(answer, found),
         answer=answer,
         generated=found.turns.get(item_id, []),
@@ -545,6 +563,7 @@ def _record(row: Sequence[Any], found: _Found, datasets: Mapping[int, _Dataset])
         updated_at=updated,
         finished_at=finished,
         not_before=not_before if state == "pending" and not_before else None,
+        draw=draw,
     )
 
 
@@ -554,13 +573,26 @@ def _params_hash(answer: AnswerRecord | None, found: _Found) -> str | None:
     return None
 
 
-def _sent(request: Json, answer: AnswerRecord | None, found: _Found, dataset: _Dataset) -> Json:
+def _seed(dataset: _Dataset, key: str, draw: int) -> int | None:
+    """The seed a sample is sent with, as the worker gives it (``worker.call.seed``)."""
+    if dataset.samples <= 1 and not dataset.seeds:
+        return None
+    return seed_of(key, draw, dataset.seeds)
+
+
+def _sent(
+    request: Json,
+    answer: AnswerRecord | None,
+    found: _Found,
+    dataset: _Dataset,
+    seed: int | None = None,
+) -> Json:
     """The body the answer was asked with (its parameter set, when known), or the one the
-    next attempt sends (the dataset's parameters now)."""
+    next attempt sends (the dataset's parameters now), with the sample's seed."""
     params = dataset.params
     if answer is not None and answer.params_hash in found.params:
         params = found.params[answer.params_hash]
-    return item_body(params, request)
+    return item_body(params, request, seed)
 
 
 def _requeues(item_id: int, request: Json, found: _Found, dataset: _Dataset) -> list[RequeueRecord]:

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 DoneRow = tuple[str, str, str, str | None, str | None]
 # item id, key, request, message, finish_reason, usage, flags, model, response_id,
 # created_at, latency, server, params_hash, params JSON (param_sets; None when unknown),
-# tokens (packed, orchestrator.tokens; None when the server gave none)
+# tokens (packed, orchestrator.tokens; None when the server gave none),
+# sample (items.sample)
 FullRow = tuple[
     int,
     str,
@@ -48,6 +49,7 @@ FullRow = tuple[
     str | None,
     str | None,
     bytes | None,
+    int,
 ]
 # key, error_class, last_error, attempts, turn, turns
 FailedRow = tuple[str, str | None, str | None, int, int, int]
@@ -55,7 +57,9 @@ FailedRow = tuple[str, str | None, str | None, int, int, int]
 BATCH = 2000
 
 _DATASETS = "SELECT id, name FROM datasets ORDER BY name"
-_DATASET_REFS = "SELECT id, name, regenerate, passthrough, endpoint FROM datasets ORDER BY name"
+_DATASET_REFS = (
+    "SELECT id, name, regenerate, passthrough, endpoint, samples FROM datasets ORDER BY name"
+)
 # Within a dataset, row ids grow with input position (enqueue inserts lines in order, and
 # a later file is placed after the earlier ones), so walking the (dataset, state) index
 # in id order yields input order without sorting a million rows.
@@ -74,11 +78,15 @@ _DONE_FLAGGED = (
 _DONE_FULL = (
     "SELECT items.id, items.key, items.request, outputs.message, outputs.finish_reason,"
     " outputs.usage, outputs.flags, outputs.model, outputs.response_id, outputs.created_at,"
-    " outputs.latency, outputs.server, outputs.params_hash, param_sets.params, outputs.tokens"
+    " outputs.latency, outputs.server, outputs.params_hash, param_sets.params, outputs.tokens,"
+    " items.sample"
     " FROM items JOIN outputs ON outputs.item_id = items.id"
     " LEFT JOIN param_sets ON param_sets.hash = outputs.params_hash"
     " WHERE items.dataset_id = :dataset_id AND items.state = 'done' ORDER BY items.id"
 )
+# A dataset of several samples per prompt: samples added later have later ids, so its
+# rows are sorted, by prompt then sample.
+_DONE_SAMPLES = _DONE_FULL.replace("ORDER BY items.id", "ORDER BY items.position, items.sample")
 # The generated turns of a batch of multi-turn items: primary-key lookups.
 _TURNS = "SELECT item_id, message FROM item_turns WHERE item_id IN {ids} ORDER BY item_id, turn"
 # What the latest answers take in the database, for doctor's disk estimate.
@@ -113,6 +121,7 @@ class DatasetRef:
     regenerate: str  # last | all
     passthrough: bool
     endpoint: str = "chat"  # chat | completions
+    samples: int = 1  # per prompt (orchestrator.formats.draws)
 
 
 # A batch of full rows and, for multi-turn datasets, each item's turn messages in order.
@@ -141,6 +150,7 @@ def _refs(rows: Sequence[Sequence[Any]], names: Sequence[str]) -> list[DatasetRe
             regenerate=r[2] or "last",
             passthrough=bool(r[3]),
             endpoint=r[4] or "chat",
+            samples=r[5] or 1,
         )
         for r in rows
         if not names or r[1] in names
@@ -196,7 +206,8 @@ def full_batches(
     rows: Rows, dataset: DatasetRef, *, turns: bool = False, batch: int = BATCH
 ) -> Iterator[FullBatch]:
     """A dataset's done rows as :data:`FullRow`, with their turns when ``turns``."""
-    for part in rows.stream(_DONE_FULL, {"dataset_id": dataset.id}, batch):
+    sql = _DONE_SAMPLES if dataset.samples > 1 else _DONE_FULL
+    for part in rows.stream(sql, {"dataset_id": dataset.id}, batch):
         by_item: dict[int, list[str]] = {}
         if turns:
             ids = {f"i{n}": row[0] for n, row in enumerate(part)}

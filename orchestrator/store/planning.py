@@ -60,6 +60,10 @@ class StoredDataset:
     """Outputs of items with a prediction, their completion tokens, and the predictions."""
     predicted_answer_tokens: int = 0
     predicted_tokens: int = 0
+    samples: int = 1
+    """Per prompt: every item is one, and counts as one request."""
+    sample_requests: str = "n"
+    """How they are asked for (``datasets.draw_mode``)."""
 
     @property
     def mean_completion_tokens(self) -> float:
@@ -172,4 +176,6 @@ def _stored(
         predicted_answers=predicted_n,
         predicted_answer_tokens=predicted_actual,
         predicted_tokens=predicted,
+        samples=row.samples or 1,
+        sample_requests=row.draw_mode or "n",
     )

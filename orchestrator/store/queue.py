@@ -87,6 +87,8 @@ class Lease:
     # The error the item was last put back to pending with (a retry, or a release: the
     # run guard's, when it stopped a run while holding it), as stored; None: none.
     last_failure: Failure | None = None
+    # Which of its prompt's samples the item is (``items.sample``; 0 when one).
+    sample: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -842,7 +844,11 @@ def _claim_sql(
     # Input order by id for scouts: ix_items_dataset_state holds it (its entries end in
     # the row id), where ordering by position would sort every pending row.
     order = (
-        "position" if suspects else "id" if in_input_order else "predicted_tokens DESC, position"
+        "position"
+        if suspects
+        else "id"
+        if in_input_order
+        else "predicted_tokens DESC, position, sample"
     )
     return (
         "UPDATE items SET state = 'running', attempts = attempts + 1, lease_token = :token,"
@@ -850,7 +856,7 @@ def _claim_sql(
         " WHERE id IN (SELECT id FROM items WHERE dataset_id = :dataset AND state = 'pending'"
         f" AND not_before <= :now{only} ORDER BY {order} LIMIT :n{lock})"
         " RETURNING id, key, position, request, attempts, error_class, turn, turns,"
-        " last_error, predicted_tokens"
+        " last_error, predicted_tokens, sample"
     )
 
 
@@ -881,13 +887,13 @@ def _claim_from(
         params["lost"] = LEASE_LOST
     rows = st.rows(_claim_sql(suspects, st.postgres, in_input_order, fresh), params)
     if suspects or in_input_order:
-        rows.sort(key=lambda r: r[2])
+        rows.sort(key=lambda r: (r[2], r[10]))
     else:
-        rows.sort(key=lambda r: (-r[9], r[2]))
+        rows.sort(key=lambda r: (-r[9], r[2], r[10]))
     resumed = _generated_turns(conn, [r[0] for r in rows if r[6] > 0])
     token, expires = lease.token, lease.expires
     leases = []
-    for item_id, key, _, request, attempts, error_class, turn, turns, last_error, _ in rows:
+    for item_id, key, _, request, attempts, error_class, turn, turns, last_error, _, sample in rows:
         before = resumed.get(item_id, _NOTHING_GENERATED)
         leases.append(
             Lease(
@@ -906,6 +912,7 @@ def _claim_from(
                 generated_flags=before.flags,
                 generated_latency=before.latency,
                 last_failure=Failure(error_class, last_error or "") if error_class else None,
+                sample=sample,
             )
         )
     return leases

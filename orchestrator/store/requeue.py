@@ -40,6 +40,9 @@ class Selection:
     dataset_names: Sequence[str] = ()
     error_class: str | None = None
     flags: int = 0
+    # Only these prompts (keys), and of them only these samples (``items.sample``).
+    keys: Sequence[str] = ()
+    samples: Sequence[int] = ()
 
     def where(self) -> list[sa.ColumnElement[bool]]:
         if self.state not in ("failed", "done"):
@@ -54,6 +57,10 @@ class Selection:
             )
         if self.error_class:
             where.append(items.c.error_class == self.error_class)
+        if self.keys:
+            where.append(items.c.key.in_(list(self.keys)))
+        if self.samples:
+            where.append(items.c.sample.in_(list(self.samples)))
         if self.flags:
             flagged = sa.select(outputs.c.item_id).where(outputs.c.flags.op("&")(self.flags) != 0)
             where.append(items.c.id.in_(flagged))
@@ -72,6 +79,8 @@ class Selection:
                 "datasets": list(self.dataset_names),
                 "error_class": self.error_class,
                 "flags": self.flags,
+                **({"keys": list(self.keys)} if self.keys else {}),
+                **({"samples": list(self.samples)} if self.samples else {}),
             }
         ).decode()
 
@@ -90,12 +99,12 @@ class Spelling:
 
 COMMAND = Spelling(
     "--state done",
-    "--dataset, --flag, --error-class",
+    "--dataset, --flag, --error-class, --key",
     "--all",
     "--max-tokens",
     "; --dry-run shows what would move",
 )
-API = Spelling("state='done'", "datasets, flags, error_class", "all=True", "max_tokens")
+API = Spelling("state='done'", "datasets, flags, error_class, keys", "all=True", "max_tokens")
 
 
 def checked_selection(
@@ -107,6 +116,8 @@ def checked_selection(
     everything: bool = False,
     max_tokens: int | None = None,
     spelling: Spelling = API,
+    keys: Sequence[str] = (),
+    samples: Sequence[int] = (),
 ) -> Selection:
     """The items a requeue may move, or ConfigError: quality flags imply done items, and
     done items (whose answers would be generated again) need a filter or ``everything``.
@@ -119,13 +130,18 @@ def checked_selection(
         raise ConfigError(unknown(error_class))
     if max_tokens is not None and (want := expected("max_tokens", max_tokens)):
         raise ConfigError(f"{spelling.max_tokens}: must be {want}, got {shown(max_tokens)}")
-    if state == "done" and not (dataset_names or flags or error_class or everything):
+    if state == "done" and not (dataset_names or flags or error_class or keys or everything):
         raise ConfigError(
             f"requeue {spelling.state_done} sends answers back to be generated again: name "
             f"which ({spelling.filters}), or say {spelling.everything}{spelling.hint}"
         )
     return Selection(
-        state=state, dataset_names=tuple(dataset_names), error_class=error_class, flags=flags
+        state=state,
+        dataset_names=tuple(dataset_names),
+        error_class=error_class,
+        flags=flags,
+        keys=tuple(keys),
+        samples=tuple(samples),
     )
 
 

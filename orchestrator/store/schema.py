@@ -48,6 +48,12 @@ datasets = sa.Table(
     # Where items go: chat (/v1/chat/completions) | completions (/v1/completions, a plain
     # prompt, for base models and few-shot prompts).
     sa.Column("endpoint", sa.String(16), nullable=False, server_default="chat"),
+    # Answers per prompt (items.sample), the seeds a user gave them (JSON list; NULL:
+    # derived from each key), and how they are asked for: n (one request with n
+    # choices) or seeds (a request per sample; what n becomes on a server ignoring it).
+    sa.Column("samples", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("draw_seeds", sa.Text, nullable=True),
+    sa.Column("draw_mode", sa.String(8), nullable=False, server_default="n"),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
 )
@@ -85,7 +91,10 @@ items = sa.Table(
     # it holds (the turns the model writes again), estimated from their text; 0: none.
     # Claims take the longest first (``store.queue``).
     sa.Column("predicted_tokens", sa.Integer, nullable=False, server_default="0"),
-    sa.UniqueConstraint("dataset_id", "key"),
+    # Several samples per prompt (migration 0015): each is its own row, numbered from 0,
+    # sharing the prompt's key, position and request; 0 for a dataset of one sample.
+    sa.Column("sample", sa.Integer, nullable=False, server_default="0"),
+    sa.UniqueConstraint("dataset_id", "key", "sample"),
     sa.CheckConstraint("state IN ('pending', 'running', 'done', 'failed')", name="state_valid"),
     # A running row always carries its fence; no other state does.
     sa.CheckConstraint("(state = 'running') = (lease_token IS NOT NULL)", name="lease_iff_running"),
@@ -98,6 +107,7 @@ sa.Index(
     items.c.dataset_id,
     items.c.predicted_tokens.desc(),
     items.c.position,
+    items.c.sample,
     sqlite_where=items.c.state == "pending",
     postgresql_where=items.c.state == "pending",
 )

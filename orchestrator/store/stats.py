@@ -41,8 +41,17 @@ STATES = ("pending", "running", "done", "failed")
 # would not match the index's WHERE).
 _QUERIES: dict[str, str] = {
     "datasets": (
-        "SELECT id, name, paused, concurrency, priority, passthrough, params"
+        "SELECT id, name, paused, concurrency, priority, passthrough, params, samples"
         " FROM datasets ORDER BY name"
+    ),
+    # Prompts of datasets with several samples each, and those whose every sample is
+    # done; read only for such datasets (one row per prompt and sample).
+    "prompts": (
+        "SELECT p.dataset_id, count(*), sum(CASE WHEN p.done = d.samples THEN 1 ELSE 0 END)"
+        " FROM (SELECT dataset_id, sum(CASE WHEN state = 'done' THEN 1 ELSE 0 END) AS done"
+        " FROM items WHERE dataset_id IN (SELECT id FROM datasets WHERE samples > 1)"
+        ' GROUP BY dataset_id, "key") AS p JOIN datasets AS d ON d.id = p.dataset_id'
+        " GROUP BY p.dataset_id"
     ),
     "counts": "SELECT dataset_id, state, count(*) FROM items GROUP BY dataset_id, state",
     "overall": (
@@ -272,7 +281,7 @@ def _document(
     names = {row[0]: row[1] for row in rows["datasets"]}
     entries = []
     work: list[dict[str, Any]] = []
-    for ds_id, name, paused, concurrency, priority, passthrough, ds_params in rows["datasets"]:
+    for ds_id, name, paused, concurrency, priority, passthrough, ds_params, _ in rows["datasets"]:
         entry = _dataset_figures(
             state_counts[ds_id],
             overall_by.get(ds_id),
@@ -307,6 +316,7 @@ def _document(
                 "structured": _structured(ds_id, ds_params, rows["flags"], state_counts[ds_id]),
             }
         )
+    _count_prompts(entries, rows)
     workers = [_worker(row, now) for row in rows["workers"]]
     live = sum(w["in_flight"] for w in workers if not w["stopped"] and not w["silent"])
     busy = _busy(entries, now, window)
@@ -330,6 +340,18 @@ def _document(
     }
     ids = [row[0] for row in rows["datasets"]]
     return Snapshot(document, ids, [_work(**w, busy=busy) for w in work], live)
+
+
+def _count_prompts(entries: list[dict[str, Any]], rows: Found) -> None:
+    """Items are samples: each entry says its samples per prompt and counts its prompts
+    (done: every sample done), which differ from its items only with several samples."""
+    prompts_by = {r[0]: {"total": r[1], "done": int(r[2] or 0)} for r in rows["prompts"]}
+    for entry, row in zip(entries, rows["datasets"], strict=True):
+        counts = entry["counts"]
+        entry["samples"] = row[7] or 1
+        entry["prompts"] = prompts_by.get(
+            row[0], {"total": counts["total"], "done": counts["done"]}
+        )
 
 
 def _predicted_by(rows: Found) -> dict[int, dict[str, Any]]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -17,6 +17,7 @@ import structlog
 from orchestrator import error_classes as ec
 from orchestrator.client import Completion, InferenceClient, Streamed
 from orchestrator.conversation import stops_after, turn_messages
+from orchestrator.draws import seed_of
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.params import item_body
 from orchestrator.servers import ServerPool, request_tokens
@@ -26,7 +27,15 @@ from orchestrator.worker import classify
 from orchestrator.worker.claim import Claimed
 from orchestrator.worker.classify import where
 from orchestrator.worker.config import WorkerConfig
-from orchestrator.worker.outcomes import Advance, Done, Failed, Outcome, Rejected, Release
+from orchestrator.worker.outcomes import (
+    Advance,
+    Done,
+    Failed,
+    Outcome,
+    Rejected,
+    Release,
+    Retry,
+)
 
 log = structlog.get_logger("orchestrator.worker")
 
@@ -41,6 +50,10 @@ class Caller:
     submit: Callable[[Outcome], None]
     #: The context length a server said a model has (``/v1/models``), or None.
     context_of: Callable[[str, Any], int | None] = lambda server, model: None
+    #: Called once a server is found to ignore ``n`` for a dataset (its id): the
+    #: dataset's samples are asked for one request each from then on.
+    ignores_n: Callable[[int], Awaitable[None]] | None = None
+    _fell_back: set[int] = field(default_factory=set)
 
     async def item(self, held: Claimed, info: DatasetInfo) -> Outcome | None:
         """Call a server for one item (each of its turns, for a multi-turn item); say
@@ -77,7 +90,7 @@ class Caller:
     ) -> Outcome | Output:
         """One request: its answer, or what should become of the item (``streamed``
         hears the tokens its stream says as they come)."""
-        body = item_body(info.params, lease.request)
+        body = item_body(info.params, lease.request, seed(lease, info))
         if lease.turns > 1 or info.regenerate == "all":
             # Every turn of such an item, its only one too, is asked without its original
             # answer, which the stored conversation still holds.
@@ -94,13 +107,13 @@ class Caller:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         epoch = self.pool.states[server].epoch
         asked, sent = await self._fitting(server, info, body, streamed)
-        if not isinstance(sent, Completion):
+        if not isinstance(sent, list):
             if self.pool.states[server].epoch != epoch and not isinstance(sent[0], PermanentError):
                 # A launched server died under the request: an outage, not the item's.
                 reason = f"the server died during the request: {sent[0]}"
                 return Release(lease, Failure(ec.UNAVAILABLE, reason, server), time.time())
             return await self._failed(lease, info, server, asked, *sent)
-        completion = sent
+        completion = sent[0]
         usage = completion.usage or {}
         self.pool.succeeded(server, usage.get("completion_tokens") or 0, completion.latency)
         log.debug(
@@ -121,14 +134,14 @@ class Caller:
 
     async def _fitting(
         self, server: str, info: DatasetInfo, body: dict[str, Any], streamed: Streamed | None
-    ) -> tuple[dict[str, Any], Completion | tuple[Exception, float | None]]:
+    ) -> tuple[dict[str, Any], list[Completion] | tuple[Exception, float | None]]:
         """The body last sent, and what :meth:`_send` made of it: with ``on_overflow =
         "fit"``, a request the server refused as longer than its context is sent again at
         once, with ``max_tokens`` lowered to what fits. It is the same attempt, and no
         failure of the server's: neither the item's attempts nor the breaker hear of the
         refusal."""
         sent = await self._send(server, body, streamed, info.endpoint)
-        if isinstance(sent, Completion) or not isinstance(sent[0], PermanentError):
+        if isinstance(sent, list) or not isinstance(sent[0], PermanentError):
             return body, sent
         said = classify.overflowed(sent[0], body, self.context_of(server, body.get("model")))
         smaller = classify.fitted(info, body, said) if said is not None else None
@@ -138,23 +151,82 @@ class Caller:
 
     async def _send(
         self, server: str, body: dict[str, Any], streamed: Streamed | None, endpoint: str
-    ) -> Completion | tuple[Exception, float | None]:
-        """The request, once the server's pacer lets it go: the answer, or the error and
-        the seconds the server has answered nothing but 429 (past the warning's time)."""
+    ) -> list[Completion] | tuple[Exception, float | None]:
+        """The request, once the server's pacer lets it go: the answer (each of its
+        choices), or the error and the seconds the server has answered nothing but 429
+        (past the warning's time)."""
         self.pool.request_started(server)
         try:
             ticket = await self.pool.pace(server, request_tokens(body))
             try:
-                completion = await self.client.chat(server, body, streamed, endpoint=endpoint)
+                completion = await self.client.chat_choices(
+                    server, body, streamed, endpoint=endpoint
+                )
             except Exception as exc:  # a bug here must not take the other requests down
                 return exc, self.pool.paced(server, ticket, exc)
             except BaseException as exc:  # cancelled: no longer in flight, for the pacer
                 self.pool.paced(server, ticket, exc)
                 raise
-            self.pool.paced(server, ticket, completion)
+            self.pool.paced(server, ticket, completion[0])
             return completion
         finally:
             self.pool.request_ended(server)
+
+    async def draws(self, leases: list[Lease], info: DatasetInfo) -> list[Outcome]:
+        """Samples of one prompt (consecutive seeds, the first's given) in one request
+        with ``n`` choices: one outcome per lease, in order. The prompt is prefilled
+        once. A server that answers fewer choices ignores ``n``: the dataset falls back
+        to a request per sample (logged once), and the samples left are asked so now."""
+        lease = leases[0]
+        body = item_body(info.params, lease.request, seed(lease, info))
+        body["n"] = len(leases)
+        server = self.pool.pick(body.get("messages") or body.get("prompt"))
+        if server is None:
+            failure = Failure(ec.UNAVAILABLE, "no server reachable")
+            return [Release(each, failure, time.time()) for each in leases]
+        asked, sent = await self._fitting(server, info, body, None)
+        if not isinstance(sent, list):
+            first = await self._failed(lease, info, server, asked, *sent)
+            exc = sent[0]
+            return [first, *(_failed_too(e, first, exc, info, self.config) for e in leases[1:])]
+        choices = sent
+        tokens = sum((c.usage or {}).get("completion_tokens") or 0 for c in choices)
+        self.pool.succeeded(server, tokens, choices[0].latency)
+        outcomes = []
+        for each, answer in zip(leases, choices, strict=False):
+            result = classify.answered(each, info, asked, answer, self.config)
+            if asked is not body and isinstance(result, Output):
+                result = classify.reduced(result, each, asked)
+            outcomes.append(_done(each, result))
+        if len(choices) < len(leases):
+            await self._n_ignored(info, server, len(leases), len(choices))
+            rest = leases[len(choices) :]
+            outcomes += await asyncio.gather(*(self._one(each, info) for each in rest))
+        return outcomes
+
+    async def _one(self, lease: Lease, info: DatasetInfo) -> Outcome:
+        """One sample asked alone, with its own seed."""
+        return _done(lease, await self.turn(lease, info))
+
+    async def _n_ignored(self, info: DatasetInfo, server: str, asked: int, got: int) -> None:
+        if info.id in self._fell_back:
+            return
+        self._fell_back.add(info.id)
+        log.warning(
+            "n_ignored", dataset=info.name, server=server, asked=asked, choices=got,
+            falls_back_to="seeds",
+        )  # fmt: skip
+        if self.ignores_n is not None:
+            await self.ignores_n(info.id)
+
+    def asks_together(self, info: DatasetInfo) -> bool:
+        """Whether the dataset's samples go out as one request with ``n`` choices."""
+        return (
+            info.samples > 1
+            and info.draw_mode == "n"
+            and info.regenerate == "last"
+            and info.id not in self._fell_back
+        )
 
     async def _failed(
         self,
@@ -195,3 +267,33 @@ class Caller:
             log.exception("item_crashed", item=lease.item_id, key=lease.key)
             exc = InferenceError(f"{type(exc).__name__}: {exc}", error_class=ec.INTERNAL)
         return classify.retry_or_fail(lease, exc, None, self.config, server=server)
+
+
+def seed(lease: Lease, info: DatasetInfo) -> int | None:
+    """The seed a sample is asked with: none for a dataset of one unseeded sample."""
+    if info.samples <= 1 and not info.draw_seeds:
+        return None
+    return seed_of(lease.key, lease.sample, info.draw_seeds)
+
+
+def _done(lease: Lease, result: Outcome | Output) -> Outcome:
+    return Done(lease, result) if isinstance(result, Output) else result
+
+
+def _failed_too(
+    lease: Lease, first: Outcome, exc: Exception, info: DatasetInfo, config: WorkerConfig
+) -> Outcome:
+    """What a request's failure makes of another sample it asked for, decided for that
+    sample (its own attempts) as the first sample's was; the server heard of it once."""
+    if isinstance(first, Release):
+        return Release(lease, first.failure, first.not_before)
+    if isinstance(first, Rejected):
+        failure = Failure(first.failure.error_class, first.message, first.server)
+        return Rejected(lease, first.server, first.message, failure, first.settings)
+    if isinstance(first, Retry | Failed):
+        server = first.failure.server
+        if not isinstance(exc, InferenceError):
+            exc = InferenceError(f"{type(exc).__name__}: {exc}", error_class=ec.INTERNAL)
+        after = exc.retry_after if isinstance(exc, TransientError) else None
+        return classify.retry_or_fail(lease, exc, after, config, server=server)
+    return first

@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -47,6 +47,10 @@ class Claimed:
     task: asyncio.Task[None] | None = None
     cancel_reason: str | None = None
     streamed: Streamed | None = None
+    #: Samples of the same prompt asked for in this item's request (``n`` choices);
+    #: each is held too, its ``task`` this one's, and ``follows`` set.
+    draws: list[Lease] = field(default_factory=list)
+    follows: bool = False
 
 
 class Catalog:
@@ -132,6 +136,9 @@ class Claims:
         self._trial_claim: int | None = None  # the dataset of the round's trial claim
         #: A claim is being written: items (a trial, say) may be on their way.
         self.claiming = False
+        #: Whether a buffered lease is asked for in the request of the one started
+        #: before it, the ``count``-th sample after it (``Caller.joins``).
+        self.joins: Callable[[Lease, Lease, int], bool] = lambda first, lease, count: False
 
     @property
     def in_flight(self) -> int:
@@ -222,12 +229,31 @@ class Claims:
             held = self.held.get(lease.item_id)
             if held is None:  # its lease was lost while it waited
                 continue
-            self.active += 1
+            held.draws = self._draws(lease, capacity - self.active - 1)
+            self.active += 1 + len(held.draws)
             held.task = asyncio.create_task(self._start(held), name=f"item {lease.item_id}")
+            for other in held.draws:
+                self.held[other.item_id].task = held.task
 
-    def slot_freed(self) -> None:
-        """An item's answer is in: its slot goes to the next buffered item."""
-        self.active -= 1
+    def _draws(self, first: Lease, room: int) -> list[Lease]:
+        """The samples after ``first`` in the buffer that its request asks for too: each
+        takes a slot, as each is a sequence the server generates."""
+        found: list[Lease] = []
+        while (
+            self.buffer and len(found) < room and self.joins(first, self.buffer[0], len(found) + 1)
+        ):
+            lease = self.buffer.popleft()
+            held = self.held.get(lease.item_id)
+            if held is None:
+                continue
+            held.follows = True
+            found.append(lease)
+        return found
+
+    def slot_freed(self, n: int = 1) -> None:
+        """An item's answer is in: its slot (``n``: the samples it asked for) goes to
+        the next buffered item."""
+        self.active -= n
         self.fill()
 
     def capacity_changed(self) -> None:
@@ -263,7 +289,7 @@ class Claims:
         # Stop working on it (or never start).
         self.held.pop(item_id)
         self._suspects -= entry.lease.suspect
-        if entry.task is not None:
+        if entry.task is not None and not entry.follows:  # the other samples go on
             entry.cancel_reason = "lease_lost"
             entry.task.cancel()
         self.stats.lost += 1

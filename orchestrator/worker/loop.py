@@ -29,11 +29,13 @@ from orchestrator.client import InferenceClient
 from orchestrator.errors import RunStopped, ServersUnreachable, StorageError
 from orchestrator.guard import RunGuard
 from orchestrator.servers import ServerPool
-from orchestrator.store import Database, Queue
+from orchestrator.store import Database, Failure, Lease, Queue
 from orchestrator.store import workers as worker_rows
+from orchestrator.store.datasets import set_draw_mode
 from orchestrator.urls import credentials_sent
 from orchestrator.worker import classify, keeper, stop, summary
 from orchestrator.worker.call import Caller
+from orchestrator.worker.call import seed as call_seed
 from orchestrator.worker.claim import Catalog, Claimed, Claims
 from orchestrator.worker.committer import Committer
 from orchestrator.worker.config import Notifier, Silent, WorkerConfig, WorkerStats, stats_fields
@@ -93,8 +95,14 @@ class Worker:
             unstorable=lambda entry, reason: classify.unstorable(entry, reason, config),
         )
         self.caller = Caller(
-            self.pool, client, config, self.committer.submit, context_of=self.guard.context_of
+            self.pool,
+            client,
+            config,
+            self.committer.submit,
+            context_of=self.guard.context_of,
+            ignores_n=self._ignores_n,
         )
+        self.claims.joins = self._joins
         self.gate = Gate(self.guard, self.committer, self.catalog, client, self._halt)
         self.pool.vet = self.gate.vet
         self._grace = config.grace_seconds
@@ -138,16 +146,52 @@ class Worker:
         return self.stats
 
     async def _process(self, held: Claimed) -> None:
-        """One item: call a server (each turn), then hand its outcome over."""
-        outcome: Outcome | None = None
+        """One item: call a server (each turn), then hand its outcome over; or several
+        samples of one prompt in one request, each outcome handed over together, so one
+        round writes them all."""
+        leases = [held.lease, *held.draws]
+        outcomes: list[Outcome | None] = []
         try:
             info = await self.catalog.get(held.lease.dataset_id)
-            self.gate.started(held.lease, info)
-            outcome = await self.caller.item(held, info)
+            for lease in leases:
+                self.gate.started(lease, info)
+            if held.draws:
+                outcomes = list(await self.caller.draws(leases, info))
+            else:
+                outcomes = [await self.caller.item(held, info)]
         finally:
             # The slot is free once the answer is in; the write happens in a later round.
-            self.claims.slot_freed()
-            self._hand_over(held.lease.item_id, outcome)
+            self.claims.slot_freed(len(leases))
+            outcomes += [None] * (len(leases) - len(outcomes))
+            for lease, outcome in zip(leases, outcomes, strict=True):
+                if (
+                    outcome is None
+                    and lease is not held.lease
+                    and lease.item_id in self.claims.held
+                ):
+                    # The request stopped (its first sample's lease lost, a shutdown):
+                    # the other samples it asked for go back, their attempts given back.
+                    outcome = Release(lease, Failure(ec.SHUTDOWN, _STOPPED), 0.0)
+                self._hand_over(lease.item_id, outcome)
+
+    def _joins(self, first: Lease, lease: Lease, count: int) -> bool:
+        """Whether ``lease`` is asked for in ``first``'s request: the next sample of the
+        same prompt, claimed together, with the next seed, of a dataset asking with n."""
+        info = self.catalog.infos.get(first.dataset_id)
+        return (
+            info is not None
+            and self.caller.asks_together(info)
+            and (lease.dataset_id, lease.key, lease.token)
+            == (first.dataset_id, first.key, first.token)
+            and lease.sample == first.sample + count
+            and lease.turns == 1
+            and call_seed(lease, info) == (call_seed(first, info) or 0) + count
+        )
+
+    async def _ignores_n(self, dataset_id: int) -> None:
+        """A server ignored ``n``: every worker asks this dataset's samples one by one."""
+        with contextlib.suppress(StorageError):
+            await set_draw_mode(self.database, dataset_id, "seeds")
 
     def _hand_over(self, item_id: int, outcome: Outcome | None) -> None:
         """Queue an item's outcome for writing, past the run guard."""
@@ -299,6 +343,9 @@ class Worker:
         """A server came or went, or its cap changed: claim and start what now fits."""
         self.claims.capacity_changed()
         self.committer.poke()
+
+
+_STOPPED = "released: the request that asked for it stopped before its answer came"
 
 
 def _pool(

@@ -100,10 +100,14 @@ PER_TURN = [
 ]
 
 
-def schema(provenance: bool, per_turn: bool = False, parsed: bool = False) -> pa.Schema:
-    """The export's columns: the per-turn ones after ``id``, the provenance ones, then
-    ``parsed`` (the structured answer's JSON text)."""
-    columns = COLUMNS[:1] + (PER_TURN if per_turn else []) + COLUMNS[1:]
+def schema(
+    provenance: bool, per_turn: bool = False, parsed: bool = False, sampled: bool = False
+) -> pa.Schema:
+    """The export's columns: the per-turn ones after ``id`` (or ``sample``, the sample's
+    index, when a dataset has several per prompt), the provenance ones, then ``parsed``
+    (the structured answer's JSON text)."""
+    head = COLUMNS[:1] + ([("sample", pa.int64())] if sampled else [])
+    columns = head + (PER_TURN if per_turn else []) + COLUMNS[1:]
     columns += PROVENANCE if provenance else []
     return pa.schema(columns + ([("parsed", _TEXT)] if parsed else []))
 
@@ -111,7 +115,8 @@ def schema(provenance: bool, per_turn: bool = False, parsed: bool = False) -> pa
 def write_tables(job: _Job, rows: Rows) -> None:
     """Every output of ``job`` as Parquet: one file, or (``split``) a folder per dataset."""
     options = job.options
-    table_schema = schema(options.provenance, options.per_turn, options.parsed)
+    sampled = any(d.samples > 1 for _, group in job.outputs for d in group)
+    table_schema = schema(options.provenance, options.per_turn, options.parsed, sampled)
     for target, group in job.outputs:
         job.restart_index()
         with _Sink(job, target, table_schema) as sink:
