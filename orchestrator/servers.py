@@ -175,21 +175,10 @@ _LAUNCH = re.compile(r"launch\s*=")
 
 
 def _options_cap(options: list[str], where: str) -> Cap | None:
-    """A line's ``concurrency=N|auto``, the one option a server takes."""
-    cap: Cap | None = None
-    for option in options:
-        key, sep, value = option.partition("=")
-        if key != "concurrency" or not sep:
-            more = " (or port=N on a launch line)"
-            raise ConfigError(
-                f"{where}: unknown option {mask(option)!r}; expected concurrency=N or "
-                f"concurrency=auto{more}"
-            )
-        try:
-            cap = parse_cap(value)
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-    return cap
+    """A launch line's ``concurrency=N|auto``, read by the servers lines' own rule
+    (:func:`_server_options`); the other options of a URL line are refused there."""
+    given = _server_options(options, where, keys=("concurrency",))
+    return given.get("concurrency")
 
 
 def _launch_line(line: str, where: str) -> LaunchLine:
@@ -220,22 +209,32 @@ def _launch_line(line: str, where: str) -> LaunchLine:
     return LaunchLine(check_command(words[0], where), _options_cap(options, where), port)
 
 
-def _server_options(options: list[str], where: str) -> dict[str, Any]:
+#: A URL line's options, besides its prices.
+_URL_KEYS = ("concurrency", "rpm", "tpm")
+
+
+def _server_options(
+    options: list[str], where: str, keys: tuple[str, ...] = _URL_KEYS
+) -> dict[str, Any]:
     """A servers file line's ``concurrency=``, ``rpm=``, ``tpm=`` and prices, as
-    :class:`ServerSpec`'s fields."""
+    :class:`ServerSpec`'s fields; ``keys`` narrows them (a launch line: concurrency,
+    beside its ``port=``)."""
     given: dict[str, Any] = {}
     priced: dict[str, float] = {}
+    url_line = keys == _URL_KEYS
     for option in options:
         key, sep, value = option.partition("=")
-        if key in PRICE_OPTIONS and sep:
+        if url_line and key in PRICE_OPTIONS and sep:
             priced[key] = _price(value, key, where)
             continue
-        if key not in ("concurrency", "rpm", "tpm") or not sep:
+        if key not in keys or not sep:
             prices = ", ".join(f"{k}=USD" for k in PRICE_OPTIONS)
-            raise ConfigError(
-                f"{where}: unknown option {mask(option)!r}; expected concurrency=N, "
-                f"concurrency=auto, rpm=N, tpm=N or a price ({prices})"
+            expected = (
+                f"concurrency=N, concurrency=auto, rpm=N, tpm=N or a price ({prices})"
+                if url_line
+                else "concurrency=N or concurrency=auto (or port=N on a launch line)"
             )
+            raise ConfigError(f"{where}: unknown option {mask(option)!r}; expected {expected}")
         try:
             given[key] = parse_cap(value) if key == "concurrency" else parse_per_minute(key, value)
         except ValueError as exc:
