@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow.parquet as pq
 import pytest
 
 from orchestrator.formats.export import FORMATS, REASONING_MODES
+from orchestrator.formats.writers import specforge
 from orchestrator.sim.config import REASONING_MODES as SIM_REASONING
 from tests import oracle
 from tests.helpers import SimProcess, cli, query, start_worker, write_jsonl
@@ -134,20 +136,72 @@ def export(db: str, out: Path, *args: str) -> list[Row]:
     return [orjson.loads(raw) for raw in out.read_bytes().splitlines()]
 
 
+def _bare(messages: list[Row]) -> list[Row]:
+    """Messages without their null keys: a Parquet row has every column of the struct,
+    a JSONL line only the keys the message has."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def check_specforge(
+    lines: list[Row], tmp_path: Path, out: Path, inputs: dict[str, Row]
+) -> list[Row]:
+    """SpecForge's lines and its skipped file hold every input once; each skipped row is
+    one its validator refuses, for the reason given, and no written one is."""
+    skipped_file = out.with_name(f"{out.stem}_skipped.jsonl")
+    skipped = [orjson.loads(raw) for raw in skipped_file.read_bytes().splitlines()]
+    keys = [oracle.key_of(line, inputs) for line in lines + skipped]
+    assert sorted(keys) == sorted(inputs)
+    assert lines and all(line["status"] == "success" for line in lines)
+    for row in lines:
+        assert specforge.problem(row) is None, row["id"]
+    for row in skipped:
+        found = specforge.problem({k: v for k, v in row.items() if k not in ("status", "error")})
+        assert found is not None and row["status"] == "skipped", row["id"]
+        assert row["error"] == found[1], row["id"]
+    return lines
+
+
+def check_parquet(db: str, tmp_path: Path, reasoning: str, lines: list[Row]) -> None:
+    """The Parquet export holds the rows of the messages export, message for message."""
+    out = tmp_path / f"parquet-{reasoning}.parquet"
+    result = cli("export", str(out), "--db", db, "--format", "parquet", "--reasoning", reasoning)
+    assert result.returncode == 0, result.stderr
+    rows = {row["id"]: _bare(row["messages"]) for row in pq.read_table(out).to_pylist()}
+    assert rows == {line["id"]: _bare(line["messages"]) for line in lines}
+
+
+def _reasonings(fmt: str) -> tuple[str, ...]:
+    """The ``--reasoning`` modes a format takes: the Batch API's message keeps it apart,
+    SpecForge keeps it in ``reasoning_content`` or drops it (inline is refused)."""
+    if fmt == "openai-batch":
+        return ("separate",)
+    if fmt == "specforge":
+        return ("separate", "drop")
+    return REASONING_MODES
+
+
 def verify_run(
     db: str, tmp_path: Path, inputs: dict[str, Row], modes: dict[str, str], sim_reasoning: str
 ) -> oracle.Verdict:
     """Every format and reasoning mode of the export, each line checked by the oracle."""
     states = {state for (state,) in query(db, "SELECT DISTINCT state FROM items")}
     assert states == {"done"}
+    # Chat datasets have no raw completions to write: refused, naming the way that fits.
+    refused = cli("export", str(tmp_path / "c.jsonl"), "--db", db, "--format", "completions")
+    assert refused.returncode != 0 and "--format completions is for" in refused.stderr
     checked: oracle.Verdict | None = None
     conversations: dict[str, list[Row]] = {}
-    for fmt in FORMATS:
-        for reasoning in REASONING_MODES if fmt != "openai-batch" else ("separate",):
+    for fmt in (f for f in FORMATS if f not in ("completions", "parquet")):
+        for reasoning in _reasonings(fmt):
             out = tmp_path / f"{fmt}-{reasoning}.jsonl"
             lines = export(db, out, "--format", fmt, "--reasoning", reasoning)
-            keys = [oracle.key_of(line, inputs) for line in lines]
-            assert sorted(keys) == sorted(inputs), (fmt, reasoning)
+            if fmt == "specforge":
+                lines = check_specforge(lines, tmp_path, out, inputs)
+            else:
+                keys = [oracle.key_of(line, inputs) for line in lines]
+                assert sorted(keys) == sorted(inputs), (fmt, reasoning)
+            if fmt == "messages":
+                check_parquet(db, tmp_path, reasoning, lines)
             if fmt == "openai-batch":
                 verdict = oracle.check_batch(lines, conversations)
             else:
