@@ -103,3 +103,30 @@ async def test_scouts_are_taken_in_input_order(database: Database, tmp_path: Pat
     await load(database, tmp_path, "ds", [held(f"k{i}", n) for i, n in enumerate((1, 9, 5, 7))])
     started: set[int] = set()
     assert await claim(database, 3, scouts=2, started=started) == ["k0", "k1", "k3"]
+
+
+async def test_a_prompts_samples_asked_together_are_never_cut_by_a_claim(
+    database: Database, tmp_path: Path
+) -> None:
+    """Whatever a claim wants, scouts or longest first, mixed with another dataset, each
+    prompt of a dataset asking its samples in one request comes whole and in order."""
+    grouped = await load(
+        database, tmp_path, "g", [held(f"g{i}", n) for i, n in enumerate((5, 90, 40, 7, 60))],
+        samples=3,
+    )  # fmt: skip
+    await load(database, tmp_path, "plain", [held(f"p{i}", n) for i, n in enumerate((80, 50))])
+    together = {grouped: 3}
+    started: set[int] = set()
+    seen: list[tuple[str, int]] = []
+    for want in (1, 2, 1, 4, 2, 5, 9):
+        result = await Queue(database).write_round(
+            Round(claim=Claim("w", want, 60.0, scouts=2, started=started, together=together))
+        )
+        got = [(lease.key, lease.sample) for lease in result.leases if lease.dataset_id == grouped]
+        for key in {key for key, _ in got}:
+            assert [s for k, s in got if k == key] == [0, 1, 2], (want, got)
+        # One prompt's samples one after another, nothing between them.
+        keys = [lease.key for lease in result.leases]
+        assert all(keys.index(k) + 2 == len(keys) - 1 - keys[::-1].index(k) for k, _ in got)
+        seen += got
+    assert sorted(seen) == [(f"g{i}", s) for i in range(5) for s in range(3)]

@@ -92,6 +92,20 @@ def test_sigkill_mid_run_then_resume_gives_every_sample_exactly_once(
     assert status["counts"]["done"] == 240
 
 
+def test_every_request_asks_for_all_of_its_prompts_samples(
+    db_url: str, tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """No claim or slot cuts a prompt's samples in two: the scouts, the trial and every
+    later claim take a prompt with all its samples, and a request of four waits for four
+    free slots rather than going out with fewer."""
+    server = sim_process("--latency", "0.02")
+    keys = [f"p{i:06d}" for i in range(30)]
+    _enqueue(db_url, write_jsonl(tmp_path / "in.jsonl", prompts(30)), "--samples", "4")
+    _run(db_url, server, "--concurrency", "10")
+    _check(_export(db_url, tmp_path / "out.jsonl"), keys, 4)
+    assert server.stats()["chat_requests"] == 30
+
+
 def test_a_server_that_ignores_n_is_asked_a_request_per_sample(
     tmp_path: Path, sim_process: Callable[..., SimProcess]
 ) -> None:

@@ -251,6 +251,10 @@ class Claim:
     #: priority are claimed from together, the longest answers first. A dataset not
     #: listed ranks its items by their prediction alone.
     lengths: Mapping[int, Expected] = field(default_factory=dict)
+    #: Datasets whose samples of a prompt are asked in one request (``n``), with their
+    #: samples per prompt: a prompt's pending samples are claimed together, one after
+    #: another, so that no claim cuts a request in two.
+    together: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -667,22 +671,45 @@ def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
             sequence = _longest_first(conn, room, left, claim.lengths, now)
         got: dict[int, deque[Lease]] = {}
         for dataset_id, n in Counter(sequence).items():
+            grouped = claim.together.get(dataset_id, 0)
             if suspect_slots is None:
                 taken = []
                 if claim.fresh_first:
-                    taken = _claim_from(conn, dataset_id, n, None, lease, fresh=True)
-                taken += _claim_from(conn, dataset_id, n - len(taken), None, lease)
+                    taken = _claim_from(
+                        conn, dataset_id, n, None, lease, fresh=True, grouped=grouped
+                    )
+                taken += _claim_from(conn, dataset_id, n - len(taken), None, lease, grouped=grouped)
             else:
                 taken = []
                 if suspect_slots > 0:
                     taken = _claim_from(conn, dataset_id, min(n, suspect_slots), True, lease)
                     suspect_slots -= len(taken)
-                taken += _claim_from(conn, dataset_id, n - len(taken), False, lease)
-            got[dataset_id] = deque(taken)
+                taken += _claim_from(
+                    conn, dataset_id, n - len(taken), False, lease, grouped=grouped
+                )
+            got[dataset_id] = _prompts(taken)
             left -= len(taken)
-        # In rank order across the datasets: the worker starts them in this order.
-        leases.extend(got[d].popleft() for d in sequence if got[d])
+        # In rank order across the datasets: the worker starts them in this order, a
+        # prompt's samples one after another.
+        for dataset_id in sequence:
+            if got[dataset_id]:
+                leases.extend(got[dataset_id].popleft())
+        for rest in got.values():
+            leases.extend(lease for group in rest for lease in group)
     return leases
+
+
+def _prompts(leases: Sequence[Lease]) -> deque[list[Lease]]:
+    """Leases in runs of one prompt's consecutive samples (each its own run but for the
+    samples of a prompt claimed together)."""
+    runs: deque[list[Lease]] = deque()
+    for lease in leases:
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.key == lease.key and lease.sample == last.sample + 1:
+            runs[-1].append(lease)
+        else:
+            runs.append([lease])
+    return runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -764,7 +791,12 @@ def _scouts(
         # A dataset whose every item is back to pending may hold the items a dead
         # worker was on: scouts are never those, when suspects are rationed.
         fresh = None if claim.suspect_slots is None else False
-        got = _claim_from(conn, dataset_id, n, fresh, lease, in_input_order=True)
+        samples = claim.together.get(dataset_id)
+        if samples:  # n samples' worth of prompts, each with its samples
+            n = max(1, n // samples)
+        got = _claim_from(
+            conn, dataset_id, n, fresh, lease, in_input_order=True, grouped=samples or 0
+        )
         if len(got) < n:
             # Nothing more to take now (a small dataset, or items in backoff):
             # looking again every round would find nothing either.
@@ -820,12 +852,17 @@ def _claimable_datasets(
 
 @functools.lru_cache(maxsize=32)
 def _claim_sql(
-    suspects: bool | None, postgres: bool, in_input_order: bool = False, fresh: bool = False
+    suspects: bool | None,
+    postgres: bool,
+    in_input_order: bool = False,
+    fresh: bool = False,
+    siblings: bool = False,
 ) -> str:
     """Take up to :n pending items of a dataset, longest predicted answer first (or in
     input order): suspects only, none, or (None) any; ``fresh``: only items never put
-    back (no error kept). Suspects go in input order (``ix_items_suspect``): they are
-    taken one at a time.
+    back (no error kept); ``siblings``: the later samples of one prompt (its
+    ``:predicted`` and ``:position``, past ``:sample``, an ``ix_items_longest`` range).
+    Suspects go in input order (``ix_items_suspect``): they are taken one at a time.
 
     On PostgreSQL rows another claim has locked are skipped, not waited for; a row
     claimed and committed since this statement's snapshot is re-checked under the lock
@@ -840,6 +877,8 @@ def _claim_sql(
         )
     if fresh:
         only += " AND error_class IS NULL"
+    if siblings:
+        only += " AND predicted_tokens = :predicted AND position = :position AND sample > :sample"
     lock = " FOR UPDATE SKIP LOCKED" if postgres else ""
     # Input order by id for scouts: ix_items_dataset_state holds it (its entries end in
     # the row id), where ordering by position would sort every pending row.
@@ -869,9 +908,12 @@ def _claim_from(
     *,
     in_input_order: bool = False,
     fresh: bool = False,
+    grouped: int = 0,
 ) -> list[Lease]:
     """Claim ``n`` of a dataset's items: suspects only, none, or (None) any; ``fresh``:
-    only those never put back; the leases in the order they were ranked."""
+    only those never put back; the leases in the order they were ranked. ``grouped``
+    (a dataset's samples per prompt, asked in one request): each prompt claimed comes
+    with its later pending samples, after it, beyond ``n``."""
     if n <= 0:
         return []
     st = _Statements(conn)
@@ -890,6 +932,8 @@ def _claim_from(
         rows.sort(key=lambda r: (r[2], r[10]))
     else:
         rows.sort(key=lambda r: (-r[9], r[2], r[10]))
+    if grouped > 1:
+        rows = _with_siblings(st, rows, params, grouped)
     resumed = _generated_turns(conn, [r[0] for r in rows if r[6] > 0])
     token, expires = lease.token, lease.expires
     leases = []
@@ -916,6 +960,28 @@ def _claim_from(
             )
         )
     return leases
+
+
+def _with_siblings(
+    st: _Statements, rows: list[tuple[Any, ...]], params: dict[str, Any], samples: int
+) -> list[tuple[Any, ...]]:
+    """``rows`` with each prompt's later pending samples claimed too, after its last one
+    (a statement only for a prompt whose last sample is not among them)."""
+    claimed = {(r[2], r[10]) for r in rows}
+    sql = _claim_sql(None, st.postgres, siblings=True)
+    out: list[tuple[Any, ...]] = []
+    for row in rows:
+        out.append(row)
+        position, predicted, sample = row[2], row[9], row[10]
+        if sample >= samples - 1 or (position, sample + 1) in claimed:
+            continue
+        more = st.rows(
+            sql,
+            {**params, "n": samples - 1 - sample, "predicted": predicted,
+             "position": position, "sample": sample},
+        )  # fmt: skip
+        out.extend(sorted(more, key=lambda r: r[10]))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

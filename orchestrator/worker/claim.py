@@ -11,6 +11,7 @@ trial item first, and claiming pauses while no server is up (``orchestrator.guar
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -139,6 +140,9 @@ class Claims:
         #: Whether a buffered lease is asked for in the request of the one started
         #: before it, the ``count``-th sample after it (``Caller.joins``).
         self.joins: Callable[[Lease, Lease, int], bool] = lambda first, lease, count: False
+        #: Whether a dataset's samples of a prompt go out in one request
+        #: (``Caller.asks_together``): they are then claimed, and started, together.
+        self.together: Callable[[DatasetInfo], bool] = lambda info: False
 
     @property
     def in_flight(self) -> int:
@@ -157,6 +161,7 @@ class Claims:
         now = time.monotonic()
         concurrency = self.pool.capacity()
         scope = self.catalog.scope()
+        together = {d.id: d.samples for d in scope if self.together(d)}
         trial = self.guard.trial(scope, self.held, now)
         if trial is not None and self.active + len(self.buffer) < concurrency:
             # One item of a dataset not yet answered in this run, before any more of it:
@@ -164,7 +169,10 @@ class Claims:
             # (its only ones left may be those).
             self._trial_claim = trial.id
             lease_seconds = self.config.lease_seconds
-            return Claim(self.owner, 1, lease_seconds, (trial.name,), None, fresh_first=True)
+            return Claim(
+                self.owner, 1, lease_seconds, (trial.name,), None, fresh_first=True,
+                together=together,
+            )  # fmt: skip
         if now < self._next_claim:
             return None
         prefetch = min(concurrency // 2, int(self._rate.per_second() * 0.02))
@@ -187,6 +195,7 @@ class Claims:
             scouts=SCOUTS,
             started=self._started,
             lengths=self.catalog.lengths,
+            together=together,
         )
 
     def deliver(self, leases: list[Lease], claim: Claim) -> None:
@@ -225,6 +234,8 @@ class Claims:
             return
         capacity = self.pool.capacity()
         while self.buffer and self.active < capacity:
+            if self.active and self._cut(capacity - self.active):
+                break  # a request of several samples waits for room for them all
             lease = self.buffer.popleft()
             held = self.held.get(lease.item_id)
             if held is None:  # its lease was lost while it waited
@@ -234,6 +245,19 @@ class Claims:
             held.task = asyncio.create_task(self._start(held), name=f"item {lease.item_id}")
             for other in held.draws:
                 self.held[other.item_id].task = held.task
+
+    def _cut(self, room: int) -> bool:
+        """Whether the samples the next buffered lease's request asks for take more than
+        ``room`` slots: started now, it would ask for some only and leave the others to
+        requests of their own. Such a request waits for the slots (unless nothing is
+        running: a request larger than the capacity goes as large as it fits)."""
+        first = self.buffer[0]
+        size = 1
+        for lease in itertools.islice(self.buffer, 1, None):
+            if size > room or not self.joins(first, lease, size):
+                break
+            size += 1
+        return size > room
 
     def _draws(self, first: Lease, room: int) -> list[Lease]:
         """The samples after ``first`` in the buffer that its request asks for too: each

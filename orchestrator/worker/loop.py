@@ -103,6 +103,7 @@ class Worker:
             ignores_n=self._ignores_n,
         )
         self.claims.joins = self._joins
+        self.claims.together = self.caller.asks_together
         self.gate = Gate(self.guard, self.committer, self.catalog, client, self._halt)
         self.pool.vet = self.gate.vet
         self._grace = config.grace_seconds
