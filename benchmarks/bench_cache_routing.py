@@ -4,7 +4,9 @@ the reference for how much of the prompt a cache can serve.
 Workloads: items sharing a prompt prefix (``shared``: groups of items with one long
 system prompt, the stand-in for several samples of one prompt), conversations whose
 every turn is regenerated (``conversations``, many in flight), retries after failures
-(``retries``: a share of requests answered 500, simulator only) and servers of unequal
+(``retries``: a share of requests answered 500, simulator only), the samples of one
+prompt (``samples``: ``--group`` samples a prompt asked in one request with ``n``
+choices; ``samples-seeds``: a request per sample) and servers of unequal
 speed (``unequal``, simulator only). Backends: two real ``llama-server`` processes
 (``--backend llama``) or two simulated servers with a prefix cache (``--backend sim``).
 
@@ -97,12 +99,33 @@ def conversation_rows(n: int) -> list[dict[str, Any]]:
     return rows
 
 
+def sample_rows(n: int) -> list[dict[str, Any]]:
+    """``n // GROUP`` prompts, each asked for GROUP samples (``--samples``): the long
+    system prompt and the question are the same for every sample of a prompt."""
+    return [
+        {
+            "id": f"p{i}",
+            "messages": [
+                {"role": "system", "content": _text(i, 400)},
+                {"role": "user", "content": f"question {i}"},
+            ],
+            "max_tokens": 16,
+        }
+        for i in range(max(1, n // GROUP))
+    ]
+
+
 WORKLOADS: dict[str, tuple[Callable[[int], list[dict[str, Any]]], str]] = {
     "shared": (shared_rows, "last"),
+    "samples": (sample_rows, "last"),
+    "samples-seeds": (sample_rows, "last"),
     "conversations": (conversation_rows, "all"),
     "retries": (shared_rows, "last"),
     "unequal": (conversation_rows, "all"),
 }
+#: Workloads of samples, and how they are asked: one request with n choices, or one
+#: request per sample (``--sample-requests seeds``).
+SAMPLED = {"samples": "n", "samples-seeds": "seeds"}
 
 
 @contextlib.asynccontextmanager
@@ -160,7 +183,8 @@ async def measure(
         path = Path(tmp) / "in.jsonl"
         path.write_bytes(b"\n".join(orjson.dumps(r) for r in make(n)) + b"\n")
         database = await open_database(str(Path(tmp) / "q.db"))
-        spec = DatasetSpec("bench", regenerate=mode)
+        draws = {"samples": GROUP, "draw_mode": SAMPLED[workload]} if workload in SAMPLED else {}
+        spec = DatasetSpec("bench", regenerate=mode, **draws)
         await enqueue(database, spec, iter_records(path, regenerate=mode), path=str(path))
         async with start(workload, servers_used) as urls:
             cfg = WorkerConfig(

@@ -683,6 +683,11 @@ class ServerPool:
         """Requests the healthy servers take at once: what the worker keeps in flight."""
         return sum(st.cap for st in self.states.values() if st.healthy)
 
+    def widest(self) -> int:
+        """The most sequences one request may ask of one server (``n`` samples): the
+        largest cap of a healthy server. llama.cpp refuses an ``n`` above its slots."""
+        return max((st.cap for st in self.states.values() if st.healthy), default=0)
+
     def pick(self, prompt: object = None) -> str | None:
         """The server for a request: the one holding most of ``prompt``'s prefix when it
         holds at least ``CACHE_THRESHOLD`` of it and is not much busier than the

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -442,3 +443,29 @@ def test_llamacpp_honours_n_so_samples_go_out_in_one_request(llama: str, tmp_pat
     # One request answered several samples: they share its response id.
     ids = query(db, "SELECT response_id, count(*) FROM outputs GROUP BY response_id")
     assert any(n > 1 for _, n in ids), ids
+
+
+def test_llamacpp_more_samples_than_slots_are_asked_in_requests_it_takes(
+    llama: str, tmp_path: Path
+) -> None:
+    """llama-server refuses an ``n`` above its slots (a 400 naming the field). Two
+    servers of four slots each make a capacity of eight, yet ten samples of a prompt go
+    out as requests of at most four, the most one of them takes."""
+    with llama_server.LlamaServer(slots=4, context=2048) as small:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post(small.url, "/v1/chat/completions", {
+                "model": MODEL, "messages": dialogue("hello"), "n": 5, "max_tokens": 4,
+            })  # fmt: skip
+        assert refused.value.code == 400 and "'n'" in refused.value.read().decode()
+        db = tmp_path / "q.db"
+        rows = [{"id": f"p{i}", "messages": dialogue(f"question {i}")} for i in range(3)]
+        enqueue(db, rows, "s", "--max-tokens", "8", "--samples", "10")
+        servers = ("--server", llama, "--server", small.url, "--concurrency", "4")
+        result = cli("--log-json", "run", *servers, "--db", str(db), "--exit-when-done")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = export(db)
+    assert [(line["id"], line["sample"]) for line in lines] == [
+        (f"p{i}", s) for i in range(3) for s in range(10)
+    ]
+    sizes = [n for _, n in query(db, "SELECT response_id, count(*) FROM outputs GROUP BY 1")]
+    assert max(sizes) == 4 and sum(sizes) == 30, sizes

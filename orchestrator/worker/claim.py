@@ -234,30 +234,32 @@ class Claims:
             return
         capacity = self.pool.capacity()
         while self.buffer and self.active < capacity:
-            if self.active and self._cut(capacity - self.active):
+            free, widest = capacity - self.active, self.pool.widest()
+            if self.active and self._cut(free, widest):
                 break  # a request of several samples waits for room for them all
             lease = self.buffer.popleft()
             held = self.held.get(lease.item_id)
             if held is None:  # its lease was lost while it waited
                 continue
-            held.draws = self._draws(lease, capacity - self.active - 1)
+            held.draws = self._draws(lease, min(free, widest) - 1)
             self.active += 1 + len(held.draws)
             held.task = asyncio.create_task(self._start(held), name=f"item {lease.item_id}")
             for other in held.draws:
                 self.held[other.item_id].task = held.task
 
-    def _cut(self, room: int) -> bool:
-        """Whether the samples the next buffered lease's request asks for take more than
-        ``room`` slots: started now, it would ask for some only and leave the others to
-        requests of their own. Such a request waits for the slots (unless nothing is
-        running: a request larger than the capacity goes as large as it fits)."""
+    def _cut(self, free: int, widest: int) -> bool:
+        """Whether the next buffered lease's request, as many samples as one server takes
+        (``widest``), needs more than the ``free`` slots: started now, it would ask for
+        some only and leave the others to requests of their own. Such a request waits
+        for the slots (a request larger than the whole capacity goes as large as it
+        fits once nothing is running)."""
         first = self.buffer[0]
         size = 1
         for lease in itertools.islice(self.buffer, 1, None):
-            if size > room or not self.joins(first, lease, size):
+            if size >= widest or size > free or not self.joins(first, lease, size):
                 break
             size += 1
-        return size > room
+        return size > free
 
     def _draws(self, first: Lease, room: int) -> list[Lease]:
         """The samples after ``first`` in the buffer that its request asks for too: each
