@@ -121,6 +121,78 @@ def count_items(db: Path) -> int:
         conn.close()
 
 
+def report(
+    args: argparse.Namespace,
+    runs: list[Measured],
+    floors: list[float],
+    multi: list[float],
+    loads: list[float],
+    prep_seconds: float,
+    startup: float,
+) -> None:
+    """The table and the ratios, from the medians of the passes."""
+    seconds = statistics.median(m.seconds for m in runs)
+    rss = max(m.peak_rss_mb for m in runs)
+    insert_s = statistics.median(floors)
+    multi_s = statistics.median(multi)
+    spread = "" if args.repeat == 1 else f" (median of {args.repeat})"
+    print()
+    print_table(
+        ["path", "rows", "seconds" + spread, "rows/s", "peak RSS"],
+        [
+            [
+                "orchestrator enqueue (subprocess)",
+                f"{args.lines:,}",
+                f"{seconds:.1f}",
+                f"{args.lines / seconds:,.0f}",
+                fmt_mb(rss),
+            ],
+            [
+                "sqlite3 executemany, rows prebuilt",
+                f"{args.lines:,}",
+                f"{insert_s:.1f}",
+                f"{args.lines / insert_s:,.0f}",
+                "-",
+            ],
+            [
+                "read+parse+digest+executemany",
+                f"{args.lines:,}",
+                f"{prep_seconds + insert_s:.1f}",
+                f"{args.lines / (prep_seconds + insert_s):,.0f}",
+                "-",
+            ],
+            [
+                "sqlite3 multi-row INSERT, rows prebuilt",
+                f"{args.lines:,}",
+                f"{multi_s:.1f}",
+                f"{args.lines / multi_s:,.0f}",
+                "-",
+            ],
+        ],
+    )
+    print()
+    if args.repeat > 1:
+        print(
+            "enqueue runs: " + ", ".join(f"{m.seconds:.1f}" for m in runs) + " s; "
+            "executemany: " + ", ".join(f"{f:.1f}" for f in floors) + " s; "
+            "load at each pass: " + ", ".join(f"{x:.2f}" for x in loads)
+        )
+    print(f"interpreter start-up and imports: ~{startup:.2f} s of the enqueue figure")
+    print(
+        f"ratio enqueue / executemany: {seconds / insert_s:.2f}x; "
+        f"/ (read+parse+digest+executemany): {seconds / (prep_seconds + insert_s):.2f}x; "
+        f"/ multi-row INSERT: {seconds / multi_s:.2f}x"
+    )
+    print(
+        f"time {seconds:.1f} s, target ≤ {TARGET_SECONDS:.0f} s: "
+        f"{verdict(seconds, TARGET_SECONDS)}; peak RSS {fmt_mb(rss)}, "
+        f"target ≤ {TARGET_MB:.0f} MB: {verdict(rss, TARGET_MB)}"
+    )
+    print_profile(
+        args.profile, "; timings above include py-spy", what="collapsed stacks, first pass"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=1_000_000)
@@ -175,66 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         del rows
 
-    seconds = statistics.median(m.seconds for m in runs)
-    rss = max(m.peak_rss_mb for m in runs)
-    insert_s = statistics.median(floors)
-    multi_s = statistics.median(multi)
-    spread = "" if args.repeat == 1 else f" (median of {args.repeat})"
-    print()
-    print_table(
-        ["path", "rows", "seconds" + spread, "rows/s", "peak RSS"],
-        [
-            [
-                "orchestrator enqueue (subprocess)",
-                f"{args.lines:,}",
-                f"{seconds:.1f}",
-                f"{args.lines / seconds:,.0f}",
-                fmt_mb(rss),
-            ],
-            [
-                "sqlite3 executemany, rows prebuilt",
-                f"{args.lines:,}",
-                f"{insert_s:.1f}",
-                f"{args.lines / insert_s:,.0f}",
-                "-",
-            ],
-            [
-                "read+parse+digest+executemany",
-                f"{args.lines:,}",
-                f"{prep.seconds + insert_s:.1f}",
-                f"{args.lines / (prep.seconds + insert_s):,.0f}",
-                "-",
-            ],
-            [
-                "sqlite3 multi-row INSERT, rows prebuilt",
-                f"{args.lines:,}",
-                f"{multi_s:.1f}",
-                f"{args.lines / multi_s:,.0f}",
-                "-",
-            ],
-        ],
-    )
-    print()
-    if args.repeat > 1:
-        print(
-            "enqueue runs: " + ", ".join(f"{m.seconds:.1f}" for m in runs) + " s; "
-            "executemany: " + ", ".join(f"{f:.1f}" for f in floors) + " s; "
-            "load at each pass: " + ", ".join(f"{x:.2f}" for x in loads)
-        )
-    print(f"interpreter start-up and imports: ~{startup:.2f} s of the enqueue figure")
-    print(
-        f"ratio enqueue / executemany: {seconds / insert_s:.2f}x; "
-        f"/ (read+parse+digest+executemany): {seconds / (prep.seconds + insert_s):.2f}x; "
-        f"/ multi-row INSERT: {seconds / multi_s:.2f}x"
-    )
-    print(
-        f"time {seconds:.1f} s, target ≤ {TARGET_SECONDS:.0f} s: "
-        f"{verdict(seconds, TARGET_SECONDS)}; peak RSS {fmt_mb(rss)}, "
-        f"target ≤ {TARGET_MB:.0f} MB: {verdict(rss, TARGET_MB)}"
-    )
-    print_profile(
-        args.profile, "; timings above include py-spy", what="collapsed stacks, first pass"
-    )
+    report(args, runs, floors, multi, loads, prep.seconds, startup)
     return 0
 
 

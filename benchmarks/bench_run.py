@@ -144,6 +144,54 @@ def run_worker(
     return RunFigures("orchestrator run", done, m, active, server.cpu_seconds() - before)
 
 
+def report(
+    args: argparse.Namespace,
+    plain: list[RunFigures],
+    bares: list[RunFigures],
+    workers: list[RunFigures],
+    startup: float,
+) -> None:
+    """The table of every pass and the ratios of the median ones."""
+    print()
+    print_table(
+        [
+            "client",
+            "answers",
+            "wall s",
+            "req/s (wall)",
+            "req/s (active)",
+            "client CPU",
+            "server CPU",
+            "peak RSS",
+        ],
+        [f.row() for trio in zip(plain, bares, workers, strict=True) for f in trio],
+    )
+    bare = min(bares, key=lambda f: abs(f.wall_rps - median(b.wall_rps for b in bares)))
+    worker = min(workers, key=lambda f: abs(f.wall_rps - median(w.wall_rps for w in workers)))
+    ratio_wall = worker.wall_rps / bare.wall_rps
+    ratio_active = worker.active_rps / bare.active_rps
+    print()
+    print(
+        f"wall: whole subprocess, including ~{startup:.2f} s to start Python and import the "
+        "CLI and store; active: first request sent to last answer (bare) / committed "
+        "(worker). CPU figures are shares of one core over wall."
+    )
+    print(
+        f"ratio worker/bare (median passes): {ratio_wall:.2f} (wall), {ratio_active:.2f} (active); "
+        f"target ≥ {TARGET_RATIO}: {verdict(ratio_wall, TARGET_RATIO, higher_is_better=True)}"
+    )
+    slow = min(plain, key=lambda f: abs(f.wall_rps - median(b.wall_rps for b in plain)))
+    print(
+        "the worker runs on uvloop, as the bare loop it is compared with; against the bare "
+        f"loop on asyncio's own loop: {worker.wall_rps / slow.wall_rps:.2f} (wall), "
+        f"{worker.active_rps / slow.active_rps:.2f} (active)"
+    )
+    print(f"worker peak RSS: {fmt_mb(worker.measured.peak_rss_mb)}")
+    if worker.requests != args.items:
+        print(f"WARNING: {worker.requests:,} of {args.items:,} items have an output")
+    print_profile(args.profile, "; timings above include py-spy")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=20_000)
@@ -195,44 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = str(db).rsplit("/", 1)[-1]
                 _pg(f"{server_url}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
-    print()
-    print_table(
-        [
-            "client",
-            "answers",
-            "wall s",
-            "req/s (wall)",
-            "req/s (active)",
-            "client CPU",
-            "server CPU",
-            "peak RSS",
-        ],
-        [f.row() for trio in zip(plain, bares, workers, strict=True) for f in trio],
-    )
-    bare = min(bares, key=lambda f: abs(f.wall_rps - median(b.wall_rps for b in bares)))
-    worker = min(workers, key=lambda f: abs(f.wall_rps - median(w.wall_rps for w in workers)))
-    ratio_wall = worker.wall_rps / bare.wall_rps
-    ratio_active = worker.active_rps / bare.active_rps
-    print()
-    print(
-        f"wall: whole subprocess, including ~{startup:.2f} s to start Python and import the "
-        "CLI and store; active: first request sent to last answer (bare) / committed "
-        "(worker). CPU figures are shares of one core over wall."
-    )
-    print(
-        f"ratio worker/bare (median passes): {ratio_wall:.2f} (wall), {ratio_active:.2f} (active); "
-        f"target ≥ {TARGET_RATIO}: {verdict(ratio_wall, TARGET_RATIO, higher_is_better=True)}"
-    )
-    slow = min(plain, key=lambda f: abs(f.wall_rps - median(b.wall_rps for b in plain)))
-    print(
-        "the worker runs on uvloop, as the bare loop it is compared with; against the bare "
-        f"loop on asyncio's own loop: {worker.wall_rps / slow.wall_rps:.2f} (wall), "
-        f"{worker.active_rps / slow.active_rps:.2f} (active)"
-    )
-    print(f"worker peak RSS: {fmt_mb(worker.measured.peak_rss_mb)}")
-    if worker.requests != args.items:
-        print(f"WARNING: {worker.requests:,} of {args.items:,} items have an output")
-    print_profile(args.profile, "; timings above include py-spy")
+    report(args, plain, bares, workers, startup)
     return 0
 
 
