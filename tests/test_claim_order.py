@@ -130,3 +130,24 @@ async def test_a_prompts_samples_asked_together_are_never_cut_by_a_claim(
         assert all(keys.index(k) + 2 == len(keys) - 1 - keys[::-1].index(k) for k, _ in got)
         seen += got
     assert sorted(seen) == [(f"g{i}", s) for i in range(5) for s in range(3)]
+
+
+async def test_a_prompts_samples_claimed_together_stay_within_the_datasets_cap(
+    database: Database, tmp_path: Path
+) -> None:
+    """A cap of two with three samples a prompt: no claim holds more than two of its
+    items at once, scouts or not; a prompt's samples then come in parts."""
+    capped = await load(
+        database, tmp_path, "c", [held(f"c{i}", 10) for i in range(3)], samples=3, concurrency=2
+    )
+    queue = Queue(database)
+
+    async def claim_keys(**options: Any) -> list[tuple[str, int]]:
+        claim = Claim("w", 8, 60.0, together={capped: 3}, **options)
+        return [
+            (lease.key, lease.sample)
+            for lease in (await queue.write_round(Round(claim=claim))).leases
+        ]
+
+    assert await claim_keys(scouts=2, started=set()) == [("c0", 0), ("c0", 1)]
+    assert await claim_keys() == []  # the cap is full

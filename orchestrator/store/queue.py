@@ -26,13 +26,14 @@ writes it, every transition out of done sets it aside, in the same transaction.
 from __future__ import annotations
 
 import functools
+import math
 import secrets
 import sqlite3
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import sqlalchemy as sa
@@ -669,24 +670,15 @@ def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
             sequence = [dataset_id] * n
         else:
             sequence = _longest_first(conn, room, left, claim.lengths, now)
+        caps = {dataset_id: cap for dataset_id, cap, _ in level}
         got: dict[int, deque[Lease]] = {}
         for dataset_id, n in Counter(sequence).items():
-            grouped = claim.together.get(dataset_id, 0)
-            if suspect_slots is None:
-                taken = []
-                if claim.fresh_first:
-                    taken = _claim_from(
-                        conn, dataset_id, n, None, lease, fresh=True, grouped=grouped
-                    )
-                taken += _claim_from(conn, dataset_id, n - len(taken), None, lease, grouped=grouped)
-            else:
-                taken = []
-                if suspect_slots > 0:
-                    taken = _claim_from(conn, dataset_id, min(n, suspect_slots), True, lease)
-                    suspect_slots -= len(taken)
-                taken += _claim_from(
-                    conn, dataset_id, n - len(taken), False, lease, grouped=grouped
-                )
+            cap = caps[dataset_id]
+            together = _Together(
+                claim.together.get(dataset_id, 0),
+                None if cap is None else cap - running.get(dataset_id, 0),
+            )
+            taken, suspect_slots = _take(conn, claim, dataset_id, n, lease, suspect_slots, together)
             got[dataset_id] = _prompts(taken)
             left -= len(taken)
         # In rank order across the datasets: the worker starts them in this order, a
@@ -695,8 +687,50 @@ def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
             if got[dataset_id]:
                 leases.extend(got[dataset_id].popleft())
         for rest in got.values():
-            leases.extend(lease for group in rest for lease in group)
+            leases.extend(each for group in rest for each in group)
     return leases
+
+
+class _Together(NamedTuple):
+    """How a dataset's prompts are claimed: with their ``samples`` (0: one by one) when
+    asked in one request, at most ``most`` items in all (its cap's room; None: no cap)."""
+
+    samples: int = 0
+    most: int | None = None
+
+    def after(self, taken: int) -> _Together:
+        return self if self.most is None else self._replace(most=self.most - taken)
+
+
+_ALONE = _Together()
+
+
+def _take(
+    conn: sa.Connection,
+    claim: Claim,
+    dataset_id: int,
+    n: int,
+    lease: _LeaseOf,
+    suspect_slots: int | None,
+    together: _Together,
+) -> tuple[list[Lease], int | None]:
+    """``n`` items of one dataset, never put back first for a trial, suspects within
+    the slots left for them; those taken and the suspect slots still left."""
+    taken: list[Lease] = []
+    if suspect_slots is None:
+        if claim.fresh_first:
+            taken = _claim_from(conn, dataset_id, n, None, lease, fresh=True, together=together)
+        more = _claim_from(
+            conn, dataset_id, n - len(taken), None, lease, together=together.after(len(taken))
+        )
+        return taken + more, None
+    if suspect_slots > 0:
+        taken = _claim_from(conn, dataset_id, min(n, suspect_slots), True, lease)
+        suspect_slots -= len(taken)
+    more = _claim_from(
+        conn, dataset_id, n - len(taken), False, lease, together=together.after(len(taken))
+    )
+    return taken + more, suspect_slots
 
 
 def _prompts(leases: Sequence[Lease]) -> deque[list[Lease]]:
@@ -791,12 +825,13 @@ def _scouts(
         # A dataset whose every item is back to pending may hold the items a dead
         # worker was on: scouts are never those, when suspects are rationed.
         fresh = None if claim.suspect_slots is None else False
-        samples = claim.together.get(dataset_id)
-        if samples:  # n samples' worth of prompts, each with its samples
-            n = max(1, n // samples)
-        got = _claim_from(
-            conn, dataset_id, n, fresh, lease, in_input_order=True, grouped=samples or 0
+        together = _Together(
+            claim.together.get(dataset_id, 0),
+            None if concurrency is None else concurrency - running.get(dataset_id, 0),
         )
+        if together.samples:  # n samples' worth of prompts, each with its samples
+            n = max(1, n // together.samples)
+        got = _claim_from(conn, dataset_id, n, fresh, lease, in_input_order=True, together=together)
         if len(got) < n:
             # Nothing more to take now (a small dataset, or items in backoff):
             # looking again every round would find nothing either.
@@ -908,12 +943,13 @@ def _claim_from(
     *,
     in_input_order: bool = False,
     fresh: bool = False,
-    grouped: int = 0,
+    together: _Together = _ALONE,
 ) -> list[Lease]:
     """Claim ``n`` of a dataset's items: suspects only, none, or (None) any; ``fresh``:
-    only those never put back; the leases in the order they were ranked. ``grouped``
-    (a dataset's samples per prompt, asked in one request): each prompt claimed comes
-    with its later pending samples, after it, beyond ``n``."""
+    only those never put back; the leases in the order they were ranked. With
+    ``together.samples`` (a dataset's samples per prompt, asked in one request) each
+    prompt claimed comes with its later pending samples, after it, beyond ``n`` but
+    within ``together.most``."""
     if n <= 0:
         return []
     st = _Statements(conn)
@@ -932,8 +968,8 @@ def _claim_from(
         rows.sort(key=lambda r: (r[2], r[10]))
     else:
         rows.sort(key=lambda r: (-r[9], r[2], r[10]))
-    if grouped > 1:
-        rows = _with_siblings(st, rows, params, grouped)
+    if together.samples > 1:
+        rows = _with_siblings(st, rows, params, together)
     resumed = _generated_turns(conn, [r[0] for r in rows if r[6] > 0])
     token, expires = lease.token, lease.expires
     leases = []
@@ -963,23 +999,26 @@ def _claim_from(
 
 
 def _with_siblings(
-    st: _Statements, rows: list[tuple[Any, ...]], params: dict[str, Any], samples: int
+    st: _Statements, rows: list[tuple[Any, ...]], params: dict[str, Any], together: _Together
 ) -> list[tuple[Any, ...]]:
     """``rows`` with each prompt's later pending samples claimed too, after its last one
-    (a statement only for a prompt whose last sample is not among them)."""
+    (a statement only for a prompt whose last sample is not among them), as far as the
+    dataset's cap lets."""
     claimed = {(r[2], r[10]) for r in rows}
     sql = _claim_sql(None, st.postgres, siblings=True)
+    spare = math.inf if together.most is None else together.most - len(rows)
     out: list[tuple[Any, ...]] = []
     for row in rows:
         out.append(row)
         position, predicted, sample = row[2], row[9], row[10]
-        if sample >= samples - 1 or (position, sample + 1) in claimed:
+        if spare <= 0 or sample >= together.samples - 1 or (position, sample + 1) in claimed:
             continue
         more = st.rows(
             sql,
-            {**params, "n": samples - 1 - sample, "predicted": predicted,
+            {**params, "n": min(spare, together.samples - 1 - sample), "predicted": predicted,
              "position": position, "sample": sample},
         )  # fmt: skip
+        spare -= len(more)
         out.extend(sorted(more, key=lambda r: r[10]))
     return out
 
