@@ -688,13 +688,15 @@ class ServerPool:
         largest cap of a healthy server. llama.cpp refuses an ``n`` above its slots."""
         return max((st.cap for st in self.states.values() if st.healthy), default=0)
 
-    def pick(self, prompt: object = None) -> str | None:
+    def pick(self, prompt: object = None, previous: str | None = None) -> str | None:
         """The server for a request: the one holding most of ``prompt``'s prefix when it
         holds at least ``CACHE_THRESHOLD`` of it and is not much busier than the
         least-loaded one (``BALANCE_THRESHOLD``), else the healthy server with the lowest
         in-flight/cap (the first listed on a tie). The prompt is then taken as cached
         on the server picked. ``prompt`` is its text, or the request's messages, made
-        text only when there is a choice of server (one server has nothing to choose)."""
+        text only when there is a choice of server (one server has nothing to choose);
+        ``previous``, the server that answered the conversation's turn before, takes it
+        while it has a slot free (see :meth:`_holder`)."""
         best: ServerState | None = None
         load = math.inf
         for state in self.states.values():
@@ -705,12 +707,23 @@ class ServerPool:
         text = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
         hashes = prefix_blocks(text)
         if hashes:
-            best = self._holder(hashes, load) or best
+            best = self._holder(hashes, load, previous) or best
             self.prefixes.add(best.url, hashes)
         return best.url
 
-    def _holder(self, hashes: list[int], lowest: float) -> ServerState | None:
-        """The healthy server holding most of the prompt, if enough and not too busy."""
+    def _holder(
+        self, hashes: list[int], lowest: float, previous: str | None = None
+    ) -> ServerState | None:
+        """The healthy server holding most of the prompt, if enough and not too busy.
+
+        ``previous`` answered the conversation's turn before this one, and kept its slot
+        for this turn while that answer was written: it holds the whole prompt but the
+        new user message, the answer included, which the index (fed the prompts sent)
+        does not know of. It takes the turn whenever it has a slot free."""
+        if previous is not None:
+            state = self.states.get(previous)
+            if state is not None and state.healthy and state.in_flight < state.cap:
+                return state
         holder: ServerState | None = None
         most = 0
         for state in self.states.values():

@@ -77,6 +77,21 @@ def test_a_short_or_unknown_prompt_goes_to_the_least_loaded_server() -> None:
     assert pool.pick(LONG) == "b"
 
 
+def test_a_conversations_next_turn_stays_where_its_last_answer_was_written() -> None:
+    """The index knows the prompts sent, not the answers: a turn whose answer was long
+    shares under half its blocks with what the index knows of its server. The server
+    that answered it holds it all, and kept its slot for it: it takes the turn while it
+    has a slot free, however busy the others are not."""
+    pool = _pool({"a": 4, "b": 4})
+    pool.prefixes.add("b", prefix_blocks(LONG[:PREFIX_BLOCK]))
+    for _ in range(3):
+        pool.request_started("b")  # "b" busier by 3/4 of its cap
+    assert pool.pick(LONG) == "a"  # one block of four known: the load decides
+    assert pool.pick(LONG + " after a long answer", previous="b") == "b"
+    pool.request_started("b")  # now full
+    assert pool.pick(LONG + " after a long answer", previous="b") == "a"
+
+
 def test_a_server_that_went_down_holds_no_prefix() -> None:
     pool = _pool({"a": 4, "b": 4})
     pool.prefixes.add("a", prefix_blocks(LONG))

@@ -59,9 +59,10 @@ class Caller:
         """Call a server for one item (each of its turns, for a multi-turn item); say
         what should become of it. None: the lease went while a turn was being written."""
         lease = held.lease
+        previous: str | None = None
         while True:
             held.streamed = Streamed()
-            result = await self.turn(lease, info, held.streamed)
+            result = await self.turn(lease, info, held.streamed, previous)
             if not isinstance(result, Output):
                 return result
             if lease.turn + 1 >= lease.turns:
@@ -73,6 +74,7 @@ class Caller:
             if not await self._holding(result.server, landed):
                 return None
             lease = held.lease = classify.next_turn(lease, result)
+            previous = result.server
 
     async def _holding(self, server: str | None, landed: asyncio.Future[bool]) -> bool:
         """Wait for a turn's write with its server's slot kept: the next turn goes where
@@ -86,10 +88,15 @@ class Caller:
             self.pool.request_ended(server)
 
     async def turn(
-        self, lease: Lease, info: DatasetInfo, streamed: Streamed | None = None
+        self,
+        lease: Lease,
+        info: DatasetInfo,
+        streamed: Streamed | None = None,
+        previous: str | None = None,
     ) -> Outcome | Output:
         """One request: its answer, or what should become of the item (``streamed``
-        hears the tokens its stream says as they come)."""
+        hears the tokens its stream says as they come; ``previous`` answered the turn
+        before, in this lease: its cache holds the conversation so far)."""
         body = item_body(info.params, lease.request, seed(lease, info))
         if lease.turns > 1 or info.regenerate == "all":
             # Every turn of such an item, its only one too, is asked without its original
@@ -102,7 +109,7 @@ class Caller:
                 return Failed(lease, Failure(ec.CONVERSATION, where(lease) + str(exc)))
         # The prompt as text picks the server holding its prefix (the previous turn's,
         # a retry's, another item's with the same system prompt) in its cache.
-        server = self.pool.pick(body.get("messages") or body.get("prompt"))
+        server = self.pool.pick(body.get("messages") or body.get("prompt"), previous)
         if server is None:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         epoch = self.pool.states[server].epoch
