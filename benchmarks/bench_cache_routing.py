@@ -170,6 +170,13 @@ async def _not_holding(self: Caller, server: str | None, landed: asyncio.Future[
 
 
 KEEP_SLOT = Caller._holding
+_HOLDER = servers.ServerPool._holder
+
+
+def _holder_alone(
+    self: servers.ServerPool, hashes: list[int], lowest: float, previous: str | None = None
+) -> servers.ServerState | None:
+    return _HOLDER(self, hashes, lowest)
 
 
 async def measure(
@@ -177,6 +184,8 @@ async def measure(
 ) -> dict:
     make, mode = WORKLOADS[workload]
     servers.CACHE_THRESHOLD = 0.5 if cache else math.inf
+    # Least-loaded routing knows no previous server either.
+    servers.ServerPool._holder = _HOLDER if cache else _holder_alone  # type: ignore[method-assign]
     Caller._holding = KEEP_SLOT if keep else _not_holding  # type: ignore[method-assign]
     start = sim_servers if backend == "sim" else llama_servers
     with tempfile.TemporaryDirectory() as tmp:
