@@ -673,11 +673,7 @@ def _claim(conn: sa.Connection, claim: Claim, now: float) -> list[Lease]:
         caps = {dataset_id: cap for dataset_id, cap, _ in level}
         got: dict[int, deque[Lease]] = {}
         for dataset_id, n in Counter(sequence).items():
-            cap = caps[dataset_id]
-            together = _Together(
-                claim.together.get(dataset_id, 0),
-                None if cap is None else cap - running.get(dataset_id, 0),
-            )
+            together = _together(claim, dataset_id, caps[dataset_id], running)
             taken, suspect_slots = _take(conn, claim, dataset_id, n, lease, suspect_slots, together)
             got[dataset_id] = _prompts(taken)
             left -= len(taken)
@@ -703,6 +699,15 @@ class _Together(NamedTuple):
 
 
 _ALONE = _Together()
+
+
+def _together(
+    claim: Claim, dataset_id: int, cap: int | None, running: Mapping[int, int]
+) -> _Together:
+    """How the claim takes this dataset's prompts: its samples per prompt if they are
+    asked together, within the room its cap leaves."""
+    room = None if cap is None else cap - running.get(dataset_id, 0)
+    return _Together(claim.together.get(dataset_id, 0), room)
 
 
 def _take(
@@ -825,10 +830,7 @@ def _scouts(
         # A dataset whose every item is back to pending may hold the items a dead
         # worker was on: scouts are never those, when suspects are rationed.
         fresh = None if claim.suspect_slots is None else False
-        together = _Together(
-            claim.together.get(dataset_id, 0),
-            None if concurrency is None else concurrency - running.get(dataset_id, 0),
-        )
+        together = _together(claim, dataset_id, concurrency, running)
         if together.samples:  # n samples' worth of prompts, each with its samples
             n = max(1, n // together.samples)
         got = _claim_from(conn, dataset_id, n, fresh, lease, in_input_order=True, together=together)
