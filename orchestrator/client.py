@@ -64,6 +64,7 @@ import structlog
 import yarl
 
 from orchestrator import error_classes as ec
+from orchestrator import http1
 from orchestrator.answer import Answer
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.quality import UNCLOSED_THINK, flags_of, split_think
@@ -430,7 +431,8 @@ class InferenceClient:
         self.config = config or ClientConfig()
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
-        self.stale_resends = 0
+        self._stale_resends = 0
+        self._lean: http1.Http1Pool | None = None
         self._unpooled: dict[str, float] = {}  # server -> until when its streams go fresh
 
     async def __aenter__(self) -> InferenceClient:
@@ -466,7 +468,15 @@ class InferenceClient:
             self._fresh = self._new_session(fresh=True)
         return self._fresh
 
+    @property
+    def stale_resends(self) -> int:
+        return self._stale_resends + (self._lean.stale_resends if self._lean else 0)
+
     async def close(self) -> None:
+        if self._lean is not None:
+            self._lean.close()
+            self._stale_resends += self._lean.stale_resends
+            self._lean = None
         for session in (self._session, self._fresh):
             if session is not None:
                 await session.close()
@@ -488,7 +498,7 @@ class InferenceClient:
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if not sent.reused or isinstance(exc, aiohttp.ClientConnectorError):
                 raise
-            self.stale_resends += 1
+            self._stale_resends += 1
             if stream_of is not None:
                 self._unpooled[stream_of] = time.monotonic() + self.UNPOOLED_SECONDS
             log.debug("stale_connection_resend", url=url, error=str(exc) or type(exc).__name__)
@@ -543,6 +553,8 @@ class InferenceClient:
         stream = self.config.stream
         body, timeout = self._prepared(body)
         started = time.monotonic()
+        if not stream and self._lean_to(url):
+            return await self._lean_chat(url, server, orjson.dumps(body), started, raw=raw)
         try:
             resp = await self._send(
                 "POST",
@@ -561,7 +573,7 @@ class InferenceClient:
                     choices = await self._read_stream(resp, server, started, progress, raw=raw)
                 else:
                     body_bytes = await _read_capped(resp, limit)
-                    choices = self._parse(body_bytes, resp, server, started, raw=raw)
+                    choices = self._parse(body_bytes, resp.headers, server, started, raw=raw)
                 limits = rate_limits(resp.headers)
                 if limits is None:
                     return choices
@@ -618,17 +630,79 @@ class InferenceClient:
             sock_read=self.config.stream_idle_timeout,
         )
 
+    def _lean_to(self, url: str) -> bool:
+        """Whether a request goes by the lean HTTP/1.1 path (``orchestrator.http1``):
+        plain HTTP, and no Basic credentials, which only the aiohttp session adds."""
+        return url.startswith("http://") and not self.config.basic_auth
+
+    @property
+    def lean(self) -> http1.Http1Pool:
+        if self._lean is None:
+            headers = {"User-Agent": "orchestrator"}
+            if self.config.api_key:
+                headers["Authorization"] = f"Bearer {self.config.api_key}"
+            self._lean = http1.Http1Pool(headers)
+        return self._lean
+
+    async def _lean_chat(
+        self, url: str, server: str, data: bytes, started: float, *, raw: bool
+    ) -> list[Completion]:
+        """A non-streamed request by the lean path, its failures classified as the aiohttp
+        path classifies them."""
+        target = yarl.URL(url)
+        try:
+            async with asyncio.timeout(self.config.request_timeout):
+                resp = await self.lean.post(
+                    target.raw_host or "",
+                    target.port or 80,
+                    target.raw_path_qs,
+                    data,
+                    headers={"Content-Type": "application/json"},
+                    connect_timeout=self.config.connect_timeout,
+                    limit=self.config.max_response_bytes,
+                )
+        except http1.ConnectFailed as exc:
+            raise ServerUnavailable(
+                f"cannot connect to {server}: {exc}", error_class=ec.CONNECT
+            ) from exc
+        except http1.ConnectTimedOut as exc:
+            raise ServerUnavailable(
+                f"connect to {server} timed out", error_class=ec.CONNECT
+            ) from exc
+        except http1.TooLarge as exc:
+            raise _too_large(self.config.max_response_bytes, exc.detail) from exc
+        except TimeoutError as exc:
+            raise TransientError(
+                f"no answer from {server} within {self.config.request_timeout:g}s",
+                error_class=ec.TIMEOUT,
+            ) from exc
+        except http1.Disconnected as exc:
+            raise TransientError(
+                f"{server} closed the connection mid-request: {exc}", error_class=ec.DISCONNECT
+            ) from exc
+        except http1.HttpFailure as exc:
+            raise TransientError(
+                f"{server} connection error: {exc}", error_class=ec.DISCONNECT
+            ) from exc
+        if resp.status != 200:
+            _raise_for_status(resp.status, resp.body, resp.headers)
+        choices = self._parse(resp.body, resp.headers, server, started, raw=raw)
+        limits = rate_limits(resp.headers)
+        if limits is None:
+            return choices
+        return [dataclasses.replace(c, rate_limits=limits) for c in choices]
+
     def _parse(
         self,
         body: bytes,
-        resp: aiohttp.ClientResponse,
+        headers: Any,
         server: str,
         started: float,
         *,
         raw: bool = False,
     ) -> list[Completion]:
         latency = time.monotonic() - started
-        ctype = resp.headers.get("Content-Type", "")
+        ctype = headers.get("Content-Type", "")
         if "json" not in ctype:
             raise TransientError(
                 f"expected a JSON answer, got content type {ctype!r}", error_class=ec.BAD_RESPONSE
