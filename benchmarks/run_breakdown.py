@@ -16,10 +16,11 @@ the writer thread, to measure what the hop to the thread costs (the GIL hand-off
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def instrument(writes_on_loop: bool) -> None:
         Database.run_write = run_write  # type: ignore[method-assign]
 
 
-async def run_worker(db: Path, url: str, concurrency: int) -> tuple[float, int]:
+async def run_worker(db: Path | str, url: str, concurrency: int) -> tuple[float, int]:
     from orchestrator.client import InferenceClient
     from orchestrator.store import open_database
     from orchestrator.worker import Worker, WorkerConfig
@@ -110,12 +111,36 @@ async def run_worker(db: Path, url: str, concurrency: int) -> tuple[float, int]:
         await database.close()
 
 
+@contextlib.contextmanager
+def _database(work: Path, postgres: str | None) -> Iterator[Any]:
+    """A fresh SQLite file in ``work``, or a fresh database on the PostgreSQL server."""
+    if not postgres:
+        for stale in work.glob("breakdown.db*"):
+            stale.unlink()
+        yield work / "breakdown.db"
+        return
+    from bench_run import _pg
+
+    server, name = postgres.rstrip("/"), "orchestrator_breakdown"
+    _pg(f"{server}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    _pg(f"{server}/postgres", f"CREATE DATABASE {name}")
+    try:
+        yield f"{server}/{name}"
+    finally:
+        _pg(f"{server}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--writes-on-loop", action="store_true")
+    parser.add_argument(
+        "--postgres",
+        metavar="SERVER_URL",
+        help="run on a fresh database on this PostgreSQL server, dropped afterwards",
+    )
     args = parser.parse_args(argv)
     print_machine()
 
@@ -125,12 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     instrument(args.writes_on_loop)
     with workdir(args.workdir) as work:
         prompts = write_prompts(work / "prompts.jsonl", args.items)
-        db = work / "breakdown.db"
-        for stale in work.glob("breakdown.db*"):
-            stale.unlink()
-        run_measured(enqueue_argv(prompts, db)).check()
-        with SimServer(mean_tokens=8) as server:
-            seconds, done = aio.run(run_worker(db, server.url, args.concurrency))
+        with _database(work, args.postgres) as db:
+            run_measured(enqueue_argv(prompts, db)).check()
+            with SimServer(mean_tokens=8) as server:
+                seconds, done = aio.run(run_worker(db, server.url, args.concurrency))
 
     print(f"\n{done:,} done in {seconds:.1f} s ({done / seconds:,.0f} req/s, in-process)\n")
     rows = []

@@ -171,12 +171,25 @@ def _fence(st: _Statements, pairs: Sequence[tuple[int, str]]) -> tuple[str, dict
     then keep only the rows whose lease is still the one the caller holds (SQLite takes
     a row-value list as VALUES, PostgreSQL as a list of rows).
     """
+    if st.postgres:
+        # Arrays, not a list of parameters: the statement's text is the same for any
+        # number of rows, so the driver prepares it once rather than once per size.
+        ids = [item_id for item_id, _ in pairs]
+        tokens = [token for _, token in pairs]
+        where = (
+            f"id = ANY({_INTS}) AND (id, lease_token) IN"
+            f" (SELECT * FROM unnest({_INTS}, CAST(:ft AS varchar[]))) AND state = 'running'"
+        )
+        return where, {"fi": ids, "ft": tokens}
     ids, params = _names("i", [item_id for item_id, _ in pairs])
     tokens = {f"t{n}": token for n, (_, token) in enumerate(pairs)}
     rows = ", ".join(f"(:i{n}, :t{n})" for n in range(len(pairs)))
-    listed = rows if st.postgres else f"VALUES {rows}"
-    where = f"id IN ({ids}) AND (id, lease_token) IN ({listed}) AND state = 'running'"
+    where = f"id IN ({ids}) AND (id, lease_token) IN (VALUES {rows}) AND state = 'running'"
     return where, params | tokens
+
+
+#: The fence's item ids as one PostgreSQL array parameter.
+_INTS = "CAST(:fi AS integer[])"
 
 
 def _fenced_update(
@@ -1101,6 +1114,10 @@ def _clear_leftovers(conn: sa.Connection, leases: Sequence[Lease], *, outputs_to
     stale: list[tuple[Any, ...]] = []
     if outputs_too:
         for chunk in _chunks([lease.item_id for lease in leases]):
+            if st.postgres:
+                sql = f"DELETE FROM outputs WHERE item_id = ANY({_INTS}) RETURNING item_id"
+                stale += st.rows(sql, {"fi": chunk})
+                continue
             ids, params = _names("i", chunk)
             sql = f"DELETE FROM outputs WHERE item_id IN ({ids}) RETURNING item_id"
             stale += st.rows(sql, params)
