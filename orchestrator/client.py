@@ -33,6 +33,11 @@ while it sat idle (llama.cpp's server closes after every streamed answer althoug
 headers say keep-alive) fails before any byte of answer arrives: it is sent again at once
 on a new connection, as urllib3 and httpx do, and is no error at all.
 
+Non-streamed requests over plain HTTP (a worker's usual traffic to its own servers) go
+by :mod:`orchestrator.http1`, a lean HTTP/1.1 transport that costs a fraction of the
+CPU of aiohttp's client path; its failures are classified here exactly as aiohttp's are.
+Streams, TLS, Basic credentials and the looks beside the requests go by aiohttp.
+
 A hosted provider's ``x-ratelimit-*`` headers (:class:`RateLimits`) are read from every
 answer, streamed or not, and from a 429: the server pool's pacers learn the provider's
 limits from them (``orchestrator.servers``).
@@ -433,6 +438,7 @@ class InferenceClient:
         self._fresh: aiohttp.ClientSession | None = None
         self._stale_resends = 0
         self._lean: http1.Http1Pool | None = None
+        self._targets: dict[str, tuple[str, int, str]] = {}
         self._unpooled: dict[str, float] = {}  # server -> until when its streams go fresh
 
     async def __aenter__(self) -> InferenceClient:
@@ -638,26 +644,34 @@ class InferenceClient:
     @property
     def lean(self) -> http1.Http1Pool:
         if self._lean is None:
-            headers = {"User-Agent": "orchestrator"}
+            headers = {"User-Agent": "orchestrator", "Content-Type": "application/json"}
             if self.config.api_key:
                 headers["Authorization"] = f"Bearer {self.config.api_key}"
             self._lean = http1.Http1Pool(headers)
         return self._lean
+
+    def _target(self, url: str) -> tuple[str, int, str]:
+        """Host, port and path of a request URL, parsed once per URL."""
+        target = self._targets.get(url)
+        if target is None:
+            parsed = yarl.URL(url)
+            target = (parsed.raw_host or "", parsed.port or 80, parsed.raw_path_qs)
+            self._targets[url] = target
+        return target
 
     async def _lean_chat(
         self, url: str, server: str, data: bytes, started: float, *, raw: bool
     ) -> list[Completion]:
         """A non-streamed request by the lean path, its failures classified as the aiohttp
         path classifies them."""
-        target = yarl.URL(url)
+        host, port, path = self._target(url)
         try:
             async with asyncio.timeout(self.config.request_timeout):
                 resp = await self.lean.post(
-                    target.raw_host or "",
-                    target.port or 80,
-                    target.raw_path_qs,
+                    host,
+                    port,
+                    path,
                     data,
-                    headers={"Content-Type": "application/json"},
                     connect_timeout=self.config.connect_timeout,
                     limit=self.config.max_response_bytes,
                 )

@@ -208,13 +208,22 @@ class _Connection(asyncio.Protocol):
         self.close()
 
 
+def _header_lines(headers: dict[str, str]) -> str:
+    """``Name: value`` lines; a line break or NUL inside would write a header of its own
+    (a key read from a file with one in it), so it is refused, as aiohttp refuses it."""
+    for name, value in headers.items():
+        if any(c in name or c in value for c in "\r\n\0") or ":" in name:
+            raise ValueError(f"the {name!r} header holds a line break or NUL character")
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+
+
 class Http1Pool:
     """Keep-alive connections by ``(host, port)``, unlimited in number like the worker's
     aiohttp connector; ``stale_resends`` counts requests sent again after a :class:`Stale`.
     """
 
     def __init__(self, headers: dict[str, str]):
-        self._head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self._head = _header_lines(headers)
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self.stale_resends = 0
 
@@ -225,12 +234,13 @@ class Http1Pool:
         target: str,
         body: bytes,
         *,
-        headers: dict[str, str],
         connect_timeout: float,
         limit: int,
+        headers: dict[str, str] | None = None,
     ) -> Response:
-        """POST ``body`` to ``target`` (path and query) and read the answer whole."""
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        """POST ``body`` to ``target`` (path and query) with the pool's headers and
+        ``headers``, and read the answer whole."""
+        extra = _header_lines(headers) if headers else ""
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         request = (
             f"POST {target} HTTP/1.1\r\nHost: {authority}\r\n{self._head}{extra}"

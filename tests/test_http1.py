@@ -104,7 +104,7 @@ async def raw() -> AsyncIterator[Callable[[Script], Raw]]:
 async def post(pool: Http1Pool, server: Raw, limit: int = 2**20) -> tuple[int, bytes]:
     port = int(server.url.rsplit(":", 1)[1])
     resp = await pool.post(
-        "127.0.0.1", port, "/v1/chat/completions", b"{}", headers={}, connect_timeout=5, limit=limit
+        "127.0.0.1", port, "/v1/chat/completions", b"{}", connect_timeout=5, limit=limit
     )
     return resp.status, resp.body
 
@@ -274,3 +274,8 @@ async def test_the_request_says_its_host_agent_key_and_length(raw: Callable[[Scr
     assert "Authorization: Bearer sk-test" in lines
     assert "User-Agent: orchestrator" in lines
     assert "Content-Type: application/json" in lines
+
+
+def test_a_header_with_a_line_break_is_refused_not_written() -> None:
+    with pytest.raises(ValueError, match="Authorization"):
+        Http1Pool({"Authorization": "Bearer sk\r\nX-Injected: 1"})

@@ -28,6 +28,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "error_classes",
             "errors",
             "eta",
+            "http1",
             "lazy",
             "lengths",
             "logs",
@@ -110,3 +111,13 @@ def test_the_store_knows_nothing_of_http_or_run_files() -> None:
         for path in files:
             wrong = _imported(ast.parse(path.read_text(encoding="utf-8"))) & banned
             assert not wrong, f"{path.relative_to(PACKAGE)} imports {sorted(wrong)}"
+
+
+def test_only_the_inference_client_speaks_http1() -> None:
+    """The lean HTTP/1.1 path is the client's transport, not a second client."""
+    users = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in _sources()
+        if "http1" in _imported(ast.parse(path.read_text(encoding="utf-8")))
+    )
+    assert users == ["client.py"]
