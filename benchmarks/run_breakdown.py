@@ -11,6 +11,7 @@ takes, how many items each carries, and how long each takes from call to return.
 the writer thread, to measure what the hop to the thread costs (the GIL hand-offs).
 
     python benchmarks/run_breakdown.py [--items 20000] [--concurrency 64] [--writes-on-loop]
+                                       [--postgres SERVER_URL] [--statements]
 """
 
 from __future__ import annotations
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--writes-on-loop", action="store_true")
     parser.add_argument(
+        "--statements", action="store_true", help="time each statement the run executes"
+    )
+    parser.add_argument(
         "--postgres",
         metavar="SERVER_URL",
         help="run on a fresh database on this PostgreSQL server, dropped afterwards",
@@ -148,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logs.configure("warning", json=True)
     instrument(args.writes_on_loop)
+    if args.statements:
+        time_statements()
     with workdir(args.workdir) as work:
         prompts = write_prompts(work / "prompts.jsonl", args.items)
         with _database(work, args.postgres) as db:
@@ -176,7 +182,45 @@ def main(argv: list[str] | None = None) -> int:
         "process's write lock, the writer thread and the event loop, so shares overlap and "
         "do not add up (the two round lines are the same rounds, counted by what they carry)."
     )
+    if args.statements:
+        print_statements()
     return 0
+
+
+# statement text (white space folded, cut) -> [executions, seconds, distinct full texts]
+STATEMENTS: dict[str, list[Any]] = defaultdict(lambda: [0, 0.0, set()])
+
+
+def time_statements() -> None:
+    """Time every statement the run executes, by its text's start: which statements a
+    round's time goes to, and how many distinct texts each has (a text per round size
+    is a statement prepared again each time)."""
+    import sqlalchemy as sa
+    from sqlalchemy import event
+
+    @event.listens_for(sa.engine.Engine, "before_cursor_execute")
+    def _before(conn: Any, _cursor: Any, _stmt: str, *_: Any) -> None:
+        conn.info["statement_started"] = time.perf_counter()
+
+    @event.listens_for(sa.engine.Engine, "after_cursor_execute")
+    def _after(conn: Any, _cursor: Any, stmt: str, *_: Any) -> None:
+        entry = STATEMENTS[" ".join(stmt.split())[:72]]
+        entry[0] += 1
+        entry[1] += time.perf_counter() - conn.info.pop("statement_started")
+        entry[2].add(stmt)
+
+
+def print_statements() -> None:
+    rows = [
+        [text, f"{n:,}", f"{1000 * spent / n:.2f}", f"{spent:.2f}", f"{len(texts):,}"]
+        for text, (n, spent, texts) in sorted(STATEMENTS.items(), key=lambda kv: -kv[1][1])[:8]
+    ]
+    print()
+    print_table(["statement", "executions", "ms each", "seconds", "texts"], rows)
+    print(
+        "\nTimed by SQLAlchemy's cursor events (raw sqlite3 statements of the SQLite hot "
+        "path are not seen; on PostgreSQL every statement is)."
+    )
 
 
 if __name__ == "__main__":
