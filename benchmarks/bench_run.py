@@ -67,9 +67,15 @@ class RunFigures:
             f"{self.wall_rps:,.0f}",
             f"{self.active_rps:,.0f}",
             f"{m.cpu_s / m.seconds:.0%}",
+            f"{self.cpu_us:,.0f}",
             f"{self.server_cpu_s / m.seconds:.0%}",
             fmt_mb(m.peak_rss_mb),
         ]
+
+    @property
+    def cpu_us(self) -> float:
+        """Client CPU microseconds per answered request, start-up included."""
+        return 1e6 * self.measured.cpu_s / self.requests if self.requests else 0.0
 
 
 _SPAN = "SELECT count(*), min(created_at - latency), max(created_at) FROM outputs"
@@ -161,6 +167,7 @@ def report(
             "req/s (wall)",
             "req/s (active)",
             "client CPU",
+            "CPU µs/req",
             "server CPU",
             "peak RSS",
         ],
@@ -185,6 +192,11 @@ def report(
         "the worker runs on uvloop, as the bare loop it is compared with; against the bare "
         f"loop on asyncio's own loop: {worker.wall_rps / slow.wall_rps:.2f} (wall), "
         f"{worker.active_rps / slow.active_rps:.2f} (active)"
+    )
+    print(
+        f"client CPU per answered request, start-up included (median passes): worker "
+        f"{worker.cpu_us:,.0f} µs, "
+        f"bare loop {bare.cpu_us:,.0f} µs ({worker.cpu_us / bare.cpu_us:.2f}x)"
     )
     print(f"worker peak RSS: {fmt_mb(worker.measured.peak_rss_mb)}")
     if worker.requests != args.items:
