@@ -580,41 +580,20 @@ class InferenceClient:
                 else:
                     body_bytes = await _read_capped(resp, limit)
                     choices = self._parse(body_bytes, resp.headers, server, started, raw=raw)
-                limits = rate_limits(resp.headers)
-                if limits is None:
-                    return choices
-                return [dataclasses.replace(c, rate_limits=limits) for c in choices]
+                return _with_limits(choices, resp.headers)
         except aiohttp.ClientConnectorError as exc:
-            raise ServerUnavailable(
-                f"cannot connect to {server}: {exc}", error_class=ec.CONNECT
-            ) from exc
+            raise _transport_error("connect", server, exc, self.config) from exc
         except aiohttp.ConnectionTimeoutError as exc:
-            raise ServerUnavailable(
-                f"connect to {server} timed out", error_class=ec.CONNECT
-            ) from exc
+            raise _transport_error("connect_timeout", server, exc, self.config) from exc
         except aiohttp.SocketTimeoutError as exc:
-            if stream:
-                raise TransientError(
-                    f"no data from {server} for {self.config.stream_idle_timeout:g}s",
-                    error_class=ec.STREAM_IDLE,
-                ) from exc
-            raise TransientError(
-                f"no answer from {server} within {self.config.request_timeout:g}s",
-                error_class=ec.TIMEOUT,
-            ) from exc
+            kind = "idle" if stream else "timeout"
+            raise _transport_error(kind, server, exc, self.config) from exc
         except TimeoutError as exc:
-            raise TransientError(
-                f"no answer from {server} within {self.config.request_timeout:g}s",
-                error_class=ec.TIMEOUT,
-            ) from exc
+            raise _transport_error("timeout", server, exc, self.config) from exc
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            raise TransientError(
-                f"{server} closed the connection mid-request: {exc}", error_class=ec.DISCONNECT
-            ) from exc
+            raise _transport_error("closed", server, exc, self.config) from exc
         except (aiohttp.ClientOSError, aiohttp.ClientResponseError) as exc:
-            raise TransientError(
-                f"{server} connection error: {exc}", error_class=ec.DISCONNECT
-            ) from exc
+            raise _transport_error("broken", server, exc, self.config) from exc
 
     def _prepared(self, body: dict[str, Any]) -> tuple[dict[str, Any], aiohttp.ClientTimeout]:
         """The body as sent (streamed or not, with usage asked of a stream) and its
@@ -675,36 +654,18 @@ class InferenceClient:
                     connect_timeout=self.config.connect_timeout,
                     limit=self.config.max_response_bytes,
                 )
-        except http1.ConnectFailed as exc:
-            raise ServerUnavailable(
-                f"cannot connect to {server}: {exc}", error_class=ec.CONNECT
-            ) from exc
-        except http1.ConnectTimedOut as exc:
-            raise ServerUnavailable(
-                f"connect to {server} timed out", error_class=ec.CONNECT
-            ) from exc
         except http1.TooLarge as exc:
             raise _too_large(self.config.max_response_bytes, exc.detail) from exc
         except TimeoutError as exc:
-            raise TransientError(
-                f"no answer from {server} within {self.config.request_timeout:g}s",
-                error_class=ec.TIMEOUT,
-            ) from exc
-        except http1.Disconnected as exc:
-            raise TransientError(
-                f"{server} closed the connection mid-request: {exc}", error_class=ec.DISCONNECT
-            ) from exc
+            raise _transport_error("timeout", server, exc, self.config) from exc
         except http1.HttpFailure as exc:
-            raise TransientError(
-                f"{server} connection error: {exc}", error_class=ec.DISCONNECT
-            ) from exc
+            kind = _LEAN_FAILURES.get(type(exc), "broken")
+            raise _transport_error(kind, server, exc, self.config) from exc
         if resp.status != 200:
             _raise_for_status(resp.status, resp.body, resp.headers)
-        choices = self._parse(resp.body, resp.headers, server, started, raw=raw)
-        limits = rate_limits(resp.headers)
-        if limits is None:
-            return choices
-        return [dataclasses.replace(c, rate_limits=limits) for c in choices]
+        return _with_limits(
+            self._parse(resp.body, resp.headers, server, started, raw=raw), resp.headers
+        )
 
     def _parse(
         self,
@@ -957,6 +918,49 @@ class _Streamed:
         return bool(self.choices) and all(
             c.finish_reason is not None for c in self.choices.values()
         )
+
+
+def _with_limits(choices: list[Completion], headers: Any) -> list[Completion]:
+    """The choices, with the rate limits the answer's headers said (if any)."""
+    limits = rate_limits(headers)
+    if limits is None:
+        return choices
+    return [dataclasses.replace(c, rate_limits=limits) for c in choices]
+
+
+#: The lean transport's failures by the kind ``_transport_error`` words them as.
+_LEAN_FAILURES: dict[type[http1.HttpFailure], str] = {
+    http1.ConnectFailed: "connect",
+    http1.ConnectTimedOut: "connect_timeout",
+    http1.Disconnected: "closed",
+}
+
+
+def _transport_error(
+    kind: str, server: str, exc: BaseException, config: ClientConfig
+) -> InferenceError:
+    """A request's failure below HTTP, from either transport, classified and worded once:
+    ``connect``, ``connect_timeout``, ``timeout``, ``idle`` (a stream's gap), ``closed``
+    (mid-request) or ``broken`` (anything else on the connection)."""
+    if kind == "connect":
+        return ServerUnavailable(f"cannot connect to {server}: {exc}", error_class=ec.CONNECT)
+    if kind == "connect_timeout":
+        return ServerUnavailable(f"connect to {server} timed out", error_class=ec.CONNECT)
+    if kind == "timeout":
+        return TransientError(
+            f"no answer from {server} within {config.request_timeout:g}s",
+            error_class=ec.TIMEOUT,
+        )
+    if kind == "idle":
+        return TransientError(
+            f"no data from {server} for {config.stream_idle_timeout:g}s",
+            error_class=ec.STREAM_IDLE,
+        )
+    if kind == "closed":
+        return TransientError(
+            f"{server} closed the connection mid-request: {exc}", error_class=ec.DISCONNECT
+        )
+    return TransientError(f"{server} connection error: {exc}", error_class=ec.DISCONNECT)
 
 
 def _index(choice: dict[str, Any]) -> int:
