@@ -95,6 +95,10 @@ class _Connection(asyncio.Protocol):
     async def exchange(self, request: bytes, limit: int) -> Response:
         """Send ``request`` and return its answer; raises :class:`HttpFailure`."""
         assert self.transport is not None
+        if self.lost or self.transport.is_closing():
+            # Lost between the connect and now (a reset right after the accept): a write
+            # would vanish and the answer never come.
+            raise (Stale if self.reused else Disconnected)("the connection was closed")
         self._start()
         self.limit = limit
         self.waiter = asyncio.get_running_loop().create_future()

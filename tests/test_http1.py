@@ -279,3 +279,19 @@ async def test_the_request_says_its_host_agent_key_and_length(raw: Callable[[Scr
 def test_a_header_with_a_line_break_is_refused_not_written() -> None:
     with pytest.raises(ValueError, match="Authorization"):
         Http1Pool({"Authorization": "Bearer sk\r\nX-Injected: 1"})
+
+
+async def test_a_connection_reset_at_once_is_a_disconnect_not_a_wait() -> None:
+    """A server that resets each connection as it accepts it: each request fails fast
+    (nothing written into a closed socket and waited on until the request timeout)."""
+
+    async def reset(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.transport.abort()
+
+    tcp = await asyncio.start_server(reset, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{tcp.sockets[0].getsockname()[1]}"
+    async with tcp, InferenceClient(ClientConfig(request_timeout=30)) as inference:
+        for _ in range(5):
+            with pytest.raises(TransientError) as caught:
+                await asyncio.wait_for(inference.chat(url, {"messages": MESSAGES}), 10)
+            assert caught.value.error_class == "disconnect"
