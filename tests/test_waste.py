@@ -167,7 +167,7 @@ def test_a_sigkilled_workers_requests_are_counted_of_unknown_tokens(
     """The items a killed worker held are found by the next worker (its pid is dead):
     each counts as a request thrown away, tokens unknown; the server finished none of
     them, and every answer it finished is stored."""
-    server = sim_process("--mean-tokens", "10", "--latency", "4")
+    server = sim_process("--mean-tokens", "10", "--latency", "2")
     enqueue(tmp_path, db_url, 30, "--max-tokens", "100")
     worker = start_worker(db_url, server.url, "--concurrency", "6")
     wait_for(lambda: sim_stats(server)["running"] == 6, "six requests in flight")
