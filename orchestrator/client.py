@@ -322,7 +322,7 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _read_prefix(resp: aiohttp.ClientResponse, size: int = 2**16) -> bytes:
+async def _read_prefix(resp: aiohttp.ClientResponse, size: int = http1.ERROR_PREFIX) -> bytes:
     """The start of an error body: enough for its reason, whatever its length."""
     chunks: list[bytes] = []
     received = 0
@@ -557,10 +557,11 @@ class InferenceClient:
         raw = endpoint == "completions"
         url = base_url(server) + ("/v1/completions" if raw else "/v1/chat/completions")
         stream = self.config.stream
-        body, timeout = self._prepared(body)
+        body = self._prepared(body)
         started = time.monotonic()
         if not stream and self._lean_to(url):
             return await self._lean_chat(url, server, orjson.dumps(body), started, raw=raw)
+        timeout = self._timeout()
         try:
             resp = await self._send(
                 "POST",
@@ -595,21 +596,26 @@ class InferenceClient:
         except (aiohttp.ClientOSError, aiohttp.ClientResponseError) as exc:
             raise _transport_error("broken", server, exc, self.config) from exc
 
-    def _prepared(self, body: dict[str, Any]) -> tuple[dict[str, Any], aiohttp.ClientTimeout]:
-        """The body as sent (streamed or not, with usage asked of a stream) and its
-        timeouts: a stream's idle gap is bounded, not only the whole request."""
+    def _prepared(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body as sent: streamed or not, with usage asked of a stream."""
         body = dict(body)
-        stream = self.config.stream
-        body["stream"] = stream
-        if not stream:
+        body["stream"] = self.config.stream
+        if not self.config.stream:
             body.pop("stream_options", None)
-            return body, aiohttp.ClientTimeout(
-                total=self.config.request_timeout, connect=self.config.connect_timeout
-            )
+            return body
         body["stream_options"] = {"include_usage": True}
         if self.config.stream_usage:
             body["stream_options"]["continuous_usage_stats"] = True
-        return body, aiohttp.ClientTimeout(
+        return body
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        """An aiohttp request's timeouts: a stream's idle gap is bounded, not only the
+        whole request."""
+        if not self.config.stream:
+            return aiohttp.ClientTimeout(
+                total=self.config.request_timeout, connect=self.config.connect_timeout
+            )
+        return aiohttp.ClientTimeout(
             total=self.config.request_timeout,
             connect=self.config.connect_timeout,
             sock_read=self.config.stream_idle_timeout,

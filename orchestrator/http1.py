@@ -95,7 +95,7 @@ class _Connection(asyncio.Protocol):
     async def exchange(self, request: bytes, limit: int) -> Response:
         """Send ``request`` and return its answer; raises :class:`HttpFailure`."""
         assert self.transport is not None
-        if self.lost or self.transport.is_closing():
+        if not self.open:
             # Lost between the connect and now (a reset right after the accept): a write
             # would vanish and the answer never come.
             raise (Stale if self.reused else Disconnected)("the connection was closed")
@@ -110,15 +110,12 @@ class _Connection(asyncio.Protocol):
         return Response(self.status, CIMultiDict(self.headers), b"".join(self.chunks))
 
     @property
+    def open(self) -> bool:
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
+
+    @property
     def reusable(self) -> bool:
-        return (
-            self.complete
-            and not self.cut
-            and not self.lost
-            and self.keep_alive
-            and self.transport is not None
-            and not self.transport.is_closing()
-        )
+        return self.complete and self.keep_alive and not self.cut and self.open
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -240,14 +237,12 @@ class Http1Pool:
         *,
         connect_timeout: float,
         limit: int,
-        headers: dict[str, str] | None = None,
     ) -> Response:
-        """POST ``body`` to ``target`` (path and query) with the pool's headers and
-        ``headers``, and read the answer whole."""
-        extra = _header_lines(headers) if headers else ""
+        """POST ``body`` to ``target`` (path and query) with the pool's headers, and read
+        the answer whole."""
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         request = (
-            f"POST {target} HTTP/1.1\r\nHost: {authority}\r\n{self._head}{extra}"
+            f"POST {target} HTTP/1.1\r\nHost: {authority}\r\n{self._head}"
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1") + body
         key = (host, port)
@@ -280,7 +275,7 @@ class Http1Pool:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
+            if conn.open:
                 return conn
         return None
 

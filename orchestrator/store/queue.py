@@ -135,6 +135,15 @@ class _Statements:
         self.raw = _sqlite_driver(conn)
         self.postgres = conn.dialect.name == "postgresql"
 
+    def among(self, column: str, ids: Sequence[int]) -> tuple[str, dict[str, Any]]:
+        """``column`` is one of the item ids ``ids``: on PostgreSQL one array parameter
+        (``:fi``), so the text is the same for any number of ids and the driver prepares
+        it once, not once per size; elsewhere ``IN`` a list of parameters (``:i0``…)."""
+        if self.postgres:
+            return f"{column} = ANY({_INTS})", {"fi": list(ids)}
+        listed, params = _names("i", ids)
+        return f"{column} IN ({listed})", params
+
     def rows(self, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         if self.raw is not None:
             return self.raw.execute(sql, params).fetchall()
@@ -171,24 +180,18 @@ def _fence(st: _Statements, pairs: Sequence[tuple[int, str]]) -> tuple[str, dict
     then keep only the rows whose lease is still the one the caller holds (SQLite takes
     a row-value list as VALUES, PostgreSQL as a list of rows).
     """
-    if st.postgres:
-        # Arrays, not a list of parameters: the statement's text is the same for any
-        # number of rows, so the driver prepares it once rather than once per size.
-        ids = [item_id for item_id, _ in pairs]
-        tokens = [token for _, token in pairs]
-        where = (
-            f"id = ANY({_INTS}) AND (id, lease_token) IN"
-            f" (SELECT * FROM unnest({_INTS}, CAST(:ft AS varchar[]))) AND state = 'running'"
-        )
-        return where, {"fi": ids, "ft": tokens}
-    ids, params = _names("i", [item_id for item_id, _ in pairs])
-    tokens = {f"t{n}": token for n, (_, token) in enumerate(pairs)}
-    rows = ", ".join(f"(:i{n}, :t{n})" for n in range(len(pairs)))
-    where = f"id IN ({ids}) AND (id, lease_token) IN (VALUES {rows}) AND state = 'running'"
+    among, params = st.among("id", [item_id for item_id, _ in pairs])
+    if st.postgres:  # the pairs as two arrays, for the same reason as ``among``'s
+        listed = f"SELECT * FROM unnest({_INTS}, CAST(:ft AS varchar[]))"
+        tokens: dict[str, Any] = {"ft": [token for _, token in pairs]}
+    else:
+        listed = "VALUES " + ", ".join(f"(:i{n}, :t{n})" for n in range(len(pairs)))
+        tokens = {f"t{n}": token for n, (_, token) in enumerate(pairs)}
+    where = f"{among} AND (id, lease_token) IN ({listed}) AND state = 'running'"
     return where, params | tokens
 
 
-#: The fence's item ids as one PostgreSQL array parameter.
+#: Item ids as one PostgreSQL array parameter (``_Statements.among``, the fence).
 _INTS = "CAST(:fi AS integer[])"
 
 
@@ -1114,13 +1117,8 @@ def _clear_leftovers(conn: sa.Connection, leases: Sequence[Lease], *, outputs_to
     stale: list[tuple[Any, ...]] = []
     if outputs_too:
         for chunk in _chunks([lease.item_id for lease in leases]):
-            if st.postgres:
-                sql = f"DELETE FROM outputs WHERE item_id = ANY({_INTS}) RETURNING item_id"
-                stale += st.rows(sql, {"fi": chunk})
-                continue
-            ids, params = _names("i", chunk)
-            sql = f"DELETE FROM outputs WHERE item_id IN ({ids}) RETURNING item_id"
-            stale += st.rows(sql, params)
+            among, params = st.among("item_id", chunk)
+            stale += st.rows(f"DELETE FROM outputs WHERE {among} RETURNING item_id", params)
     for lease in leases:
         if lease.turns > 1:
             sql = "DELETE FROM item_turns WHERE item_id = :i AND turn >= :t RETURNING item_id"
