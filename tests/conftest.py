@@ -64,6 +64,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     )
 
 
+#: Modules whose tests share one daemon set up per module (a Slurm cluster): run by one
+#: process when the suite is spread over several (``pytest -n``, ``--dist loadgroup``).
+SERIAL_GROUPS = {"test_slurm.py": "slurm", "test_launch_slurm.py": "slurm"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = SERIAL_GROUPS.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture
 def backend(request: pytest.FixtureRequest) -> str:
     return getattr(request, "param", "sqlite")

@@ -180,9 +180,12 @@ def test_a_failed_or_slow_look_at_metrics_holds_the_cap_until_they_come(
 def test_a_server_without_metrics_is_tuned_without_them_after_three_looks(
     tmp_path: Path, hostile: Callable[..., Hostile]
 ) -> None:
-    server = hostile("--answer-delay", "0.1")  # no /metrics: 404
+    # No /metrics: 404. Three looks a second apart, then the tuner's first sample of its
+    # own: the run must still be busy at cap 8 well after that (1,000 answers of 0.1 s at
+    # 8 at once take 12.5 s; 400 took 5 s, and a loaded machine ended the run first).
+    server = hostile("--answer-delay", "0.1")
     db = str(tmp_path / "q.db")
-    enqueue(db, 400, tmp_path)
+    enqueue(db, 1000, tmp_path)
     code, stderr = run(db, server, "--concurrency", "auto")
     assert code == 0, stderr[-2000:]
     seen = events(stderr)
