@@ -16,6 +16,7 @@ another process) runs on SQLite only: mark it ``sqlite_only``, or take ``db_path
 from __future__ import annotations
 
 import asyncio
+import compileall
 import concurrent.futures
 import os
 import secrets
@@ -29,7 +30,7 @@ import structlog
 
 from orchestrator.sim import SimConfig, serve
 from orchestrator.store import Database, open_database
-from tests.helpers import STARTED, SimProcess
+from tests.helpers import REPO, STARTED, SimProcess
 
 BACKENDS = ("sqlite", "postgresql")
 PG_SERVER = os.environ.get("ORCHESTRATOR_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
@@ -38,6 +39,16 @@ PG_SERVER = os.environ.get("ORCHESTRATOR_TEST_PG", "postgresql://postgres@127.0.
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sqlite_only: a test about the SQLite file itself")
     config.addinivalue_line("markers", "postgresql: runs against a PostgreSQL database")
+    if not hasattr(config, "workerinput"):  # once, in the process that starts the others
+        _compile_sources()
+
+
+def _compile_sources() -> None:
+    """Byte-compile the package once, before the thousands of processes the tests start
+    import it: with ``PYTHONDONTWRITEBYTECODE`` set (as on many CI machines) and an
+    editable install, each of them would otherwise compile every module it imports."""
+    for folder in ("orchestrator", "migrations", "tests", "scripts"):
+        compileall.compile_dir(REPO / folder, quiet=1)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -17,6 +17,8 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
+import time
 import urllib.request
 from contextlib import closing
 from pathlib import Path
@@ -173,6 +175,37 @@ def start_worker(
     )
     STARTED.append(proc)
     return proc
+
+
+class Heard:
+    """A process's stderr, read as it comes on a thread of its own, so that a test can
+    wait for a line to be said while the process runs (``proc.communicate`` would wait
+    for its end)."""
+
+    def __init__(self, proc: subprocess.Popen[str]):
+        assert proc.stderr is not None
+        self.proc = proc
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, deadline: float = 120.0) -> None:
+        until = time.monotonic() + deadline
+        while not any(text in line for line in self.lines):
+            if time.monotonic() > until or not self._reader.is_alive():
+                raise AssertionError(f"never said {text!r}:\n{''.join(self.lines)[-3000:]}")
+            time.sleep(0.05)
+
+    def text(self, timeout: float = 120.0) -> str:
+        """Everything said, once the process has ended."""
+        self.proc.wait(timeout)
+        self._reader.join(timeout)
+        return "".join(self.lines)
 
 
 def run_on_a_terminal(

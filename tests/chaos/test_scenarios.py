@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import (
+    Heard,
     SimProcess,
     check_export,
     cli,
@@ -76,6 +77,16 @@ def scalar(db: Path, sql: str) -> Any:
     with closing(sqlite3.connect(db)) as conn:
         row = conn.execute(sql).fetchone()
     return row[0] if row else None
+
+
+def wait_until(condition: Callable[[], Any], what: str, deadline: float = 120.0) -> None:
+    """Poll until ``condition`` holds: a worker's start-up takes seconds on a loaded
+    machine, so a fixed sleep may end before it has done anything."""
+    until = time.monotonic() + deadline
+    while not condition():
+        if time.monotonic() > until:
+            raise AssertionError(f"timed out after {deadline:.0f} s waiting for {what}")
+        time.sleep(0.05)
 
 
 def verify_outcome(tmp_path: Path, db: Path, keys: list[str], figures: dict[str, Any]) -> None:
@@ -181,7 +192,8 @@ def test_outage(
     n = 4000
     keys = enqueue(tmp_path, db, n)
     worker = start_worker(db, server.url, "--concurrency", "32", "--exit-when-done")
-    time.sleep(2.5)
+    # The server goes down while the worker is answering, not before it has started.
+    wait_until(lambda: scalar(db, "SELECT count(*) FROM outputs") >= 100, "100 answers")
     server.kill()
     stopped_at = time.time()
     time.sleep(down_for)
@@ -431,13 +443,13 @@ def test_full_disk_then_fixed(
     filler.write_bytes(b"\0" * max(int(free.stdout.split()[-1]) - 150_000, 0))
     server = sim_process("--mean-tokens", "300")
     worker = start_worker(db, server.url, "--concurrency", "8", "--exit-when-done")
-    time.sleep(6)
+    heard = Heard(worker)
+    heard.wait_for("disk holding the database is full")
     done_while_full = scalar(db, "SELECT count(*) FROM items WHERE state = 'done'")
     filler.unlink()
     mounted("-o", "remount,size=64m", source="tmpfs", name="mnt")
-    _, stderr = worker.communicate(timeout=120)
+    stderr = heard.text()
     assert worker.returncode == 0, stderr[-3000:]
-    assert "disk holding the database is full" in stderr
     figures.update(items=200, done_while_full=done_while_full)
     verify_outcome(tmp_path, db, keys, figures)
 
