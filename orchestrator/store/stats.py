@@ -95,14 +95,16 @@ _QUERIES: dict[str, str] = {
     ),
     # Predicted answer lengths of the items left (migration 0009): the pending ones along
     # the partial index ix_items_longest, which holds the prediction; the running ones
-    # along ix_items_running, a few rows.
+    # along ix_items_running, a few rows. ``+dataset_id`` keeps SQLite from grouping
+    # along ix_items_dataset_state instead, a walk of every item (76 ms at 1M items,
+    # 16 ms along the running ones).
     "predicted_pending": (
         "SELECT dataset_id, count(*), coalesce(sum(predicted_tokens), 0) FROM items"
         " WHERE state = 'pending' AND predicted_tokens > 0 GROUP BY dataset_id"
     ),
     "predicted_running": (
-        "SELECT dataset_id, count(*), coalesce(sum(predicted_tokens), 0) FROM items"
-        " WHERE state = 'running' AND predicted_tokens > 0 GROUP BY dataset_id"
+        "SELECT +dataset_id, count(*), coalesce(sum(predicted_tokens), 0) FROM items"
+        " WHERE state = 'running' AND predicted_tokens > 0 GROUP BY +dataset_id"
     ),
     # Tokens thrown away (migration 0013): a row per dataset and cause, read whole.
     "wasted": "SELECT dataset_id, cause, requests, tokens, unknown FROM wasted_tokens",
