@@ -174,9 +174,13 @@ _HOLDER = servers.ServerPool._holder
 
 
 def _holder_alone(
-    self: servers.ServerPool, hashes: list[int], lowest: float, previous: str | None = None
+    self: servers.ServerPool,
+    hashes: list[int],
+    lowest: float,
+    previous: str | None = None,
+    width: int = 1,
 ) -> servers.ServerState | None:
-    return _HOLDER(self, hashes, lowest)
+    return _HOLDER(self, hashes, lowest, None, width)
 
 
 async def measure(

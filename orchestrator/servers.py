@@ -688,7 +688,9 @@ class ServerPool:
         largest cap of a healthy server. llama.cpp refuses an ``n`` above its slots."""
         return max((st.cap for st in self.states.values() if st.healthy), default=0)
 
-    def pick(self, prompt: object = None, previous: str | None = None) -> str | None:
+    def pick(
+        self, prompt: object = None, previous: str | None = None, width: int = 1
+    ) -> str | None:
         """The server for a request: the one holding most of ``prompt``'s prefix when it
         holds at least ``CACHE_THRESHOLD`` of it and is not much busier than the
         least-loaded one (``BALANCE_THRESHOLD``), else the healthy server with the lowest
@@ -696,7 +698,10 @@ class ServerPool:
         on the server picked. ``prompt`` is its text, or the request's messages, made
         text only when there is a choice of server (one server has nothing to choose);
         ``previous``, the server that answered the conversation's turn before, takes it
-        while it has a slot free (see :meth:`_holder`)."""
+        while it has a slot free (see :meth:`_holder`); ``width``: the sequences the
+        request asks for (``n``), which the server holding the prefix must have room for
+        (the samples of a prompt asked side by side go to another server when its holder
+        is full, as a busy holder's do)."""
         best: ServerState | None = None
         load = math.inf
         for state in self.states.values():
@@ -707,12 +712,12 @@ class ServerPool:
         text = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
         hashes = prefix_blocks(text)
         if hashes:
-            best = self._holder(hashes, load, previous) or best
+            best = self._holder(hashes, load, previous, width) or best
             self.prefixes.add(best.url, hashes)
         return best.url
 
     def _holder(
-        self, hashes: list[int], lowest: float, previous: str | None = None
+        self, hashes: list[int], lowest: float, previous: str | None = None, width: int = 1
     ) -> ServerState | None:
         """The healthy server holding most of the prompt, if enough and not too busy.
 
@@ -731,7 +736,7 @@ class ServerPool:
                 holder, most = state, n
         if holder is None or most < CACHE_THRESHOLD * len(hashes):
             return None
-        if holder.load - lowest > BALANCE_THRESHOLD or holder.in_flight >= holder.cap:
+        if holder.load - lowest > BALANCE_THRESHOLD or holder.in_flight + width > holder.cap:
             return None
         return holder
 
@@ -843,12 +848,13 @@ class ServerPool:
             if not st.healthy
         ]
 
-    def request_started(self, server: str) -> None:
-        """A request went to ``server``: it counts towards its load until it ends."""
-        self.states[server].in_flight += 1
+    def request_started(self, server: str, sequences: int = 1) -> None:
+        """A request went to ``server``: it counts towards its load until it ends, as
+        many slots as it asks sequences of (``n`` samples take ``n`` slots)."""
+        self.states[server].in_flight += sequences
 
-    def request_ended(self, server: str) -> None:
-        self.states[server].in_flight -= 1
+    def request_ended(self, server: str, sequences: int = 1) -> None:
+        self.states[server].in_flight -= sequences
 
     def succeeded(self, server: str, tokens: int = 0, latency: float = 0.0) -> None:
         """An answer: the server is well, and the tuner's figures grow."""

@@ -92,6 +92,47 @@ def test_a_conversations_next_turn_stays_where_its_last_answer_was_written() -> 
     assert pool.pick(LONG + " after a long answer", previous="b") == "a"
 
 
+def test_a_prompts_samples_go_where_there_is_room_for_all_of_them() -> None:
+    """A request of ``n`` samples takes ``n`` slots: its prompt's holder takes it only
+    with room for every one (the second request of a prompt's samples, asked beside the
+    first, would otherwise double-book the holder while the other server idles)."""
+    pool = _pool({"a": 4, "b": 4})
+    first = pool.pick(LONG, width=4)
+    pool.request_started(first, 4)
+    assert pool.states[first].load == 1.0
+    assert pool.pick(LONG, width=4) != first
+    pool.request_ended(first, 4)
+    assert pool.states[first].in_flight == 0
+    roomy = _pool({"a": 4, "b": 4})
+    roomy.pick(LONG, width=2)
+    roomy.request_started("a", 2)
+    assert roomy.pick(LONG, width=2) == "a"  # room for both, and 1/2 busier at most
+    roomy.request_started("a", 2)
+    assert roomy.pick(LONG, width=1) == "b"
+
+
+async def test_a_servers_slots_hold_every_sample_it_is_asked_for(
+    database: Database, tmp_path: Path, sim: StartSim
+) -> None:
+    """Eight samples of each prompt on two servers of four slots: two requests of four
+    a prompt, the second asked while the first runs. Neither server is ever asked for
+    more sequences than its slots, and both work."""
+    system = "a long shared instruction " * 60
+    rows = [
+        {"id": f"p{i}", "messages": dialogue(f"question {i}", system=system + str(i))}
+        for i in range(12)
+    ]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = DatasetSpec("ds", samples=8)
+    await enqueue(database, spec, iter_records(path), path=str(path))
+    a = await sim(latency=0.05)
+    b = await sim(latency=0.05)
+    assert (await run_worker(database, config((a, b), concurrency=4))).completed == 96
+    seen = [await sim_stats(url) for url in (a, b)]
+    assert [s["peak_sequences"] for s in seen] == [4, 4], seen
+    assert all(s["completed"] for s in seen)
+
+
 def test_a_server_that_went_down_holds_no_prefix() -> None:
     pool = _pool({"a": 4, "b": 4})
     pool.prefixes.add("a", prefix_blocks(LONG))

@@ -242,6 +242,9 @@ class _Stats:
         self.aborted_tokens = 0
         self.running = 0
         self.peak_running = 0
+        # Sequences being generated (a request of n choices is n), and the most at once.
+        self.sequences = 0
+        self.peak_sequences = 0
         self.running_tokens = 0
         self.outage_rejected = 0
         self.rate_limited = 0  # 429s of the provider's buckets (--rate-limit)
@@ -287,6 +290,7 @@ class _Stats:
             "aborted_tokens": self.aborted_tokens,
             "running": self.running,
             "peak_running": self.peak_running,
+            "peak_sequences": self.peak_sequences,
             "outage_rejected": self.outage_rejected,
             "rate_limited": self.rate_limited,
             "prompt_tokens": self.prompt_tokens,
@@ -801,7 +805,11 @@ async def _chat_completions(request: web.Request, *, plain: bool = False) -> web
     stats.chat_requests += 1
     stats.running += 1
     stats.peak_running = max(stats.peak_running, stats.running)
+    sequences = 0
     try:
+        sequences = await _sequences(request, state.config)
+        stats.sequences += sequences
+        stats.peak_sequences = max(stats.peak_sequences, stats.sequences)
         return await _answer_chat(request, state, plain=plain)
     except asyncio.CancelledError:
         # The client went away (handler cancellation) or the server is stopping.
@@ -812,6 +820,20 @@ async def _chat_completions(request: web.Request, *, plain: bool = False) -> web
         return web.Response(status=499)
     finally:
         stats.running -= 1
+        stats.sequences -= sequences
+
+
+async def _sequences(request: web.Request, config: SimConfig) -> int:
+    """The sequences a request asks the server to generate at once (its ``n``), as a
+    batching server gives each a slot; the body is read here and again, from aiohttp's
+    copy, when it is answered."""
+    if config.ignore_n:
+        return 1
+    try:
+        n = orjson.loads(await request.read()).get("n", 1)
+    except (orjson.JSONDecodeError, AttributeError):
+        return 1
+    return n if isinstance(n, int) and n > 1 else 1
 
 
 async def _answer_chat(

@@ -161,8 +161,10 @@ class Caller:
     ) -> list[Completion] | tuple[Exception, float | None]:
         """The request, once the server's pacer lets it go: the answer (each of its
         choices), or the error and the seconds the server has answered nothing but 429
-        (past the warning's time)."""
-        self.pool.request_started(server)
+        (past the warning's time). It holds a slot of the server per choice asked."""
+        n = body.get("n")
+        sequences = n if isinstance(n, int) and n > 1 else 1
+        self.pool.request_started(server, sequences)
         try:
             ticket = await self.pool.pace(server, request_tokens(body))
             try:
@@ -177,7 +179,7 @@ class Caller:
             self.pool.paced(server, ticket, completion[0])
             return completion
         finally:
-            self.pool.request_ended(server)
+            self.pool.request_ended(server, sequences)
 
     async def draws(self, leases: list[Lease], info: DatasetInfo) -> list[Outcome]:
         """Samples of one prompt (consecutive seeds, the first's given) in one request
@@ -187,7 +189,7 @@ class Caller:
         lease = leases[0]
         body = item_body(info.params, lease.request, seed(lease, info))
         body["n"] = len(leases)
-        server = self.pool.pick(body.get("messages") or body.get("prompt"))
+        server = self.pool.pick(body.get("messages") or body.get("prompt"), width=len(leases))
         if server is None:
             failure = Failure(ec.UNAVAILABLE, "no server reachable")
             return [Release(each, failure, time.time()) for each in leases]
