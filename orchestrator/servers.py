@@ -488,8 +488,16 @@ class Pacer:
         self._learned = asyncio.Event()
         self._probing = False
 
+    @property
+    def unpaced(self) -> bool:
+        """No budget given or learned, and nothing left to learn: every request goes at
+        once (a self-hosted server), without the lock and the clock reads."""
+        return not self.learning and self.requests.rate is None and self.tokens.rate is None
+
     async def acquire(self, tokens: int) -> int:
         """Wait until a request of ``tokens`` estimated tokens may go; its ticket."""
+        if self.unpaced and not self._lock.locked():
+            return self._take(tokens)
         async with self._lock:
             while self.learning and self._probing:
                 with contextlib.suppress(TimeoutError):
@@ -500,13 +508,17 @@ class Pacer:
             while (wait := self._wait(tokens)) > 0:  # noqa: ASYNC110
                 await asyncio.sleep(wait)
             self._probing = self.learning
-            self.requests.level -= 1
-            self.tokens.level -= tokens
-            ticket = self.sent
-            self.sent += 1
-            self._flying[ticket] = tokens
-            self._flying_tokens += tokens
-            return ticket
+            return self._take(tokens)
+
+    def _take(self, tokens: int) -> int:
+        """Count a request that goes now against the budgets; its ticket."""
+        self.requests.level -= 1
+        self.tokens.level -= tokens
+        ticket = self.sent
+        self.sent += 1
+        self._flying[ticket] = tokens
+        self._flying_tokens += tokens
+        return ticket
 
     def _wait(self, tokens: int) -> float:
         now = time.monotonic()
