@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 from orchestrator.errors import ConfigError
 from tests.helpers import (
     REPO,
+    Heard,
     SimProcess,
     cli,
     db_snapshot,
@@ -63,25 +63,16 @@ class Worker:
 
     def __init__(self, db: str, url: str, *extra: str):
         self.proc = start_worker(db, url, *extra)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
+        self.heard = Heard(self.proc)
 
     def stop(self) -> list[dict[str, Any]]:
         """SIGTERM, wait, and the events it logged."""
         if self.proc.poll() is None:
             self.proc.terminate()
-        self.proc.wait(120)
-        self._reader.join(30)
-        return events("".join(self.lines))
+        return events(self.heard.text())
 
     def broken(self) -> list[str]:
-        return [line for line in self.lines if any(word in line for word in _BROKEN)]
+        return [line for line in self.heard.lines if any(word in line for word in _BROKEN)]
 
 
 def enqueue(tmp_path: Path, db: str, n: int, *extra: str, dataset: str = "d") -> list[str]:
