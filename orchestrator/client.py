@@ -650,20 +650,19 @@ class InferenceClient:
         """A non-streamed request by the lean path, its failures classified as the aiohttp
         path classifies them."""
         host, port, path = self._target(url)
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout
         try:
-            async with asyncio.timeout(self.config.request_timeout):
-                resp = await self.lean.post(
-                    host,
-                    port,
-                    path,
-                    data,
-                    connect_timeout=self.config.connect_timeout,
-                    limit=self.config.max_response_bytes,
-                )
+            resp = await self.lean.post(
+                host,
+                port,
+                path,
+                data,
+                connect_timeout=self.config.connect_timeout,
+                deadline=deadline,
+                limit=self.config.max_response_bytes,
+            )
         except http1.TooLarge as exc:
             raise _too_large(self.config.max_response_bytes, exc.detail) from exc
-        except TimeoutError as exc:
-            raise _transport_error("timeout", server, exc, self.config) from exc
         except http1.HttpFailure as exc:
             kind = _LEAN_FAILURES.get(type(exc), "broken")
             raise _transport_error(kind, server, exc, self.config) from exc
@@ -939,6 +938,7 @@ _LEAN_FAILURES: dict[type[http1.HttpFailure], str] = {
     http1.ConnectFailed: "connect",
     http1.ConnectTimedOut: "connect_timeout",
     http1.Disconnected: "closed",
+    http1.TimedOut: "timeout",
 }
 
 

@@ -40,6 +40,10 @@ class ConnectTimedOut(HttpFailure):
     """No connection within the connect timeout."""
 
 
+class TimedOut(HttpFailure):
+    """No whole answer by the request's deadline."""
+
+
 class Stale(HttpFailure):
     """A pooled connection lost before any byte of answer: closed by the server while idle."""
 
@@ -92,8 +96,10 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.cut = False  # an error body cut at its prefix: the connection is not reused
 
-    async def exchange(self, request: bytes, limit: int) -> Response:
-        """Send ``request`` and return its answer; raises :class:`HttpFailure`."""
+    async def exchange(self, request: bytes, limit: int, deadline: float) -> Response:
+        """Send ``request`` and return its answer by ``deadline`` (the loop's clock);
+        raises :class:`HttpFailure`. The deadline is one timer of the loop's, not an
+        ``asyncio.timeout`` (its context manager costs a few µs more a request)."""
         assert self.transport is not None
         if not self.open:
             # Lost between the connect and now (a reset right after the accept): a write
@@ -101,11 +107,14 @@ class _Connection(asyncio.Protocol):
             raise (Stale if self.reused else Disconnected)("the connection was closed")
         self._start()
         self.limit = limit
-        self.waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.waiter = loop.create_future()
+        timer = loop.call_at(deadline, self._fail, TimedOut("no answer by the deadline"))
         self.transport.write(request)
         try:
             await self.waiter
         finally:
+            timer.cancel()
             self.waiter = None
         return Response(self.status, CIMultiDict(self.headers), b"".join(self.chunks))
 
@@ -236,10 +245,11 @@ class Http1Pool:
         body: bytes,
         *,
         connect_timeout: float,
+        deadline: float,
         limit: int,
     ) -> Response:
         """POST ``body`` to ``target`` (path and query) with the pool's headers, and read
-        the answer whole."""
+        the answer whole by ``deadline`` (the loop's clock: :class:`TimedOut` after it)."""
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         request = (
             f"POST {target} HTTP/1.1\r\nHost: {authority}\r\n{self._head}"
@@ -248,19 +258,26 @@ class Http1Pool:
         key = (host, port)
         conn = self._pooled(key)
         if conn is None:
-            conn = await self._connect(key, connect_timeout)
+            conn = await self._connect(key, connect_timeout, deadline)
         try:
-            return await self._exchange(key, conn, request, limit, pool=True)
+            return await self._exchange(key, conn, request, limit, deadline, pool=True)
         except Stale:
             self.stale_resends += 1
-        conn = await self._connect(key, connect_timeout)
-        return await self._exchange(key, conn, request, limit, pool=False)
+        conn = await self._connect(key, connect_timeout, deadline)
+        return await self._exchange(key, conn, request, limit, deadline, pool=False)
 
     async def _exchange(
-        self, key: tuple[str, int], conn: _Connection, request: bytes, limit: int, *, pool: bool
+        self,
+        key: tuple[str, int],
+        conn: _Connection,
+        request: bytes,
+        limit: int,
+        deadline: float,
+        *,
+        pool: bool,
     ) -> Response:
         try:
-            response = await conn.exchange(request, limit)
+            response = await conn.exchange(request, limit, deadline)
         except BaseException:
             conn.close()  # a cancelled or failed request leaves no answer on the line
             raise
@@ -279,13 +296,18 @@ class Http1Pool:
                 return conn
         return None
 
-    async def _connect(self, key: tuple[str, int], seconds: float) -> _Connection:
+    async def _connect(self, key: tuple[str, int], seconds: float, deadline: float) -> _Connection:
+        """A new connection within ``seconds``, and by the request's ``deadline``."""
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(seconds):
-                _, conn = await loop.create_connection(_Connection, *key)
-        except TimeoutError as exc:
-            raise ConnectTimedOut(f"no connection within {seconds:g}s") from exc
+            async with asyncio.timeout_at(deadline):
+                try:
+                    async with asyncio.timeout(seconds):
+                        _, conn = await loop.create_connection(_Connection, *key)
+                except TimeoutError as exc:
+                    raise ConnectTimedOut(f"no connection within {seconds:g}s") from exc
+        except TimeoutError as exc:  # the deadline's, which came first
+            raise TimedOut("no answer by the deadline") from exc
         except OSError as exc:
             raise ConnectFailed(str(exc) or type(exc).__name__) from exc
         return conn

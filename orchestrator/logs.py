@@ -29,6 +29,9 @@ REPEAT_SECONDS = 60.0
 REPEAT_SHOWN = 3
 
 _json_lines = False
+#: Debug events are kept: False once :func:`configure` set a higher level, so that a hot
+#: path skips building an event nobody will see (structlog left unconfigured keeps all).
+_debug = True
 _LEVEL_ORDER = {name: n for n, name in enumerate(("debug", "info", "warning", "error", "critical"))}
 
 
@@ -233,6 +236,11 @@ def flush_repeats() -> None:
 atexit.register(flush_repeats)
 
 
+def debug_enabled() -> bool:
+    """Whether a debug event would be kept (a per-request one is worth skipping)."""
+    return _debug
+
+
 def json_lines() -> bool:
     """Whether stderr carries JSON lines only, so nothing else may be written there."""
     return _json_lines
@@ -257,10 +265,11 @@ def configure(level: str | None = None, *, json: bool | None = None) -> None:
     name = (level or os.environ.get("ORCHESTRATOR_LOG_LEVEL") or "info").lower()
     if name not in LEVELS:
         name = "info"
-    global _json_lines, _summariser
+    global _json_lines, _summariser, _debug
     if json is None:
         json = not sys.stderr.isatty()
     _json_lines = json
+    _debug = name == "debug"
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if json

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from orchestrator.client import ClientConfig, InferenceClient
 from orchestrator.errors import PermanentError, TransientError
-from orchestrator.http1 import Http1Pool
+from orchestrator.http1 import Http1Pool, TimedOut
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -101,10 +101,18 @@ async def raw() -> AsyncIterator[Callable[[Script], Raw]]:
         tcp.close()
 
 
-async def post(pool: Http1Pool, server: Raw, limit: int = 2**20) -> tuple[int, bytes]:
+async def post(
+    pool: Http1Pool, server: Raw, limit: int = 2**20, seconds: float = 30
+) -> tuple[int, bytes]:
     port = int(server.url.rsplit(":", 1)[1])
     resp = await pool.post(
-        "127.0.0.1", port, "/v1/chat/completions", b"{}", connect_timeout=5, limit=limit
+        "127.0.0.1",
+        port,
+        "/v1/chat/completions",
+        b"{}",
+        connect_timeout=5,
+        deadline=asyncio.get_running_loop().time() + seconds,
+        limit=limit,
     )
     return resp.status, resp.body
 
@@ -245,6 +253,25 @@ async def test_a_request_that_gets_no_answer_in_time_is_a_timeout(
             await inference.chat(server.url, {"messages": MESSAGES})
     assert caught.value.error_class == "timeout"
     await asyncio.wait_for(server.lost.wait(), 5)
+
+
+async def test_the_deadline_cuts_a_slow_answer_and_spares_a_quick_one(
+    raw: Callable[[Script], Raw],
+) -> None:
+    """Past its deadline an answer half read is given up, its connection closed (the
+    rest of it never taken for another request's); an answer in time leaves no timer
+    behind to cut its pooled connection later."""
+    whole = framed(answer_json("ok"), "length")
+    server = await raw(lambda n, _: [whole[:40]] if n == 1 else [whole])
+    pool = Http1Pool({})
+    with pytest.raises(TimedOut):
+        await post(pool, server, seconds=0.3)
+    await asyncio.wait_for(server.lost.wait(), 5)
+    assert await post(pool, server, seconds=0.3) == (200, answer_json("ok"))
+    await asyncio.sleep(0.5)  # past the second request's deadline
+    assert await post(pool, server, seconds=0.3) == (200, answer_json("ok"))
+    assert server.connections == 2
+    pool.close()
 
 
 async def test_a_refused_connection_is_the_server_unavailable() -> None:

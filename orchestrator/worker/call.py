@@ -19,6 +19,7 @@ from orchestrator.client import Completion, InferenceClient, Streamed
 from orchestrator.conversation import stops_after, turn_messages
 from orchestrator.draws import seed_of
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
+from orchestrator.logs import debug_enabled
 from orchestrator.params import item_body
 from orchestrator.servers import ServerPool, request_tokens
 from orchestrator.store import Failure, Lease, Output
@@ -123,17 +124,18 @@ class Caller:
         completion = sent[0]
         usage = completion.usage or {}
         self.pool.succeeded(server, usage.get("completion_tokens") or 0, completion.latency)
-        log.debug(
-            "answered",
-            item=lease.item_id,
-            key=lease.key,
-            dataset=info.name,
-            turn=lease.turn,
-            server=server,
-            latency_s=round(completion.latency, 3),
-            completion_tokens=usage.get("completion_tokens"),
-            finish_reason=completion.finish_reason,
-        )
+        if debug_enabled():  # per request: not even built at the usual levels
+            log.debug(
+                "answered",
+                item=lease.item_id,
+                key=lease.key,
+                dataset=info.name,
+                turn=lease.turn,
+                server=server,
+                latency_s=round(completion.latency, 3),
+                completion_tokens=usage.get("completion_tokens"),
+                finish_reason=completion.finish_reason,
+            )
         result = classify.answered(lease, info, asked, completion, self.config)
         if asked is not body and isinstance(result, Output):
             result = classify.reduced(result, lease, asked)
