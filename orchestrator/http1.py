@@ -109,7 +109,7 @@ class _Connection(asyncio.Protocol):
         self.limit = limit
         loop = asyncio.get_running_loop()
         self.waiter = loop.create_future()
-        timer = loop.call_at(deadline, self._fail, TimedOut("no answer by the deadline"))
+        timer = loop.call_at(deadline, self._expired)
         self.transport.write(request)
         try:
             await self.waiter
@@ -211,6 +211,9 @@ class _Connection(asyncio.Protocol):
     def _finish(self) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
+
+    def _expired(self) -> None:
+        self._fail(TimedOut("no answer by the deadline"))
 
     def _fail(self, exc: HttpFailure) -> None:
         if self.waiter is not None and not self.waiter.done():
