@@ -7,6 +7,8 @@ uses), and as SQLAlchemy constructs (what PostgreSQL uses).
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +98,42 @@ async def test_complete_writes_output_in_same_transition(
     # A second completion under the same (now spent) lease is rejected, and writes nothing.
     assert await queue.complete([(lease, answer("again"))]) == set()
     assert await output_count(database) == 1
+
+
+async def test_a_write_round_is_whole_or_nothing_and_in_order(database: Database) -> None:
+    """``run_write``, the hop of every round: a round that raises leaves nothing written
+    and its error reaches the caller as raised; on SQLite, a round whose caller stopped
+    waiting (a forced stop) is still finished on the writer thread, before the next."""
+
+    def scratch(conn: sa.Connection) -> None:
+        conn.execute(sa.text("CREATE TABLE scratch (n integer)"))
+
+    def count(conn: sa.Connection) -> int:
+        return int(conn.execute(sa.text("SELECT count(*) FROM scratch")).scalar_one())
+
+    def refused(conn: sa.Connection) -> None:
+        conn.execute(sa.text("INSERT INTO scratch VALUES (1)"))
+        raise ValueError("round refused")
+
+    await database.run_write(scratch)
+    with pytest.raises(ValueError, match="round refused"):
+        await database.run_write(refused)
+    assert await database.run_write(count) == 0
+    if not database.is_sqlite:
+        return  # there, a cancelled round is rolled back with its connection
+    started = threading.Event()
+
+    def slow(conn: sa.Connection) -> None:
+        started.set()
+        time.sleep(0.3)
+        conn.execute(sa.text("INSERT INTO scratch VALUES (2)"))
+
+    task = asyncio.ensure_future(database.run_write(slow))
+    assert await asyncio.to_thread(started.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await database.run_write(count) == 1
 
 
 async def test_late_completion_after_takeover_is_fenced(database: Database, tmp_path: Path) -> None:
