@@ -26,6 +26,7 @@ from common import (
     enqueue_argv,
     fmt_mb,
     placement,
+    postgres_cpu_seconds,
     print_machine,
     print_profile,
     print_table,
@@ -49,6 +50,8 @@ class RunFigures:
     measured: Measured
     active_s: float
     server_cpu_s: float
+    #: The PostgreSQL server's CPU over the pass (0 on SQLite, where the worker runs it).
+    database_cpu_s: float = 0.0
 
     @property
     def wall_rps(self) -> float:
@@ -143,11 +146,19 @@ def run_bare(
 def run_worker(
     server: SimServer, db: Path | str, concurrency: int, cpu: int | None, profile: Path | None
 ) -> RunFigures:
-    before = server.cpu_seconds()
+    before, database_before = server.cpu_seconds(), postgres_cpu_seconds()
     m = run_measured(run_argv(server.url, db, concurrency), cpu=cpu, profile=profile)  # type: ignore[arg-type]
+    database_cpu = postgres_cpu_seconds() - database_before
     m.warn_if_failed("orchestrator run")
     done, active = worker_active_seconds(db)
-    return RunFigures("orchestrator run", done, m, active, server.cpu_seconds() - before)
+    return RunFigures(
+        "orchestrator run",
+        done,
+        m,
+        active,
+        server.cpu_seconds() - before,
+        database_cpu if str(db).startswith("postgresql") else 0.0,
+    )
 
 
 def report(
@@ -198,6 +209,12 @@ def report(
         f"{worker.cpu_us:,.0f} µs, "
         f"bare loop {bare.cpu_us:,.0f} µs ({worker.cpu_us / bare.cpu_us:.2f}x)"
     )
+    if worker.database_cpu_s:
+        print(
+            "PostgreSQL server CPU per answered request (median pass, its processes on the "
+            f"same cores): {1e6 * worker.database_cpu_s / worker.requests:,.0f} µs, "
+            f"{worker.database_cpu_s / worker.measured.seconds:.0%} of a core over wall"
+        )
     print(f"worker peak RSS: {fmt_mb(worker.measured.peak_rss_mb)}")
     if worker.requests != args.items:
         print(f"WARNING: {worker.requests:,} of {args.items:,} items have an output")

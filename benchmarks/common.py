@@ -255,6 +255,28 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+def postgres_cpu_seconds() -> float:
+    """CPU seconds the local PostgreSQL server has used so far: every ``postgres``
+    process's own, plus the postmaster's reaped children (backends that have exited)."""
+    procs: dict[int, tuple[int, list[str]]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1 : text.rindex(")")], text.rsplit(")", 1)[1].split()
+        if name.startswith("postgres"):
+            procs[int(entry.name)] = (int(rest[1]), rest)
+    total = 0
+    for ppid, fields in procs.values():
+        total += int(fields[11]) + int(fields[12])
+        if ppid not in procs:  # the postmaster: its exited backends' time too
+            total += int(fields[13]) + int(fields[14])
+    return total / _CLK_TCK
+
+
 def python_startup_seconds(cpu: int | None = None) -> float:
     """What starting a command costs before any work: interpreter plus the store's imports
     (SQLAlchemy, alembic, aiohttp). Part of every subprocess figure."""

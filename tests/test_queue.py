@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 import sqlalchemy as sa
+from structlog.testing import capture_logs
 
 from orchestrator.formats import iter_records
 from orchestrator.store import Database, DatasetSpec, Failure, Lease, Output, Queue, enqueue
@@ -98,6 +99,42 @@ async def test_complete_writes_output_in_same_transition(
     # A second completion under the same (now spent) lease is rejected, and writes nothing.
     assert await queue.complete([(lease, answer("again"))]) == set()
     assert await output_count(database) == 1
+
+
+async def test_a_leftover_output_is_replaced_and_the_rest_of_the_round_written(
+    database: Database, tmp_path: Path
+) -> None:
+    """A running item should have no output row; one left there anyway (an old undo's
+    doing) gives way to the new answer instead of failing the round on the key."""
+    await load(database, tmp_path, 4)
+    queue = Queue(database)
+    first, stuck, last = await queue.claim("w1", 3, lease_seconds=60)
+    left = {
+        "item_id": stuck.item_id, "dataset_id": stuck.dataset_id, "message": '{"old": 1}',
+        "latency": 9.0, "attempt": 7, "created_at": 1.0,
+    }  # fmt: skip
+    async with database.write() as conn:
+        await conn.execute(outputs.insert(), [left])
+    with capture_logs() as logs:
+        accepted = await queue.complete(
+            [(first, answer("one")), (stuck, answer("two")), (last, answer("three"))]
+        )
+    assert accepted == {first.item_id, stuck.item_id, last.item_id}
+    async with database.read() as conn:
+        stored = dict((await conn.execute(sa.select(outputs.c.item_id, outputs.c.message))).all())
+    assert {k: orjson.loads(v)["content"] for k, v in stored.items()} == {
+        first.item_id: "one",
+        stuck.item_id: "two",
+        last.item_id: "three",
+    }
+    [warning] = [e for e in logs if e["event"] == "leftover_rows_replaced"]
+    assert warning["items"] == [stuck.item_id]
+    # The usual round, with nothing left behind, says nothing.
+    [more] = await queue.claim("w1", 1, lease_seconds=60)
+    with capture_logs() as quiet:
+        assert await queue.complete([(more, answer("four"))]) == {more.item_id}
+    assert not [e for e in quiet if e["event"] == "leftover_rows_replaced"]
+    assert await output_count(database) == 4
 
 
 async def test_a_write_round_is_whole_or_nothing_and_in_order(database: Database) -> None:

@@ -48,6 +48,7 @@ from orchestrator.store.schema import (
     datasets,
     item_turns,
     items,
+    metadata,
     outputs,
     requeued_items,
     superseded_outputs,
@@ -178,7 +179,11 @@ def _fence(st: _Statements, pairs: Sequence[tuple[int, str]]) -> tuple[str, dict
 
     ``id IN (…)`` makes the lookup a primary-key search; the ``(id, token)`` row values
     then keep only the rows whose lease is still the one the caller holds (SQLite takes
-    a row-value list as VALUES, PostgreSQL as a list of rows).
+    a row-value list as VALUES, PostgreSQL as a list of rows). A row holding a token is
+    running (the ``lease_iff_running`` check), so the state is not tested again: a test
+    of it lets PostgreSQL's planner read ``ix_items_running`` too, whose entries for
+    rows no longer running pile up between vacuums (20,000 read per round after a
+    20,000-item run, where the primary key reads the round's own).
     """
     among, params = st.among("id", [item_id for item_id, _ in pairs])
     if st.postgres:  # the pairs as two arrays, for the same reason as ``among``'s
@@ -187,7 +192,7 @@ def _fence(st: _Statements, pairs: Sequence[tuple[int, str]]) -> tuple[str, dict
     else:
         listed = "VALUES " + ", ".join(f"(:i{n}, :t{n})" for n in range(len(pairs)))
         tokens = {f"t{n}": token for n, (_, token) in enumerate(pairs)}
-    where = f"{among} AND (id, lease_token) IN ({listed}) AND state = 'running'"
+    where = f"{among} AND (id, lease_token) IN ({listed})"
     return where, params | tokens
 
 
@@ -1095,36 +1100,84 @@ def _complete(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now:
     )
     done = [(lease, out) for lease, out in results if lease.item_id in accepted]
     if done:
-        _clear_leftovers(conn, [lease for lease, _ in done], outputs_too=True)
-        insert_rows(
-            conn, "outputs", _OUTPUT_COLUMNS, [_output_row(lease, out, now) for lease, out in done]
-        )
+        stale = _clear_leftovers(conn, [lease for lease, _ in done])
+        stale += _put_outputs(conn, [_output_row(lease, out, now) for lease, out in done])
+        _report_leftovers(stale)
         turns = [(lease, out) for lease, out in done if lease.turns > 1]
         if turns:
             insert_rows(conn, "item_turns", _TURN_COLUMNS, [_turn_row(*t, now) for t in turns])
     return accepted
 
 
-def _clear_leftovers(conn: sa.Connection, leases: Sequence[Lease], *, outputs_too: bool) -> None:
-    """Drop rows a running item cannot have: an output (only done items have one) and
-    turns from the one being written on (the lease's earlier turns are all it has).
+# Rows a running item cannot have, there anyway: an output (only done items have one), or
+# turns from the one being written on (the lease's earlier turns are all it has). The
+# transitions keep both true; such a row (left by an undo of an earlier version, which
+# put answers back under items a worker had claimed) would fail the round on a duplicate
+# key, every time the item is run again. It is replaced, and logged.
 
-    The transitions keep both true; a row there anyway (left by an undo of an earlier
-    version, which put answers back under items a worker had claimed) would fail the
-    round on a duplicate key, every time the item is run again. It is logged and replaced.
-    """
+
+def _clear_leftovers(conn: sa.Connection, leases: Sequence[Lease]) -> list[int]:
+    """Drop the turns left from the one each lease is on; the items that had some."""
     st = _Statements(conn)
-    stale: list[tuple[Any, ...]] = []
-    if outputs_too:
-        for chunk in _chunks([lease.item_id for lease in leases]):
-            among, params = st.among("item_id", chunk)
-            stale += st.rows(f"DELETE FROM outputs WHERE {among} RETURNING item_id", params)
+    stale: list[int] = []
     for lease in leases:
         if lease.turns > 1:
             sql = "DELETE FROM item_turns WHERE item_id = :i AND turn >= :t RETURNING item_id"
-            stale += st.rows(sql, {"i": lease.item_id, "t": lease.turn})
+            stale += [row[0] for row in st.rows(sql, {"i": lease.item_id, "t": lease.turn})]
+    return stale
+
+
+def _put_outputs(conn: sa.Connection, rows: list[tuple[Any, ...]]) -> list[int]:
+    """Insert these ``outputs`` rows, each replacing one left under its item; the items
+    whose row was replaced.
+
+    On PostgreSQL the rows go in as one statement of column arrays, and only those that
+    clash on the primary key (none, but for leftovers) are deleted and written again: a
+    DELETE probe first is planned once, as a prepared statement, against the table's
+    size at the run's start, and reads the whole table each round once it has grown
+    (2.3 ms of the server's CPU per round of 50 at 20,000 rows). Elsewhere the probe is
+    a primary-key search per id, and the rows go in by executemany.
+    """
+    st = _Statements(conn)
+    if st.postgres:
+        sql, params = _array_insert(conn.dialect, "outputs", _OUTPUT_COLUMNS, rows)
+        written = {row[0] for row in st.rows(sql, params)}
+        clashed = [row for row in rows if row[0] not in written]
+        if not clashed:
+            return []
+    else:
+        clashed = rows
+    stale: list[int] = []
+    for chunk in _chunks([row[0] for row in clashed]):
+        among, params = st.among("item_id", chunk)
+        sql = f"DELETE FROM outputs WHERE {among} RETURNING item_id"
+        stale += [row[0] for row in st.rows(sql, params)]
+    insert_rows(conn, "outputs", _OUTPUT_COLUMNS, clashed)
+    return stale
+
+
+def _array_insert(
+    dialect: sa.Dialect, table: str, columns: tuple[str, ...], rows: Sequence[tuple[Any, ...]]
+) -> tuple[str, dict[str, Any]]:
+    """PostgreSQL: insert ``rows`` as one array per column, skipping a row whose key is
+    taken, and return the keys inserted (the first column)."""
+    params = {f"a{n}": [row[n] for row in rows] for n in range(len(columns))}
+    return _array_insert_sql(dialect, table, columns), params
+
+
+@functools.lru_cache(maxsize=8)
+def _array_insert_sql(dialect: sa.Dialect, table: str, columns: tuple[str, ...]) -> str:
+    types = [metadata.tables[table].c[name].type.compile(dialect=dialect) for name in columns]
+    arrays = ", ".join(f"CAST(:a{n} AS {kind}[])" for n, kind in enumerate(types))
+    return (
+        f"INSERT INTO {table} ({', '.join(columns)}) SELECT * FROM unnest({arrays})"
+        f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING {columns[0]}"
+    )
+
+
+def _report_leftovers(stale: Sequence[int]) -> None:
     if stale:
-        log.warning("leftover_rows_replaced", items=sorted({row[0] for row in stale}))
+        log.warning("leftover_rows_replaced", items=sorted(set(stale)))
 
 
 def _advance(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now: float) -> set[int]:
@@ -1143,7 +1196,7 @@ def _advance(conn: sa.Connection, results: Sequence[tuple[Lease, Output]], now: 
         )
     kept = [(lease, out) for lease, out in results if lease.item_id in accepted]
     if kept:
-        _clear_leftovers(conn, [lease for lease, _ in kept], outputs_too=False)
+        _report_leftovers(_clear_leftovers(conn, [lease for lease, _ in kept]))
         insert_rows(conn, "item_turns", _TURN_COLUMNS, [_turn_row(*t, now) for t in kept])
     return accepted
 

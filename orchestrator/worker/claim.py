@@ -175,7 +175,7 @@ class Claims:
             )  # fmt: skip
         if now < self._next_claim:
             return None
-        prefetch = min(concurrency // 2, int(self._rate.per_second() * 0.02))
+        prefetch = min(concurrency, int(self._rate.per_second() * 0.02))
         want = concurrency + prefetch - self.active - len(self.buffer)
         names = self.guard.open_names(scope)
         if want <= 0 or names == ():
