@@ -701,3 +701,19 @@ def test_regenerate_all_in_batches(db_url: str, tmp_path: Path) -> None:
     assert code == 2 and out == ""
     assert f"{path}:6: duplicate key 'x' (first on line 1)" in err
     assert snapshot_file(db) == before
+
+
+def test_postgresql_plans_an_enqueued_dataset_from_its_statistics(
+    pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    """Enqueue leaves the items table analyzed: claims are planned from what it holds,
+    not from the guesses made for a table autovacuum has not looked at yet."""
+    db = pg_database()
+    path = write_jsonl(tmp_path / "p.jsonl", prompts(300))
+    code, _, err = invoke("enqueue", str(path), "--dataset", "ds", "--db", db)
+    assert code == 0, err
+    [(tuples,)] = query(db, "SELECT reltuples FROM pg_class WHERE relname = 'items'")
+    assert tuples == 300
+    # Nothing new: nothing to analyze again, and nothing fails.
+    code, out, err = invoke("enqueue", str(path), "--dataset", "ds", "--db", db)
+    assert code == 0 and "all 300 items" in out, err

@@ -106,6 +106,7 @@ async def copy_database(
                 await _check_counts(write, report.rows)
                 if write.dialect.name == "postgresql":
                     await _reset_sequences(write, tables)
+        await target.refresh_statistics(*tables)
     finally:
         await source.close()
         await target.close()

@@ -394,6 +394,25 @@ class Database:
             # Best effort: a busy database checkpoints next time.
             log.warning("checkpoint_skipped", mode=mode, error=str(getattr(exc, "orig", exc)))
 
+    async def refresh_statistics(self, *tables: str) -> None:
+        """After a bulk write, on PostgreSQL: ANALYZE these tables.
+
+        Until autovacuum first looks (a minute or more), a table just loaded is planned
+        from guesses: the claim of a 100,000-item dataset then sorted every pending row
+        (40 ms a claim, where the index in claim order takes 1 ms). SQLite picks these
+        plans by rule, from the indexes alone: nothing to do there. Best effort: the
+        statistics only speed the plans up.
+        """
+        if self.is_sqlite or self._gone is not None or self.read_only:
+            return
+        try:
+            async with self.engine.connect() as conn:
+                for table in tables:
+                    await conn.exec_driver_sql(f"ANALYZE {table}")
+                await conn.commit()
+        except DBAPIError as exc:
+            log.warning("analyze_skipped", tables=list(tables), error=str(exc.orig)[:200])
+
     async def close(self) -> None:
         if self.reads_ending:
             await asyncio.gather(*self.reads_ending, return_exceptions=True)

@@ -190,6 +190,8 @@ async def enqueue(
         if progress:
             progress(seen)
         await _add_samples(conn, info, report, now, str(path))
+    if report.added or report.samples_added:
+        await database.refresh_statistics("items")
     return report
 
 

@@ -924,7 +924,11 @@ def _claim_sql(
 
     On PostgreSQL rows another claim has locked are skipped, not waited for; a row
     claimed and committed since this statement's snapshot is re-checked under the lock
-    and dropped (it is no longer pending).
+    and dropped (it is no longer pending). There the ids taken go to the UPDATE as an
+    array (``= ANY(ARRAY(…))``), which it reads by primary key whatever the plan: the
+    statement is prepared once with ``:n`` unknown, and ``IN (…)`` let the planner
+    expect a tenth of the table and join it by a scan of every row (25 ms a claim at
+    100,000 items).
     """
     only = ""
     if suspects is not None:
@@ -947,11 +951,14 @@ def _claim_sql(
         if in_input_order
         else "predicted_tokens DESC, position, sample"
     )
+    chosen = (
+        "SELECT id FROM items WHERE dataset_id = :dataset AND state = 'pending'"
+        f" AND not_before <= :now{only} ORDER BY {order} LIMIT :n{lock}"
+    )
     return (
         "UPDATE items SET state = 'running', attempts = attempts + 1, lease_token = :token,"
         " lease_owner = :owner, lease_expires_at = :expires, updated_at = :now"
-        " WHERE id IN (SELECT id FROM items WHERE dataset_id = :dataset AND state = 'pending'"
-        f" AND not_before <= :now{only} ORDER BY {order} LIMIT :n{lock})"
+        f" WHERE {f'id = ANY(ARRAY({chosen}))' if postgres else f'id IN ({chosen})'}"
         " RETURNING id, key, position, request, attempts, error_class, turn, turns,"
         " last_error, predicted_tokens, sample"
     )
