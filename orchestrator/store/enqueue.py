@@ -167,32 +167,44 @@ async def enqueue(
             ).scalar_one()
             context = _Context(info, baseline, base, now, path, report, on_invalid, mode, place)
             writer = await _writer(conn, database, context)
-            size = writer.batch_size
-            try:
-                batch = [first, *islice(rows, size - 1)]
-                while batch:
-                    formats = report.formats
-                    for fmt, n in Counter(map(itemgetter(2), batch)).items():
-                        formats[fmt] = formats.get(fmt, 0) + n
-                    await writer.write(batch)
-                    seen += len(batch)
-                    if progress:
-                        progress(seen)
-                    # Read and check the next lines while SQLite inserts these.
-                    batch = list(islice(rows, size))
-                await writer.flush()
-            except InputError:
-                # A bad line in the batch still being written comes first in the file.
-                await writer.flush()
-                raise
-            finally:
-                await writer.close()
+            seen = await _write_all(writer, first, rows, report, progress)
         if progress:
             progress(seen)
         await _add_samples(conn, info, report, now, str(path))
     if report.added or report.samples_added:
         await database.refresh_statistics("items")
     return report
+
+
+async def _write_all(
+    writer: _Writer,
+    first: Any,
+    rows: Iterator[Any],
+    report: EnqueueReport,
+    progress: Callable[[int], None] | None,
+) -> int:
+    """Write ``first`` and the rest of ``rows`` in the writer's batches; the rows seen."""
+    size, seen = writer.batch_size, 0
+    try:
+        batch = [first, *islice(rows, size - 1)]
+        while batch:
+            formats = report.formats
+            for fmt, n in Counter(map(itemgetter(2), batch)).items():
+                formats[fmt] = formats.get(fmt, 0) + n
+            await writer.write(batch)
+            seen += len(batch)
+            if progress:
+                progress(seen)
+            # Read and check the next lines while SQLite inserts these.
+            batch = list(islice(rows, size))
+        await writer.flush()
+    except InputError:
+        # A bad line in the batch still being written comes first in the file.
+        await writer.flush()
+        raise
+    finally:
+        await writer.close()
+    return seen
 
 
 async def _seeded_line(conn: AsyncConnection, dataset_id: int) -> str | None:
