@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logs.configure("warning", json=True)
     instrument(args.writes_on_loop)
+    track_slots()
     if args.statements:
         time_statements()
     with workdir(args.workdir) as work:
@@ -182,9 +183,57 @@ def main(argv: list[str] | None = None) -> int:
         "process's write lock, the writer thread and the event loop, so shares overlap and "
         "do not add up (the two round lines are the same rounds, counted by what they carry)."
     )
+    print_slots(args.concurrency)
     if args.statements:
         print_statements()
     return 0
+
+
+class _Slots:
+    """The worker's slots over time: requests running, and whether any claimed item waits
+    for a slot (the prefetch), integrated over every change of either."""
+
+    since: float | None = None
+    first: float | None = None
+    running = 0
+    waiting = 0
+    busy_slot_s = 0.0
+    none_waiting_s = 0.0
+
+
+def track_slots() -> None:
+    """Wrap the claims' every change of running and prefetched items."""
+    from orchestrator.worker.claim import Claims
+
+    def after(name: str) -> None:
+        original = getattr(Claims, name)
+
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            now = time.perf_counter()
+            if _Slots.since is not None:
+                spent = now - _Slots.since
+                _Slots.busy_slot_s += _Slots.running * spent
+                _Slots.none_waiting_s += spent if not _Slots.waiting else 0.0
+            _Slots.first = _Slots.first or now
+            _Slots.since, _Slots.running, _Slots.waiting = now, self.active, len(self.buffer)
+            return result
+
+        setattr(Claims, name, wrapper)
+
+    for name in ("fill", "slot_freed", "deliver"):
+        after(name)
+
+
+def print_slots(concurrency: int) -> None:
+    if _Slots.first is None or _Slots.since is None or _Slots.since <= _Slots.first:
+        return
+    span = _Slots.since - _Slots.first
+    print(
+        f"\nslots: {_Slots.busy_slot_s / span:.1f} of {concurrency} running on average; "
+        f"no claimed item waiting for a slot {_Slots.none_waiting_s / span:.0%} of the time"
+    )
 
 
 # statement text (white space folded, cut) -> [executions, seconds, distinct full texts,

@@ -148,8 +148,15 @@ class _Statements:
     def rows(self, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         if self.raw is not None:
             return self.raw.execute(sql, params).fetchall()
-        result = self.conn.execute(sa.text(sql), params)
+        result = self.conn.execute(_text(sql), params)
         return [tuple(r) for r in result] if result.returns_rows else []
+
+
+@functools.lru_cache(maxsize=256)
+def _text(sql: str) -> sa.TextClause:
+    """A statement's text as SQLAlchemy takes it, parsed for its ``:name`` parameters
+    once per text rather than once per execution."""
+    return sa.text(sql)
 
 
 def _sqlite_driver(conn: sa.Connection) -> sqlite3.Connection | None:
