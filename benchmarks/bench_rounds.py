@@ -15,16 +15,14 @@ per-row Python shows here without the noise of the HTTP side.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING
 
-from bench_run import _pg
 from common import (
     enqueue_argv,
+    fresh_database,
     postgres_cpu_seconds,
     print_machine,
     print_table,
@@ -37,23 +35,6 @@ if TYPE_CHECKING:
     from orchestrator.store.queue import Output
 
 _ANSWER = "north tau shadow worker"
-
-
-@contextlib.contextmanager
-def _database(work: Path, postgres: str | None, n: int) -> Iterator[str]:
-    """A fresh SQLite file in ``work``, or a fresh database on the PostgreSQL server."""
-    if not postgres:
-        for stale in work.glob("rounds.db*"):
-            stale.unlink()
-        yield str(work / "rounds.db")
-        return
-    server, name = postgres.rstrip("/"), f"orchestrator_rounds_{n}"
-    _pg(f"{server}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    _pg(f"{server}/postgres", f"CREATE DATABASE {name}")
-    try:
-        yield f"{server}/{name}"
-    finally:
-        _pg(f"{server}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 async def _rounds(url: str, size: int) -> tuple[int, int, float, float]:
@@ -108,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     with workdir(args.workdir) as work:
         prompts = write_prompts(work / "prompts.jsonl", args.items)
         for n in range(args.repeat):
-            with _database(work, args.postgres, n) as url:
+            with fresh_database(work, args.postgres, f"orchestrator_rounds_{n}") as url:
                 run_measured(enqueue_argv(prompts, url)).check()  # type: ignore[arg-type]
                 before = postgres_cpu_seconds() if args.postgres else 0.0
                 items, rounds, cpu, wall = uvloop.run(_rounds(url, args.round))

@@ -25,6 +25,7 @@ from common import (
     add_common_args,
     enqueue_argv,
     fmt_mb,
+    pg_row,
     placement,
     postgres_cpu_seconds,
     print_machine,
@@ -87,7 +88,7 @@ _SPAN = "SELECT count(*), min(created_at - latency), max(created_at) FROM output
 def worker_active_seconds(db: Path | str) -> tuple[int, float]:
     """Done outputs and the span from the first request sent to the last answer committed."""
     if str(db).startswith("postgresql"):
-        n, first, last = _pg(str(db), _SPAN)
+        n, first, last = pg_row(str(db), _SPAN)
     else:
         conn = sqlite3.connect(db)
         try:
@@ -95,23 +96,6 @@ def worker_active_seconds(db: Path | str) -> tuple[int, float]:
         finally:
             conn.close()
     return n, (last - first) if n else 0.0
-
-
-def _pg(url: str, sql: str) -> tuple:
-    """One row of one statement on PostgreSQL (``url`` ``/postgres`` for admin statements)."""
-    import asyncio
-
-    import asyncpg
-
-    async def run() -> tuple:
-        conn = await asyncpg.connect(url)
-        try:
-            row = await conn.fetchrow(sql)
-            return tuple(row) if row is not None else ()
-        finally:
-            await conn.close()
-
-    return asyncio.run(run())
 
 
 def run_bare(
@@ -251,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             dbs = [f"{server_url}/orch_bench_run_{i}" for i in range(args.repeat)]
             for db in dbs:
                 name = str(db).rsplit("/", 1)[-1]
-                _pg(f"{server_url}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-                _pg(f"{server_url}/postgres", f"CREATE DATABASE {name}")
+                pg_row(f"{server_url}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+                pg_row(f"{server_url}/postgres", f"CREATE DATABASE {name}")
         for db in dbs:
             run_measured(enqueue_argv(prompts, db)).check()  # type: ignore[arg-type]
         startup = python_startup_seconds(place.client)
@@ -270,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.postgres:
             for db in dbs:
                 name = str(db).rsplit("/", 1)[-1]
-                _pg(f"{server_url}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+                pg_row(f"{server_url}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
     report(args, plain, bares, workers, startup)
     return 0

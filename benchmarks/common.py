@@ -248,6 +248,41 @@ def _poll_hwm(pid: int, peak_kb: list[int], done: threading.Event) -> None:
         done.wait(0.02)
 
 
+def pg_row(url: str, sql: str) -> tuple:
+    """One row of one statement on PostgreSQL (``url`` ``/postgres`` for admin statements)."""
+    import asyncio
+
+    import asyncpg
+
+    async def run() -> tuple:
+        conn = await asyncpg.connect(url)
+        try:
+            row = await conn.fetchrow(sql)
+            return tuple(row) if row is not None else ()
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
+
+
+@contextlib.contextmanager
+def fresh_database(work: Path, postgres: str | None, stem: str) -> Iterator[str]:
+    """A fresh SQLite file ``work/<stem>.db``, or (``postgres``: a server URL) a fresh
+    database ``<stem>`` on that server; the database is dropped afterwards."""
+    if not postgres:
+        for stale in work.glob(f"{stem}.db*"):
+            stale.unlink()
+        yield str(work / f"{stem}.db")
+        return
+    server = postgres.rstrip("/")
+    pg_row(f"{server}/postgres", f"DROP DATABASE IF EXISTS {stem} WITH (FORCE)")
+    pg_row(f"{server}/postgres", f"CREATE DATABASE {stem}")
+    try:
+        yield f"{server}/{stem}"
+    finally:
+        pg_row(f"{server}/postgres", f"DROP DATABASE IF EXISTS {stem} WITH (FORCE)")
+
+
 def proc_cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system) a live process has used so far, from /proc."""
     with open(f"/proc/{pid}/stat") as fh:

@@ -17,17 +17,17 @@ the writer thread, to measure what the hop to the thread costs (the GIL hand-off
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common import (
     SimServer,
     enqueue_argv,
+    fresh_database,
     print_machine,
     print_table,
     run_measured,
@@ -112,25 +112,6 @@ async def run_worker(db: Path | str, url: str, concurrency: int) -> tuple[float,
         await database.close()
 
 
-@contextlib.contextmanager
-def _database(work: Path, postgres: str | None) -> Iterator[Any]:
-    """A fresh SQLite file in ``work``, or a fresh database on the PostgreSQL server."""
-    if not postgres:
-        for stale in work.glob("breakdown.db*"):
-            stale.unlink()
-        yield work / "breakdown.db"
-        return
-    from bench_run import _pg
-
-    server, name = postgres.rstrip("/"), "orchestrator_breakdown"
-    _pg(f"{server}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    _pg(f"{server}/postgres", f"CREATE DATABASE {name}")
-    try:
-        yield f"{server}/{name}"
-    finally:
-        _pg(f"{server}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=20_000)
@@ -157,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         time_statements()
     with workdir(args.workdir) as work:
         prompts = write_prompts(work / "prompts.jsonl", args.items)
-        with _database(work, args.postgres) as db:
+        with fresh_database(work, args.postgres, "orchestrator_breakdown") as db:
             run_measured(enqueue_argv(prompts, db)).check()
             with SimServer(mean_tokens=8) as server:
                 seconds, done = aio.run(run_worker(db, server.url, args.concurrency))
