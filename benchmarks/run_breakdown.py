@@ -5,7 +5,9 @@ against the simulated server (a subprocess), with counting wrappers around the
 ``Queue`` methods and the write transactions; the core code is used as is. A worker
 writes in rounds (``write_round``: every outcome queued since the last round, plus a
 claim for the free slots, in one transaction): the table says how many rounds a run
-takes, how many items each carries, and how long each takes from call to return.
+takes, how many items each carries, and how long each takes from call to return. A
+line after it says how busy the slots were: requests running on average, and how often
+no claimed item waited for a slot that freed (the prefetch had run out).
 
 ``--writes-on-loop`` runs each round's transaction on the event loop's thread instead of
 the writer thread, to measure what the hop to the thread costs (the GIL hand-offs).
