@@ -11,6 +11,7 @@ what the queue costs: claims, commits, leases. Target: worker ≥ 0.8 × bare lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from common import (
     add_common_args,
     enqueue_argv,
     fmt_mb,
+    fresh_database,
     pg_row,
     placement,
     postgres_cpu_seconds,
@@ -225,18 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     print_machine()
     print(f"cores: {place.describe()}")
 
-    with workdir(args.workdir) as work:
+    with workdir(args.workdir) as work, contextlib.ExitStack() as databases:
         prompts = write_prompts(work / "prompts.jsonl", args.items)
-        dbs: list[Path | str] = [work / f"run-{i}.db" for i in range(args.repeat)]
-        for stale in work.glob("run-*.db*"):
-            stale.unlink()
-        if args.postgres:
-            server_url = args.postgres.rstrip("/")
-            dbs = [f"{server_url}/orch_bench_run_{i}" for i in range(args.repeat)]
-            for db in dbs:
-                name = str(db).rsplit("/", 1)[-1]
-                pg_row(f"{server_url}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-                pg_row(f"{server_url}/postgres", f"CREATE DATABASE {name}")
+        dbs = [
+            databases.enter_context(fresh_database(work, args.postgres, f"orch_bench_run_{i}"))
+            for i in range(args.repeat)
+        ]
         for db in dbs:
             run_measured(enqueue_argv(prompts, db)).check()  # type: ignore[arg-type]
         startup = python_startup_seconds(place.client)
@@ -251,10 +247,6 @@ def main(argv: list[str] | None = None) -> int:
                 plain.append(run_bare(server, prompts, args.concurrency, place.client, "asyncio"))
                 bares.append(run_bare(server, prompts, args.concurrency, place.client, "uvloop"))
                 workers.append(run_worker(server, db, args.concurrency, place.client, args.profile))
-        if args.postgres:
-            for db in dbs:
-                name = str(db).rsplit("/", 1)[-1]
-                pg_row(f"{server_url}/postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
     report(args, plain, bares, workers, startup)
     return 0

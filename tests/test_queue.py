@@ -328,6 +328,18 @@ async def test_running_row_always_has_a_lease(database: Database, tmp_path: Path
             await conn.execute(items.update().values(state="running", lease_token=None))
 
 
+async def test_a_row_holding_a_token_is_running(database: Database, tmp_path: Path) -> None:
+    """The other half of the check, the one the fence leans on (it tests the token, not
+    the state): no row but a running one keeps a lease token."""
+    from orchestrator.errors import StorageError
+
+    await load(database, tmp_path, 1)
+    for state in ("pending", "done", "failed"):
+        with pytest.raises(StorageError, match=r"(?i)check constraint"):
+            async with database.write() as conn:
+                await conn.execute(items.update().values(state=state, lease_token="f" * 32))
+
+
 async def test_suspects_are_claimed_one_at_a_time(database: Database, tmp_path: Path) -> None:
     """Items taken back from a dead worker run alone, so a poison item cannot keep
     taking the same innocent items down with it."""
