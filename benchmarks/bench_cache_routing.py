@@ -39,14 +39,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from orchestrator import servers  # noqa: E402
-from orchestrator.client import ClientConfig, InferenceClient  # noqa: E402
 from orchestrator.formats import iter_records  # noqa: E402
-from orchestrator.metrics import WorkerMetrics  # noqa: E402
+from orchestrator.inference.client import ClientConfig, InferenceClient  # noqa: E402
 from orchestrator.sim.config import SimConfig  # noqa: E402
 from orchestrator.sim.server import serve  # noqa: E402
 from orchestrator.store import DatasetSpec, enqueue, open_database  # noqa: E402
 from orchestrator.worker import Worker, WorkerConfig  # noqa: E402
 from orchestrator.worker.call import Caller  # noqa: E402
+from orchestrator.worker.metrics import WorkerMetrics  # noqa: E402
 from scripts import llama_server  # noqa: E402
 
 WORDS = [

@@ -55,8 +55,8 @@ def by_hand() -> float:
 async def supervised(work: Path) -> tuple[float, float, float, float]:
     import aiohttp
 
-    from orchestrator.launch.spec import LaunchSpec, SuperviseSettings
-    from orchestrator.launch.supervisor import Supervisor
+    from orchestrator.inference.launch.spec import LaunchSpec, SuperviseSettings
+    from orchestrator.inference.launch.supervisor import Supervisor
 
     binary, model = llama_server.binary_path(), llama_server.model_path()
     command = shlex.join([str(binary), "-m", str(model), "-a", llama_server.MODEL_ALIAS])

@@ -1,7 +1,7 @@
 """Structured output: what checking an answer costs the worker, per answer.
 
 Each answer of a ``response_format`` dataset is parsed and validated
-(``orchestrator.structured.check``) in the worker, after its reasoning is split off.
+(``orchestrator.items.structured.check``) in the worker, after its reasoning is split off.
 This measures that check on answers of about 1,000 tokens (4 KB of JSON), against
 parsing alone, for a flat schema and a nested one (an array of 40 objects, each with an
 enum, a pattern and a number range), valid answers and answers that miss the schema.
@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from common import print_machine, print_table
 
-from orchestrator.structured import check, response_format_for
+from orchestrator.items.structured import check, response_format_for
 
 FLAT = {
     "type": "object",

@@ -2,7 +2,7 @@
 
 Raw completions of the simulated server, ``--max-tokens 1000 --logprobs K``, run through
 ``orchestrator run``; then the mean stored size of ``outputs.tokens`` (packed:
-``orchestrator.tokens``), against the same columns as JSON (what ``export --logprobs
+``orchestrator.items.tokens``), against the same columns as JSON (what ``export --logprobs
 --token-ids`` writes), with token ids (``return_tokens_as_token_ids``) and with token
 texts only (no ids asked). The simulator's logprobs are multiples of 1/64 and its ids
 uniform over 32,000: the figures for real logprobs (every mantissa bit used) are in the
@@ -32,7 +32,7 @@ def _run(argv: list[str]) -> None:
 
 def measure(work: Path, items: int, top: int, ids: bool) -> tuple[float, float, float]:
     """Mean stored bytes, mean JSON bytes, and seconds to unpack one answer."""
-    from orchestrator.tokens import row_fields, unpack
+    from orchestrator.items.tokens import row_fields, unpack
 
     db = work / f"tokens-{ids}.db"
     rows = work / "prompts.jsonl"

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from orchestrator.sim import request_digest
-from orchestrator.sim.lengths import LengthModel, Lognormal
+from orchestrator.sim.length_model import LengthModel, Lognormal
 from orchestrator.sim.offline import Request
 
 RUN_PROMPTS = 83_288

@@ -99,7 +99,7 @@ def instrument(writes_on_loop: bool) -> None:
 
 
 async def run_worker(db: Path | str, url: str, concurrency: int) -> tuple[float, int]:
-    from orchestrator.client import InferenceClient
+    from orchestrator.inference.client import InferenceClient
     from orchestrator.store import open_database
     from orchestrator.worker import Worker, WorkerConfig
 
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print_machine()
 
-    from orchestrator import aio, logs
+    from orchestrator import logs
+    from orchestrator._util import aio
 
     logs.configure("warning", json=True)
     instrument(args.writes_on_loop)

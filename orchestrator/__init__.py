@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orchestrator.lazy import exports
+from orchestrator._util.lazy import exports
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from orchestrator.api import Queue, Status, SyncQueue, open, open_sync
+    from orchestrator.api.running import RunOutcome
     from orchestrator.errors import (
         ConfigError,
         InputError,
@@ -34,9 +35,8 @@ if TYPE_CHECKING:
         StorageError,
     )
     from orchestrator.formats.export import ExportReport
-    from orchestrator.running import RunOutcome
-    from orchestrator.store.enqueue import EnqueueReport
-    from orchestrator.store.inspection import ItemRecord
+    from orchestrator.store.item_detail import ItemRecord
+    from orchestrator.store.loading import EnqueueReport
     from orchestrator.store.requeue import UndoReport
     from orchestrator.worker import WorkerStats
 
@@ -46,10 +46,10 @@ _SOURCES = {
     "Queue": "api",
     "SyncQueue": "api",
     "Status": "api",
-    "RunOutcome": "running",
+    "RunOutcome": "api.running",
     "WorkerStats": "worker",
-    "EnqueueReport": "store.enqueue",
-    "ItemRecord": "store.inspection",
+    "EnqueueReport": "store.loading",
+    "ItemRecord": "store.item_detail",
     "UndoReport": "store.requeue",
     "ExportReport": "formats.export",
     "OrchestratorError": "errors",

@@ -159,7 +159,7 @@ class TransientError(InferenceError):
     ):
         super().__init__(message, error_class=error_class)
         self.retry_after = retry_after
-        #: A 429's ``x-ratelimit-*`` headers (``orchestrator.client.RateLimits``), if any.
+        #: A 429's ``x-ratelimit-*`` headers (``orchestrator.inference.client.RateLimits``), if any.
         self.rate_limits: object | None = None
 
 

@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from orchestrator import logs  # noqa: E402
-from orchestrator.client import ClientConfig, InferenceClient  # noqa: E402
 from orchestrator.formats import iter_records  # noqa: E402
+from orchestrator.inference.client import ClientConfig, InferenceClient  # noqa: E402
 from orchestrator.monitor.dashboard import SqliteSource, make_app  # noqa: E402
 from orchestrator.sim import SimConfig, serve  # noqa: E402
 from orchestrator.store import DatasetSpec, enqueue, open_database  # noqa: E402
@@ -87,9 +87,9 @@ async def capture(db: Path, out: Path, server: str) -> None:
 def watch_svg(db: Path, out: Path, server: str) -> None:
     from rich.console import Console
 
+    from orchestrator.inference.server_metrics import scrape
     from orchestrator.monitor.live import render
     from orchestrator.monitor.status import read as read_status
-    from orchestrator.server_metrics import scrape
     from orchestrator.store.reader import open_reader
 
     reader = open_reader(str(db))

@@ -5,7 +5,7 @@ The simulated server's answer is a function of the messages it received
 from an exported line and the input row it came from, the messages every exported answer
 must have been asked with, and checks the answer against them. It is written from the
 rules as users read them (README, "Regenerating every turn"), not from
-``orchestrator.conversation``, so a fault in that module shows here:
+``orchestrator.items.conversation``, so a fault in that module shows here:
 
 * ``last``: the answer to the input without its trailing assistant turns; nothing else
   changes.
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.quality import split_think
+from orchestrator.items.quality import split_think
 from orchestrator.sim import answer_matches
 
 Message = dict[str, Any]

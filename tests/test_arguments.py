@@ -3,7 +3,8 @@ take the same values: only the documented errors come out (a ConfigError naming 
 argument), before anything is read or written, and the command refuses what the API
 refuses, in the same words.
 
-The rules below are written from docs/API.md, apart from the code's own (orchestrator.checks):
+The rules below are written from docs/API.md, apart from the code's own
+(orchestrator.settings.checks):
 a value is drawn only when the documentation says it will not do.
 """
 
@@ -24,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import orchestrator as orc
-from orchestrator.quality import ALL_FLAGS
+from orchestrator.items.quality import ALL_FLAGS
 from tests.helpers import cli, is_postgres, prompts, query, write_jsonl
 
 INT_MAX = 2**31 - 1

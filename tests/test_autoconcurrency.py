@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from orchestrator.autoconcurrency import Controller, Limits, Sample
-from orchestrator.client import ClientConfig, InferenceClient
 from orchestrator.formats import iter_records
-from orchestrator.metrics import WorkerMetrics
+from orchestrator.inference.autoconcurrency import Controller, Limits, Sample
+from orchestrator.inference.client import ClientConfig, InferenceClient
 from orchestrator.store import Database, DatasetSpec, enqueue
 from orchestrator.worker import Worker, WorkerConfig
+from orchestrator.worker.metrics import WorkerMetrics
 from tests.conftest import StartSim
 from tests.helpers import prompts, write_jsonl
 from tests.test_worker import sim_stats

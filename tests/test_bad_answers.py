@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import pytest
 
-from orchestrator.client import _retry_after
+from orchestrator.inference.client import _retry_after
 from orchestrator.store import Database
 from tests.helpers import REPO, ServerScript, cli, events, query, start_worker, write_jsonl
 
@@ -394,7 +394,7 @@ async def test_one_unstorable_outcome_in_a_round_stops_nobody_else(
     import asyncio
     import dataclasses
 
-    from orchestrator.client import InferenceClient
+    from orchestrator.inference.client import InferenceClient
     from orchestrator.store import Queue
     from orchestrator.worker import Worker, WorkerConfig
     from orchestrator.worker.outcomes import Done

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.breaker import Breaker, cause
+from orchestrator.worker.breaker import Breaker, cause
 
 VLLM_CONTEXT = (
     "This model's maximum context length is 4096 tokens. However, you requested {n} tokens "

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.formats import iter_records
-from orchestrator.lengths import Expected
+from orchestrator.items.answer_length import Expected
 from orchestrator.store import Database, DatasetSpec, Queue, enqueue, list_datasets
 from orchestrator.store.queue import Claim, Round
 from tests.helpers import write_jsonl

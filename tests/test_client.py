@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from orchestrator.client import ClientConfig, Completion, InferenceClient, base_url
 from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
-from orchestrator.quality import (
+from orchestrator.inference.client import ClientConfig, Completion, InferenceClient, base_url
+from orchestrator.items.quality import (
     EMPTY_CONTENT,
     REASONING_ONLY,
     TRUNCATED,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import orjson
 import pytest
 
-from orchestrator.client import ClientConfig, InferenceClient
 from orchestrator.errors import TransientError
+from orchestrator.inference.client import ClientConfig, InferenceClient
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.conversation import assemble, call_names, stops_after, targets, turn_messages
+from orchestrator.items.conversation import (
+    assemble,
+    call_names,
+    stops_after,
+    targets,
+    turn_messages,
+)
 
 
 def m(role: str, content: str | None, **extra: object) -> dict[str, object]:

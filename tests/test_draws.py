@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
-from orchestrator.draws import seed_of
+from orchestrator.items.samples import seed_of
 from orchestrator.sim import answer_matches
 from tests.helpers import (
     SimProcess,

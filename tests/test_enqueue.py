@@ -190,7 +190,7 @@ def test_a_50_mb_line_is_taken_whole(db_url: str, tmp_path: Path) -> None:
 @pytest.fixture(params=["sqlite", "portable"])
 def small_batches(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches of three lines, through the SQLite writer or the portable one (PostgreSQL's)."""
-    module = importlib.import_module("orchestrator.store.enqueue")
+    module = importlib.import_module("orchestrator.store.loading")
     monkeypatch.setattr(module, "BATCH", 3)
     if request.param == "portable":
 

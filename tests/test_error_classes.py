@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from orchestrator import error_classes
-from orchestrator.error_classes import ERROR_CLASSES
+from orchestrator.items import error_classes
+from orchestrator.items.error_classes import ERROR_CLASSES
 from orchestrator.store.queue import LEASE_LOST
 
 ROOT = Path(__file__).resolve().parent.parent

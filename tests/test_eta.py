@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.eta import Work, forecast
+from orchestrator.monitor.eta import Work, forecast
 
 
 def measured(dataset_id: int, pending: int, seconds: float, **kw: object) -> Work:

@@ -35,14 +35,14 @@ from orchestrator.formats.export import (
     messages_line,
     sharegpt_turn,
 )
-from orchestrator.monitor import status as status_view
-from orchestrator.quality import (
+from orchestrator.items.quality import (
     ALL_FLAGS,
     EMPTY_CONTENT,
     REASONING_ONLY,
     TRUNCATED,
     UNCLOSED_THINK,
 )
+from orchestrator.monitor import status as status_view
 from orchestrator.store import Database, Failure, Output, Queue, iter_done, open_database
 from orchestrator.store.reader import EngineRows, open_reader
 from tests.helpers import REPO, write_jsonl

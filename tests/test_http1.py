@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 path of the chat requests (``orchestrator.http1``) against a raw
+"""The lean HTTP/1.1 path of the chat requests (``orchestrator.inference.http1``) against a raw
 loopback server that frames its answers every way HTTP/1.1 allows, in pieces of any size,
 and misbehaves in the ways that would glue an answer to the wrong request."""
 
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.client import ClientConfig, InferenceClient
 from orchestrator.errors import PermanentError, TransientError
-from orchestrator.http1 import Http1Pool, TimedOut
+from orchestrator.inference.client import ClientConfig, InferenceClient
+from orchestrator.inference.http1 import Http1Pool, TimedOut
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -24,7 +24,7 @@ import orjson
 import pytest
 
 import orchestrator as orc
-from orchestrator.conversation import targets
+from orchestrator.items.conversation import targets
 from orchestrator.monitor.inspection import FOLD_CHARS
 from orchestrator.sim import answer_matches
 from tests import oracle

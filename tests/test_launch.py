@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from orchestrator.errors import ConfigError
-from orchestrator.launch.spec import (
+from orchestrator.inference.launch.spec import (
     LaunchSpec,
     Preset,
     build_specs,
@@ -28,7 +28,7 @@ from orchestrator.launch.spec import (
     preset_command,
     replicate,
 )
-from orchestrator.servers import read_servers_file
+from orchestrator.inference.servers import read_servers_file
 from tests.helpers import REPO, STARTED, cli, events, prompts, query, write_jsonl
 
 FAKE = REPO / "tests" / "fixtures" / "fake_engine.py"
@@ -390,8 +390,8 @@ async def test_a_wedged_server_is_restarted_and_the_pool_hears_first(tmp_path: P
 
     import aiohttp
 
-    from orchestrator.launch.spec import SuperviseSettings
-    from orchestrator.launch.supervisor import Supervisor
+    from orchestrator.inference.launch.spec import SuperviseSettings
+    from orchestrator.inference.launch.supervisor import Supervisor
 
     settings = SuperviseSettings(
         startup_timeout=30,
@@ -433,7 +433,7 @@ async def test_a_wedged_server_is_restarted_and_the_pool_hears_first(tmp_path: P
 
 
 def test_old_stopped_launch_directories_are_forgotten(tmp_path: Path) -> None:
-    from orchestrator.launch.state import KEEP_STOPPED, STATE_FILE, forget_old
+    from orchestrator.inference.launch.state import KEEP_STOPPED, STATE_FILE, forget_old
 
     now = time.time()
     cases = {
@@ -459,7 +459,7 @@ def test_a_servers_log_is_rotated_by_its_watchdog(tmp_path: Path) -> None:
     argv = [
         sys.executable,
         "-m",
-        "orchestrator.launch.watchdog",
+        "orchestrator.inference.launch.watchdog",
         str(read),
         str(log),
         str(tmp_path / "server-1.pid"),

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator.items.tokens import Collector, Tokens, pack, row_fields, stored, unpack
 from orchestrator.sim import answer_matches
-from orchestrator.tokens import Collector, Tokens, pack, row_fields, stored, unpack
 from tests.helpers import SimProcess, cli, db_snapshot, query, start_worker, write_jsonl
 from tests.oracle import Verdict, check_tokens
 
@@ -195,7 +195,7 @@ def test_completions_logprobs_streamed_in_pieces() -> None:
     ],
 )
 def test_malformed_logprobs_are_refused(choice: dict[str, Any]) -> None:
-    from orchestrator.tokens import BadTokens
+    from orchestrator.items.tokens import BadTokens
 
     with pytest.raises(BadTokens):
         _collect(choice)

@@ -12,11 +12,11 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.client import ClientConfig, InferenceClient
 from orchestrator.formats import iter_records
-from orchestrator.metrics import WorkerMetrics, serve_metrics
+from orchestrator.inference.client import ClientConfig, InferenceClient
 from orchestrator.store import Database, DatasetSpec, enqueue
 from orchestrator.worker import Worker, WorkerConfig
+from orchestrator.worker.metrics import WorkerMetrics, serve_metrics
 from tests.conftest import StartSim
 from tests.helpers import cli, prompts, start_worker, write_jsonl
 

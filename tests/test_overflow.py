@@ -9,10 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator import overflow
 from orchestrator.errors import PermanentError
 from orchestrator.store.datasets import DatasetInfo
-from orchestrator.worker import classify
+from orchestrator.worker import classify, overflow
 
 # Each server's words (from their sources), with the figures each one states.
 Wording = Callable[[int, int, int], str]

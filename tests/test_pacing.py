@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
-from orchestrator import error_classes as ec
-from orchestrator.client import RateLimits, parse_duration, rate_limits
 from orchestrator.errors import ConfigError
-from orchestrator.servers import parse_servers_file
+from orchestrator.inference.client import RateLimits, parse_duration, rate_limits
+from orchestrator.inference.servers import parse_servers_file
+from orchestrator.items import error_classes as ec
 from orchestrator.sim.ratelimit import duration, parse_rate_limit
 from tests.helpers import SimProcess, check_export, cli, events, prompts, query, write_jsonl
 
@@ -112,8 +112,8 @@ def test_the_simulated_provider_names_its_buckets() -> None:
 async def test_the_client_reads_the_headers_of_answers_and_429s(
     sim: Callable[..., Any], stream: bool
 ) -> None:
-    from orchestrator.client import ClientConfig, InferenceClient
     from orchestrator.errors import TransientError
+    from orchestrator.inference.client import ClientConfig, InferenceClient
 
     url = await sim(rate_limits=(parse_rate_limit("rpm=60,burst=2"),), mean_tokens=4)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -135,7 +135,7 @@ async def test_the_client_reads_the_headers_of_answers_and_429s(
 async def test_a_pacer_with_a_cap_holds_what_the_budget_has_no_room_for() -> None:
     import asyncio
 
-    from orchestrator.servers import Pacer
+    from orchestrator.inference.servers import Pacer
 
     # 120 a minute: 2 a second, at most one second's worth at once.
     pacer = Pacer(rpm=120)
@@ -150,7 +150,7 @@ async def test_a_pacer_with_a_cap_holds_what_the_budget_has_no_room_for() -> Non
 async def test_a_pacer_learns_the_bucket_from_the_headers() -> None:
     import asyncio
 
-    from orchestrator.servers import Pacer
+    from orchestrator.inference.servers import Pacer
 
     pacer = Pacer()
     first = await pacer.acquire(10)

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator import client as inference
 from orchestrator.formats import iter_records
-from orchestrator.metrics import WorkerMetrics
-from orchestrator.servers import PREFIX_BLOCK, ServerPool, prefix_blocks
+from orchestrator.inference import client as inference
+from orchestrator.inference.servers import PREFIX_BLOCK, ServerPool, prefix_blocks
 from orchestrator.store import Database, DatasetSpec, enqueue
+from orchestrator.worker.metrics import WorkerMetrics
 from tests.browser import Browser
 from tests.conftest import StartSim
 from tests.helpers import cli, dialogue, query, write_jsonl

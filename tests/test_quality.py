@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.errors import ConfigError
-from orchestrator.quality import (
+from orchestrator.items.quality import (
     ALL_FLAGS,
     EMPTY_CONTENT,
     REASONING_ONLY,

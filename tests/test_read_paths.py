@@ -568,7 +568,7 @@ def test_constants_kept_in_step() -> None:
 def test_store_exports_survive_lazy_loading() -> None:
     """``enqueue`` stays the function even when its module is imported first."""
     code = (
-        "import orchestrator.store.enqueue, orchestrator.store.queue\n"
+        "import orchestrator.store.loading, orchestrator.store.queue\n"
         "from orchestrator.store import enqueue, Queue, iter_done\n"
         "import orchestrator.store as store\n"
         "assert callable(enqueue) and not isinstance(enqueue, type(store)), enqueue\n"
@@ -593,6 +593,6 @@ def test_read_seam_loads_neither_sqlalchemy_nor_asyncio_nor_the_forecast() -> No
         "import sys\n"
         "import orchestrator.store.access, orchestrator.store.outputs, orchestrator.store.stats\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sqlalchemy', 'asyncio')"
-        " or m == 'orchestrator.eta'))\n"
+        " or m == 'orchestrator.monitor.eta'))\n"
     )
     assert _python(code).stdout.strip() == "[]"

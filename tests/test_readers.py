@@ -13,7 +13,9 @@ import orjson
 import pytest
 
 from orchestrator.errors import ConfigError, InputError
-from orchestrator.formats import FORMATS, Record, iter_prepared, iter_records, jsonl, lines, readers
+from orchestrator.formats import FORMATS, Record, iter_prepared, iter_records
+from orchestrator.formats.readers import jsonl, lines
+from orchestrator.formats.readers import rows as readers
 from tests.helpers import ANSWER, CALL, RESULT
 
 USER = {"role": "user", "content": "hi"}

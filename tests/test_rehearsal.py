@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from orchestrator.conversation import targets, turn_messages
+from orchestrator.items.conversation import targets, turn_messages
 from orchestrator.sim import answer_matches
 from tests.helpers import REPO, SimProcess, cli
 

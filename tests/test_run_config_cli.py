@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from orchestrator.cli import enqueue as cli_enqueue
 from orchestrator.cli import main
-from orchestrator.formats import readers
+from orchestrator.formats.readers import rows as readers
 from orchestrator.runfile import load_run
 from tests.helpers import prompts, write_jsonl
 

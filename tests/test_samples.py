@@ -10,8 +10,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from orchestrator.client import ClientConfig
 from orchestrator.formats import iter_records
+from orchestrator.inference.client import ClientConfig
 from orchestrator.store import Database, DatasetSpec, enqueue, open_database, samples
 from tests.conftest import StartSim
 from tests.helpers import prompts, write_jsonl

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from orchestrator.server_metrics import parse, scrape, view
+from orchestrator.inference.server_metrics import parse, scrape, view
 from tests.helpers import SimProcess, cli, prompts, write_jsonl
 
 VLLM = """\

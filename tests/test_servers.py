@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from orchestrator.client import ClientConfig
 from orchestrator.errors import ConfigError
 from orchestrator.formats import iter_records
-from orchestrator.metrics import WorkerMetrics
-from orchestrator.servers import ServerSpec, merge_servers, parse_servers_file
+from orchestrator.inference.client import ClientConfig
+from orchestrator.inference.servers import ServerSpec, merge_servers, parse_servers_file
 from orchestrator.store import Database, DatasetSpec, enqueue
 from orchestrator.worker import WorkerConfig, WorkerStats
+from orchestrator.worker.metrics import WorkerMetrics
 from tests.conftest import StartSim
 from tests.helpers import SimProcess, cli, item_rows, prompts, write_jsonl
 from tests.test_worker import check_outputs_match, sim_stats, states

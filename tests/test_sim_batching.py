@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from orchestrator import server_metrics
+from orchestrator.inference import server_metrics
 from orchestrator.sim import SimConfig, answer_matches
 from orchestrator.sim.server import main as sim_main
 from tests.conftest import StartSim

@@ -20,7 +20,7 @@ import pytest
 
 from orchestrator.sim import request_digest
 from orchestrator.sim.config import SimConfig
-from orchestrator.sim.lengths import LengthModel, Lognormal
+from orchestrator.sim.length_model import LengthModel, Lognormal
 from orchestrator.sim.offline import Request, schedule
 from tests.helpers import REPO, SimProcess
 

@@ -376,7 +376,7 @@ def test_messages_column_for_every_kind_of_dataset(db_url: str, tmp_path: Path) 
 # --- predicted answer lengths (the longest-first claim's ranking) ----------------------------
 
 # Conversations whose answer turns hold 40, 0 and 120 bytes of text: 10, 0 and 30 tokens
-# (orchestrator.lengths.BYTES_PER_TOKEN), as the model would write them again.
+# (orchestrator.items.answer_length.BYTES_PER_TOKEN), as the model would write them again.
 _HELD = [
     [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a" * 40}],
     [{"role": "user", "content": "q1"}],

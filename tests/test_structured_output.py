@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.quality import INVALID_JSON, SCHEMA_MISMATCH
+from orchestrator.items.quality import INVALID_JSON, SCHEMA_MISMATCH
+from orchestrator.items.structured import check, response_format_for
 from orchestrator.sim import answer_matches, json_answer_kind, request_digest
-from orchestrator.structured import check, response_format_for
 from tests.conftest import StartSim
 from tests.helpers import SimProcess, cli, db_snapshot, prompts, query, start_worker, write_jsonl
 

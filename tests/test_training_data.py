@@ -12,10 +12,10 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.client import ClientConfig, InferenceClient
-from orchestrator.conversation import turn_messages
 from orchestrator.formats import iter_records
-from orchestrator.quality import ALL_FLAGS
+from orchestrator.inference.client import ClientConfig, InferenceClient
+from orchestrator.items.conversation import turn_messages
+from orchestrator.items.quality import ALL_FLAGS
 from orchestrator.sim import answer_matches
 from orchestrator.store import (
     Database,

@@ -245,9 +245,9 @@ async def test_metrics_dashboard_and_report_show_the_queues_waste(
 ) -> None:
     """/metrics counts the queue's tokens thrown away by dataset and cause, the report's
     page shows the share the status document says."""
-    from orchestrator.client import ClientConfig, InferenceClient
-    from orchestrator.metrics import WorkerMetrics
+    from orchestrator.inference.client import ClientConfig, InferenceClient
     from orchestrator.worker import Worker, WorkerConfig
+    from orchestrator.worker.metrics import WorkerMetrics
     from tests.browser import Browser
     from tests.test_dashboard import ROWS
     from tests.test_metrics import samples, value

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.cost import Prices, run_prices
 from orchestrator.errors import ConfigError
+from orchestrator.settings.prices import Prices, run_prices
 from orchestrator.store.stats import wasted_figures
 from orchestrator.store.waste import CAUSES, MOST_TOKENS, Waste, tally
 

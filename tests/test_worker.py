@@ -11,13 +11,13 @@ from typing import Any
 import aiohttp
 import sqlalchemy as sa
 
-from orchestrator.client import ClientConfig, InferenceClient
 from orchestrator.formats import iter_records
-from orchestrator.metrics import WorkerMetrics
+from orchestrator.inference.client import ClientConfig, InferenceClient
 from orchestrator.sim import answer_matches
 from orchestrator.store import Database, DatasetSpec, enqueue, iter_done
 from orchestrator.store.schema import attempt_errors, items
 from orchestrator.worker import Worker, WorkerConfig, WorkerStats, backoff_delay
+from orchestrator.worker.metrics import WorkerMetrics
 from tests.conftest import StartSim
 from tests.helpers import prompts, write_jsonl
 

@@ -2,7 +2,7 @@
 
 A dataset says which endpoint its items go to (``chat``: ``/v1/chat/completions``,
 ``completions``: ``/v1/completions`` with a plain prompt). An answer keeps the tokens
-the server said it produced, packed (``orchestrator.tokens``) in a column of its own:
+the server said it produced, packed (``orchestrator.items.tokens``) in a column of its own:
 JSON per token would cost ten times the bytes.
 
 Revision ID: 0014

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
-from orchestrator import checks
 from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.settings import checks
 
 if TYPE_CHECKING:
     from orchestrator.store import Database
@@ -65,8 +65,8 @@ def _checked_servers(values: tuple[str, ...], source: str) -> tuple[str, ...]:
     """The URLs, refused (``servers.check_server_url``) or corrected with a note."""
     import structlog
 
-    from orchestrator.servers import check_server_url
-    from orchestrator.urls import split_on_space
+    from orchestrator._util.urls import split_on_space
+    from orchestrator.inference.servers import check_server_url
 
     checked = []
     for entry in values:
@@ -94,7 +94,7 @@ servers_option = click.option(
 
 
 class Checked(click.ParamType):
-    """An option's value by a rule of ``orchestrator.checks``: the option refuses what the
+    """An option's value by a rule of ``orchestrator.settings.checks``: the option refuses what the
     Python API refuses, in the same words (``must be at least 1, got -5``)."""
 
     def __init__(self, rule: checks.Rule) -> None:
@@ -130,7 +130,7 @@ window_option = click.option(
 
 def prices_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--gpu-hour-cost``, ``--price-input``, ``--price-output`` and ``--servers-file``:
-    what the run costs (``orchestrator.cost``), per server where the file says."""
+    what the run costs (``orchestrator.settings.prices``), per server where the file says."""
     options = [
         click.option(
             "--gpu-hour-cost",
@@ -169,16 +169,16 @@ def run_prices(
     servers_file: Path | None,
     servers: tuple[str, ...] = (),
 ) -> Any:
-    """The run's pooled prices (``orchestrator.cost.RunPrices``) from the options and the
+    """The run's pooled prices (``orchestrator.settings.prices.RunPrices``) from the options and the
     servers of ``--server`` and the servers file."""
-    from orchestrator.cost import Prices, run_prices
+    from orchestrator.settings.prices import Prices, run_prices
 
     default = Prices(gpu_hour_cost, price_input, price_output)
     listed = []
     if servers_file is not None:
         # Only then: the servers module loads the HTTP and logging libraries, which the
         # plain sqlite3 path of status never needs.
-        from orchestrator.servers import parse_servers_file
+        from orchestrator.inference.servers import parse_servers_file
 
         listed = run_sync(lambda: parse_servers_file(servers_file))
     seen = {spec.url for spec in listed}
@@ -330,7 +330,7 @@ def progress_shown(label: str) -> Iterator[Callable[[int], None] | None]:
 def read_api_key(api_key_file: Path | None) -> str | None:
     """The API key from ``--api-key-file``, else env ORCHESTRATOR_API_KEY: the white
     space around it dropped, one with any inside refused naming where it came from."""
-    from orchestrator import urls
+    from orchestrator._util import urls
 
     if api_key_file is not None:
         return run_sync(lambda: urls.read_api_key(api_key_file))
@@ -344,7 +344,7 @@ def read_basic_auth(basic_auth_file: Path | None) -> Any:
     naming the option or variable it came from."""
     if basic_auth_file is None:
         return None
-    from orchestrator import urls
+    from orchestrator._util import urls
 
     ctx = click.get_current_context()
     from_env = ctx.get_parameter_source("basic_auth_file") == click.core.ParameterSource.ENVIRONMENT

@@ -46,9 +46,9 @@ def doctor(
     One PASS/FAIL line per check; exit code 1 when any fails. Reads only. Servers
     given with --launch are started for the checks, then stopped.
     """
+    from orchestrator.api.running import without_credentials
+    from orchestrator.inference.servers import ServerSpec
     from orchestrator.ops.doctor import DoctorConfig, passed, run_checks, run_checks_launched
-    from orchestrator.running import without_credentials
-    from orchestrator.servers import ServerSpec
 
     launched = supervisor(take_launch_options(expected), db)
     api_key = read_api_key(api_key_file)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from orchestrator.checks import COLUMNS, DATASET
 from orchestrator.cli.common import (
     Checked,
     db_option,
@@ -21,10 +20,17 @@ from orchestrator.cli.common import (
     tty_progress,
 )
 from orchestrator.formats.choices import INPUT_FORMATS
-from orchestrator.store.columns import ENDPOINTS, ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
+from orchestrator.settings.checks import COLUMNS, DATASET
+from orchestrator.store.column_types import (
+    ENDPOINTS,
+    ON_INVALID,
+    ON_OVERFLOW,
+    ON_TRUNCATED,
+    REGENERATE,
+)
 
 if TYPE_CHECKING:
-    from orchestrator.enqueueing import Enqueued, EnqueueOptions, PlanFailed
+    from orchestrator.api.enqueue import Enqueued, EnqueueOptions, PlanFailed
     from orchestrator.errors import InputError
     from orchestrator.store import EnqueueReport
 
@@ -286,7 +292,7 @@ def enqueue(ctx: click.Context, source: str | None, config: Path | None, **optio
     With --config RUN.toml, every dataset of the run file instead, each file in its own
     transaction, in the file's order.
     """
-    from orchestrator.enqueueing import enqueue_source
+    from orchestrator.api.enqueue import enqueue_source
 
     db, update, skip_invalid = (options.pop(k) for k in ("db", "update", "skip_invalid"))
     if config is not None:
@@ -329,8 +335,8 @@ def _options(
     ctx: click.Context, source: str | None, settings: dict[str, Any], *, update: bool
 ) -> EnqueueOptions:
     """The dataset's settings from the options, checked as the library checks any source's."""
-    from orchestrator.enqueueing import EnqueueOptions, request_body
-    from orchestrator.formats.columns import Columns
+    from orchestrator.api.enqueue import EnqueueOptions, request_body
+    from orchestrator.formats.readers.columns import Columns
 
     if source is None:
         raise click.UsageError("Missing argument 'SOURCE' (or --config RUN.toml).", ctx)
@@ -379,7 +385,7 @@ def _schema_format(path: Path) -> dict[str, Any]:
     import orjson
 
     from orchestrator.errors import ConfigError
-    from orchestrator.structured import response_format_for
+    from orchestrator.items.structured import response_format_for
 
     try:
         schema = orjson.loads(path.read_bytes())
@@ -429,8 +435,8 @@ def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
 
 def _check_params(body: dict[str, Any], options: dict[str, Any]) -> None:
     """The request body through the check run files and input lines get
-    (``orchestrator.params``): a NaN or a negative temperature stops here."""
-    from orchestrator.params import problems
+    (``orchestrator.items.params``): a NaN or a negative temperature stops here."""
+    from orchestrator.items.params import problems
 
     found = problems(body)
     if found:
@@ -445,7 +451,7 @@ def _check_params(body: dict[str, Any], options: dict[str, Any]) -> None:
 
 def _show_skipped(invalid: list[InputError], report: EnqueueReport) -> None:
     """Lines the reader rejected and lines the store rejected (duplicates), once each."""
-    from orchestrator.enqueueing import skipped
+    from orchestrator.api.enqueue import skipped
 
     report.invalid = skipped(invalid, report)
     if report.invalid:
@@ -487,7 +493,7 @@ def _enqueued(report: EnqueueReport, file: str) -> str:
 
 def _enqueue_config(config: Path, *, update: bool, skip_invalid: bool, db: str | None) -> None:
     """Every dataset of a run file: checked as a whole, then one transaction per file."""
-    from orchestrator.enqueueing import PlanFailed, enqueue_plans
+    from orchestrator.api.enqueue import PlanFailed, enqueue_plans
     from orchestrator.runfile import load_run
 
     plans = run_sync(lambda: load_run(config))

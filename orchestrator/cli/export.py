@@ -159,7 +159,7 @@ def _options(
     fmt: str, reasoning: str, exclude_flags: tuple[str, ...], provenance: bool, **files: Any
 ) -> ExportOptions:
     from orchestrator.formats.export import ExportOptions
-    from orchestrator.quality import parse_flags
+    from orchestrator.items.quality import parse_flags
 
     mask = 0
     for spec in exclude_flags:
@@ -195,8 +195,8 @@ def _export_any(
 
 
 def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> None:
-    from orchestrator.atomicfile import is_stdout
-    from orchestrator.quality import flag_names
+    from orchestrator._util.atomicfile import is_stdout
+    from orchestrator.items.quality import flag_names
 
     # `export -`, /dev/stdout: the lines are standard output, so the summary goes to stderr.
     piped = is_stdout(out)

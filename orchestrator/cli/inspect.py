@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from orchestrator.cli.common import configure_logs, db_option, on_database, run_sync
-from orchestrator.error_classes import ERROR_CLASSES
 from orchestrator.errors import ConfigError
+from orchestrator.items.error_classes import ERROR_CLASSES
 
 if TYPE_CHECKING:
-    from orchestrator.store.inspection import ItemRecord, Selection
+    from orchestrator.store.item_detail import ItemRecord, Selection
     from orchestrator.store.reader import Rows
 
 _STATES = ("pending", "running", "done", "failed")
@@ -81,7 +81,7 @@ def inspect(
     gone: list[bool] = []
 
     def read(rows: Rows) -> int:
-        from orchestrator.store.inspection import inspect_items
+        from orchestrator.store.item_detail import inspect_items
 
         shown = 0
         try:
@@ -111,8 +111,8 @@ def _selection(
     state: str | None,
 ) -> Selection:
     """The options through the store's one check; what it refuses is a usage error."""
-    from orchestrator.quality import parse_flags
-    from orchestrator.store.inspection import COMMAND, checked_selection
+    from orchestrator.items.quality import parse_flags
+    from orchestrator.store.item_detail import COMMAND, checked_selection
 
     flags = 0
     for names in flag_names:
@@ -178,7 +178,7 @@ def _say(selection: Selection, shown: int, matched: int, as_json: bool) -> None:
 
 
 def _described(selection: Selection) -> str:
-    from orchestrator.quality import flag_names
+    from orchestrator.items.quality import flag_names
 
     parts: list[tuple[str, Any]] = [
         *(("--dataset", name) for name in selection.dataset_names),

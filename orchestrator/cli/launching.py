@@ -1,5 +1,5 @@
 """The options of the servers a command launches itself (``run``, ``plan``, ``doctor``),
-made into launch specs and a supervisor by ``orchestrator.launch``."""
+made into launch specs and a supervisor by ``orchestrator.inference.launch``."""
 
 from __future__ import annotations
 
@@ -161,9 +161,9 @@ def supervisor(
     """The supervisor of what the options (and a servers file's ``launch`` lines) say
     to launch; None when there is nothing to launch."""
     from orchestrator.errors import ConfigError
-    from orchestrator.launch.spec import Preset, SuperviseSettings, build_specs
-    from orchestrator.launch.state import default_dir
-    from orchestrator.launch.supervisor import Supervisor
+    from orchestrator.inference.launch.spec import Preset, SuperviseSettings, build_specs
+    from orchestrator.inference.launch.state import default_dir
+    from orchestrator.inference.launch.supervisor import Supervisor
     from orchestrator.store.reader import sqlite_path
 
     o = options

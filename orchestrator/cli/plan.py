@@ -119,10 +119,10 @@ def plan(
 
 
 def _show(result: Any, prices: Any, as_json: bool, looked: dict[str, Any] | None) -> None:
-    """The plan, with its cost when priced (``orchestrator.cost``) and the launched
+    """The plan, with its cost when priced (``orchestrator.settings.prices``) and the launched
     server's look."""
     from orchestrator import runfile
-    from orchestrator.cost import plan_cost
+    from orchestrator.settings.prices import plan_cost
 
     cost = plan_cost(result, prices)
     if as_json:
@@ -146,7 +146,7 @@ def _served_context(servers: tuple[str, ...], plans: Any) -> int | None:
 
     import aiohttp
 
-    from orchestrator.client import models
+    from orchestrator.inference.client import models
 
     async def look() -> list[dict[str, int]]:
         async with aiohttp.ClientSession() as session:
@@ -174,8 +174,8 @@ def _look(launch: dict[str, Any], db: str | None) -> dict[str, Any] | None:
     launched = supervisor(take_launch_options(launch), db)
     if launched is None:
         return None
-    from orchestrator.client import plain_session
-    from orchestrator.launch.supervisor import look_briefly
+    from orchestrator.inference.client import plain_session
+    from orchestrator.inference.launch.supervisor import look_briefly
 
     async def look() -> dict[str, Any]:
         async with plain_session("orchestrator-plan", None, {}) as session:

@@ -7,8 +7,8 @@ from typing import Any
 import click
 
 from orchestrator.cli.common import db_option, fail, on_database, run_sync
-from orchestrator.error_classes import ERROR_CLASSES
 from orchestrator.errors import ConfigError
+from orchestrator.items.error_classes import ERROR_CLASSES
 
 
 @click.command()
@@ -146,7 +146,7 @@ def _selection(
     samples: tuple[int, ...] = (),
 ) -> Any:
     """The options through the library's guard; what it refuses is a usage error."""
-    from orchestrator.quality import parse_flags
+    from orchestrator.items.quality import parse_flags
     from orchestrator.store import requeue as requeues
 
     flags = 0

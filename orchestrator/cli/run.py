@@ -8,7 +8,6 @@ from typing import Any
 
 import click
 
-from orchestrator.checks import RUN
 from orchestrator.cli.common import (
     Checked,
     api_key_file_option,
@@ -23,6 +22,7 @@ from orchestrator.cli.common import (
 from orchestrator.cli.launching import launch_options, take_launch_options
 from orchestrator.cli.launching import supervisor as launched_servers
 from orchestrator.errors import StorageError
+from orchestrator.settings.checks import RUN
 
 max_response_option = click.option(
     "--max-response-mb",
@@ -44,8 +44,8 @@ def _servers(
 ) -> tuple[list[Any], dict[str, Any], str | None, Any]:
     """The servers of --server (checked as parsed), --servers-file and those the run
     launches, their Basic credentials, the API key, and the launched servers' supervisor."""
-    from orchestrator.running import without_credentials
-    from orchestrator.servers import merge_servers, read_servers_file
+    from orchestrator.api.running import without_credentials
+    from orchestrator.inference.servers import merge_servers, read_servers_file
 
     listed, launches = (
         run_sync(lambda: read_servers_file(servers_file)) if servers_file else ([], [])
@@ -66,7 +66,7 @@ def _servers(
 
 
 def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
-    from orchestrator.servers import parse_cap
+    from orchestrator.inference.servers import parse_cap
 
     try:
         return parse_cap(value)
@@ -209,7 +209,7 @@ def run(
     launched (--launch, --engine) are ready before the first claim and stopped after
     the last answer; if none of them will stay up it exits 8.
     """
-    from orchestrator.running import RunSettings, configs, run_worker
+    from orchestrator.api.running import RunSettings, configs, run_worker
 
     launch = take_launch_options(settings)
     files = (servers_file, api_key_file, basic_auth_file)

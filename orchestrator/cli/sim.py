@@ -39,7 +39,7 @@ def demo(ctx: click.Context, workdir: Path, items: int, concurrency: int) -> Non
 
     Interrupt it with Ctrl-C and start it again: it resumes where it stopped.
     """
-    from orchestrator.demo import run_demo
+    from orchestrator.api.demo import run_demo
 
     parent = ctx.parent
     if parent is not None and parent.get_parameter_source("log_level") in (

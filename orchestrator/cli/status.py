@@ -48,8 +48,8 @@ def status(
     (SGLang or vLLM names) is shown beside them. With a price (--gpu-hour-cost, or
     --price-input/--price-output), the run's cost so far, to go, and wasted.
     """
-    from orchestrator.cost import status_cost
     from orchestrator.monitor.text import render_status
+    from orchestrator.settings.prices import status_cost
 
     prices = run_prices(gpu_hour_cost, price_input, price_output, servers_file, servers)
     snap = _status_snapshot(db, window, servers)
@@ -75,10 +75,10 @@ def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) ->
 
         snap = on_database(db, lambda d: snapshot(d, window=window), mode="read")
     if servers:
-        from orchestrator.server_metrics import scrape
+        from orchestrator.inference.server_metrics import scrape
 
         snap["servers"] = [scrape(server) for server in servers]
-    from orchestrator.launch.state import default_dir, read_states
+    from orchestrator.inference.launch.state import default_dir, read_states
     from orchestrator.store.reader import sqlite_path
 
     launched = read_states(default_dir(sqlite_path(db)))
@@ -186,7 +186,7 @@ def dashboard(
 def report(out: Path, window: float, servers: tuple[str, ...], db: str | None) -> None:
     """The dashboard's page as one static HTML file, data included (no network needed)."""
     configure_logs()
-    from orchestrator.atomicfile import is_stdout
+    from orchestrator._util.atomicfile import is_stdout
     from orchestrator.monitor.dashboard import gather_report, write_report
 
     data = run_async(gather_report(db, servers=servers, window=window))

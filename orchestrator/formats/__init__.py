@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orchestrator.lazy import exports
+from orchestrator._util.lazy import exports
 
 if TYPE_CHECKING:
-    from orchestrator.formats.columns import Columns
-    from orchestrator.formats.readers import (
+    from orchestrator.formats.readers.columns import Columns
+    from orchestrator.formats.readers.rows import (
         FORMATS,
         INPUT_FORMATS,
         MODES,
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
         iter_prepared_rows,
         iter_records,
     )
-    from orchestrator.formats.source import open_source
+    from orchestrator.formats.readers.source import open_source
 
 __all__ = [
     "FORMATS",
@@ -49,8 +49,8 @@ __all__ = [
 __getattr__ = exports(
     __name__,
     {
-        **dict.fromkeys(__all__, "readers"),
-        "Columns": "columns",
-        "open_source": "source",
+        **dict.fromkeys(__all__, "readers.rows"),
+        "Columns": "readers.columns",
+        "open_source": "readers.source",
     },
 )

@@ -43,19 +43,20 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
-from orchestrator import atomicfile, structured
-from orchestrator.conversation import assemble, targets
+from orchestrator._util import atomicfile
 from orchestrator.errors import ConfigError, StorageError
-from orchestrator.formats import draws
 from orchestrator.formats.choices import (  # noqa: F401
     EXPORT_FORMATS,
     REASONING_MODES,
     TABLE_FORMATS,
 )
+from orchestrator.formats.writers import sample_groups as draws
 from orchestrator.formats.writers import specforge
 from orchestrator.formats.writers import turns as per_turn
-from orchestrator.params import item_body
-from orchestrator.quality import TOOL_MISMATCH, flag_names
+from orchestrator.items import structured
+from orchestrator.items.conversation import assemble, targets
+from orchestrator.items.params import item_body
+from orchestrator.items.quality import TOOL_MISMATCH, flag_names
 from orchestrator.store import access
 from orchestrator.store.outputs import (
     DatasetRef,
@@ -105,19 +106,21 @@ class ExportOptions:
 
     format: str = "messages"
     reasoning: str = "separate"
-    # Done items whose quality flags (orchestrator.quality) share a bit with this are left out.
+    # Done items whose quality flags (orchestrator.items.quality) share a bit with this
+    # are left out.
     exclude_flags: int = 0
     provenance: bool = False
     # Structured output: each line gets ``parsed``, its answer's JSON value (None when
     # the answer is not the JSON its request asked for).
     parsed: bool = False
-    # A prompt's samples in one line (``answers``), not a line each (orchestrator.formats.draws).
+    # A prompt's samples in one line (``answers``), not a line each
+    # (orchestrator.formats.writers.sample_groups).
     group_samples: bool = False
     # OUT is a directory with one file per dataset.
     split: bool = False
     # Where failed items go (for openai-batch, instead of OUT.errors.jsonl).
     include_failed: str | os.PathLike[str] | None = None
-    # Each answer's token logprobs and top-k, and its token ids (orchestrator.tokens).
+    # Each answer's token logprobs and top-k, and its token ids (orchestrator.items.tokens).
     logprobs: bool = False
     token_ids: bool = False
     # One line per generated assistant turn (writers.turns).
@@ -129,7 +132,7 @@ class ExportOptions:
     card: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
-        from orchestrator.checks import EXPORT, check_all
+        from orchestrator.settings.checks import EXPORT, check_all
 
         check_all({name: getattr(self, name) for name in EXPORT}, EXPORT)
         if self.format == "specforge" and self.reasoning == "inline":
@@ -646,9 +649,9 @@ def _parsed(request: dict[str, Any], message_json: str, params_json: str | None)
 
 
 def token_fields(packed: bytes | None, options: ExportOptions) -> dict[str, Any]:
-    """An answer's token columns as the options ask (``orchestrator.tokens.row_fields``):
+    """An answer's token columns as the options ask (``orchestrator.items.tokens.row_fields``):
     the one place a line (or a table's row) gets them."""
-    from orchestrator.tokens import row_fields, unpack
+    from orchestrator.items.tokens import row_fields, unpack
 
     tokens = unpack(bytes(packed)) if packed is not None else None
     return row_fields(tokens, logprobs=options.logprobs, token_ids=options.token_ids)

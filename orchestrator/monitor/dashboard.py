@@ -30,9 +30,10 @@ import orjson
 import structlog
 from aiohttp import web
 
-from orchestrator import atomicfile, checks
+from orchestrator._util import atomicfile
 from orchestrator.errors import ConfigError, SchemaError
 from orchestrator.monitor import status as status_view
+from orchestrator.settings import checks
 from orchestrator.store import access, samples
 from orchestrator.store.migrate import check_sqlite
 from orchestrator.store.reader import sqlite_path
@@ -168,7 +169,7 @@ class ServerViews:
             return []
         async with self._lock:
             if time.monotonic() - self._at >= _SCRAPE_EVERY:
-                from orchestrator.server_metrics import scrape
+                from orchestrator.inference.server_metrics import scrape
 
                 self._views = list(
                     await asyncio.gather(*(asyncio.to_thread(scrape, s) for s in self.servers))
@@ -248,7 +249,7 @@ def _host_check(hosts: Iterable[str]) -> Any:
 
 
 def _number(request: web.Request, name: str, default: float, rule: checks.Rule) -> float:
-    """A query number by the rule the same value has everywhere (``orchestrator.checks``):
+    """A query number by the rule the same value has everywhere (``orchestrator.settings.checks``):
     NaN and infinities are no numbers of seconds, nor is a window of -5."""
     raw = request.query.get(name)
     if raw is None:

@@ -21,9 +21,9 @@ from rich.padding import Padding
 from rich.panel import Panel
 from rich.text import Text
 
-from orchestrator.conversation import targets
+from orchestrator.items.conversation import targets
 from orchestrator.monitor.text import duration
-from orchestrator.store.inspection import (
+from orchestrator.store.item_detail import (
     AnswerRecord,
     AttemptRecord,
     ItemRecord,

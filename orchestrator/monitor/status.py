@@ -1,7 +1,7 @@
 """The status document (``docs/STATUS.md``): the store's figures with the ETA forecast.
 
 The store reads the figures and the facts a forecast needs (``store.stats``); the
-forecast itself (``orchestrator.eta``) is a model of how the run goes on, not a query,
+forecast itself (``orchestrator.monitor.eta``) is a model of how the run goes on, not a query,
 so it is made here, above the store. Every view of the status (``status``, ``watch``,
 the dashboard, ``Queue.status()``) goes through :func:`document`.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.eta import Work, forecast
+from orchestrator.monitor.eta import Work, forecast
 from orchestrator.store import access, stats
 
 if TYPE_CHECKING:

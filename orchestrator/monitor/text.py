@@ -127,7 +127,7 @@ def _waste_lines(snap: dict[str, Any]) -> list[str]:
 
 
 def _cost_lines(cost: dict[str, Any] | None) -> list[str]:
-    """The run's cost at the prices given (``orchestrator.cost``)."""
+    """The run's cost at the prices given (``orchestrator.settings.prices``)."""
     if not cost:
         return []
     to_go = cost.get("to_go")

@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator._util.urls import split
 from orchestrator.errors import NEEDS_A_PERSON, ConfigError
-from orchestrator.urls import split
 
 DEFAULT_USER = "orchestrator"
 DEFAULT_DB = "/var/lib/orchestrator/orchestrator.db"

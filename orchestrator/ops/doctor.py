@@ -19,14 +19,14 @@ from typing import Any
 import aiohttp
 import structlog
 
-from orchestrator import client as inference
-from orchestrator.client import base_url
+from orchestrator._util.urls import credentials_sent, refused_advice
 from orchestrator.errors import EmptyDatabase, OrchestratorError
+from orchestrator.inference import client as inference
+from orchestrator.inference.client import base_url
 from orchestrator.monitor.status import snapshot
 from orchestrator.store import Database, list_datasets, open_database, resolve_url
 from orchestrator.store.migrate import SCHEMA_REVISION
 from orchestrator.store.outputs import output_bytes
-from orchestrator.urls import credentials_sent, refused_advice
 
 log = structlog.get_logger("orchestrator.doctor")
 
@@ -62,7 +62,7 @@ class DoctorConfig:
     servers: tuple[str, ...] = ()
     model: str | None = None
     api_key: str | None = None
-    #: Basic credentials by server, taken out of the URLs (orchestrator.urls).
+    #: Basic credentials by server, taken out of the URLs (orchestrator._util.urls).
     basic_auth: dict[str, aiohttp.BasicAuth] = field(default_factory=dict, repr=False)
     clock_tolerance: float = 60.0
     bytes_per_item: int | None = None  # None: measured from done items, else the default

@@ -32,8 +32,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator._util.urls import mask, split, take_userinfo
 from orchestrator.errors import NEEDS_A_PERSON, ConfigError
-from orchestrator.urls import mask, split, take_userinfo
 
 DEFAULT_GRACE = 120.0
 DEFAULT_SIGNAL_LEAD = 300

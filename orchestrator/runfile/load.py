@@ -54,13 +54,20 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from orchestrator import checks, params
 from orchestrator.errors import ConfigError, InputError
-from orchestrator.formats import columns as row_columns
-from orchestrator.formats.readers import INPUT_FORMATS, PASSTHROUGH_FORMATS
-from orchestrator.formats.source import open_source
-from orchestrator.params import logprob_params
-from orchestrator.store.columns import ENDPOINTS, ON_INVALID, ON_OVERFLOW, ON_TRUNCATED, REGENERATE
+from orchestrator.formats.readers import columns as row_columns
+from orchestrator.formats.readers.rows import INPUT_FORMATS, PASSTHROUGH_FORMATS
+from orchestrator.formats.readers.source import open_source
+from orchestrator.items import params
+from orchestrator.items.params import logprob_params
+from orchestrator.settings import checks
+from orchestrator.store.column_types import (
+    ENDPOINTS,
+    ON_INVALID,
+    ON_OVERFLOW,
+    ON_TRUNCATED,
+    REGENERATE,
+)
 
 __all__ = ["FORMATS", "DatasetPlan", "Problem", "RunConfigError", "load_prices", "load_run"]
 
@@ -88,7 +95,7 @@ _REQUEST_KEYS = (
     "seeds",
     "sample_requests",
 )
-# extra_body keys that would bypass a check (the rest go through orchestrator.params).
+# extra_body keys that would bypass a check (the rest go through orchestrator.items.params).
 _EXTRA_BODY_REFUSED = {
     key: f'set it as the key "{key}" (outside extra_body), where it is checked'
     for key in _BODY_KEYS
@@ -205,7 +212,7 @@ def load_run(path: str | os.PathLike[str]) -> list[DatasetPlan]:
 
 def load_prices(path: str | os.PathLike[str]) -> dict[str, float]:
     """The run file's ``[prices]`` (``gpu_hour_cost``, ``price_input``, ``price_output``:
-    ``orchestrator.cost.Prices``' fields), checked; {} when it has none."""
+    ``orchestrator.settings.prices.Prices``' fields), checked; {} when it has none."""
     source, document = _read(path)
     problems: list[Problem] = []
     prices = _prices(document.get("prices", {}), problems)
@@ -278,8 +285,8 @@ def _kind(value: object) -> str:
 
 
 def _by(expected: Callable[[object], str]) -> Check:
-    """A key checked by the rule the same setting has everywhere (``orchestrator.checks``,
-    ``orchestrator.params``), in a run file's words for what was given."""
+    """A key checked by the rule the same setting has everywhere (``orchestrator.settings.checks``,
+    ``orchestrator.items.params``), in a run file's words for what was given."""
 
     def check(value: object) -> list[tuple[str, str]]:
         want = expected(value)
@@ -292,7 +299,7 @@ def _by(expected: Callable[[object], str]) -> Check:
 
 
 def _param(name: str) -> Check:
-    """``orchestrator.params``' check, the one ``enqueue`` options and input lines get."""
+    """``orchestrator.items.params``' check, the one ``enqueue`` options and input lines get."""
     return _by(lambda value: params.expected(name, value))
 
 

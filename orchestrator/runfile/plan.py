@@ -16,8 +16,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import orjson
 
 from orchestrator.errors import ConfigError
-from orchestrator.formats.readers import iter_records
-from orchestrator.lengths import BYTES_PER_TOKEN, COMPLETION_FRACTION, LengthStats, expected
+from orchestrator.formats.readers.rows import iter_records
+from orchestrator.items.answer_length import (
+    BYTES_PER_TOKEN,
+    COMPLETION_FRACTION,
+    LengthStats,
+    expected,
+)
 
 if TYPE_CHECKING:
     from orchestrator.runfile.load import DatasetPlan
@@ -86,7 +91,8 @@ class DatasetEstimate:
     predicted: int = 0
     """Requests counted at the length of the answer their line holds (times the ratio of
     new to original lengths of the answers done so far, at most max_tokens): the figures
-    the claim ranks items by (``orchestrator.lengths``); the others as ``measured`` says."""
+    the claim ranks items by (``orchestrator.items.answer_length``); the others as
+    ``measured`` says."""
     overflows: int = 0
     """With the server's context known: requests whose prompt (estimated from its text)
     and max_tokens will not fit it..."""

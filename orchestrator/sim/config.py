@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from orchestrator.sim.lengths import LengthModel
+    from orchestrator.sim.length_model import LengthModel
     from orchestrator.sim.ratelimit import BucketSpec
 
 #: Fault kinds in the order their probability ranges are laid out on ``[0, 1)``.
@@ -103,7 +103,7 @@ class SimConfig:
             ones: an image URL the server cannot fetch, roles that do not alternate).
         required_fields: body fields a request must have, else FastAPI's 422, whose
             ``detail`` echoes the whole request body (``input``), as pydantic does.
-        length_model: answer lengths by dataset (``orchestrator.sim.lengths``), drawn
+        length_model: answer lengths by dataset (``orchestrator.sim.length_model``), drawn
             from each request's digest; None: ``mean_tokens`` for every request.
         trace: a file the batching model writes each decode step to, one JSON line:
             ``t`` (simulated seconds since the first request, idle time included),

@@ -294,7 +294,7 @@ def sim_config(values: dict[str, Any]) -> SimConfig:
         else:
             given["rate_limits"] = ()
         if given.get("length_model"):
-            from orchestrator.sim.lengths import load_length_model
+            from orchestrator.sim.length_model import load_length_model
 
             given["length_model"] = load_length_model(given["length_model"])
         # From the environment, never the command line, where ps would show it.

@@ -32,11 +32,11 @@ import click
 import orjson
 from aiohttp import web
 
-from orchestrator.quality import split_think
+from orchestrator.items.quality import split_think
 from orchestrator.sim import logprobs as sim_tokens
 from orchestrator.sim.batching import BatchModel, Seq
 from orchestrator.sim.config import DEFAULT_MODEL, FAULT_KINDS, SimConfig
-from orchestrator.sim.lengths import dataset_of, quantile
+from orchestrator.sim.length_model import dataset_of, quantile
 from orchestrator.sim.options import sim_config, sim_options
 from orchestrator.sim.prefix import PrefixCache, prompt_words
 from orchestrator.sim.ratelimit import Limiter

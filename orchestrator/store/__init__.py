@@ -13,12 +13,12 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.lazy import exports
+from orchestrator._util.lazy import exports
 
 if TYPE_CHECKING:
     from orchestrator.store.datasets import DatasetInfo, DatasetSpec, list_datasets, set_paused
     from orchestrator.store.engine import Database, create_database, resolve_url
-    from orchestrator.store.enqueue import EnqueueReport, enqueue
+    from orchestrator.store.loading import EnqueueReport, enqueue
     from orchestrator.store.migrate import ensure_schema, upgrade
     from orchestrator.store.outputs import DoneItem, check_datasets, iter_done
     from orchestrator.store.queue import Failure, Lease, Output, Queue
@@ -31,8 +31,8 @@ _SOURCES = {
     "Database": "engine",
     "create_database": "engine",
     "resolve_url": "engine",
-    "EnqueueReport": "enqueue",
-    "enqueue": "enqueue",
+    "EnqueueReport": "loading",
+    "enqueue": "loading",
     "ensure_schema": "migrate",
     "upgrade": "migrate",
     "DoneItem": "outputs",
@@ -51,7 +51,7 @@ __getattr__ = exports(__name__, _SOURCES)
 class _Package(types.ModuleType):
     """Keeps an exported name bound to the export when its submodule is imported.
 
-    Importing ``orchestrator.store.enqueue`` sets the package's ``enqueue`` to the
+    Importing ``orchestrator.store.loading`` sets the package's ``enqueue`` to the
     module; with eager imports the function was bound after that, and callers of
     ``from orchestrator.store import enqueue`` rely on getting the function.
     """

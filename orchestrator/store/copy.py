@@ -34,7 +34,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError, SchemaError
-from orchestrator.quality import NUL_CHAR
+from orchestrator.items.quality import NUL_CHAR
 from orchestrator.store import open_database
 from orchestrator.store.engine import Database, create_database, insert_many, resolve_url
 from orchestrator.store.migrate import upgrade

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError
-from orchestrator.store.columns import (
+from orchestrator.store.column_types import (
     ENDPOINTS,
     INT_MAX,
     ON_INVALID,

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 DoneRow = tuple[str, str, str, str | None, str | None]
 # item id, key, request, message, finish_reason, usage, flags, model, response_id,
 # created_at, latency, server, params_hash, params JSON (param_sets; None when unknown),
-# tokens (packed, orchestrator.tokens; None when the server gave none),
+# tokens (packed, orchestrator.items.tokens; None when the server gave none),
 # sample (items.sample)
 FullRow = tuple[
     int,
@@ -121,7 +121,7 @@ class DatasetRef:
     regenerate: str  # last | all
     passthrough: bool
     endpoint: str = "chat"  # chat | completions
-    samples: int = 1  # per prompt (orchestrator.formats.draws)
+    samples: int = 1  # per prompt (orchestrator.formats.writers.sample_groups)
 
 
 # A batch of full rows and, for multi-turn datasets, each item's turn messages in order.

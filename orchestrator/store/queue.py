@@ -39,8 +39,9 @@ import orjson
 import sqlalchemy as sa
 import structlog
 
-from orchestrator.answer import Answer
-from orchestrator.lengths import Expected
+from orchestrator.items.answer import Answer
+from orchestrator.items.answer_length import Expected
+from orchestrator.items.tokens import Tokens, pack
 from orchestrator.store import waste as wasted
 from orchestrator.store.engine import Database, insert_rows
 from orchestrator.store.schema import (
@@ -54,7 +55,6 @@ from orchestrator.store.schema import (
     superseded_outputs,
     superseded_turns,
 )
-from orchestrator.tokens import Tokens, pack
 
 log = structlog.get_logger("orchestrator.store")
 
@@ -99,7 +99,7 @@ class Output(Answer):
     parameters it was asked with."""
 
     params_hash: str | None = None
-    #: The token ids and logprobs the server gave (``orchestrator.tokens``), kept packed.
+    #: The token ids and logprobs the server gave (``orchestrator.items.tokens``), kept packed.
     tokens: Tokens | None = None
 
 
@@ -276,7 +276,7 @@ class Claim:
     #: Take items never put back (no error kept) before any other: a dataset's trial
     #: item is then not one the run guard held when an earlier run stopped.
     fresh_first: bool = False
-    #: How each dataset's items rank (``orchestrator.lengths``): the datasets of one
+    #: How each dataset's items rank (``orchestrator.items.answer_length``): the datasets of one
     #: priority are claimed from together, the longest answers first. A dataset not
     #: listed ranks its items by their prediction alone.
     lengths: Mapping[int, Expected] = field(default_factory=dict)
@@ -615,7 +615,7 @@ def storable(text: str | None) -> str | None:
     PostgreSQL text cannot hold a NUL, and both backends store the same, so a ``db copy``
     changes nothing. Only the plain-text columns (error messages, identifiers) lose the
     NUL: the JSON columns (message, usage) keep it escaped, ``\\u0000``, so the answer
-    exports exactly as the model emitted it, flagged ``nul`` (orchestrator.quality).
+    exports exactly as the model emitted it, flagged ``nul`` (orchestrator.items.quality).
     """
     if text is None or "\x00" not in text:
         return text

@@ -22,9 +22,9 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
-from orchestrator.error_classes import is_known, unknown
 from orchestrator.errors import ConfigError, OrchestratorError
-from orchestrator.params import expected, shown
+from orchestrator.items.error_classes import is_known, unknown
+from orchestrator.items.params import expected, shown
 from orchestrator.store.engine import Database
 from orchestrator.store.queue import RESTORABLE, hold, reopen, restore
 from orchestrator.store.schema import datasets, items, outputs, requeued_items, requeues

@@ -35,7 +35,7 @@ datasets = sa.Table(
     sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
     sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.false()),
     # last: generate the final assistant turn; all: every assistant turn, in order, each
-    # conditioned on the turns already generated (orchestrator.conversation).
+    # conditioned on the turns already generated (orchestrator.items.conversation).
     sa.Column("regenerate", sa.String(8), nullable=False, server_default="last"),
     # What a truncated answer (finish_reason "length") becomes: keep | retry | fail.
     sa.Column("on_truncated", sa.String(8), nullable=False, server_default="keep"),
@@ -166,12 +166,12 @@ outputs = sa.Table(
     sa.Column("response_id", sa.Text, nullable=True),
     sa.Column("attempt", sa.Integer, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
-    # Quality flags, a bitmask (orchestrator.quality): truncated, empty, unclosed_think...
+    # Quality flags, a bitmask (orchestrator.items.quality): truncated, empty, unclosed_think...
     sa.Column("flags", sa.Integer, nullable=False, server_default="0"),
     # The request parameters the answer was made with (param_sets.hash).
     sa.Column("params_hash", sa.String(64), nullable=True),
     # The answer's token ids, logprobs and top-k as the server gave them, packed
-    # (orchestrator.tokens); NULL when it gave none.
+    # (orchestrator.items.tokens); NULL when it gave none.
     sa.Column("tokens", sa.LargeBinary, nullable=True),
 )
 # Status reads outputs through these two narrow indexes, never the wide rows (answer

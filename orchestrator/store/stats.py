@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.error_classes import limited_for
-from orchestrator.lengths import MEASURED_AFTER
-from orchestrator.quality import ALL_FLAGS
-from orchestrator.structured import INVALID_FLAGS, expected_format
+from orchestrator.items.answer_length import MEASURED_AFTER
+from orchestrator.items.error_classes import limited_for
+from orchestrator.items.quality import ALL_FLAGS
+from orchestrator.items.structured import INVALID_FLAGS, expected_format
 
 if TYPE_CHECKING:
     from orchestrator.store.reader import Rows
@@ -194,7 +194,7 @@ class Snapshot:
     """The status document with its ETA left blank, and what a forecast needs to fill it.
 
     ``work`` holds, per dataset that has answers to learn from, the keyword arguments of
-    ``orchestrator.eta.Work``; ``ids`` are the dataset ids in the document's order. The
+    ``orchestrator.monitor.eta.Work``; ``ids`` are the dataset ids in the document's order. The
     forecast is made above the store (``monitor.status``), from these facts alone.
     """
 

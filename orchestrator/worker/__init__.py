@@ -12,7 +12,7 @@
 * ``config``: ``WorkerConfig``, ``WorkerStats``.
 
 It composes the queue (``orchestrator.store``) and the inference client
-(``orchestrator.client``) and owns neither's details.
+(``orchestrator.inference.client``) and owns neither's details.
 """
 
 from __future__ import annotations

@@ -14,14 +14,14 @@ from typing import Any
 
 import structlog
 
-from orchestrator import error_classes as ec
-from orchestrator.client import Completion, InferenceClient, Streamed
-from orchestrator.conversation import stops_after, turn_messages
-from orchestrator.draws import seed_of
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
+from orchestrator.inference.client import Completion, InferenceClient, Streamed
+from orchestrator.inference.servers import ServerPool, request_tokens
+from orchestrator.items import error_classes as ec
+from orchestrator.items.conversation import stops_after, turn_messages
+from orchestrator.items.params import item_body
+from orchestrator.items.samples import seed_of
 from orchestrator.logs import debug_enabled
-from orchestrator.params import item_body
-from orchestrator.servers import ServerPool, request_tokens
 from orchestrator.store import Failure, Lease, Output
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.worker import classify

@@ -4,8 +4,8 @@ The committer asks ``Claims.plan`` before each round and hands what it claimed t
 ``Claims.deliver``. A claim fits the healthy servers' caps, summed, plus a small prefetch
 sized to about 20 ms of the recent answer rate (none for slow servers, where it would only
 hold items back from other workers); a dataset not yet answered in this run gets one
-trial item first, and claiming pauses while no server is up (``orchestrator.guard``,
-``orchestrator.servers``).
+trial item first, and claiming pauses while no server is up (``orchestrator.worker.guard``,
+``orchestrator.inference.servers``).
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from typing import Any
 
 import structlog
 
-from orchestrator.client import Streamed
-from orchestrator.guard import RunGuard
-from orchestrator.lengths import Expected, expected
-from orchestrator.servers import ServerPool
+from orchestrator.inference.client import Streamed
+from orchestrator.inference.servers import ServerPool
+from orchestrator.items.answer_length import Expected, expected
 from orchestrator.store import Database, Lease, list_datasets
 from orchestrator.store.datasets import DatasetInfo
-from orchestrator.store.lengths import length_stats
+from orchestrator.store.length_stats import length_stats
 from orchestrator.store.queue import Claim
 from orchestrator.worker.config import WorkerConfig, WorkerStats
+from orchestrator.worker.guard import RunGuard
 
 log = structlog.get_logger("orchestrator.worker")
 
@@ -56,7 +56,7 @@ class Claimed:
 
 class Catalog:
     """The datasets' parameters and policies, and how their items rank by answer length
-    (``orchestrator.lengths``); reread every few seconds, so an ``enqueue --update``
+    (``orchestrator.items.answer_length``); reread every few seconds, so an ``enqueue --update``
     reaches running workers for the items they claim next and the ranking follows the
     answers measured."""
 

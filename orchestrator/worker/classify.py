@@ -10,16 +10,17 @@ from typing import Any
 
 import structlog
 
-from orchestrator import error_classes as ec
-from orchestrator import overflow, structured
-from orchestrator.answer import ANSWER_FIELDS
-from orchestrator.client import Completion
 from orchestrator.errors import InferenceError, PermanentError, TransientError
-from orchestrator.quality import INVALID_JSON, MAX_TOKENS_REDUCED, TOOL_MISMATCH
+from orchestrator.inference.client import Completion
+from orchestrator.items import error_classes as ec
+from orchestrator.items import structured
+from orchestrator.items.answer import ANSWER_FIELDS
+from orchestrator.items.quality import INVALID_JSON, MAX_TOKENS_REDUCED, TOOL_MISMATCH
 from orchestrator.store import Failure, Lease, Output
 from orchestrator.store import waste as wasted
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.store.waste import Waste
+from orchestrator.worker import overflow
 from orchestrator.worker.config import WorkerConfig, backoff_delay
 from orchestrator.worker.outcomes import Advance, Done, Failed, Outcome, Release, Retry
 

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from orchestrator.autoconcurrency import Limits
-from orchestrator.checks import RUN, check_all, checked
 from orchestrator.errors import ConfigError
-from orchestrator.servers import Cap
+from orchestrator.inference.autoconcurrency import Limits
+from orchestrator.inference.servers import Cap
+from orchestrator.settings.checks import RUN, check_all, checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,12 +26,12 @@ class WorkerConfig:
 
     ``concurrency`` is per server (``server_caps`` overrides it for some): the worker keeps
     the sum of its healthy servers' caps in flight. ``"auto"`` adapts a server's cap to
-    what it takes (``orchestrator.autoconcurrency``), within ``auto_limits``, looking at
+    what it takes (``orchestrator.inference.autoconcurrency``), within ``auto_limits``, looking at
     it every ``auto_interval`` seconds.
 
     ``rpm`` and ``tpm`` cap the requests and tokens a minute sent to each server
     (``server_budgets`` overrides them for some, as ``(rpm, tpm)``); without them a
-    server's ``x-ratelimit-*`` headers set its pace (``orchestrator.servers.Pacer``). A
+    server's ``x-ratelimit-*`` headers set its pace (``orchestrator.inference.servers.Pacer``). A
     server that has answered nothing but 429 for ``rate_limited_warn_after`` seconds is
     warned about.
     """
@@ -64,9 +64,9 @@ class WorkerConfig:
     sample_every: float = 60.0
     # Seconds without any reachable server after which the run stops (None: wait on).
     give_up_after: float | None = None
-    # Different items rejected the same way in a row that stop the run (orchestrator.guard).
+    # Different items rejected the same way in a row that stop the run (orchestrator.worker.guard).
     breaker_items: int = 5
-    # Seconds a dataset's trial request in flight unrefused opens it (orchestrator.guard).
+    # Seconds a dataset's trial request in flight unrefused opens it (orchestrator.worker.guard).
     trial_seconds: float = 2.0
 
     def __post_init__(self) -> None:

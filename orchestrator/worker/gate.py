@@ -1,4 +1,4 @@
-"""The run guard between the calls and the committer (``orchestrator.guard``).
+"""The run guard between the calls and the committer (``orchestrator.worker.guard``).
 
 A rejection that may be run-level (a bad model name, a wrong request shape) is held
 until an answer or a run of rejections decides: failed alone, or released when the
@@ -12,14 +12,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orchestrator import client as inference
-from orchestrator.client import InferenceClient
 from orchestrator.errors import RunStopped
-from orchestrator.guard import Held, RunGuard
+from orchestrator.inference import client as inference
+from orchestrator.inference.client import InferenceClient
 from orchestrator.store import Lease, Output
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.worker.claim import Catalog
 from orchestrator.worker.committer import Committer
+from orchestrator.worker.guard import Held, RunGuard
 from orchestrator.worker.outcomes import Done, Failed, Outcome, Rejected, Release
 
 

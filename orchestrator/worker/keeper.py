@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from orchestrator import procinfo
+from orchestrator._util import procinfo
 from orchestrator.errors import StorageError
 from orchestrator.store import workers as worker_rows
 from orchestrator.worker.config import stats_fields
@@ -90,7 +90,7 @@ async def sample(worker: Worker) -> None:
     Every worker tries; the first past the interval writes. The servers are only
     scraped when a sample is due.
     """
-    from orchestrator.server_metrics import scrape
+    from orchestrator.inference.server_metrics import scrape
     from orchestrator.store import samples
 
     every = worker.config.sample_every

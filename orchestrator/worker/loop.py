@@ -5,7 +5,7 @@ Each committer round claims a batch (``claim.Claims.plan``, ``deliver``); each c
 item runs as its own task (``_process``): ``call.Caller`` calls a server for it, turn by
 turn, and its outcome (``classify``) goes past the run guard (``gate``) to the committer,
 whose next round writes it (``_settled``). Beside them run the keeper (``keeper``) and
-one prober per unreachable server (``orchestrator.servers``). An outage (no server
+one prober per unreachable server (``orchestrator.inference.servers``). An outage (no server
 reachable) pauses claiming; items caught in it are released with their attempt given
 back. Retryable failures go back to pending with exponential backoff and jitter;
 permanent ones fail at once with the server's reason. ``stop`` drains at the end.
@@ -22,17 +22,16 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from orchestrator import error_classes as ec
-from orchestrator import procinfo
-from orchestrator.autoconcurrency import Controller
-from orchestrator.client import InferenceClient
+from orchestrator._util import procinfo
+from orchestrator._util.urls import credentials_sent
 from orchestrator.errors import RunStopped, ServersUnreachable, StorageError
-from orchestrator.guard import RunGuard
-from orchestrator.servers import ServerPool
+from orchestrator.inference.autoconcurrency import Controller
+from orchestrator.inference.client import InferenceClient
+from orchestrator.inference.servers import ServerPool
+from orchestrator.items import error_classes as ec
 from orchestrator.store import Database, Failure, Lease, Queue
 from orchestrator.store import workers as worker_rows
 from orchestrator.store.datasets import set_draw_mode
-from orchestrator.urls import credentials_sent
 from orchestrator.worker import classify, keeper, stop, summary
 from orchestrator.worker.call import Caller
 from orchestrator.worker.call import seed as call_seed
@@ -40,10 +39,11 @@ from orchestrator.worker.claim import Catalog, Claimed, Claims
 from orchestrator.worker.committer import Committer
 from orchestrator.worker.config import Notifier, Silent, WorkerConfig, WorkerStats, stats_fields
 from orchestrator.worker.gate import Gate
+from orchestrator.worker.guard import RunGuard
 from orchestrator.worker.outcomes import Advance, Outcome, Release
 
 if TYPE_CHECKING:
-    from orchestrator.metrics import WorkerMetrics
+    from orchestrator.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger("orchestrator.worker")
 
@@ -73,7 +73,7 @@ class Worker:
         self.queue = Queue(database)
         self.pool = _pool(config, client, self._capacity_changed)
         self.catalog = Catalog(database, config.datasets)
-        # Trial items, served models and the circuit breaker (orchestrator.guard).
+        # Trial items, served models and the circuit breaker (orchestrator.worker.guard).
         self.guard = RunGuard(config.breaker_items, config.trial_seconds, _sent(config, client))
         self._stopping = asyncio.Event()
         self.claims = Claims(

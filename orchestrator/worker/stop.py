@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from orchestrator import error_classes as ec
+from orchestrator.items import error_classes as ec
 from orchestrator.store import Failure
 from orchestrator.store.waste import STOPPED, Waste
 from orchestrator.worker.claim import Claimed, Claims

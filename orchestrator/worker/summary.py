@@ -14,7 +14,7 @@ from orchestrator.worker.config import WorkerStats
 from orchestrator.worker.outcomes import Advance, Done, Failed, Failing, Outcome, Retry
 
 if TYPE_CHECKING:
-    from orchestrator.metrics import WorkerMetrics
+    from orchestrator.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger("orchestrator.worker")
 

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from orchestrator.errors import ConfigError, StorageError
 from orchestrator.formats.export import make_folder, plain_record, plain_rows
-from orchestrator.quality import flag_names
+from orchestrator.items.quality import flag_names
 from orchestrator.store.outputs import flagged_rows, full_batches
 
 if TYPE_CHECKING:

@@ -1,0 +1,588 @@
+"""Reading a source's rows into what the store writes: the rules written once, for every
+source format.
+
+A source (``formats.source``: JSONL, Parquet, CSV, Arrow, the Hub, rows in memory) gives
+raw rows with where they are; each becomes one ``Record`` whose ``request`` is a
+ready-to-send chat completion body, so the rest of the orchestrator never needs to know
+which format or file a row came from. A row is read by its columns when ``Columns`` say so
+(``formats.columns``: a prompt column, a messages column, a template), else as the JSONL
+line it would be (``formats.lines``: messages, sharegpt, prompt, openai-batch), so a table
+of ``conversations`` rows reads as their JSONL file would. Three ways of reading serve the
+kinds of dataset:
+
+``regenerate="last"`` (default)
+    The final answer is generated: trailing assistant turns are dropped.
+``regenerate="all"``
+    The whole conversation is kept, trailing assistant turns included, and each row
+    counts the assistant turns the model will write (``orchestrator.items.conversation``).
+``passthrough=True``
+    Rows that already hold the answer and are stored as done: conversations ending with
+    the assistant's turn (``messages`` or ``conversations``; the stored row is the line's
+    object with ShareGPT turns in OpenAI ``messages`` form), or pre-tokenised ``tokens``
+    rows (``{"input_ids": [...], "loss_mask": [...]}``).
+
+A bad row names its place: ``FILE:LINE: reason`` for a line, ``FILE:row N: reason`` for a
+table's row (numbered from 1, as lines are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import orjson
+
+from orchestrator.errors import ConfigError, InputError
+from orchestrator.formats.choices import INPUT_FORMATS, LINE_FORMATS
+from orchestrator.formats.readers.columns import Columns, template_columns
+from orchestrator.formats.readers.columns import check as check_columns
+from orchestrator.formats.readers.lines import (
+    ITEM_PARSERS,
+    REQUEST_FIELDS,
+    Mapped,
+    RowError,
+    parse_json,
+    parse_line,
+    parse_object,
+    too_deep,
+)
+from orchestrator.formats.readers.source import Part, Raw, Source, open_source
+
+__all__ = [
+    "FORMATS",
+    "INPUT_FORMATS",
+    "MODES",
+    "PASSTHROUGH_FORMATS",
+    "REQUEST_FIELDS",
+    "Columns",
+    "Prepared",
+    "PreparedItem",
+    "Reading",
+    "Record",
+    "iter_prepared",
+    "iter_prepared_rows",
+    "iter_records",
+]
+
+FORMATS = LINE_FORMATS
+PASSTHROUGH_FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokens")
+"""The formats whose rows can hold an answer to pass through."""
+MODES: tuple[str, ...] = ("last", "all", "passthrough")
+"""How a line was read: its final answer to generate, every assistant turn, or stored as is."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One input line, reduced to what identifies it and what gets sent."""
+
+    line: int
+    """The row's place in the source, from 1: a JSONL file's line number; across the files
+    of a folder or glob, the count of the rows (and lines) before it plus its own number."""
+    key: str
+    """The row's ``id`` (or ``custom_id``, or ``--id-column``), stringified; without one,
+    its place: the line number in a JSONL file named directly and in rows held in memory,
+    ``FILE:N`` for the N-th row (or line) of a file of a table, folder or glob."""
+    request: dict[str, Any]
+    """Chat completion request body: ``messages`` plus the line's request fields."""
+    digest: str
+    """sha256 of the canonical request JSON: tells a changed line from an unchanged one."""
+    fmt: str
+    """Which of ``FORMATS`` (or ``tokens``) the line was written in."""
+    mode: str = "last"
+    """Which of ``MODES`` the line was read for. For ``passthrough`` the request is the row
+    itself, to be stored as done."""
+    turns: int = 1
+    """Assistant turns to generate: ``len(conversation.targets(messages))`` for ``all``."""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    """A pass-through row's own ``usage`` counts, if it has them."""
+    predicted_tokens: int = 0
+    """The length of the answer turns the row holds and the model writes again (the
+    trailing ones dropped, or every target turn for ``all``), in tokens estimated from
+    their text (``orchestrator.items.answer_length.answer_tokens``); 0 when it holds none."""
+
+
+class Prepared(NamedTuple):
+    """One input line as the store writes it: the request already encoded and digested.
+
+    What ``iter_prepared`` yields for bulk loading, so that a million-line file is encoded
+    once per line and carries no per-line object heavier than a tuple.
+    """
+
+    line: int
+    key: str
+    fmt: str
+    digest: str
+    """The same digest as ``Record.digest``."""
+    body: str
+    """The request as JSON text (``orjson.dumps(Record.request)``): what is stored and sent."""
+    predicted_tokens: int
+    """As ``Record.predicted_tokens``."""
+
+
+class PreparedItem(NamedTuple):
+    """A ``Prepared`` line read for ``regenerate="all"`` or pass-through, which store more.
+
+    The first five fields are ``Prepared``'s; a separate type keeps the plain prompt lines,
+    nearly all of any large run, at six fields bound straight into the INSERT.
+    """
+
+    line: int
+    key: str
+    fmt: str
+    digest: str
+    body: str
+    mode: str
+    turns: int
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    predicted_tokens: int
+
+
+_T = TypeVar("_T")
+_L = TypeVar("_L", Record, Prepared, PreparedItem)
+Say = Callable[[str], str]
+"""How messages spell an option's name (``--prompt-column`` or ``prompt_column``)."""
+
+
+def iter_records(
+    source: object,
+    *,
+    on_invalid: Callable[[InputError], None] | None = None,
+    fmt: str = "auto",
+    regenerate: str = "last",
+    passthrough: bool = False,
+    columns: Columns | None = None,
+    split: str | None = None,
+    config: str | None = None,
+    say: Say | None = None,
+    endpoint: str = "chat",
+) -> Reading[Record]:
+    """Yield one ``Record`` per row of ``source`` (``formats.source.open_source``: a
+    path, a folder, a glob, ``-``, ``hf://``, a table or rows in memory).
+
+    A bad row raises ``InputError`` unless ``on_invalid`` is given, in which case the error
+    is handed to it and the row skipped, so one malformed row need not stop a million-row
+    ingest. Problems with the source itself (missing, unreadable, no records) always raise.
+    Missing files, empty folders and unknown splits are reported here, before iteration
+    starts, so callers fail fast; read errors surface on the first ``next()``.
+
+    ``fmt`` (one of ``INPUT_FORMATS``) makes a row of any other format a bad row.
+    ``regenerate="all"`` keeps whole conversations and counts their turns;
+    ``passthrough`` reads rows that hold their answer (see the module docstring);
+    ``columns`` read rows by their columns. An impossible combination raises
+    ``ConfigError`` here. ``endpoint="completions"`` takes plain prompts only, each as
+    ``{"prompt": ...}`` (:func:`prompt_request`).
+    """
+    return _reading(
+        "record",
+        source,
+        on_invalid,
+        fmt,
+        regenerate,
+        passthrough,
+        columns,
+        split,
+        config,
+        say,
+        endpoint,
+    )
+
+
+def iter_prepared(
+    source: object,
+    *,
+    on_invalid: Callable[[InputError], None] | None = None,
+    fmt: str = "auto",
+    regenerate: str = "last",
+    passthrough: bool = False,
+    columns: Columns | None = None,
+    split: str | None = None,
+    config: str | None = None,
+    say: Say | None = None,
+    endpoint: str = "chat",
+) -> Reading[Prepared] | Reading[PreparedItem]:
+    """``iter_records`` for bulk loading: the same rows, checks and errors, as ``Prepared``
+    (``PreparedItem`` when read for ``regenerate="all"`` or pass-through). For the
+    ``completions`` endpoint each row must be a plain prompt, stored as ``{"prompt"}``."""
+    return _reading(
+        "prepared",
+        source,
+        on_invalid,
+        fmt,
+        regenerate,
+        passthrough,
+        columns,
+        split,
+        config,
+        say,
+        endpoint,
+    )
+
+
+def iter_prepared_rows(
+    rows: Iterable[Any],
+    *,
+    source: str = "<records>",
+    on_invalid: Callable[[InputError], None] | None = None,
+    fmt: str = "auto",
+    regenerate: str = "last",
+    passthrough: bool = False,
+) -> Reading[Prepared] | Reading[PreparedItem]:
+    """``iter_prepared`` over rows already in memory (the Python API's records).
+
+    Each row is read as the JSONL line it would be in a file, so it gets the same checks
+    and the same errors, naming ``source`` and the row's 1-based position as its line.
+    """
+    from orchestrator.formats.readers.jsonl import RecordsSource
+
+    records = RecordsSource(rows, name=source)
+    return _reading("prepared", records, on_invalid, fmt, regenerate, passthrough)
+
+
+def _reading(
+    kind: str,
+    spec: object,
+    on_invalid: Callable[[InputError], None] | None,
+    fmt: str,
+    regenerate: str,
+    passthrough: bool,
+    columns: Columns | None = None,
+    split: str | None = None,
+    config: str | None = None,
+    say: Say | None = None,
+    endpoint: str = "chat",
+) -> Reading[Any]:
+    """The one way every entry point reads: options checked, the source resolved, then
+    the rows, lazily."""
+    mode = _mode(fmt, regenerate, passthrough)
+    mapper = check_columns(columns, fmt=fmt, mode=mode, say=say or _same)
+    wanted = template_columns(columns) if mapper is not None and columns is not None else None
+    source = spec if _is_source(spec) else open_source(spec, split=split, config=config)
+    parsers = _Parsers(kind, mode, fmt, mapper, raw=endpoint == "completions")
+    return Reading(source, parsers, on_invalid, wanted)  # type: ignore[arg-type]
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def _is_source(spec: object) -> bool:
+    return hasattr(spec, "parts") and hasattr(spec, "sha256") and hasattr(spec, "name")
+
+
+def _mode(fmt: str, regenerate: str, passthrough: bool) -> str:
+    """Which of ``MODES`` the options ask for, or ``ConfigError``."""
+    if fmt not in INPUT_FORMATS:
+        raise ConfigError(f"format must be one of {', '.join(INPUT_FORMATS)}, got {fmt!r}")
+    if regenerate not in ("last", "all"):
+        raise ConfigError(f"regenerate must be last or all, got {regenerate!r}")
+    if passthrough:
+        if fmt not in PASSTHROUGH_FORMATS:
+            raise ConfigError(
+                f"{fmt} lines hold no answer to pass through; a pass-through dataset takes "
+                + ", ".join(PASSTHROUGH_FORMATS)
+            )
+        return "passthrough"
+    if fmt == "tokens":
+        raise ConfigError(
+            "tokens rows are pre-tokenised training rows, not prompts: they can only be "
+            "passed through (passthrough)"
+        )
+    return regenerate
+
+
+class Reading(Generic[_T]):
+    """A source's rows, read as they are iterated, and where each one came from.
+
+    ``place`` names a row by its ``line`` (the store reports a duplicate or a changed row
+    with it); ``name`` and ``sha256`` are the source's.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        parsers: _Parsers,
+        on_invalid: Callable[[InputError], None] | None,
+        wanted: frozenset[str] | None,
+    ):
+        self.source = source
+        self.name = source.name
+        self._starts: list[tuple[int, Part]] = []
+        self._rows: Iterator[_T] = _read(source, parsers, on_invalid, wanted, self._starts)
+
+    def __iter__(self) -> Iterator[_T]:
+        # The generator itself: a loop over a million rows pays no Python call per row.
+        return self._rows
+
+    def __next__(self) -> _T:
+        return next(self._rows)
+
+    def sha256(self) -> str | None:
+        return self.source.sha256()
+
+    def place(self, line: int) -> tuple[str, int | None, int | None]:
+        """(path, line, row) of the row at ``line``: what ``InputError`` takes."""
+        part = None
+        number = line
+        for offset, start in self._starts:
+            if offset >= line:
+                break
+            part, number = start, line - offset
+        if part is None:
+            return self.name, line, None
+        return (part.path, number, None) if part.unit == "line" else (part.path, None, number)
+
+
+def _read(
+    source: Source,
+    parsers: _Parsers,
+    on_invalid: Callable[[InputError], None] | None,
+    wanted: frozenset[str] | None,
+    starts: list[tuple[int, Part]],
+) -> Iterator[Any]:
+    """Each part's rows through its parser; a bad one raises or goes to ``on_invalid``."""
+    yielded = invalid = 0
+    offset = 0
+    for part, rows in source.parts(wanted):
+        starts.append((offset, part))
+        parse = parsers.for_part(part, offset)
+        last = 0
+        for number, raw in rows:
+            last = number
+            try:
+                item = parse(raw, number)
+            except RowError as exc:
+                reason = str(exc)
+            except orjson.JSONEncodeError as exc:
+                # The row reads, but its request cannot be written back as JSON: orjson
+                # writes at most MAX_DEPTH levels of nesting, and JSON types only.
+                reason = _unwritable(raw, exc)
+            else:
+                yielded += 1
+                yield item
+                continue
+            error = _error(reason, part, number)
+            if on_invalid is None:
+                raise error from None
+            invalid += 1
+            on_invalid(error)
+        offset += last
+    if yielded == 0 and invalid == 0:
+        raise InputError(_empty(source), path=source.name)
+
+
+def _error(reason: str, part: Part, number: int) -> InputError:
+    if part.unit == "line":
+        return InputError(reason, path=part.path, line=number)
+    return InputError(reason, path=part.path, row=number)
+
+
+def _empty(source: Source) -> str:
+    files = getattr(source, "files", None)
+    if files is None:
+        return "no records"
+    return "no records in file" if len(files) == 1 else f"no records in its {len(files)} files"
+
+
+def _unwritable(raw: Raw, exc: orjson.JSONEncodeError) -> str:
+    if isinstance(raw, bytes):
+        return too_deep(orjson.loads(raw))
+    if "ecursion" in str(exc):
+        return too_deep(raw)
+    return f"a value has no JSON form: {exc}"
+
+
+_dumps = orjson.dumps
+_SORT_KEYS = orjson.OPT_SORT_KEYS
+_sha256 = hashlib.sha256
+_new_tuple = tuple.__new__
+
+
+class _Parsers:
+    """The per-row function of one read, made for each part: how its raw rows become
+    what is yielded (``Record``, ``Prepared`` or ``PreparedItem``)."""
+
+    def __init__(
+        self,
+        kind: str,
+        mode: str,
+        fmt: str,
+        mapper: Callable[[dict], Mapped] | None,
+        *,
+        raw: bool = False,
+    ):
+        self.raw = raw
+        self.kind = kind
+        self.mode = mode
+        self.fmt = fmt
+        self.mapper = mapper
+        self.item_parser = mapper or ITEM_PARSERS[mode, fmt == "tokens"]
+
+    def for_part(self, part: Part, offset: int) -> Callable[[Raw, int], Any]:
+        parse = self._for_part(part, offset)
+        return _as_prompt(parse) if self.raw else parse
+
+    def _for_part(self, part: Part, offset: int) -> Callable[[Raw, int], Any]:
+        plain = self.mode == "last" and self.mapper is None
+        if plain and part.key is None and offset == 0 and part.unit == "line":
+            # A JSONL file named directly: nearly every large run's path.
+            fast = _prepare_line if self.kind == "prepared" else _parse_line
+            return _only(self.fmt, fast)
+        prefix = "" if part.key is None else f"{part.key}:"
+        if plain and self.kind == "prepared":
+            return _only(self.fmt, _prepare_row(prefix, offset, part.unit == "line"))
+        build = _BUILDERS[self.kind, self.mode == "last"]
+        item_parser = self.item_parser
+        mode = self.mode
+
+        def parse(raw: Raw, number: int) -> Any:
+            obj = raw if type(raw) is dict else parse_json(raw)  # type: ignore[arg-type]
+            key, request, fmt, turns, usage, predicted = item_parser(obj)
+            if key is None:
+                key = prefix + str(number)
+            return build(offset + number, key, request, fmt, mode, turns, usage, predicted)
+
+        return parse if self.mapper is not None else _only(self.fmt, parse)
+
+
+def _only(fmt: str, parse: Callable[[Any, int], _L]) -> Callable[[Any, int], _L]:
+    """``parse``, refusing rows of another format than ``fmt`` (unless ``auto``)."""
+    if fmt == "auto":
+        return parse
+
+    def parse_only(raw: Any, number: int) -> _L:
+        item = parse(raw, number)
+        if item.fmt != fmt:
+            raise RowError(f'a {item.fmt} line in a dataset declared format = "{fmt}"')
+        return item
+
+    return parse_only
+
+
+def prompt_request(request: dict[str, Any]) -> dict[str, Any]:
+    """A chat request of one user message as a raw completion's: ``{"prompt": ...}`` and
+    its other fields. Anything more (a system message, turns, tools) has no plain-prompt
+    form: ``RowError``, never a prompt silently cut down."""
+    messages = request.get("messages")
+    only = messages[0] if isinstance(messages, list) and len(messages) == 1 else None
+    if not (
+        isinstance(only, dict)
+        and only.get("role") == "user"
+        and isinstance(only.get("content"), str)
+        and set(only) <= {"role", "content"}
+    ):
+        raise RowError(
+            "the completions endpoint sends a plain prompt: the row must be one "
+            '({"prompt": "..."} or --prompt-column, without a system message), not a '
+            "conversation"
+        )
+    if "tools" in request:
+        raise RowError("the completions endpoint takes no tools")
+    rest = {k: v for k, v in request.items() if k != "messages"}
+    return {"prompt": only["content"], **rest}
+
+
+def _as_prompt(parse: Callable[[Raw, int], Any]) -> Callable[[Raw, int], Any]:
+    """``parse``, each row's request made a raw completion's (:func:`prompt_request`)."""
+
+    def parse_prompt(raw: Raw, number: int) -> Any:
+        item = parse(raw, number)
+        if isinstance(item, Record):
+            request = prompt_request(item.request)
+            digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+            return dataclasses.replace(item, request=request, digest=digest)
+        request = prompt_request(orjson.loads(item.body))
+        digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+        return item._replace(digest=digest, body=_dumps(request).decode())
+
+    return parse_prompt
+
+
+def _parse_line(raw: bytes, lineno: int) -> Record:
+    key, request, fmt, predicted = parse_line(raw, lineno)
+    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+    return Record(lineno, key, request, digest, fmt, predicted_tokens=predicted)
+
+
+def _prepare_line(raw: bytes, lineno: int) -> Prepared:
+    key, request, fmt, predicted = parse_line(raw, lineno)
+    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+    # tuple.__new__: the NamedTuple's own __new__ is Python code, called a million times.
+    return _new_tuple(Prepared, (lineno, key, fmt, digest, _dumps(request).decode(), predicted))
+
+
+def _prepare_row(prefix: str, offset: int, lines: bool) -> Callable[[Raw, int], Prepared]:
+    """``_prepare_line`` for a table's rows (dicts) and a shard's lines (bytes, when
+    ``lines``): keyed by their place when they have no id, and numbered after the parts
+    before them."""
+
+    def prepare(obj: dict[str, Any], number: int) -> Prepared:
+        key, request, fmt, predicted = parse_object(obj)
+        if key is None:
+            key = prefix + str(number)
+        digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+        body = _dumps(request).decode()
+        return _new_tuple(Prepared, (offset + number, key, fmt, digest, body, predicted))
+
+    if not lines:
+        return prepare  # type: ignore[return-value]
+    return lambda raw, number: prepare(parse_json(raw), number)  # type: ignore[arg-type]
+
+
+_Usage = tuple[int | None, int | None]
+
+
+def _build_prepared(
+    line: int,
+    key: str,
+    request: dict,
+    fmt: str,
+    mode: str,
+    turns: int,
+    usage: _Usage,
+    predicted: int,
+) -> Prepared:
+    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+    return _new_tuple(Prepared, (line, key, fmt, digest, _dumps(request).decode(), predicted))
+
+
+def _build_item(
+    line: int,
+    key: str,
+    request: dict,
+    fmt: str,
+    mode: str,
+    turns: int,
+    usage: _Usage,
+    predicted: int,
+) -> PreparedItem:
+    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+    body = _dumps(request).decode()
+    return PreparedItem(line, key, fmt, digest, body, mode, turns, usage[0], usage[1], predicted)
+
+
+def _build_record(
+    line: int,
+    key: str,
+    request: dict,
+    fmt: str,
+    mode: str,
+    turns: int,
+    usage: _Usage,
+    predicted: int,
+) -> Record:
+    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
+    return Record(line, key, request, digest, fmt, mode, turns, usage[0], usage[1], predicted)
+
+
+_BUILDERS: dict[tuple[str, bool], Callable[..., Any]] = {
+    ("prepared", True): _build_prepared,
+    ("prepared", False): _build_item,
+    ("record", True): _build_record,
+    ("record", False): _build_record,
+}
+"""By (what is yielded, read for the final answer)."""

@@ -1,0 +1,348 @@
+"""Where rows come from: one small protocol over every input format, and the one place a
+source (a path, a folder, a glob, ``-``, ``hf://``, an object in memory) is resolved.
+
+A ``Source`` yields ``Part``s (a file, or its one stream), each with its raw rows: JSONL
+lines as bytes, table rows as dicts, numbered from 1 within the part. What a row becomes
+is the reader's business (``formats.readers``), the same for every source; a source only
+says where each row is, so that errors read ``FILE:LINE`` or ``FILE:row N`` and rows
+without an id get a key that names their file (``train-00003.parquet:1841``).
+
+The per-format modules (``jsonl``, ``parquet``, ``csv``, ``ipc``, ``huggingface``,
+``tables``) are imported when a source of theirs is read: pyarrow and ``datasets`` load
+only for the sources that need them.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import stat
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from orchestrator.errors import ConfigError, InputError
+
+__all__ = [
+    "DATA_SUFFIXES",
+    "Part",
+    "Raw",
+    "Source",
+    "file_error",
+    "open_source",
+]
+
+Raw = bytes | dict[str, Any]
+"""A row as a source gives it: a JSONL line's bytes, or a table row."""
+Rows = Iterator[tuple[int, Raw]]
+"""A part's rows with their 1-based numbers (a JSONL file's blank lines are skipped, and
+counted)."""
+Wanted = frozenset[str] | None
+"""The columns a mapping by columns needs: a table source may load only these and the key
+columns; None: rows are read whole, as JSONL lines. A file that lacks one is read whole,
+so that the row's error can list the columns there are."""
+KEY_COLUMNS = frozenset({"id", "custom_id"})
+"""Read with the wanted columns wherever they are: a row's own key."""
+
+
+def projection(names: list[str], wanted: Wanted) -> list[str] | None:
+    """Which of a table's columns ``names`` to load for ``wanted`` (None: all)."""
+    if wanted is None or not wanted.issubset(names):
+        return None
+    return [name for name in names if name in wanted or name in KEY_COLUMNS]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One file of a source, or its one stream: how its rows are named."""
+
+    path: str
+    """How errors name it: the path as given (a shard: the folder or glob's directory
+    joined with its name), ``<stdin>``, ``<records>``, ``hf://org/name[train]``."""
+    key: str | None
+    """The key of a row without an id is ``f"{key}:{number}"``; None: the number alone
+    (a JSONL file named directly, rows in memory: the keys they always had)."""
+    unit: str = "line"
+    """``line`` or ``row``: what errors count (``FILE:3``, ``FILE:row 3``)."""
+
+
+class Source(Protocol):
+    """Rows from one place, part by part, in a stable order."""
+
+    @property
+    def name(self) -> str:
+        """The source as a whole, as the report and the dataset's ``source_path`` name it."""
+        ...
+
+    def parts(self, wanted: Wanted) -> Iterator[tuple[Part, Rows]]:
+        """Each part with its rows, opened as it is reached."""
+        ...
+
+    def sha256(self) -> str | None:
+        """The digest of the files read, or None (a stream, rows in memory, the Hub)."""
+        ...
+
+
+# Suffixes of the files a folder or a glob takes, and the reader of each.
+DATA_SUFFIXES: dict[str, str] = {
+    ".jsonl.gz": "jsonl",
+    ".jsonl.zst": "jsonl",
+    ".jsonl": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "ipc",
+    ".csv.gz": "csv",
+    ".csv.zst": "csv",
+    ".csv": "csv",
+    ".tsv.gz": "tsv",
+    ".tsv.zst": "tsv",
+    ".tsv": "tsv",
+}
+_LISTED = "*.parquet, *.arrow, *.jsonl, *.csv, *.tsv; the text ones also as .gz, .zst"
+_GLOB_CHARS = frozenset("*?[")
+
+
+def kind_of(name: str) -> str | None:
+    """Which reader a file name asks for, by its suffix (None: not a data file's)."""
+    lower = name.lower()
+    for suffix, kind in DATA_SUFFIXES.items():
+        if lower.endswith(suffix):
+            return kind
+    return None
+
+
+def open_source(spec: object, *, split: str | None = None, config: str | None = None) -> Source:
+    """The source ``spec`` names, resolved now: a missing file, an empty folder, a glob
+    that matches nothing or a split that does not exist is an error here, before
+    anything is read.
+
+    ``spec``: a path (a JSONL, Parquet, CSV/TSV or Arrow file; a folder of such shards;
+    a ``datasets`` ``save_to_disk`` folder; a glob), ``-`` for standard input (JSONL),
+    ``hf://ORG/NAME`` (``datasets.load_dataset``, streamed), a ``datasets.Dataset`` /
+    ``IterableDataset`` (a ``DatasetDict`` with ``split``), a ``pyarrow.Table`` /
+    ``RecordBatch`` / ``RecordBatchReader``, a pandas ``DataFrame``, or any other
+    iterable of dicts (rows in any line format). ``split`` picks a split of a
+    ``DatasetDict`` (folder or object) or of a Hub dataset; ``config``, a Hub dataset's
+    configuration.
+    """
+    if isinstance(spec, str | os.PathLike):
+        return _path_source(os.fsdecode(spec), split, config)
+    _no_config(config, "rows in memory")
+    from orchestrator.formats.readers import tables
+
+    table = tables.table_source(spec, split)
+    if table is not None:
+        return table
+    _no_split(split, "rows in memory")
+    if isinstance(spec, bytes | bytearray | dict) or not isinstance(spec, Iterable):
+        raise ConfigError(
+            f"cannot read {type(spec).__name__} as a source: give a path, rows (an "
+            "iterable of dicts) or a table"
+        )
+    from orchestrator.formats.readers.jsonl import RecordsSource
+
+    return RecordsSource(spec)
+
+
+def _path_source(name: str, split: str | None, config: str | None) -> Source:
+    if name.startswith("hf://"):
+        from orchestrator.formats.readers.huggingface import HubSource
+
+        return HubSource(name.removeprefix("hf://"), split=split, config=config)
+    _no_config(config, name)
+    if name == "-":
+        _no_split(split, "standard input")
+        from orchestrator.formats.readers.jsonl import StdinSource
+
+        return StdinSource()
+    try:
+        st = os.stat(name)
+    except FileNotFoundError:
+        if _GLOB_CHARS.intersection(name):
+            _no_split(split, name)
+            return _glob_source(name)
+        raise file_error(name, FileNotFoundError()) from None
+    except OSError as exc:
+        raise file_error(name, exc) from None
+    if stat.S_ISDIR(st.st_mode):
+        return _folder_source(name, split)
+    _no_split(split, name)
+    kind = kind_of(name) or "jsonl"
+    # A JSONL file named directly keeps the keys it always had: id-less lines by number.
+    return Files(name, [(name, os.path.basename(name), kind)], keyed=kind != "jsonl")
+
+
+def _no_split(split: str | None, what: str) -> None:
+    if split is not None:
+        raise ConfigError(
+            f"{what}: has no splits to choose from (split {split!r} given); a split picks "
+            "one of a DatasetDict folder's or a Hub dataset's"
+        )
+
+
+def _no_config(config: str | None, what: str) -> None:
+    if config is not None:
+        raise ConfigError(
+            f"{what}: a configuration ({config!r}) is a Hub dataset's: only hf:// sources take one"
+        )
+
+
+def _glob_source(pattern: str) -> Source:
+    """Every data file the glob matches, sorted by name: the order of a dataset's shards."""
+    matched = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    if not matched:
+        raise InputError("no file matches", path=pattern)
+    root = _fixed_prefix(pattern)
+    files = []
+    for path in matched:
+        kind = kind_of(path)
+        if kind is None:
+            raise InputError(f"not a data file ({_LISTED}), matched by {pattern}", path=path)
+        files.append((path, os.path.relpath(path, root), kind))
+    return Files(pattern, files, keyed=True)
+
+
+def _fixed_prefix(pattern: str) -> str:
+    """The directory a glob's names are relative to: its parts before the first wildcard."""
+    head: list[str] = []
+    for part in pattern.split(os.sep)[:-1]:
+        if _GLOB_CHARS.intersection(part):
+            break
+        head.append(part)
+    return os.sep.join(head) or ("/" if pattern.startswith(os.sep) else ".")
+
+
+def _folder_source(folder: str, split: str | None) -> Source:
+    """A ``DatasetDict`` folder (its ``split``), a ``save_to_disk`` folder, or shards."""
+    splits = _read_json(folder, "dataset_dict.json")
+    if splits is not None:
+        names = splits.get("splits") if isinstance(splits, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise InputError("dataset_dict.json does not list the splits", path=folder)
+        if split is None:
+            raise ConfigError(
+                f"{folder}: a DatasetDict folder with splits {', '.join(names)}: choose one "
+                "with --split"
+            )
+        if split not in names:
+            raise ConfigError(f"{folder}: no split {split!r} (the folder has: {', '.join(names)})")
+        from orchestrator.formats.readers.ipc import saved_files
+
+        files = saved_files(os.path.join(folder, split))
+        return Files(folder, [(p, os.path.relpath(p, folder), "ipc") for p in files], keyed=True)
+    _no_split(split, folder)
+    if os.path.exists(os.path.join(folder, "state.json")):
+        from orchestrator.formats.readers.ipc import saved_files
+
+        files = saved_files(folder)
+        return Files(folder, [(p, os.path.relpath(p, folder), "ipc") for p in files], keyed=True)
+    return Files(folder, _shards(folder), keyed=True)
+
+
+def _shards(folder: str) -> list[tuple[str, str, str]]:
+    """The data files under ``folder`` (hidden and ``_`` names left out), by name."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        for name in names:
+            kind = kind_of(name)
+            if kind is not None and not name.startswith((".", "_")):
+                path = os.path.join(root, name)
+                found.append((path, os.path.relpath(path, folder), kind))
+    if not found:
+        raise InputError(f"is a directory with no data files in it ({_LISTED})", path=folder)
+    return sorted(found, key=lambda f: f[1])
+
+
+def _read_json(folder: str, name: str) -> object:
+    path = os.path.join(folder, name)
+    try:
+        with open(path, "rb") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read: {exc}", path=path) from None
+
+
+class Files:
+    """Files read in order, each by the reader its suffix names."""
+
+    def __init__(self, name: str, files: list[tuple[str, str, str]], *, keyed: bool):
+        self.name = name
+        self.files = files
+        """(path, name relative to the source, reader) per file."""
+        self.keyed = keyed
+        """Rows without an id are keyed by file and number (else by number alone)."""
+
+    def parts(self, wanted: Wanted) -> Iterator[tuple[Part, Rows]]:
+        for path, relative, kind in self.files:
+            reader = _READERS[kind]()
+            unit = "line" if kind == "jsonl" else "row"
+            yield Part(path, relative if self.keyed else None, unit), reader(path, kind, wanted)
+
+    def sha256(self) -> str | None:
+        digest = hashlib.sha256()
+        for path, _, _ in self.files:
+            try:
+                with open(path, "rb") as fh:
+                    while chunk := fh.read(1 << 20):
+                        digest.update(chunk)
+            except OSError as exc:
+                raise file_error(path, exc) from None
+        return digest.hexdigest()
+
+
+def _jsonl_reader() -> Callable[[str, str, Wanted], Rows]:
+    from orchestrator.formats.readers.jsonl import file_lines
+
+    return lambda path, kind, wanted: file_lines(path)
+
+
+def _parquet_reader() -> Callable[[str, str, Wanted], Rows]:
+    from orchestrator.formats.readers.parquet import parquet_rows
+
+    return lambda path, kind, wanted: parquet_rows(path, wanted)
+
+
+def _csv_reader() -> Callable[[str, str, Wanted], Rows]:
+    from orchestrator.formats.readers.csv import csv_rows
+
+    return lambda path, kind, wanted: csv_rows(path, "\t" if kind == "tsv" else ",", wanted)
+
+
+def _ipc_reader() -> Callable[[str, str, Wanted], Rows]:
+    from orchestrator.formats.readers.ipc import arrow_rows
+
+    return lambda path, kind, wanted: arrow_rows(path, wanted)
+
+
+_READERS: dict[str, Callable[[], Callable[[str, str, Wanted], Rows]]] = {
+    "jsonl": _jsonl_reader,
+    "parquet": _parquet_reader,
+    "csv": _csv_reader,
+    "tsv": _csv_reader,
+    "ipc": _ipc_reader,
+}
+
+
+def file_error(name: str, exc: OSError) -> InputError:
+    """A file that cannot be opened or read, in the words every reader uses."""
+    if isinstance(exc, FileNotFoundError):
+        reason = "no such file"
+    elif isinstance(exc, IsADirectoryError):
+        reason = "is a directory, not a file"
+    elif isinstance(exc, NotADirectoryError):
+        reason = "no such file (a parent is not a directory)"
+    elif isinstance(exc, PermissionError):
+        reason = "permission denied"
+    else:
+        reason = f"cannot read: {exc.strerror or exc}"
+    return InputError(reason, path=name)
+
+
+def stdin_binary() -> Any:
+    """Standard input's bytes (the command's ``-``)."""
+    return sys.stdin.buffer

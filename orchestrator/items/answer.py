@@ -1,0 +1,32 @@
+"""One generated answer, as the client reads it and the store keeps it.
+
+The inference client makes it and the store writes it; neither layer may import the
+other, so the fields are defined here, below both, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The assistant message and what came with it. Reasoning left in the content as
+    ``<think>…</think>`` has been split out into ``reasoning``; ``flags`` is its
+    ``orchestrator.items.quality`` mask."""
+
+    message: dict[str, Any]
+    content: str | None
+    reasoning: str | None
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    latency: float
+    server: str | None
+    model: str | None
+    response_id: str | None
+    flags: int = 0
+
+
+ANSWER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Answer))
+"""The fields every kind of answer shares, in order."""

@@ -1,0 +1,124 @@
+"""Structured output: the JSON an answer must be, and whether it is.
+
+A request that carries ``response_format`` (``json_object``, or ``json_schema`` with a
+schema) asks the server to constrain its answer, but servers differ in how strictly they
+do (a grammar that is not enforced, a reasoning model that thinks first, an answer cut at
+``max_tokens``): what is stored becomes training data, so each answer is checked here,
+its reasoning already split off (``orchestrator.items.quality.split_think``): parsed, then
+validated with ``jsonschema``. The result is a quality flag (``invalid_json``,
+``schema_mismatch``); the dataset's ``on_invalid`` says what the worker does with it.
+
+Pure and without I/O: the worker checks each answer, export recomputes the parsed value
+from the stored content, and ``enqueue --json-schema`` checks a schema file up front.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import orjson
+
+from orchestrator.errors import ConfigError
+from orchestrator.items.quality import INVALID_JSON, SCHEMA_MISMATCH
+
+__all__ = [
+    "INVALID_FLAGS",
+    "Checked",
+    "check",
+    "expected_format",
+    "response_format_for",
+    "schema_of",
+]
+
+#: The flags an answer that is not the JSON asked for carries.
+INVALID_FLAGS = INVALID_JSON | SCHEMA_MISMATCH
+
+#: Messages of a mismatch keep this many characters of the validator's words.
+_MESSAGE_CHARS = 300
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """One answer checked: its flag (0: valid), the parsed value, and why not."""
+
+    flags: int
+    parsed: Any = None
+    reason: str = ""
+
+
+def expected_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``response_format`` of a request that asks for JSON, else None.
+
+    ``{"type": "json_object"}`` asks for any JSON object; ``{"type": "json_schema",
+    "json_schema": {"schema": ...}}`` (OpenAI, vLLM, SGLang) for one that satisfies the
+    schema; llama.cpp also takes ``{"type": "json_object", "schema": ...}``.
+    """
+    fmt = body.get("response_format")
+    if isinstance(fmt, Mapping) and fmt.get("type") in ("json_object", "json_schema"):
+        return dict(fmt)
+    return None
+
+
+def schema_of(fmt: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The JSON schema a ``response_format`` names (None: any JSON will do)."""
+    inner = fmt.get("json_schema")
+    schema = inner.get("schema") if isinstance(inner, Mapping) else None
+    if schema is None:
+        schema = fmt.get("schema")
+    return schema if isinstance(schema, dict) else None
+
+
+def check(content: str | None, fmt: Mapping[str, Any]) -> Checked:
+    """Whether ``content`` (reasoning already split off) is the JSON ``fmt`` asks for.
+
+    A ``json_object`` answer must parse to an object; a schema's answer must satisfy it.
+    Whitespace around the JSON is allowed (models end with a newline); a Markdown fence
+    is not: the answer is stored as the training target, and a fence in it is not JSON.
+    """
+    text = (content or "").strip()
+    try:
+        parsed = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        return Checked(INVALID_JSON, None, f"the answer is not JSON: {exc}")
+    schema = schema_of(fmt)
+    if schema is None:
+        if fmt.get("type") == "json_object" and not isinstance(parsed, dict):
+            return Checked(SCHEMA_MISMATCH, parsed, "the answer is JSON but not an object")
+        return Checked(0, parsed)
+    error = jsonschema.exceptions.best_match(_validator(_key(schema)).iter_errors(parsed))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(the whole answer)"
+        reason = f"the answer does not match the schema at {where}: {error.message}"
+        return Checked(SCHEMA_MISMATCH, parsed, reason[:_MESSAGE_CHARS])
+    return Checked(0, parsed)
+
+
+def _key(schema: dict[str, Any]) -> str:
+    return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode()
+
+
+@functools.lru_cache(maxsize=64)
+def _validator(key: str) -> Any:
+    """A compiled validator per schema: a dataset checks every answer against one."""
+    schema = orjson.loads(key)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def response_format_for(schema: Any, *, source: str, name: str | None = None) -> dict[str, Any]:
+    """The ``response_format`` that asks for ``schema`` (``enqueue --json-schema``);
+    ``ConfigError`` naming ``source`` when it is not a usable JSON schema."""
+    if not isinstance(schema, dict):
+        raise ConfigError(f"{source}: a JSON schema must be an object, not {type(schema).__name__}")
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
+        raise ConfigError(f"{source}: not a valid JSON schema at {where}: {exc.message}") from None
+    label = name or str(schema.get("title") or "answer")
+    return {"type": "json_schema", "json_schema": {"name": label[:64], "schema": schema}}
