@@ -23,9 +23,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "orchestrator"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_util", "errors", "logs"),  # no domain knowledge
     ("items",),  # what an item is made of: request, samples, answer, tokens, flags
+    ("settings",),  # what an option may be, once; the choices; prices
     ("store",),  # the durable queue: schema, claims, write rounds, reads
     ("formats",),  # readers (file -> rows) and writers (rows -> file)
-    ("settings",),  # what an option may be, once; prices
     ("runfile",),  # run files: datasets and settings in one TOML
     ("inference",),  # everything that talks to servers; launch/ beneath it
     ("sim",),  # the simulated server
@@ -99,7 +99,7 @@ def _targets(name: str, node: ast.Import | ast.ImportFrom) -> Iterator[str]:
     base = node.module or ""
     if node.level:
         here = name.split(".")
-        if not MODULES[name].name == "__init__.py":
+        if MODULES[name].name != "__init__.py":
             here = here[:-1]
         base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
     if base.split(".")[0] != "orchestrator":

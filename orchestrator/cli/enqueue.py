@@ -19,9 +19,9 @@ from orchestrator.cli.common import (
     run_sync,
     tty_progress,
 )
-from orchestrator.formats.choices import INPUT_FORMATS
 from orchestrator.settings.checks import COLUMNS, DATASET
-from orchestrator.store.column_types import (
+from orchestrator.settings.choices import INPUT_FORMATS
+from orchestrator.settings.dataset_options import (
     ENDPOINTS,
     ON_INVALID,
     ON_OVERFLOW,

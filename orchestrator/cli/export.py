@@ -20,7 +20,7 @@ from orchestrator.cli.common import (
     progress_shown,
     run_sync,
 )
-from orchestrator.formats.choices import EXPORT_FORMATS, REASONING_MODES
+from orchestrator.settings.choices import EXPORT_FORMATS, REASONING_MODES
 
 if TYPE_CHECKING:
     from orchestrator.formats.export import ExportOptions, ExportReport

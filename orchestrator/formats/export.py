@@ -45,11 +45,6 @@ import orjson
 
 from orchestrator._util import atomicfile
 from orchestrator.errors import ConfigError, StorageError
-from orchestrator.formats.choices import (  # noqa: F401
-    EXPORT_FORMATS,
-    REASONING_MODES,
-    TABLE_FORMATS,
-)
 from orchestrator.formats.writers import sample_groups as draws
 from orchestrator.formats.writers import specforge
 from orchestrator.formats.writers import turns as per_turn
@@ -57,6 +52,11 @@ from orchestrator.items import structured
 from orchestrator.items.conversation import assemble, targets
 from orchestrator.items.params import item_body
 from orchestrator.items.quality import TOOL_MISMATCH, flag_names
+from orchestrator.settings.choices import (  # noqa: F401
+    EXPORT_FORMATS,
+    REASONING_MODES,
+    TABLE_FORMATS,
+)
 from orchestrator.store import access
 from orchestrator.store.outputs import (
     DatasetRef,

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchestrator.errors import ConfigError
-from orchestrator.formats.choices import EXPORT_FORMATS, INPUT_FORMATS, REASONING_MODES
 from orchestrator.items.tokens import MAX_TOP
-from orchestrator.store.column_types import (
+from orchestrator.settings.choices import EXPORT_FORMATS, INPUT_FORMATS, REASONING_MODES
+from orchestrator.settings.dataset_options import (
     ENDPOINTS,
     INT_MAX,
     ON_INVALID,

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError
-from orchestrator.store.column_types import (
+from orchestrator.settings.dataset_options import (
     ENDPOINTS,
     INT_MAX,
     ON_INVALID,

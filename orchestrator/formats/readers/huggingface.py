@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from orchestrator._util.tables import is_dataset
 from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats.readers.source import Part, Rows, Wanted, projection
 from orchestrator.formats.readers.tables import BATCH_ROWS, TableSource, batch_rows
@@ -113,13 +114,6 @@ def _guarded(tables: Iterator[Any], where: str) -> Iterator[Any]:
         if table is None:
             return
         yield table
-
-
-def is_dataset(obj: object) -> bool:
-    """Whether ``obj`` is a ``datasets`` object ``dataset_source`` reads."""
-    datasets = sys.modules["datasets"]
-    kinds = (datasets.Dataset, datasets.IterableDataset)
-    return isinstance(obj, (*kinds, datasets.DatasetDict, datasets.IterableDatasetDict))
 
 
 def dataset_source(obj: object, split: str | None) -> TableSource | None:

@@ -36,7 +36,6 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import orjson
 
 from orchestrator.errors import ConfigError, InputError
-from orchestrator.formats.choices import INPUT_FORMATS, LINE_FORMATS
 from orchestrator.formats.readers.columns import Columns, template_columns
 from orchestrator.formats.readers.columns import check as check_columns
 from orchestrator.formats.readers.lines import (
@@ -50,6 +49,7 @@ from orchestrator.formats.readers.lines import (
     too_deep,
 )
 from orchestrator.formats.readers.source import Part, Raw, Source, open_source
+from orchestrator.settings.choices import INPUT_FORMATS, LINE_FORMATS
 
 __all__ = [
     "FORMATS",

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
+from orchestrator._util.tables import is_table
 from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats.readers.source import Part, Rows, Wanted, projection
 
@@ -164,22 +165,6 @@ def table_source(obj: object, split: str | None) -> TableSource | None:
 
         return dataset_source(obj, split)
     return None
-
-
-def is_table(obj: object) -> bool:
-    """Whether ``obj`` is one of the tables ``table_source`` reads: what the API's
-    argument check (``orchestrator.settings.checks.Records``) takes besides paths and rows."""
-    pa = sys.modules.get("pyarrow")
-    if pa is not None and isinstance(obj, pa.Table | pa.RecordBatch | pa.RecordBatchReader):
-        return True
-    pandas = sys.modules.get("pandas")
-    if pandas is not None and isinstance(obj, pandas.DataFrame):
-        return True
-    if "datasets" in sys.modules:
-        from orchestrator.formats.readers.huggingface import is_dataset
-
-        return is_dataset(obj)
-    return False
 
 
 def _plain(split: str | None, source: TableSource) -> TableSource:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from orchestrator.formats.choices import TABLE_FORMATS
+from orchestrator.settings.choices import TABLE_FORMATS
 from orchestrator.store.stats import card_figures
 
 if TYPE_CHECKING:
