@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from orchestrator.formats.readers.columns import Columns
-from orchestrator.formats.readers.template import TemplateError, ValueProblem, escape, parse
 
 from orchestrator.formats import iter_prepared
+from orchestrator.formats.readers.columns import Columns
+from orchestrator.formats.readers.template import TemplateError, ValueProblem, escape, parse
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)
 NAME = st.text(

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.errors import ConfigError, InputError, OrchestratorError
 
 if TYPE_CHECKING:
-    from orchestrator.formats.readers.rows import Reading
     from orchestrator.formats.readers.columns import Columns
+    from orchestrator.formats.readers.rows import Reading
     from orchestrator.runfile import DatasetPlan
     from orchestrator.store import Database, DatasetSpec, EnqueueReport
 

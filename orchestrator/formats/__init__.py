@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from orchestrator._util.lazy import exports
 
 if TYPE_CHECKING:
+    from orchestrator.formats.readers.columns import Columns
     from orchestrator.formats.readers.rows import (
         FORMATS,
         INPUT_FORMATS,
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
         iter_prepared_rows,
         iter_records,
     )
-    from orchestrator.formats.readers.columns import Columns
     from orchestrator.formats.readers.source import open_source
 
 __all__ = [

@@ -55,8 +55,8 @@ from typing import Any, NamedTuple
 import orjson
 
 from orchestrator.errors import ConfigError, InputError
-from orchestrator.formats.readers.rows import INPUT_FORMATS, PASSTHROUGH_FORMATS
 from orchestrator.formats.readers import columns as row_columns
+from orchestrator.formats.readers.rows import INPUT_FORMATS, PASSTHROUGH_FORMATS
 from orchestrator.formats.readers.source import open_source
 from orchestrator.items import params
 from orchestrator.items.params import logprob_params
