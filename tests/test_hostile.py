@@ -23,7 +23,7 @@ import orjson
 import pytest
 import structlog
 
-from orchestrator.inference.servers import ServerPool
+from orchestrator.inference.pool import ServerPool
 from tests.helpers import (
     REPO,
     STARTED,

@@ -28,7 +28,7 @@ from orchestrator.inference.launch.spec import (
     preset_command,
     replicate,
 )
-from orchestrator.inference.servers import read_servers_file
+from orchestrator.inference.servers_file import read_servers_file
 from tests.helpers import REPO, STARTED, cli, events, prompts, query, write_jsonl
 
 FAKE = REPO / "tests" / "fixtures" / "fake_engine.py"

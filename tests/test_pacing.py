@@ -17,7 +17,7 @@ from multidict import CIMultiDict
 
 from orchestrator.errors import ConfigError
 from orchestrator.inference.client import RateLimits, parse_duration, rate_limits
-from orchestrator.inference.servers import parse_servers_file
+from orchestrator.inference.servers_file import parse_servers_file
 from orchestrator.items import error_classes as ec
 from orchestrator.sim.ratelimit import duration, parse_rate_limit
 from tests.helpers import SimProcess, check_export, cli, events, prompts, query, write_jsonl
@@ -135,7 +135,7 @@ async def test_the_client_reads_the_headers_of_answers_and_429s(
 async def test_a_pacer_with_a_cap_holds_what_the_budget_has_no_room_for() -> None:
     import asyncio
 
-    from orchestrator.inference.servers import Pacer
+    from orchestrator.inference.pacing import Pacer
 
     # 120 a minute: 2 a second, at most one second's worth at once.
     pacer = Pacer(rpm=120)
@@ -150,7 +150,7 @@ async def test_a_pacer_with_a_cap_holds_what_the_budget_has_no_room_for() -> Non
 async def test_a_pacer_learns_the_bucket_from_the_headers() -> None:
     import asyncio
 
-    from orchestrator.inference.servers import Pacer
+    from orchestrator.inference.pacing import Pacer
 
     pacer = Pacer()
     first = await pacer.acquire(10)

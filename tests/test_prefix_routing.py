@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from orchestrator.formats import iter_records
 from orchestrator.inference import client as inference
-from orchestrator.inference.servers import PREFIX_BLOCK, ServerPool, prefix_blocks
+from orchestrator.inference.pool import ServerPool
+from orchestrator.inference.routing import PREFIX_BLOCK, prefix_blocks
 from orchestrator.store import Database, DatasetSpec, enqueue
 from orchestrator.worker.metrics import WorkerMetrics
 from tests.browser import Browser

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from orchestrator.inference import servers
+from orchestrator.inference import pool as servers
 from orchestrator.inference.client import ClientConfig, InferenceClient
-from orchestrator.inference.servers import ServerPool
+from orchestrator.inference.pool import ServerPool
 from tests.helpers import REPO, SimProcess, cli, events, item_rows, prompts, query, write_jsonl
 
 SimFactory = Callable[..., SimProcess]

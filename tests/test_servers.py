@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from orchestrator.errors import ConfigError
 from orchestrator.formats import iter_records
 from orchestrator.inference.client import ClientConfig
-from orchestrator.inference.servers import ServerSpec, merge_servers, parse_servers_file
+from orchestrator.inference.servers_file import ServerSpec, merge_servers, parse_servers_file
 from orchestrator.store import Database, DatasetSpec, enqueue
 from orchestrator.worker import WorkerConfig, WorkerStats
 from orchestrator.worker.metrics import WorkerMetrics

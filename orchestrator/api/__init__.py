@@ -645,7 +645,7 @@ def _export_options(
 def _cap(concurrency: int | str) -> int | str:
     """``"8"`` and ``"auto"`` as the command's option takes them; anything else is left
     to ``RunSettings``' rule, which says what it must be."""
-    from orchestrator.inference.servers import parse_cap
+    from orchestrator.inference.servers_file import parse_cap
 
     if isinstance(concurrency, str):
         with contextlib.suppress(ValueError):
@@ -688,7 +688,7 @@ def _configs(
     run launches."""
     from orchestrator._util.urls import api_key as checked_key
     from orchestrator.api.running import configs, without_credentials
-    from orchestrator.inference.servers import ServerSpec, check_server_url
+    from orchestrator.inference.servers_file import ServerSpec, check_server_url
 
     urls = _names("servers", servers, _SERVERS)
     checked("api_key", api_key, OrNone(Text()))

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from orchestrator.errors import RunStopped
     from orchestrator.inference.client import ClientConfig
     from orchestrator.inference.launch.supervisor import Supervisor
-    from orchestrator.inference.servers import ServerSpec
+    from orchestrator.inference.servers_file import ServerSpec
     from orchestrator.store import Database
     from orchestrator.worker import WorkerConfig, WorkerStats
 

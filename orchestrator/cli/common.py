@@ -66,7 +66,7 @@ def _checked_servers(values: tuple[str, ...], source: str) -> tuple[str, ...]:
     import structlog
 
     from orchestrator._util.urls import split_on_space
-    from orchestrator.inference.servers import check_server_url
+    from orchestrator.inference.servers_file import check_server_url
 
     checked = []
     for entry in values:
@@ -178,7 +178,7 @@ def run_prices(
     if servers_file is not None:
         # Only then: the servers module loads the HTTP and logging libraries, which the
         # plain sqlite3 path of status never needs.
-        from orchestrator.inference.servers import parse_servers_file
+        from orchestrator.inference.servers_file import parse_servers_file
 
         listed = run_sync(lambda: parse_servers_file(servers_file))
     seen = {spec.url for spec in listed}

@@ -47,7 +47,7 @@ def doctor(
     given with --launch are started for the checks, then stopped.
     """
     from orchestrator.api.running import without_credentials
-    from orchestrator.inference.servers import ServerSpec
+    from orchestrator.inference.servers_file import ServerSpec
     from orchestrator.ops.doctor import DoctorConfig, passed, run_checks, run_checks_launched
 
     launched = supervisor(take_launch_options(expected), db)

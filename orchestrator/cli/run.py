@@ -45,7 +45,7 @@ def _servers(
     """The servers of --server (checked as parsed), --servers-file and those the run
     launches, their Basic credentials, the API key, and the launched servers' supervisor."""
     from orchestrator.api.running import without_credentials
-    from orchestrator.inference.servers import merge_servers, read_servers_file
+    from orchestrator.inference.servers_file import merge_servers, read_servers_file
 
     listed, launches = (
         run_sync(lambda: read_servers_file(servers_file)) if servers_file else ([], [])
@@ -66,7 +66,7 @@ def _servers(
 
 
 def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
-    from orchestrator.inference.servers import parse_cap
+    from orchestrator.inference.servers_file import parse_cap
 
     try:
         return parse_cap(value)

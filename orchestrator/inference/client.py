@@ -40,7 +40,7 @@ Streams, TLS, Basic credentials and the looks beside the requests go by aiohttp.
 
 A hosted provider's ``x-ratelimit-*`` headers (:class:`RateLimits`) are read from every
 answer, streamed or not, and from a 429: the server pool's pacers learn the provider's
-limits from them (``orchestrator.inference.servers``).
+limits from them (``orchestrator.inference.pool``).
 
 An answer that is usable but poor (cut by ``max_tokens``, reasoning without an answer) is
 not an error: it is returned with its quality flags (``orchestrator.items.quality``), and what to

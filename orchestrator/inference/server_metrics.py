@@ -6,7 +6,7 @@ server runs and queues, how full its KV cache is, and how fast it generates. A w
 concurrency that leaves the server's queue empty and its cache half full is too low; a
 long queue with a full cache means the server is the limit. :func:`scrape` is
 synchronous on purpose: ``status`` stays a quick read with no event loop. The tuner
-(``orchestrator.inference.servers``) reads the same figures through :func:`tuning_view`. The
+(``orchestrator.inference.pool``) reads the same figures through :func:`tuning_view`. The
 requests themselves are the client's (``orchestrator.inference.client``).
 
 llama.cpp's ``llama-server --metrics`` has no KV-cache gauge (older builds had

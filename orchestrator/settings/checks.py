@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from orchestrator._util.tables import is_table
 from orchestrator.errors import ConfigError
 from orchestrator.items.tokens import MAX_TOP
 from orchestrator.settings.choices import EXPORT_FORMATS, INPUT_FORMATS, REASONING_MODES
@@ -148,8 +149,6 @@ class Records:
     def expected(self, value: object) -> str:
         if not PathName().expected(value):
             return ""
-        from orchestrator.formats.readers.tables import is_table
-
         if is_table(value):
             return ""
         rows = isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping)

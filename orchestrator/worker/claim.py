@@ -5,7 +5,7 @@ The committer asks ``Claims.plan`` before each round and hands what it claimed t
 sized to about 20 ms of the recent answer rate (none for slow servers, where it would only
 hold items back from other workers); a dataset not yet answered in this run gets one
 trial item first, and claiming pauses while no server is up (``orchestrator.worker.guard``,
-``orchestrator.inference.servers``).
+``orchestrator.inference.pool``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from orchestrator.inference.client import Streamed
-from orchestrator.inference.servers import ServerPool
+from orchestrator.inference.pool import ServerPool
 from orchestrator.items.answer_length import Expected, expected
 from orchestrator.store import Database, Lease, list_datasets
 from orchestrator.store.datasets import DatasetInfo

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from orchestrator.errors import ConfigError
 from orchestrator.inference.autoconcurrency import Limits
-from orchestrator.inference.servers import Cap
+from orchestrator.inference.servers_file import Cap
 from orchestrator.settings.checks import RUN, check_all, checked
 
 
@@ -31,7 +31,7 @@ class WorkerConfig:
 
     ``rpm`` and ``tpm`` cap the requests and tokens a minute sent to each server
     (``server_budgets`` overrides them for some, as ``(rpm, tpm)``); without them a
-    server's ``x-ratelimit-*`` headers set its pace (``orchestrator.inference.servers.Pacer``). A
+    server's ``x-ratelimit-*`` headers set its pace (``orchestrator.inference.pacing.Pacer``). A
     server that has answered nothing but 429 for ``rate_limited_warn_after`` seconds is
     warned about.
     """

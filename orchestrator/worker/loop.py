@@ -5,7 +5,7 @@ Each committer round claims a batch (``claim.Claims.plan``, ``deliver``); each c
 item runs as its own task (``_process``): ``call.Caller`` calls a server for it, turn by
 turn, and its outcome (``classify``) goes past the run guard (``gate``) to the committer,
 whose next round writes it (``_settled``). Beside them run the keeper (``keeper``) and
-one prober per unreachable server (``orchestrator.inference.servers``). An outage (no server
+one prober per unreachable server (``orchestrator.inference.pool``). An outage (no server
 reachable) pauses claiming; items caught in it are released with their attempt given
 back. Retryable failures go back to pending with exponential backoff and jitter;
 permanent ones fail at once with the server's reason. ``stop`` drains at the end.
@@ -27,7 +27,7 @@ from orchestrator._util.urls import credentials_sent
 from orchestrator.errors import RunStopped, ServersUnreachable, StorageError
 from orchestrator.inference.autoconcurrency import Controller
 from orchestrator.inference.client import InferenceClient
-from orchestrator.inference.servers import ServerPool
+from orchestrator.inference.pool import ServerPool
 from orchestrator.items import error_classes as ec
 from orchestrator.store import Database, Failure, Lease, Queue
 from orchestrator.store import workers as worker_rows

@@ -12,10 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from orchestrator.errors import ConfigError
-from orchestrator.inference.servers import Cap
-
-#: The placeholder a launch command must hold: the port picked for the server.
-PORT = "{port}"
+from orchestrator.inference.servers_file import PORT, Cap, check_command
 
 ENGINES = ("sglang", "vllm", "llama.cpp")
 Engine = Literal["sglang", "vllm", "llama.cpp"]
@@ -34,23 +31,6 @@ class LaunchSpec:
     def argv(self, port: int) -> list[str]:
         """The command's words with the port put in."""
         return [word.replace(PORT, str(port)) for word in shlex.split(self.command)]
-
-
-def check_command(command: str, source: str) -> str:
-    """A launch command as given, refused naming ``source`` when it cannot work."""
-    text = command.strip()
-    try:
-        words = shlex.split(text)
-    except ValueError as exc:
-        raise ConfigError(f"{source}: cannot split the launch command {text!r}: {exc}") from None
-    if not words:
-        raise ConfigError(f"{source}: the launch command is empty")
-    if PORT not in text:
-        raise ConfigError(
-            f"{source}: the launch command {text!r} has no {PORT}: the server must listen on "
-            "the port the worker picks (e.g. --port {port})"
-        )
-    return text
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from orchestrator.inference.launch.state import STATE_FILE, forget_old
 if TYPE_CHECKING:
     import aiohttp
 
-    from orchestrator.inference.servers import ServerSpec
+    from orchestrator.inference.servers_file import ServerSpec
 
 log = structlog.get_logger("orchestrator.inference.launch")
 
@@ -118,7 +118,7 @@ class Supervisor:
         self._watchers: list[asyncio.Task[None]] = []
 
     def server_specs(self) -> list[ServerSpec]:
-        from orchestrator.inference.servers import ServerSpec
+        from orchestrator.inference.servers_file import ServerSpec
 
         return [ServerSpec(s.url, s.spec.concurrency) for s in self.servers]
 
