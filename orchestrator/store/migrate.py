@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import EmptyDatabase, SchemaError, StorageError
+from orchestrator.store.revision import SCHEMA_REVISION
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -17,8 +18,6 @@ if TYPE_CHECKING:
 
     from orchestrator.store.engine import Database
 
-# The head of migrations/versions; a test keeps the two equal.
-SCHEMA_REVISION = "0015"
 
 _OUR_TABLES = {"datasets", "items", "outputs"}
 # The PostgreSQL advisory lock that serialises schema upgrades ("orch" in ASCII).

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import sqlalchemy as sa
 
 from orchestrator.errors import StorageError
-from orchestrator.store.migrate import SCHEMA_REVISION
+from orchestrator.store.revision import SCHEMA_REVISION
 
 # The same defaults as orchestrator.store.engine (not imported: it loads SQLAlchemy).
 DEFAULT_DB = "orchestrator.db"
