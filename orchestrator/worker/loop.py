@@ -40,7 +40,7 @@ from orchestrator.worker.claim import Catalog, Claimed, Claims
 from orchestrator.worker.committer import Committer
 from orchestrator.worker.config import Notifier, Silent, WorkerConfig, WorkerStats, stats_fields
 from orchestrator.worker.gate import Gate
-from orchestrator.worker.outcomes import Advance, Outcome, Release
+from orchestrator.worker.outcomes import Advance, Failed, Outcome, Rejected, Release
 
 if TYPE_CHECKING:
     from orchestrator.metrics import WorkerMetrics
@@ -160,6 +160,12 @@ class Worker:
                 outcomes = list(await self.caller.draws(leases, info))
             else:
                 outcomes = [await self.caller.item(held, info)]
+        except Exception as exc:
+            # Anything that breaks between the request and the outcome (an answer's
+            # check, its parsing) settles the item: a task dying here would leave its
+            # lease renewed for ever, and the run waiting for it.
+            leases = [held.lease, *held.draws]  # a multi-turn item's turn has moved on
+            outcomes = [classify.crashed(lease, exc, self.config) for lease in leases]
         finally:
             # The slot is free once the answer is in; the write happens in a later round.
             self.claims.slot_freed(len(leases))
@@ -195,8 +201,16 @@ class Worker:
             await set_draw_mode(self.database, dataset_id, "seeds")
 
     def _hand_over(self, item_id: int, outcome: Outcome | None) -> None:
-        """Queue an item's outcome for writing, past the run guard."""
-        if self.gate.passes(item_id, outcome):
+        """Queue an item's outcome for writing, past the run guard (a guard that breaks
+        lets it through: the outcome is written whatever the guard's bookkeeping)."""
+        try:
+            through = self.gate.passes(item_id, outcome)
+        except Exception:
+            log.exception("gate_crashed", item=item_id)
+            if isinstance(outcome, Rejected):
+                outcome = Failed(outcome.lease, outcome.failure)
+            through = outcome is not None
+        if through:
             assert outcome is not None
             self.committer.submit(outcome)
         elif outcome is None:
