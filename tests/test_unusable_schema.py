@@ -19,6 +19,7 @@ BAD = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
 SAID = "$ref '#/$defs/missing' points to nothing in the schema"
 FMT = {"type": "json_schema", "json_schema": {"name": "a", "schema": BAD}}
 USER = [{"role": "user", "content": "q"}]
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
 
 
 def test_an_unusable_schema_is_refused_by_every_command_path(tmp_path: Path) -> None:
@@ -29,8 +30,8 @@ def test_an_unusable_schema_is_refused_by_every_command_path(tmp_path: Path) -> 
     plain = write_jsonl(tmp_path / "plain.jsonl", prompts(2))
     assert cli("enqueue", str(plain), "-d", "first", "--db", db).returncode == 0
     before = db_snapshot(db)
-    schema = tmp_path / "bad.json"
-    schema.write_bytes(orjson.dumps(BAD))
+    schema = str(tmp_path / "bad.json")
+    Path(schema).write_bytes(orjson.dumps(BAD))
     rows = [*prompts(2), {"id": "x", "messages": USER, "response_format": FMT}]
     per_line = write_jsonl(tmp_path / "lines.jsonl", rows)
     batch = write_jsonl(
@@ -44,12 +45,10 @@ def test_an_unusable_schema_is_refused_by_every_command_path(tmp_path: Path) -> 
         'type = "json_schema"\njson_schema = { name = "a", schema = '
         '{ properties = { a = { "$ref" = "#/$defs/missing" } } } }\n'
     )
+    param = f"response_format={orjson.dumps(FMT).decode()}"
     results = {
-        "schema file": cli("enqueue", str(plain), "-d", "d", "--db", db, "--json-schema", str(schema)),
-        "param": cli(
-            "enqueue", str(plain), "-d", "d", "--db", db,
-            "--param", f"response_format={orjson.dumps(FMT).decode()}",
-        ),  # fmt: skip
+        "schema file": cli("enqueue", str(plain), "-d", "d", "--db", db, "--json-schema", schema),
+        "param": cli("enqueue", str(plain), "-d", "d", "--db", db, "--param", param),
         "line": cli("enqueue", str(per_line), "-d", "d", "--db", db),
         "batch": cli("enqueue", str(batch), "-d", "d", "--db", db),
         "run file": cli("enqueue", "--config", str(run_file), "--db", db),
@@ -102,8 +101,7 @@ def test_each_unresolvable_reference_is_found(schema: Any, said: str) -> None:
         {"$defs": {"x": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/x"}}},
         {"$defs": {"x": {"$anchor": "here"}}, "items": {"$ref": "#here"}},
         {"$id": "https://e.x/r", "$defs": {"s": {"$id": "s", "$defs": {"t": {}}}}, "$ref": "s"},
-        {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/a",
-         "definitions": {"a": {"type": "object"}}},  # fmt: skip
+        {"$schema": DRAFT7, "$ref": "#/definitions/a", "definitions": {"a": {}}},
         {"$ref": "https://json-schema.org/draft/2020-12/schema"},
     ],
 )

@@ -328,10 +328,9 @@ class Worker:
         log.info("waiting_for_server", servers=list(self.config.servers))
         self.notifier.status("waiting for an inference server")
         limit = self.config.give_up_after
-        waits = [self.pool.available.wait(), self._stopping.wait()]
-        await stop.first(*waits, *([asyncio.sleep(limit)] if limit is not None else []))
-        if self.pool.available.is_set() or self._stopping.is_set():
+        if await stop.until_set(self.pool.available, self._stopping, seconds=limit):
             return
+        assert limit is not None  # without a limit the wait ends only with a server, or a stop
         reasons = "; ".join(f"{url}: {why}" for url, why, _ in self.pool.unreachable())
         self._halt(ServersUnreachable(f"no server answered within {limit:g}s: {reasons}"))
 
