@@ -10,6 +10,8 @@ validated with ``jsonschema``. The result is a quality flag (``invalid_json``,
 
 Pure and without I/O: the worker checks each answer, export recomputes the parsed value
 from the stored content, and ``enqueue --json-schema`` checks a schema file up front.
+``jsonschema`` is imported where a schema is first used: ``status`` reads the flags
+defined here, and importing the validator costs it more than its queries.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
 import orjson
 
 from orchestrator.errors import ConfigError
@@ -89,6 +90,8 @@ def check(content: str | None, fmt: Mapping[str, Any]) -> Checked:
         if fmt.get("type") == "json_object" and not isinstance(parsed, dict):
             return Checked(SCHEMA_MISMATCH, parsed, "the answer is JSON but not an object")
         return Checked(0, parsed)
+    import jsonschema
+
     error = jsonschema.exceptions.best_match(_validator(_key(schema)).iter_errors(parsed))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(the whole answer)"
@@ -104,6 +107,8 @@ def _key(schema: dict[str, Any]) -> str:
 @functools.lru_cache(maxsize=64)
 def _validator(key: str) -> Any:
     """A compiled validator per schema: a dataset checks every answer against one."""
+    import jsonschema
+
     schema = orjson.loads(key)
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
@@ -114,6 +119,8 @@ def response_format_for(schema: Any, *, source: str, name: str | None = None) ->
     ``ConfigError`` naming ``source`` when it is not a usable JSON schema."""
     if not isinstance(schema, dict):
         raise ConfigError(f"{source}: a JSON schema must be an object, not {type(schema).__name__}")
+    import jsonschema
+
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)

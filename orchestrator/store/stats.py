@@ -94,13 +94,16 @@ _QUERIES: dict[str, str] = {
         " GROUP BY dataset_id, flags"
     ),
     # Predicted answer lengths of the items left (migration 0009): the pending ones along
-    # the partial index ix_items_longest, which holds the prediction; the running ones
-    # along ix_items_running, a few rows. ``+dataset_id`` keeps SQLite from grouping
-    # along ix_items_dataset_state instead, a walk of every item (76 ms at 1M items,
-    # 16 ms along the running ones).
+    # the partial index ix_items_longest, which holds the prediction, led by datasets
+    # (CROSS JOIN keeps SQLite's order) so that each is a range of predicted rows, none
+    # read when nothing was predicted (24-40 ms at 1M items as a scan of the index);
+    # the running ones along ix_items_running, a few rows. ``+dataset_id`` keeps SQLite
+    # from grouping along ix_items_dataset_state instead, a walk of every item (76 ms at
+    # 1M items, 16 ms along the running ones).
     "predicted_pending": (
-        "SELECT dataset_id, count(*), coalesce(sum(predicted_tokens), 0) FROM items"
-        " WHERE state = 'pending' AND predicted_tokens > 0 GROUP BY dataset_id"
+        "SELECT d.id, count(*), coalesce(sum(i.predicted_tokens), 0) FROM datasets AS d"
+        " CROSS JOIN items AS i WHERE i.dataset_id = d.id AND i.state = 'pending'"
+        " AND i.predicted_tokens > 0 GROUP BY d.id"
     ),
     "predicted_running": (
         "SELECT +dataset_id, count(*), coalesce(sum(predicted_tokens), 0) FROM items"
