@@ -3,15 +3,19 @@ person reads there must be true of the run: shares that never round up to finish
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import time
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from orchestrator.monitor.text import percent
-from tests.helpers import cli, prompts, write_jsonl
+from tests.helpers import SimProcess, cli, prompts, start_worker, write_jsonl
 
 
 @given(st.integers(min_value=1, max_value=10**9), st.data())
@@ -49,3 +53,32 @@ def test_failures_are_not_shown_as_finished(tmp_path: Path) -> None:
     shown = cli("status", "--db", str(db))
     assert "2,999/3,000" in shown.stdout and "99.9%" in shown.stdout, shown.stdout
     assert "100.0" not in shown.stdout
+
+
+def _workers(db: Path) -> list[dict[str, Any]]:
+    shown = cli("status", "--json", "--db", str(db))
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout)["workers"]
+
+
+def test_workers_show_their_requests_in_flight_and_death(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """A worker's requests in flight show in status soon after it claims them (not a
+    quarter lease later), and a worker killed with -9 shows as dead, not as live."""
+    db = tmp_path / "q.db"
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(40))
+    assert cli("enqueue", str(data), "-d", "d", "--db", str(db)).returncode == 0
+    server = sim_process("--latency", "600")
+    worker = start_worker(db, server.url, "--concurrency", "20", "--lease-seconds", "600")
+    deadline = time.monotonic() + 60  # its first heartbeat was 150 s after its start
+    while not (seen := _workers(db)) or seen[0]["in_flight"] != 20:
+        assert worker.poll() is None and time.monotonic() < deadline, seen
+        time.sleep(0.2)
+    assert not seen[0]["dead"]
+    worker.kill()
+    worker.wait()
+    (entry,) = _workers(db)
+    assert entry["dead"] and not entry["stopped"], entry
+    text = cli("status", "--db", str(db)).stdout
+    assert "DEAD" in text, text
