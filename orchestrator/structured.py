@@ -10,6 +10,8 @@ validated with ``jsonschema``. The result is a quality flag (``invalid_json``,
 
 Pure and without I/O: the worker checks each answer, export recomputes the parsed value
 from the stored content, and ``enqueue --json-schema`` checks a schema file up front.
+``jsonschema`` is imported where a schema is first used: ``status`` reads the flags
+defined here, and importing the validator costs it more than its queries.
 """
 
 from __future__ import annotations
@@ -17,17 +19,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
 import orjson
-import referencing
-import referencing.exceptions
-import referencing.jsonschema
-from jsonschema_specifications import REGISTRY as META_SCHEMAS
 
 from orchestrator.errors import ConfigError
 from orchestrator.quality import INVALID_JSON, SCHEMA_MISMATCH
+
+if TYPE_CHECKING:
+    import referencing
+    import referencing.exceptions
 
 __all__ = [
     "INVALID_FLAGS",
@@ -95,6 +96,8 @@ def check(content: str | None, fmt: Mapping[str, Any]) -> Checked:
         if fmt.get("type") == "json_object" and not isinstance(parsed, dict):
             return Checked(SCHEMA_MISMATCH, parsed, "the answer is JSON but not an object")
         return Checked(0, parsed)
+    import jsonschema
+
     error = jsonschema.exceptions.best_match(_validator(_key(schema)).iter_errors(parsed))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(the whole answer)"
@@ -112,12 +115,16 @@ def _validator(key: str) -> Any:
     """A compiled validator per schema: a dataset checks every answer against one. Its
     registry holds the meta-schemas alone: a ``$ref`` to another document is never
     fetched (jsonschema's default would, over the network, for every answer)."""
+    import referencing
+
     schema = orjson.loads(key)
     cls = _validator_class(schema)
     return cls(schema, format_checker=cls.FORMAT_CHECKER, registry=referencing.Registry())
 
 
 def _validator_class(schema: Any) -> Any:
+    import jsonschema
+
     return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
 
 
@@ -137,6 +144,11 @@ def schema_problem(schema: Any) -> str:
 @functools.lru_cache(maxsize=64)
 def _schema_problem(key: str) -> str:
     """``schema_problem`` once per schema: input lines may each carry the same one."""
+    import jsonschema
+    import referencing
+    import referencing.jsonschema
+    from jsonschema_specifications import REGISTRY as META_SCHEMAS
+
     schema = orjson.loads(key)
     cls = _validator_class(schema)
     try:
@@ -163,6 +175,8 @@ def _schema_problem(key: str) -> str:
 def _unresolved(resolver: referencing.Resolver[Any], resource: referencing.Resource[Any]) -> str:
     """The first ``$ref`` (or ``$dynamicRef``) under ``resource`` that resolves to
     nothing, said as a reason; "" when every one resolves."""
+    import referencing.exceptions
+
     contents = resource.contents
     if isinstance(contents, dict):
         for keyword in ("$ref", "$dynamicRef"):
@@ -181,6 +195,8 @@ def _unresolved(resolver: referencing.Resolver[Any], resource: referencing.Resou
 
 
 def _why_unresolved(exc: referencing.exceptions.Unresolvable) -> str:
+    import referencing.exceptions
+
     if isinstance(exc, referencing.exceptions.PointerToNowhere):
         return "points to nothing in the schema"
     if isinstance(exc, referencing.exceptions.NoSuchAnchor):

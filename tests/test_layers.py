@@ -35,6 +35,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "overflow",
             "params",
             "procinfo",
+            "stopsignals",
             "quality",
             "structured",
             "tokens",
