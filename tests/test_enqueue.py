@@ -717,3 +717,16 @@ def test_postgresql_plans_an_enqueued_dataset_from_its_statistics(
     # Nothing new: nothing to analyze again, and nothing fails.
     code, out, err = invoke("enqueue", str(path), "--dataset", "ds", "--db", db)
     assert code == 0 and "all 300 items" in out, err
+
+
+def test_help_shows_both_thinking_switches_and_a_new_dataset_reads_right(
+    tmp_path: Path,
+) -> None:
+    code, out, _ = invoke("enqueue", "--help")
+    flat = "".join(out.split())  # the help wraps inside words
+    assert code == 0
+    assert '{"enable_thinking":true}\'(Qwen3,DeepSeek)' in flat
+    assert '{"thinking":true}\'(Kimi)' in flat
+    path = write_jsonl(tmp_path / "in.jsonl", prompts(3))
+    code, out, _ = invoke("enqueue", str(path), "-d", "d", "--db", str(tmp_path / "q.db"))
+    assert out == "enqueued 3 items into new dataset 'd' (0 already present)\n"
