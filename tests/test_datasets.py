@@ -151,7 +151,7 @@ def answered(db: str, name: str) -> None:
         db,
         f"UPDATE items SET state = 'done', finished_at = 1.25 WHERE id = {first}",
         "INSERT INTO outputs (item_id, dataset_id, message, latency, attempt, created_at,"
-        f" completion_tokens) SELECT {first}, {ds}, '{{\"content\": \"hi\"}}', 0.5, 1, 2.5, 7",
+        f' completion_tokens) SELECT {first}, {ds}, \'{{"content": "hi"}}\', 0.5, 1, 2.5, 7',
         "INSERT INTO item_turns (item_id, turn, message, latency, created_at)"
         f" SELECT {first}, 0, '{{}}', 0.5, 2.5",
         "INSERT INTO attempt_errors (item_id, dataset_id, attempt, error_class, outcome,"
