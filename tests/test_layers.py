@@ -48,7 +48,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"worker"}),
     frozenset({"monitor"}),
     frozenset({"ops", "running", "enqueueing"}),
-    frozenset({"api", "demo"}),
+    frozenset({"api", "api_datasets", "demo"}),
     frozenset({"cli", "__init__", "__main__"}),
 )
 

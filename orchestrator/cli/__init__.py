@@ -18,6 +18,7 @@ import click
 
 from orchestrator import __version__
 from orchestrator.cli import (
+    datasets,
     db,
     deploy,
     doctor,
@@ -100,6 +101,7 @@ for _command in (
     requeue.requeue,
     requeue.pause,
     requeue.resume,
+    datasets.dataset,
     export.export,
     sim.sim_server,
     sim.demo,
