@@ -172,3 +172,35 @@ def test_plan_warns_of_prompts_over_the_servers_context(
     )
     assert launched.returncode == 0, launched.stderr
     assert "warning: dataset long: about 30 of 30 requests" in launched.stdout
+
+
+def test_plan_checks_the_enqueued_requests_against_the_context_without_a_run_file(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """Without --config, ``plan`` reads the database's requests left: --server and
+    --max-model-len warn of those that will not fit, as they do for a run file."""
+    long = [
+        {"id": f"l{i}", "messages": [{"role": "user", "content": "x" * (4000 if i % 3 else 12000)}]}
+        for i in range(30)
+    ]
+    short = [{"id": f"s{i}", "messages": [{"role": "user", "content": "hi"}]} for i in range(5)]
+    db = str(tmp_path / "q.db")
+    for name, rows in (("long", long), ("short", short)):
+        path = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        made = cli("enqueue", str(path), "-d", name, "--db", db, "--model", "m",
+                   "--max-tokens", "1500")  # fmt: skip
+        assert made.returncode == 0, made.stderr
+    doc = json.loads(cli("plan", "--db", db, "--max-model-len", "2000", "--json").stdout)
+    assert doc["context"] == 2000
+    assert {d["name"]: (d["overflows"], d["too_long"]) for d in doc["datasets"]} == {
+        "short": (0, 0),
+        "long": (30, 10),
+    }
+    server = sim_process("--max-model-len", "2000")
+    result = cli("plan", "--db", db, "--server", server.url)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "dataset long: about 30 of 30 requests" in warnings[0]
+    silent = sim_process("--model", "m")  # says no context length
+    said = cli("plan", "--db", db, "--server", silent.url)
+    assert said.returncode == 0 and "give --max-model-len" in said.stderr

@@ -211,7 +211,7 @@ def test_batches_keep_file_order_and_content(db_url: str, tmp_path: Path) -> Non
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     code, out, err = invoke("enqueue", str(path), "-d", "d", "--db", str(db))
     assert code == 0, err
-    assert "enqueued 10 items created dataset 'd'" in out
+    assert "enqueued 10 items into new dataset 'd'" in out
     rows = item_rows(db)
     assert [(key, position) for key, position, _, _ in rows] == [
         (line["id"], n) for n, line in enumerate(lines, start=1)
@@ -377,7 +377,7 @@ def test_regenerate_all_stores_whole_conversations(db_url: str, tmp_path: Path) 
     path = write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS)
     code, out, err = invoke("enqueue", str(path), "-d", "d", "--db", str(db), "--regenerate", "all")
     assert code == 0, err
-    assert "enqueued 5 items created dataset 'd' (0 already present; 9 turns to generate)" in out
+    assert "enqueued 5 items into new dataset 'd' (0 already present; 9 turns to generate)" in out
     stored = rows(db, "SELECT key, request, state, turn, turns FROM items ORDER BY position")
     assert [(key, state, turn, turns) for key, _, state, turn, turns in stored] == [
         ("c1", "pending", 0, 2),
@@ -448,7 +448,7 @@ def test_passthrough_rows_are_stored_done_and_never_claimed(db_url: str, tmp_pat
     args = ("enqueue", str(path), "-d", "final", "--db", str(db), "--passthrough", "--model", "M")
     code, out, err = invoke(*args)
     assert code == 0, err
-    assert "stored 4 rows as done created pass-through dataset 'final' (0 already present)" in out
+    assert "stored 4 rows as done into new pass-through dataset 'final' (0 already present)" in out
     stored = rows(
         db,
         "SELECT i.key, i.request, i.state, i.attempts, i.finished_at IS NOT NULL, i.turns"
@@ -717,3 +717,16 @@ def test_postgresql_plans_an_enqueued_dataset_from_its_statistics(
     # Nothing new: nothing to analyze again, and nothing fails.
     code, out, err = invoke("enqueue", str(path), "--dataset", "ds", "--db", db)
     assert code == 0 and "all 300 items" in out, err
+
+
+def test_help_shows_both_thinking_switches_and_a_new_dataset_reads_right(
+    tmp_path: Path,
+) -> None:
+    code, out, _ = invoke("enqueue", "--help")
+    flat = "".join(out.split())  # the help wraps inside words
+    assert code == 0
+    assert '{"enable_thinking":true}\'(Qwen3,DeepSeek)' in flat
+    assert '{"thinking":true}\'(Kimi)' in flat
+    path = write_jsonl(tmp_path / "in.jsonl", prompts(3))
+    code, out, _ = invoke("enqueue", str(path), "-d", "d", "--db", str(tmp_path / "q.db"))
+    assert out == "enqueued 3 items into new dataset 'd' (0 already present)\n"

@@ -52,6 +52,48 @@ def _busy_worker(tmp_path: Path, sim_process: Callable[..., SimProcess]) -> tupl
     return db, worker
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_a_worker_signalled_as_it_starts_stops_cleanly(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """SIGTERM while the worker is still setting up (here it waits for its API key from a
+    pipe nobody has written to yet) stops it cleanly once it can: exit 0, nothing lost."""
+    db = tmp_path / "q.db"
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(20))
+    assert cli("enqueue", str(data), "-d", "d", "--db", str(db)).returncode == 0
+    server = sim_process()
+    key = tmp_path / "key"
+    os.mkfifo(key)
+    worker = start_worker(db, server.url, "--api-key-file", str(key), "--exit-when-done")
+    deadline = time.monotonic() + 30
+    while not _catches(worker.pid, signal.SIGTERM) and time.monotonic() < deadline:
+        assert worker.poll() is None
+        time.sleep(0.01)
+    worker.send_signal(signal.SIGTERM)
+    while worker.poll() is None:  # the key, once the worker reads the pipe
+        try:
+            fd = os.open(key, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            time.sleep(0.01)
+            continue
+        os.write(fd, b"secret\n")
+        os.close(fd)
+        break
+    _, stderr = worker.communicate(timeout=120)
+    assert worker.returncode == 0, stderr[-3000:]
+    assert any(e["event"] == "stopping" for e in events(stderr))
+    with closing(sqlite3.connect(db)) as conn:
+        rows = conn.execute("SELECT state, attempts, count(*) FROM items GROUP BY 1, 2").fetchall()
+    assert rows == [("pending", 0, 20)]
+
+
 # 11 ------------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from orchestrator.errors import ConfigError
+from orchestrator.inference.launch.process import group_members
 from orchestrator.inference.launch.spec import (
     LaunchSpec,
     Preset,
@@ -318,6 +319,34 @@ def test_a_killed_server_is_restarted_and_its_items_answered_once(tmp_path: Path
     # 1 above), and were released rather than retried.
     stopped = next(e for e in logged if e["event"] == "worker_stopped")
     assert stopped["released"] >= 1 and stopped["retried"] == 0
+
+
+def test_a_killed_watchdog_takes_its_whole_server_with_it(tmp_path: Path) -> None:
+    """The server under a shell that forks it (``bash -c '...; echo done'``): a SIGKILL of
+    the watchdog reaches the shell alone (``PR_SET_PDEATHSIG``). Its group is stopped
+    before the restart, which finds its port free; the run finishes, and nothing of the
+    first server is left."""
+    db = tmp_path / "q.db"
+    rows = enqueue(db, 200, "--max-tokens", "200")
+    wrapped = f"bash -c {shlex.quote(SIM + ' --latency 0.1; echo done')}"
+    proc = start_run(
+        db, "--exit-when-done", "--launch", wrapped, "--concurrency", "4",
+        "--restart-backoff", "0.2",
+    )  # fmt: skip
+    wait_for(lambda: done_count(db) >= 20, "20 items done")
+    (first,) = states(db)
+    group = first["watchdog_pid"]
+    members = wait_for(lambda: [p for p in group_members(group) if p != group], "the server")
+    assert len(members) >= 2  # the shell and the server it forked
+    os.kill(group, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    check_done_once(db, rows)
+    assert [pid for pid in members if alive(pid)] == []
+    assert group_members(group) == []
+    died = [e for e in events(stderr) if e["event"] == "server_died"]
+    assert len(died) == 1 and "killed by SIGKILL" in died[0]["reason"], died
+    assert states(db)[0]["restarts"] == 1
 
 
 def test_a_server_that_keeps_dying_is_given_up_on_and_the_run_stops(tmp_path: Path) -> None:

@@ -382,7 +382,7 @@ async def test_status_cli_reads_without_sqlalchemy(mixed_db: tuple[Path, Databas
         "except SystemExit:\n"
         "    pass\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('sqlalchemy', 'alembic', 'aiosqlite', 'structlog'))\n"
+        "('sqlalchemy', 'alembic', 'aiosqlite', 'structlog', 'jsonschema'))\n"
         "print(json.dumps(heavy), file=sys.stderr)\n"
     )
     result = _python(code)

@@ -220,7 +220,7 @@ def test_bad_data_line_stops_the_run_file_keeping_what_came_before(tmp_path: Pat
     )
     code, out, err = invoke("enqueue", "--config", str(config), "--db", str(db))
     assert code == 2
-    assert out.splitlines() == ["enqueued 4 items created dataset 'a' (0 already present)"]
+    assert out.splitlines() == ["enqueued 4 items into new dataset 'a' (0 already present)"]
     assert f"error: {bad}:2: no user message" in err
     assert (
         "stopped at dataset 'b' (2 of 3): nothing of it was enqueued; the datasets before it "

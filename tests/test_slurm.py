@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ PG = "postgresql://127.0.0.1/queue"
 
 
 def script(**changes: object) -> str:
-    spec = SlurmSpec(db=PG, executable="/opt/orc/bin/orchestrator", python="/opt/orc/bin/python")
+    spec = SlurmSpec(db=PG, executable="/opt/orc/bin/orchestrator")
     fields = {**{f: getattr(spec, f) for f in spec.__slots__}, **changes}  # type: ignore[attr-defined]
     return render_sbatch(SlurmSpec(**fields))  # type: ignore[arg-type]
 
@@ -86,6 +87,75 @@ def test_refused_settings_say_why(args: list[str], said: str) -> None:
     assert result.returncode == 2, result.stderr
     assert said in result.stderr and result.stdout == ""
     assert "Secr3tPw" not in result.stderr
+
+
+FAKE_ORCHESTRATOR = """#!/bin/bash
+# The worker exits 0; `status --items-left` answers $FAKE_LEFT, or fails as a missing
+# interpreter would.
+if [ "$2" = run ]; then exit 0; fi
+echo "status $*" >> "$CALLS"
+if [ -z "$FAKE_LEFT" ]; then echo "/login/python: No such file or directory" >&2; exit 127; fi
+echo "$FAKE_LEFT"
+"""
+
+
+@pytest.mark.parametrize(
+    ("left", "code", "requeued", "said"),
+    [
+        ("", 1, False, "cannot tell how many items are left"),
+        ("0", 0, False, "nothing left to do"),
+        ("5", 0, True, "5 items left: requeued"),
+    ],
+)
+def test_the_task_counts_what_is_left_with_the_executable_it_runs(
+    tmp_path: Path, left: str, code: int, requeued: bool, said: str
+) -> None:
+    """The script calls no interpreter of the host it was written on; a count it cannot
+    read ends the task loudly instead of requeuing it."""
+    fake = tmp_path / "node" / "orchestrator"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_ORCHESTRATOR)
+    fake.chmod(0o755)
+    (tmp_path / "bin").mkdir()
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.write_text('#!/bin/bash\necho "scontrol $*" >> "$CALLS"\n')
+    scontrol.chmod(0o755)
+    args = ("--server", "http://10.0.0.5:30000", "--dataset", "a b", "--executable", str(fake))
+    result = cli("deploy", "slurm", "--db", PG, *args)
+    assert result.returncode == 0, result.stderr
+    assert sys.executable not in result.stdout and " -c " not in result.stdout
+    calls = tmp_path / "calls"
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "7",
+        "CALLS": str(calls),
+        "FAKE_LEFT": left,
+    }
+    run = subprocess.run(
+        ["bash", "-c", result.stdout], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert run.returncode == code, run.stdout + run.stderr
+    assert said in run.stdout + run.stderr
+    made = calls.read_text().splitlines()
+    assert made[0] == "status status --items-left --dataset a b"
+    assert ("scontrol requeue 7" in made) is requeued
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--launch", "vllm serve m --api-key sk-abcdef123456 --port {port}"],
+        ["--launch", "python -m sglang.launch_server --api-key=Secr3tPw --port {port}"],
+        ["--launch", "llama-server --hf-token hf_abcdefgh12345 --port {port}"],
+        ["--server", "http://u:Secr3tPw@10.0.0.5:30000", "--run-args", "--grace 5"],
+    ],
+)
+def test_a_secret_in_the_script_is_refused(args: list[str]) -> None:
+    result = cli("deploy", "slurm", "--db", PG, *args)
+    assert result.returncode == 2, result.stdout
+    assert "would show" in result.stderr and result.stdout == ""
+    for secret in ("sk-abcdef123456", "Secr3tPw", "hf_abcdefgh12345"):
+        assert secret not in result.stderr
 
 
 def test_a_task_needs_servers() -> None:

@@ -79,7 +79,7 @@ def test_parquet_folder_and_glob_give_the_same_keys(db_url: str, tmp_path: Path)
     write_shards(data, PROBLEMS, [6, 4])
     result = enqueue(db_url, data, "-d", "math", "--template", TEMPLATE)
     assert result.returncode == 0, result.stderr
-    assert "enqueued 10 items created dataset 'math'" in result.stdout
+    assert "enqueued 10 items into new dataset 'math'" in result.stdout
     keys = [key for key, _ in items(db_url, "math")]
     assert keys == [f"train-00000-of-00002.parquet:{n}" for n in range(1, 7)] + [
         f"train-00001-of-00002.parquet:{n}" for n in range(1, 5)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import orjson
 
+from orchestrator.api.datasets import DatasetCalls, SyncDatasetCalls, check_body
 from orchestrator.api.enqueue import (
     EnqueueOptions,
     Source,
@@ -104,7 +105,7 @@ def open(db: str | os.PathLike[str] | None = None) -> Queue:
     return Queue(db)
 
 
-class Queue:
+class Queue(DatasetCalls):
     """An open queue. Use it as ``async with orchestrator.open(db) as q``: leaving the
     block stops any ``run`` still going (its leases released), ends the ``results``
     still being read and closes the database."""
@@ -594,23 +595,10 @@ def _enqueue_body(
     from orchestrator.items.structured import response_format_for
 
     body = request_body(params, model=model, **named)
-    _check_body(body, {"model": model, **named})
+    check_body(body, {"model": model, **named})
     if json_schema is not None:
         body["response_format"] = response_format_for(json_schema, source="json_schema")
     return body
-
-
-def _check_body(body: dict[str, Any], named: dict[str, Any]) -> None:
-    """The request body through the check every other source gets (``orchestrator.items.params``),
-    each refusal under the argument that gave it (``temperature``, ``params['n']``)."""
-    from orchestrator.items.params import problems
-
-    found = problems(body)
-    if found:
-        where = [name if named.get(name) is not None else f"params[{name!r}]" for name, _ in found]
-        raise ConfigError(
-            "; ".join(f"{w}: {why}" for w, (_, why) in zip(where, found, strict=True))
-        )
 
 
 def _names(name: str, value: str | Sequence[str], rule: Names) -> tuple[str, ...]:
@@ -795,7 +783,7 @@ def open_sync(db: str | os.PathLike[str] | None = None) -> SyncQueue:
     return SyncQueue(db)
 
 
-class SyncQueue:
+class SyncQueue(SyncDatasetCalls):
     """``Queue``'s calls, blocking. Use ``with orchestrator.open_sync(db) as q`` (or call
     ``close``). Ctrl-C during ``run`` stops the run cleanly, as cancelling it would.
     Calls after ``close`` raise ``ConfigError``."""

@@ -171,11 +171,9 @@ async def _launched(launch: Supervisor | None, client: Any, signals: bool) -> As
         return
     stopping = asyncio.Event()
     if signals:
-        import signal
+        from orchestrator._util import stopsignals
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stopping.set)
+        stopsignals.hand_over(asyncio.get_running_loop(), stopping.set)
     try:
         await launch.start(client.session, stopping)
         yield not stopping.is_set()
@@ -226,12 +224,10 @@ async def _work(
     worker = Worker(database, client, config, notifier=notifier, metrics=metrics)
     if launch is not None:
         _supervised(worker, launch)
-    if signals:
-        import signal
+    if signals:  # those that came since the process started included
+        from orchestrator._util import stopsignals
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.request_stop)
+        stopsignals.hand_over(asyncio.get_running_loop(), worker.request_stop)
     line = progress.start(database, worker)  # on a terminal only
     try:
         run = _run_with_metrics(worker, metrics, metrics_host, metrics_port)

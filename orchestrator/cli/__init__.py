@@ -18,6 +18,7 @@ import click
 
 from orchestrator import __version__
 from orchestrator.cli import (
+    datasets,
     db,
     deploy,
     doctor,
@@ -75,6 +76,12 @@ class _Commands(click.Group):
 @click.pass_context
 def main(ctx: click.Context, log_level: str, log_json: bool | None) -> None:
     """Durable, resumable batch generation against OpenAI-compatible servers."""
+    from orchestrator._util import stopsignals
+
+    if ctx.invoked_subcommand == "run":
+        stopsignals.hold()  # a worker stops cleanly on a signal, from now on
+    else:
+        stopsignals.release()  # other commands take signals as they always have
     refuse_closed_stdout()
     defer_logs(log_level, log_json)
     if ctx.invoked_subcommand not in _LAZY_LOGGING:
@@ -94,6 +101,7 @@ for _command in (
     requeue.requeue,
     requeue.pause,
     requeue.resume,
+    datasets.dataset,
     export.export,
     sim.sim_server,
     sim.demo,

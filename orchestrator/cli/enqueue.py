@@ -32,7 +32,7 @@ from orchestrator.settings.dataset_options import (
 if TYPE_CHECKING:
     from orchestrator.api.enqueue import Enqueued, EnqueueOptions, PlanFailed
     from orchestrator.errors import InputError
-    from orchestrator.store import EnqueueReport
+    from orchestrator.store import DatasetSpec, EnqueueReport
 
 
 # The dataset settings, by option: all of them come from the run file with --config;
@@ -117,7 +117,9 @@ _SAMPLING = (
     "params",
     multiple=True,
     metavar="KEY=JSON",
-    help="Any other request body field, e.g. --param 'chat_template_kwargs={\"thinking\":true}'.",
+    help="Any other request body field, e.g. thinking on: --param "
+    "'chat_template_kwargs={\"enable_thinking\":true}' (Qwen3, DeepSeek) or "
+    "'chat_template_kwargs={\"thinking\":true}' (Kimi).",
 )
 @click.option(
     "--concurrency",
@@ -210,8 +212,10 @@ _SAMPLING = (
 @click.option(
     "--update",
     is_flag=True,
-    help="Accept new request parameters for an existing dataset: its items not done yet "
-    "are sent with them (each output records the parameters it was made with).",
+    help="Accept new values of the request parameters given for an existing dataset: its "
+    "items not done yet are sent with them (each output records the parameters it was "
+    "made with). Parameters not given keep their values; `orchestrator dataset set` "
+    "changes one setting without a SOURCE.",
 )
 @click.option(
     "--prompt-column",
@@ -379,6 +383,19 @@ def _options(
     )
 
 
+def settings_spec(name: str, given: dict[str, Any]) -> DatasetSpec:
+    """``dataset set``'s options as the spec of what changes: the request body fields
+    given (checked as ``enqueue`` checks them) and the knobs; nothing else."""
+    from orchestrator.api.enqueue import request_body
+    from orchestrator.store import DatasetSpec
+
+    named = {k: given[k] for k in ("max_tokens", "temperature", "top_p")}
+    body = request_body(_parse_params(given["params"]), model=given["model"], **named)
+    _check_params(body, {**named, "model": given["model"]})
+    knobs = ("concurrency", "priority", "on_truncated", "on_invalid", "on_overflow")
+    return run_sync(lambda: DatasetSpec(name=name, params=body, **{k: given[k] for k in knobs}))
+
+
 def _schema_format(path: Path) -> dict[str, Any]:
     """``--json-schema FILE`` as the ``response_format`` it sets; a file that cannot be
     read, is not JSON or is no JSON schema stops here, naming it (exit 2)."""
@@ -463,7 +480,28 @@ def _show_skipped(invalid: list[InputError], report: EnqueueReport) -> None:
 
 
 def _enqueued(report: EnqueueReport, file: str) -> str:
-    """The line ``enqueue`` prints for one file."""
+    """What ``enqueue`` prints for one file: the settings it changed, then what it added."""
+    added = _added(report, file)
+    if not report.changed:
+        return added
+    changed = changed_line(report.dataset, report.changed, report.pending)
+    return f"{changed}\n{added.replace('nothing new:', 'no new items:', 1)}"
+
+
+def changed_line(dataset: str, changed: Any, pending: int) -> str:
+    """``dataset 'd': max_tokens 2048 → 4096 on 1,200 pending items``, and what of the
+    rest: the one way both ``enqueue`` and ``dataset set`` confirm a change."""
+    if not changed:
+        return f"dataset {dataset!r}: nothing changed (every setting given is as stored)"
+    return (
+        f"dataset {dataset!r}: {', '.join(map(str, changed))} on {pending:,} pending items "
+        "(running ones finish as sent; done ones keep their answers: `orchestrator requeue "
+        f"--state done --dataset {dataset}` generates them again)"
+    )
+
+
+def _added(report: EnqueueReport, file: str) -> str:
+    """The line ``enqueue`` prints for what one file added."""
     name = report.dataset
     extra = report.samples_added - report.added
     if report.added == 0 and report.already_present and extra > 0:
@@ -476,7 +514,7 @@ def _enqueued(report: EnqueueReport, file: str) -> str:
             f"nothing new: all {report.already_present:,} items of {file} are already in "
             f"dataset {name!r}"
         )
-    verb = "created" if report.created else "into existing"
+    verb = "into new" if report.created else "into existing"
     details = f"{report.already_present:,} already present"
     if report.invalid:
         details += f", {len(report.invalid):,} invalid lines skipped"

@@ -44,13 +44,14 @@ run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md.
     "servers",
     multiple=True,
     metavar="URL",
-    help="With --config: read the server's context length from its /v1/models "
-    "(max_model_len, as vLLM serves it) and warn of the requests that will not fit it.",
+    help="Read the server's context length from its /v1/models (max_model_len, as vLLM "
+    "serves it) and warn of the requests that will not fit it: a run file's, or the "
+    "database's requests left.",
 )
 @click.option(
     "--max-model-len",
     type=click.IntRange(min=1),
-    help="With --config: the server's context length in tokens, for the same warning.",
+    help="The server's context length in tokens, for the same warning.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable.")
 @launch_options
@@ -92,9 +93,16 @@ def plan(
         click.echo(_looked_line(looked))
 
     plans = run_sync(lambda: runfile.load_run(config)) if config is not None else None
+    held = None if plans is not None else _stored(db)
     context = max_model_len or (looked or {}).get("context_length")
-    if context is None and servers and plans:
-        context = _served_context(servers, plans)
+    if context is None and servers and (plans or held):
+        context = _served_context(servers, plans or held)
+        if context is None:
+            click.echo(
+                "warning: no --server said its context length (max_model_len in /v1/models): "
+                "give --max-model-len to check the requests against it",
+                err=True,
+            )
     path = sqlite_path(db)
     if plans is not None:
         # A run file is planned before its database exists: then nothing is done yet.
@@ -108,13 +116,15 @@ def plan(
     else:
         # Without one, the database is what is planned: a missing one is refused (exit 3)
         # as by every command that reads it.
-        held = _stored(db)
         if not held:
             click.echo(
                 f"no datasets in {path or db}: nothing to plan (plan a run file with --config)"
             )
             return
-        result = runfile.plan_stored(held, tokens_per_second=tokens_per_second)
+        overflows = _overflows(db, held, context) if context is not None else None
+        result = runfile.plan_stored(
+            held, tokens_per_second=tokens_per_second, context=context, overflows=overflows
+        )
     _show(result, prices, as_json, looked)
 
 
@@ -160,6 +170,16 @@ def _served_context(servers: tuple[str, ...], plans: Any) -> int | None:
         if model in wanted or len(contexts) == 1
     ]
     return min(found) if found else None
+
+
+def _overflows(db: str | None, held: list[Any], context: int) -> dict[str, tuple[int, int]]:
+    """The database's requests left that will not fit ``context``, by dataset."""
+    from orchestrator import runfile
+    from orchestrator.store.planning import scan_open_requests
+
+    each, found = runfile.overflow_counter(held, context)
+    on_database(db, lambda d: scan_open_requests(d, each), mode="read")
+    return found
 
 
 def _stored(db: str | None) -> list[Any]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from orchestrator._util import stopsignals
 from orchestrator.cli.common import (
     Checked,
     api_key_file_option,
@@ -216,9 +217,12 @@ def run(
     specs, basic_auth, api_key, supervisor = _servers(servers, *files, launch, db)
     config, client_config = configs(specs, basic_auth, api_key, RunSettings(**settings))
     extra = {"metrics_port": metrics_port, "metrics_host": metrics_host, "launch": supervisor}
-    outcome = on_database(
-        db, lambda d: run_worker(d, config, client_config, signals=True, **extra), mode="write"
-    )
+    try:
+        outcome = on_database(
+            db, lambda d: run_worker(d, config, client_config, signals=True, **extra), mode="write"
+        )
+    finally:
+        stopsignals.forget()
     _say_how_run_ended(outcome.stats, outcome.stopped)
 
 

@@ -28,12 +28,25 @@ from orchestrator.cli.common import (
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable (docs/STATUS.md).")
+@click.option(
+    "--items-left",
+    is_flag=True,
+    help="Print only the count of items pending or running in datasets not paused (what "
+    "a Slurm task reads to requeue itself).",
+)
+@click.option(
+    "--dataset", "datasets", multiple=True, help="With --items-left: only these datasets."
+)
 @window_option
 @servers_option
 @prices_options
 @db_option
+@click.pass_context
 def status(
+    ctx: click.Context,
     as_json: bool,
+    items_left: bool,
+    datasets: tuple[str, ...],
     window: float,
     servers: tuple[str, ...],
     gpu_hour_cost: float | None,
@@ -51,6 +64,11 @@ def status(
     from orchestrator.monitor.text import render_status
     from orchestrator.settings.prices import status_cost
 
+    if datasets and not items_left:
+        raise click.UsageError("--dataset goes with --items-left", ctx)
+    if items_left:
+        click.echo(_items_left(_status_snapshot(db, window, ()), datasets))
+        return
     prices = run_prices(gpu_hour_cost, price_input, price_output, servers_file, servers)
     snap = _status_snapshot(db, window, servers)
     cost = status_cost(snap, prices)
@@ -60,6 +78,13 @@ def status(
         echo_json(snap)
     else:
         click.echo(render_status(snap))
+
+
+def _items_left(snap: dict[str, Any], names: tuple[str, ...]) -> int:
+    """Items pending or running in the datasets not paused (of ``names``, when given)."""
+    rows = [d for d in snap["datasets"] if not d["paused"]]
+    rows = [d for d in rows if not names or d["name"] in names]
+    return sum(d["counts"]["pending"] + d["counts"]["running"] for d in rows)
 
 
 def _status_snapshot(db: str | None, window: float, servers: tuple[str, ...]) -> dict[str, Any]:

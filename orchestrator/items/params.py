@@ -75,6 +75,10 @@ def _n(value: object) -> str:
     return "1 (one answer per request)"
 
 
+def _object(value: object) -> str:
+    return "" if isinstance(value, dict) else "an object"
+
+
 def _model(value: object) -> str:
     if not isinstance(value, str):
         return "a string"
@@ -87,6 +91,7 @@ CHECKS = {
     "temperature": _temperature,
     "top_p": _top_p,
     "n": _n,
+    "response_format": _object,
 }
 
 
@@ -111,7 +116,20 @@ def problems(body: Mapping[str, object]) -> list[tuple[str, str]]:
             found.append((name, f"cannot be set: {REFUSED[name]}"))
         elif want := expected(name, value):
             found.append((name, f"must be {want}, got {shown(value)}"))
+        elif why := unusable(name, value):
+            found.append((name, why))
     return found
+
+
+def unusable(name: str, value: object) -> str:
+    """Why a value of the right type still cannot be sent ("" when it can): a
+    ``response_format`` whose schema cannot check the answers (an unresolvable
+    ``$ref``) would fail every answer's check in the worker."""
+    if name != "response_format":
+        return ""
+    from orchestrator.items.structured import format_problem  # jsonschema: only when asked
+
+    return format_problem(value)
 
 
 def logprob_params(endpoint: str, logprobs: int | None) -> dict[str, Any]:

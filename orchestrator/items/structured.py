@@ -10,6 +10,8 @@ validated with ``jsonschema``. The result is a quality flag (``invalid_json``,
 
 Pure and without I/O: the worker checks each answer, export recomputes the parsed value
 from the stored content, and ``enqueue --json-schema`` checks a schema file up front.
+``jsonschema`` is imported where a schema is first used: ``status`` reads the flags
+defined here, and importing the validator costs it more than its queries.
 """
 
 from __future__ import annotations
@@ -17,21 +19,26 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
 import orjson
 
 from orchestrator.errors import ConfigError
 from orchestrator.items.quality import INVALID_JSON, SCHEMA_MISMATCH
+
+if TYPE_CHECKING:
+    import referencing
+    import referencing.exceptions
 
 __all__ = [
     "INVALID_FLAGS",
     "Checked",
     "check",
     "expected_format",
+    "format_problem",
     "response_format_for",
     "schema_of",
+    "schema_problem",
 ]
 
 #: The flags an answer that is not the JSON asked for carries.
@@ -89,6 +96,8 @@ def check(content: str | None, fmt: Mapping[str, Any]) -> Checked:
         if fmt.get("type") == "json_object" and not isinstance(parsed, dict):
             return Checked(SCHEMA_MISMATCH, parsed, "the answer is JSON but not an object")
         return Checked(0, parsed)
+    import jsonschema
+
     error = jsonschema.exceptions.best_match(_validator(_key(schema)).iter_errors(parsed))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(the whole answer)"
@@ -103,22 +112,118 @@ def _key(schema: dict[str, Any]) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _validator(key: str) -> Any:
-    """A compiled validator per schema: a dataset checks every answer against one."""
+    """A compiled validator per schema: a dataset checks every answer against one. Its
+    registry holds the meta-schemas alone: a ``$ref`` to another document is never
+    fetched (jsonschema's default would, over the network, for every answer)."""
+    import referencing
+
     schema = orjson.loads(key)
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+    cls = _validator_class(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER, registry=referencing.Registry())
+
+
+def _validator_class(schema: Any) -> Any:
+    import jsonschema
+
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+
+
+def schema_problem(schema: Any) -> str:
+    """Why ``schema`` cannot check answers ("" when it can): not an object, not a valid
+    JSON schema, or a ``$ref`` that resolves to nothing. Every ``$ref`` is looked up,
+    those the answers may never reach too, so that no answer meets one in the worker."""
+    if not isinstance(schema, dict):
+        return f"a JSON schema must be an object, not {type(schema).__name__}"
+    try:
+        key = _key(schema)
+    except orjson.JSONEncodeError as exc:
+        return f"the schema is not JSON: {exc}"
+    return _schema_problem(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_problem(key: str) -> str:
+    """``schema_problem`` once per schema: input lines may each carry the same one."""
+    import jsonschema
+    import referencing
+    import referencing.jsonschema
+    from jsonschema_specifications import REGISTRY as META_SCHEMAS
+
+    schema = orjson.loads(key)
+    cls = _validator_class(schema)
+    try:
+        cls.check_schema(schema)
+        dialect = referencing.jsonschema.specification_with(
+            cls.ID_OF(cls.META_SCHEMA), default=referencing.Specification.OPAQUE
+        )
+        root = dialect.create_resource(schema)
+        unresolved = _unresolved(META_SCHEMAS.resolver_with_root(root), root)
+        if unresolved:
+            return unresolved
+        # The worker's own validator, on a probe: what building it could raise, raised here.
+        list(_validator(key).iter_errors({}))
+    except jsonschema.exceptions.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
+        return f"not a valid JSON schema at {where}: {exc.message}"
+    except RecursionError:
+        return "the schema is nested too deeply to be checked"
+    except Exception as exc:  # whatever else would stop every answer's check
+        return f"it cannot check answers: {type(exc).__name__}: {exc}"[:_MESSAGE_CHARS]
+    return ""
+
+
+def _unresolved(resolver: referencing.Resolver[Any], resource: referencing.Resource[Any]) -> str:
+    """The first ``$ref`` (or ``$dynamicRef``) under ``resource`` that resolves to
+    nothing, said as a reason; "" when every one resolves."""
+    import referencing.exceptions
+
+    contents = resource.contents
+    if isinstance(contents, dict):
+        for keyword in ("$ref", "$dynamicRef"):
+            ref = contents.get(keyword)
+            if not isinstance(ref, str):
+                continue
+            try:
+                resolver.lookup(ref)
+            except referencing.exceptions.Unresolvable as exc:
+                return f"{keyword} {ref!r} {_why_unresolved(exc)}"
+    for sub in resource.subresources():
+        found = _unresolved(resolver.in_subresource(sub), sub)
+        if found:
+            return found
+    return ""
+
+
+def _why_unresolved(exc: referencing.exceptions.Unresolvable) -> str:
+    import referencing.exceptions
+
+    if isinstance(exc, referencing.exceptions.PointerToNowhere):
+        return "points to nothing in the schema"
+    if isinstance(exc, referencing.exceptions.NoSuchAnchor):
+        return f"names an anchor the schema does not define ({exc.anchor!r})"
+    return "names a document outside the schema, never fetched: put what it defines in $defs"
+
+
+def format_problem(fmt: object) -> str:
+    """Why a ``response_format`` (a request's, a dataset's, an input line's) cannot be
+    asked with ("" when it can): the schema it names cannot check the answers."""
+    if not isinstance(fmt, Mapping) or fmt.get("type") not in ("json_object", "json_schema"):
+        return ""
+    inner = fmt.get("json_schema")
+    given = inner.get("schema") if isinstance(inner, Mapping) else None
+    if given is None:
+        given = fmt.get("schema")
+    if given is None or isinstance(given, bool):
+        return ""  # any JSON (an object, for json_object) will do; false fails every answer
+    why = schema_problem(given)
+    return f"its schema: {why}" if why else ""
 
 
 def response_format_for(schema: Any, *, source: str, name: str | None = None) -> dict[str, Any]:
     """The ``response_format`` that asks for ``schema`` (``enqueue --json-schema``);
     ``ConfigError`` naming ``source`` when it is not a usable JSON schema."""
-    if not isinstance(schema, dict):
-        raise ConfigError(f"{source}: a JSON schema must be an object, not {type(schema).__name__}")
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    try:
-        cls.check_schema(schema)
-    except jsonschema.exceptions.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
-        raise ConfigError(f"{source}: not a valid JSON schema at {where}: {exc.message}") from None
+    why = schema_problem(schema)
+    if why:
+        raise ConfigError(f"{source}: {why}")
     label = name or str(schema.get("title") or "answer")
     return {"type": "json_schema", "json_schema": {"name": label[:64], "schema": schema}}

@@ -17,7 +17,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.monitor.text import duration
+from orchestrator.monitor.text import duration, percent, worker_note
 
 
 def render(snap: dict[str, Any]) -> RenderableType:
@@ -40,7 +40,7 @@ def _datasets(snap: dict[str, Any]) -> Table:
     table = Table(title=f"orchestrator: {snap['database']}", title_justify="left", expand=True)
     table.add_column("dataset", no_wrap=True)
     table.add_column("progress", ratio=2, no_wrap=True)
-    table.add_column("%", justify="right", no_wrap=True)
+    table.add_column("done", justify="right", no_wrap=True)
     table.add_column("done/total", justify="right", no_wrap=True)
     table.add_column("failed", justify="right")
     table.add_column(f"req/s {window}m", justify="right")
@@ -59,7 +59,7 @@ def _datasets(snap: dict[str, Any]) -> Table:
         table.add_row(
             Text(name, style="bold" if name == "TOTAL" else ""),
             bar,
-            f"{100 * e['progress']:.1f}",
+            percent(counts["done"], counts["total"]),
             f"{counts['done']:,}/{counts['total']:,}",
             Text(f"{counts['failed']:,}", style="red" if counts["failed"] else ""),
             f"{e['recent']['requests_per_s']:.2f}",
@@ -91,20 +91,22 @@ def _problems(snap: dict[str, Any]) -> Panel | None:
 
 
 def _workers(snap: dict[str, Any]) -> Panel | None:
-    live = [w for w in snap["workers"] if not w["stopped"]]
-    if not live:
+    listed = [w for w in snap["workers"] if not w["stopped"]]
+    if not listed:
         return None
-    lines = [
-        f"{w['id']}  in flight {w['in_flight']}, done {w['completed']:,}, "
-        f"heartbeat {duration(w['heartbeat_age_s'])} ago"
-        + ("  [red]SILENT[/red]" if w["silent"] else "")
-        + (
-            f"  [red]STALLED: no answer for {duration(w['progress_age_s'])}[/red]"
-            if w.get("stalled")
-            else ""
+    now = snap.get("generated_at", 0.0)
+    lines = (
+        ["[red]NO SERVER REACHABLE: every worker waits for one (no ETA until one answers)[/red]"]
+        if snap["totals"].get("waiting_for_server")
+        else []
+    )
+    for w in listed:
+        note = worker_note(w, now)
+        lines.append(
+            f"{escape(w['id'])}  in flight {w['in_flight']}, done {w['completed']:,}, "
+            f"heartbeat {duration(w['heartbeat_age_s'])} ago"
+            + (f"  [red]{escape(note)}[/red]" if note else "")
         )
-        for w in live
-    ]
     return Panel("\n".join(lines), title="workers")
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orchestrator import logs
-from orchestrator.monitor.text import duration
+from orchestrator.monitor.text import duration, percent, servers_down
+from orchestrator.worker.keeper import servers_view
 
 if TYPE_CHECKING:
     from orchestrator.store.engine import Database
@@ -87,17 +88,28 @@ class ProgressLine:
             head = f"{stats.completed:,} done by this worker"
             eta = None
         else:
-            share = 100 * (c.done + c.failed) / c.total if c.total else 0.0
-            head = f"{c.done:,}/{c.total:,} done {share:5.1f}%"
+            head = f"{c.done:,}/{c.total:,} done {percent(c.done, c.total):>6}"
             # Other workers' answers count too: the queue's own pace when it moved.
             pace = queue_s if queue_s > 0 else req_s
             eta = (c.pending + c.running) / pace if pace > 0 else None
         failed = c.failed if c is not None else stats.failed
+        down = self._down()
+        # No server answers: the pace of the minutes before says nothing of the end.
+        shown = "? (waiting for a server)" if down else duration(eta)
         line = (
-            f"{head}  {req_s:,.1f} req/s  {tok_s:,.0f} tok/s  ETA {duration(eta)}  "
+            f"{head}  {req_s:,.1f} req/s  {tok_s:,.0f} tok/s  ETA {shown}  "
             f"failed {failed:,}  retries {stats.retried:,}  in flight {self.worker.in_flight}"
         )
+        if down:
+            line += f"  NO SERVER REACHABLE: {down}"
         return line[: max(width - 1, 10)]
+
+    def _down(self) -> str:
+        """The servers down and why, when none is reachable; "" while one is."""
+        if self.worker.pool.available.is_set():
+            return ""
+        view = servers_view(self.worker)
+        return servers_down({"servers_down": view["down"]}, time.time()) or "none left"
 
 
 def _width() -> int:

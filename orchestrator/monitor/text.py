@@ -23,6 +23,13 @@ def duration(seconds: float | None) -> str:
     return f"{days}d{hours:02d}h"
 
 
+def percent(part: int, total: int) -> str:
+    """``part`` of ``total`` in per cent, rounded down to a tenth: 100.0% only when it is
+    all of it (2,889 of 3,000 is 96.3%, 2,999 of 3,000 is 99.9%, never 100.0%)."""
+    tenths = part * 1000 // total if total > 0 else 0
+    return f"{tenths // 10}.{tenths % 10}%"
+
+
 def _row(name: str, e: dict[str, Any]) -> list[str]:
     c = e["counts"]
     tokens = e["completion_tokens"]
@@ -30,7 +37,7 @@ def _row(name: str, e: dict[str, Any]) -> list[str]:
     return [
         name,
         f"{c['done']:,}/{c['total']:,}",
-        f"{100 * e['progress']:.1f}%",
+        percent(c["done"], c["total"]),
         f"{c['pending']:,}",
         f"{c['running']:,}",
         f"{c['failed']:,}",
@@ -154,7 +161,7 @@ def render_status(snap: dict[str, Any]) -> str:
     header = [
         "dataset",
         "done/total",
-        "progress",
+        "done",
         "pending",
         "running",
         "failed",
@@ -205,22 +212,55 @@ def render_status(snap: dict[str, Any]) -> str:
         )
     lines.extend(_flag_lines(snap))
     lines.extend(_structured_lines(snap))
-    live = [w for w in snap["workers"] if not w["stopped"]]
-    if live:
-        lines.append("")
-        lines.append("workers:")
-        for w in live:
-            note = " SILENT" if w["silent"] else ""
-            if w.get("stalled"):
-                note = f" STALLED: no answer for {duration(w['progress_age_s'])}"
-            lines.append(
-                f"  {w['id']}  in flight {w['in_flight']}, done {w['completed']:,},"
-                f" last heartbeat {duration(w['heartbeat_age_s'])} ago{note}"
-            )
+    lines.extend(_worker_lines(snap))
     lines.extend(_limited_lines(snap.get("rate_limited") or []))
     lines.extend(_server_lines(snap.get("servers") or []))
     lines.extend(_launched_lines(snap.get("launched") or []))
     return "\n".join(lines)
+
+
+def worker_note(w: dict[str, Any], now: float) -> str:
+    """What is wrong with a worker, in a few words ("" when nothing is)."""
+    if w.get("dead"):
+        return f"DEAD: its process is gone (last heartbeat {duration(w['heartbeat_age_s'])} ago)"
+    if w["silent"]:
+        return "SILENT"
+    if w.get("waiting_for_server"):
+        return "WAITING FOR A SERVER: " + servers_down(w, now)
+    if w.get("stalled"):
+        return f"STALLED: no answer for {duration(w['progress_age_s'])}"
+    if w.get("servers_down"):
+        return f"{len(w['servers_down'])} of {w['servers']} servers down: " + servers_down(w, now)
+    return ""
+
+
+def servers_down(w: dict[str, Any], now: float) -> str:
+    """Each server the worker found down: why, and since when."""
+    parts = []
+    for d in w.get("servers_down") or []:
+        since = f", for {duration(max(now - d['since'], 0.0))}" if d.get("since") else ""
+        parts.append(f"{d['server']} ({d.get('reason') or 'down'}{since})")
+    return "; ".join(parts)
+
+
+def _worker_lines(snap: dict[str, Any]) -> list[str]:
+    """The workers not stopped: their work, and what is wrong with any (dead, silent,
+    waiting for a server); a line above them when the whole run waits for one."""
+    listed = [w for w in snap["workers"] if not w["stopped"]]
+    if not listed:
+        return []
+    lines = [""]
+    if snap["totals"].get("waiting_for_server"):
+        lines.append("NO SERVER REACHABLE: every worker waits for one (no ETA until one answers)")
+    lines.append("workers:")
+    now = snap.get("generated_at", 0.0)
+    for w in listed:
+        note = worker_note(w, now)
+        lines.append(
+            f"  {w['id']}  in flight {w['in_flight']}, done {w['completed']:,},"
+            f" last heartbeat {duration(w['heartbeat_age_s'])} ago" + (f"  {note}" if note else "")
+        )
+    return lines
 
 
 def _launched_lines(launched: list[dict[str, Any]]) -> list[str]:

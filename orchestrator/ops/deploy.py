@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator._util.urls import split
 from orchestrator.errors import NEEDS_A_PERSON, ConfigError
+from orchestrator.ops.secrets import check_servers
 
 DEFAULT_USER = "orchestrator"
 DEFAULT_DB = "/var/lib/orchestrator/orchestrator.db"
@@ -152,15 +152,12 @@ def _check_value(name: str, value: str) -> None:
 def render_unit(spec: UnitSpec) -> str:
     """The unit file text: ``orchestrator-worker.service`` or the ``@`` template."""
     db = sqlite_path(spec.db)
-    for server in spec.servers:
-        shown, auth = split(server, "--server")
-        if auth is not None:
-            raise ConfigError(
-                f"--server {shown}: its URL holds credentials, which a unit file would show "
-                "to anyone who can read it; give the URL without them and put USER:PASSWORD "
-                "in a file readable by the service only, named by ORCHESTRATOR_BASIC_AUTH_FILE "
-                f"in {CONFIG_DIR}/worker.env"
-            )
+    check_servers(
+        spec.servers,
+        file="a unit file",
+        advice="put USER:PASSWORD in a file readable by the service only, named by "
+        f"ORCHESTRATOR_BASIC_AUTH_FILE in {CONFIG_DIR}/worker.env",
+    )
     for name, value in (
         ("--user", spec.user),
         ("the orchestrator path", spec.executable),

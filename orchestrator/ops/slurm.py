@@ -21,19 +21,24 @@ What the script does, and why:
   most ``--max-restarts`` times; with nothing left, the task ends with the worker's
   code. Preemption and a failed node are requeued by Slurm itself (``--requeue``). An
   exit that needs a person (a bad setting, a database refusal, items failed) is not
-  requeued: the task ends with that code and its log says why.
+  requeued: the task ends with that code and its log says why. The items left are
+  counted by the same ``orchestrator`` the task runs (``status --items-left``), never by
+  an interpreter of the host the script was written on; a count that cannot be read
+  ends the task with an error, never requeued.
+* **No secret in the script**: a password in ``--db``, credentials in a ``--server``
+  URL, an API key or token in a ``--launch`` line or ``--run-args`` are refused
+  (``ops.secrets``); they go in ~/.pgpass and the job's environment.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from orchestrator._util.urls import mask, split, take_userinfo
+from orchestrator._util.urls import mask, take_userinfo
 from orchestrator.errors import NEEDS_A_PERSON, ConfigError
+from orchestrator.ops.secrets import check_commands, check_servers
 
 DEFAULT_GRACE = 120.0
 DEFAULT_SIGNAL_LEAD = 300
@@ -45,15 +50,10 @@ STOP_MARGIN = 60
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$|^UNLIMITED$|^INFINITE$")
 _NAME = re.compile(r"^[A-Za-z0-9_.@%+=-]+$")
 
-# What the script runs once its worker has returned: how many items of its datasets are
-# still to do, from `orchestrator status --json` (docs/STATUS.md).
-_LEFT = (
-    "import json, sys\n"
-    "status = json.load(sys.stdin)\n"
-    "names = set(sys.argv[1:])\n"
-    'rows = [d for d in status["datasets"] if not d["paused"]]\n'
-    'rows = [d for d in rows if not names or d["name"] in names]\n'
-    'print(sum(d["counts"]["pending"] + d["counts"]["running"] for d in rows))\n'
+_KEY_ADVICE = (
+    "a server the task launches listens on the node itself and needs no key; to give one, "
+    "export it before sbatch (sbatch passes the environment on) as the engine's own "
+    "variable (vLLM: VLLM_API_KEY) and as ORCHESTRATOR_API_KEY for the worker"
 )
 
 
@@ -64,7 +64,6 @@ class SlurmSpec:
 
     db: str
     executable: str
-    python: str = sys.executable
     launch: tuple[str, ...] = ()
     servers: tuple[str, ...] = ()
     datasets: tuple[str, ...] = ()
@@ -182,7 +181,13 @@ echo "orchestrator task $TASK: the worker exited $rc"
 case " {needs_a_person} " in
   *" $rc "*) echo "orchestrator task $TASK: not requeued: exit $rc needs a person"; exit "$rc";;
 esac
-left=$({executable} status --json | {python} -c {left} {datasets}) || left="?"
+left=$({executable} status --items-left{datasets}) || left=""
+case "$left" in
+  ""|*[!0-9]*)
+    echo "orchestrator task $TASK: cannot tell how many items are left ({executable} status" \
+      "--items-left failed, see above): not requeued" >&2
+    exit $(( rc ? rc : 1 ));;
+esac
 if [ "$left" = "0" ]; then
   echo "orchestrator task $TASK: nothing left to do"
   exit "$rc"
@@ -212,14 +217,16 @@ def render_sbatch(spec: SlurmSpec) -> str:
     """The sbatch script text: submit it with ``sbatch FILE``."""
     _check(spec)
     db = check_db(spec.db)
-    for server in spec.servers:
-        shown, auth = split(server, "--server")
-        if auth is not None:
-            raise ConfigError(
-                f"--server {shown}: its URL holds credentials, which the script would show; "
-                "give the URL without them and ORCHESTRATOR_BASIC_AUTH_FILE in the job's "
-                "environment"
-            )
+    check_servers(
+        spec.servers,
+        file="the script",
+        advice="ORCHESTRATOR_BASIC_AUTH_FILE in the job's environment",
+    )
+    check_commands(
+        [*(("--launch", c) for c in spec.launch), ("--run-args", spec.run_args)],
+        file="the script",
+        advice=_KEY_ADVICE,
+    )
     run = _run_command(spec)
     start = (_ARRAY_START if spec.nodes is None else _NODES_START).format(run=run)
     shape = f"--nodes {spec.nodes}" if spec.nodes is not None else f"--array {spec.array}"
@@ -236,14 +243,7 @@ def render_sbatch(spec: SlurmSpec) -> str:
         start=start,
         needs_a_person=" ".join(str(code) for code in NEEDS_A_PERSON),
         executable=shlex.quote(spec.executable),
-        python=shlex.quote(spec.python),
-        left=shlex.quote(_LEFT),
-        datasets=" ".join(shlex.quote(d) for d in spec.datasets),
+        datasets="".join(f" --dataset {shlex.quote(d)}" for d in spec.datasets),
         max_restarts=spec.max_restarts,
     )
     return "\n".join(head) + "\n" + body
-
-
-def installed_python() -> str:
-    """The interpreter of this installation, which the script uses to read ``status``."""
-    return str(Path(sys.executable))

@@ -27,6 +27,7 @@ from orchestrator.runfile.plan import (
     DatasetEstimate,
     RunPlan,
     done_stats,
+    overflow_counter,
     plan_run,
     plan_stored,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "done_stats",
     "load_prices",
     "load_run",
+    "overflow_counter",
     "plan_json",
     "plan_run",
     "plan_stored",

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
@@ -271,27 +271,59 @@ def _scale(s: StoredDataset) -> float:
     return expected(measured, None).scale
 
 
+def overflow_counter(
+    stored: Sequence[StoredDataset], context: int
+) -> tuple[Callable[[str, dict[str, Any], int], None], dict[str, tuple[int, int]]]:
+    """A callback for ``store.planning.scan_open_requests`` and what it counts: by
+    dataset, the requests that will not fit ``context`` and of them those whose prompt
+    alone will not, by the estimate ``plan_run`` makes of a run file's lines."""
+    caps = {s.name: s.params.get("max_tokens") or 0 for s in stored}
+    found: dict[str, tuple[int, int]] = {}
+
+    def each(name: str, request: dict[str, Any], todo: int) -> None:
+        cap = request.get("max_tokens") or request.get("max_completion_tokens") or caps[name]
+        prompt = prompt_estimate(request)
+        over, alone = found.get(name, (0, 0))
+        over += todo if prompt + (cap or 0) > context else 0
+        alone += todo if prompt >= context else 0
+        found[name] = (over, alone)
+
+    return each, found
+
+
 def plan_stored(
     stored: Sequence[StoredDataset],
     *,
     tokens_per_second: float,
     completion_fraction: float = COMPLETION_FRACTION,
+    context: int | None = None,
+    overflows: Mapping[str, tuple[int, int]] | None = None,
 ) -> RunPlan:
     """Estimate the rest of a run from what its database holds, without data files.
 
     Tokens per request are the mean of the answers done when some report tokens, else
     ``completion_fraction`` of the dataset's max_tokens (an item's own max_tokens is not
     read). Time left counts the running and pending requests; failed ones run only if
-    requeued.
+    requeued. ``context`` and ``overflows`` (``overflow_counter``'s count): the requests
+    left that will not fit the server's context, by dataset.
     """
     _check_rates(tokens_per_second, completion_fraction)
     estimates = [_stored_estimate(s, completion_fraction, tokens_per_second) for s in stored]
+    if context is not None:
+        counted = overflows or {}
+        estimates = [
+            dataclasses.replace(
+                e, overflows=counted.get(e.name, (0, 0))[0], too_long=counted.get(e.name, (0, 0))[1]
+            )
+            for e in estimates
+        ]
     return RunPlan(
         datasets=tuple(estimates),
         tokens_per_second=float(tokens_per_second),
         completion_fraction=completion_fraction,
         assumptions=_assumptions(estimates, tokens_per_second, completion_fraction, stored=True),
         source="database",
+        context=context,
     )
 
 

@@ -22,7 +22,7 @@ from orchestrator.settings.dataset_options import (
     REGENERATE,
 )
 from orchestrator.store.engine import Database
-from orchestrator.store.schema import datasets, param_sets
+from orchestrator.store.schema import datasets, items, param_sets
 
 
 def params_hash(params: dict[str, Any]) -> str:
@@ -166,6 +166,25 @@ def _param_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One setting of a dataset changed: ``max_tokens 2048 → 4096`` (None: unset)."""
+
+    setting: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        def shown(value: Any) -> str:
+            return "unset" if value is None else orjson.dumps(value).decode()
+
+        return f"{self.setting} {shown(self.old)} → {shown(self.new)}"
+
+
+_KNOBS = ("concurrency", "priority", "on_truncated", "on_invalid", "on_overflow")
+"""Operational settings that may change under enqueued items."""
+
+
 async def declare(
     conn: AsyncConnection,
     spec: DatasetSpec,
@@ -175,46 +194,89 @@ async def declare(
     input_format: str | None,
     now: float,
     update: bool = False,
+    changed: list[Change] | None = None,
 ) -> tuple[DatasetInfo, bool]:
     """Create the dataset, or check that an existing one asks for the same requests.
 
-    Changing request parameters under enqueued items would mix outputs made with
-    different settings in one dataset, so it is refused unless ``update`` is given: then
-    the items not done yet are sent with the new parameters, and every output records
+    A parameter ``spec`` does not name keeps its stored value: adding a file to a dataset
+    needs none of them repeated. Changing one under enqueued items would mix outputs made
+    with different settings in one dataset, so it is refused unless ``update`` is given:
+    then the items not done yet are sent with the new value, and every output records
     the set it was made with. Whether a dataset regenerates its last turn or all of
     them, and whether it is pass-through, decide what its items are: they never change.
     Concurrency, priority and the truncation, invalid-answer and overflow policies are
-    operational knobs and may.
+    operational knobs and may. What changed is appended to ``changed``.
     """
     row = (await conn.execute(sa.select(datasets).where(datasets.c.name == spec.name))).first()
     source = {"source_path": source_path, "source_sha256": source_sha256}
     if row is None:
         return await _create(conn, spec, source, input_format, now), True
     info = _info(row)
-    differences = _checked_differences(info, spec, update=update)
-    changes: dict[str, Any] = {**source, **_draws(spec, info), "updated_at": now}
-    if differences:
-        changes["params"] = _dumps(spec.params)
-        await _record_params(conn, spec.params, now)
-    changes.update(
-        (key, value)
-        for key, value in (
-            ("concurrency", spec.concurrency),
-            ("priority", spec.priority),
-            ("on_truncated", spec.on_truncated),
-            ("on_invalid", spec.on_invalid),
-            ("on_overflow", spec.on_overflow),
+    _check_kind(info, spec)
+    params = {**info.params, **spec.params}
+    differences = _param_differences(info.params, params)
+    if differences and not update:
+        wanted = {k: v for k, v in spec.params.items() if info.params.get(k) != v}
+        raise ConfigError(
+            f"dataset {spec.name!r} already exists with other request parameters ("
+            + "; ".join(differences)
+            + f"); to change them for the items not done yet: `{_set_command(spec.name, wanted)}` "
+            "(or pass --update), or use another dataset name"
         )
-        if value is not None
-    )
+    knobs = {key: getattr(spec, key) for key in _KNOBS}
+    extra: dict[str, Any] = {**source, **_draws(spec, info)}
     if input_format and info.input_format and input_format != info.input_format:
-        changes["input_format"] = "mixed"
+        extra["input_format"] = "mixed"
     elif input_format:
-        changes["input_format"] = input_format
-    await conn.execute(datasets.update().where(datasets.c.id == info.id).values(**changes))
-    if differences or changes.keys() & {"samples", "draw_seeds", "draw_mode"}:
+        extra["input_format"] = input_format
+    found = await _apply(conn, info, params, knobs, extra, now)
+    if changed is not None:
+        changed.extend(found)
+    if found or extra.keys() & {"samples", "draw_seeds", "draw_mode"}:
         info = await _read(conn, info.id)
     return info, False
+
+
+def _set_command(name: str, params: dict[str, Any]) -> str:
+    """The ``dataset set`` command that makes the change ``declare`` refused."""
+    import shlex
+
+    words = ["orchestrator", "dataset", "set", name]
+    for key, value in sorted(params.items()):
+        if key in ("model", "max_tokens", "temperature", "top_p") and value is not None:
+            words += [f"--{key.replace('_', '-')}", str(value)]
+        else:
+            words += ["--param", f"{key}={orjson.dumps(value).decode()}"]
+    return shlex.join(words)
+
+
+async def _apply(
+    conn: AsyncConnection,
+    info: DatasetInfo,
+    params: dict[str, Any],
+    knobs: dict[str, Any],
+    extra: dict[str, Any],
+    now: float,
+) -> list[Change]:
+    """Write a dataset's new parameters and knobs (None: kept), and ``extra`` columns;
+    the one place both ``enqueue`` and ``dataset set`` change a dataset."""
+    found = [
+        Change(key, info.params.get(key), params.get(key))
+        for key in sorted(set(info.params) | set(params))
+        if info.params.get(key) != params.get(key)
+    ]
+    found += [
+        Change(key, getattr(info, key), value)
+        for key, value in knobs.items()
+        if value is not None and value != getattr(info, key)
+    ]
+    values: dict[str, Any] = {**extra, "updated_at": now}
+    values |= {key: value for key, value in knobs.items() if value is not None}
+    if params != info.params:
+        values["params"] = _dumps(params)
+        await _record_params(conn, params, now)
+    await conn.execute(datasets.update().where(datasets.c.id == info.id).values(**values))
+    return found
 
 
 def _draws(spec: DatasetSpec, info: DatasetInfo | None) -> dict[str, Any]:
@@ -296,12 +358,8 @@ async def _create(
     return await _read(conn, new_id)
 
 
-def _checked_differences(info: DatasetInfo, spec: DatasetSpec, *, update: bool) -> list[str]:
-    """The parameters ``spec`` changes; raises ``ConfigError`` where ``declare`` refuses.
-
-    Another kind of dataset (regenerate, passthrough) is always refused; other request
-    parameters only without ``update``.
-    """
+def _check_kind(info: DatasetInfo, spec: DatasetSpec) -> None:
+    """Another kind of dataset (regenerate, passthrough, endpoint) is always refused."""
     fixed = [
         f"{key}: {old!r} -> {new!r}"
         for key, old, new in (
@@ -317,15 +375,6 @@ def _checked_differences(info: DatasetInfo, spec: DatasetSpec, *, update: bool) 
             + "; ".join(fixed)
             + "); use another dataset name"
         )
-    differences = _param_differences(info.params, spec.params)
-    if differences and not update:
-        raise ConfigError(
-            f"dataset {spec.name!r} already exists with other request parameters ("
-            + "; ".join(differences)
-            + "); pass --update to use the new ones for the items not done yet, "
-            "or use another dataset name"
-        )
-    return differences
 
 
 async def _record_params(conn: AsyncConnection, params: dict[str, Any], now: float) -> None:
@@ -335,6 +384,66 @@ async def _record_params(conn: AsyncConnection, params: dict[str, Any], now: flo
         await conn.execute(
             param_sets.insert().values(hash=digest, params=_dumps(params), created_at=now)
         )
+
+
+@dataclass(frozen=True, slots=True)
+class SettingsReport:
+    """What a change of a dataset's settings did: each change, and the items it applies
+    to (pending ones; running ones finish as sent, done ones keep their answers)."""
+
+    dataset: str
+    changed: tuple[Change, ...]
+    pending: int
+    done: int
+
+
+async def change_settings(
+    database: Database,
+    spec: DatasetSpec,
+    *,
+    unset: Sequence[str] = (),
+) -> SettingsReport:
+    """Change the settings ``spec`` names of an existing dataset, and only those: its
+    ``params`` are merged over the stored ones, ``unset`` keys removed, its knobs set
+    where given. Anything else (``enqueue``'s source, template, the other parameters)
+    stays as it is."""
+    async with database.write() as conn:
+        row = (await conn.execute(sa.select(datasets).where(datasets.c.name == spec.name))).first()
+        if row is None:
+            raise ConfigError(f"no such dataset: {spec.name}")
+        info = _info(row)
+        if info.passthrough and (spec.params or unset):
+            raise ConfigError(
+                f"dataset {spec.name!r} is pass-through: it sends no request, so it has no "
+                "request parameters to change"
+            )
+        missing = sorted(set(unset) - set(info.params))
+        if missing:
+            held = ", ".join(sorted(info.params)) or "none"
+            raise ConfigError(
+                f"dataset {spec.name!r} does not set {', '.join(missing)} (it sets: {held})"
+            )
+        params = {k: v for k, v in {**info.params, **spec.params}.items() if k not in unset}
+        knobs = {key: getattr(spec, key) for key in _KNOBS}
+        found = await _apply(conn, info, params, knobs, {}, time.time())
+        counts = dict(
+            (
+                await conn.execute(
+                    sa.select(items.c.state, sa.func.count())
+                    .where(items.c.dataset_id == info.id)
+                    .group_by(items.c.state)
+                )
+            ).all()
+        )
+    return SettingsReport(spec.name, tuple(found), counts.get("pending", 0), counts.get("done", 0))
+
+
+async def pending_count(conn: AsyncConnection, dataset_id: int) -> int:
+    """The dataset's items not claimed yet: those a change of its settings applies to."""
+    query = sa.select(sa.func.count()).where(
+        items.c.dataset_id == dataset_id, items.c.state == "pending"
+    )
+    return int((await conn.execute(query)).scalar_one())
 
 
 async def list_datasets(database: Database) -> list[DatasetInfo]:

@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError, InputError
-from orchestrator.store.datasets import DatasetInfo, DatasetSpec, declare
+from orchestrator.store.datasets import Change, DatasetInfo, DatasetSpec, declare, pending_count
 from orchestrator.store.engine import Database, insert_many, storage_error
 from orchestrator.store.schema import items
 
@@ -101,6 +101,10 @@ class EnqueueReport:
     samples_added: int = 0
     """Sample rows added: ``added`` times ``samples``, plus those added to prompts
     already present when ``samples`` grew."""
+    changed: list[Change] = field(default_factory=list)
+    """Settings of an existing dataset this enqueue changed (``update``, knobs)."""
+    pending: int = 0
+    """The dataset's pending items afterwards, when settings changed: what they apply to."""
 
 
 def file_sha256(path: str | Path) -> str:
@@ -143,6 +147,7 @@ async def enqueue(
         ).scalar_one()
         rows = _prepared(records)
         first = next(rows, None)
+        changed: list[Change] = []
         info, created = await declare(
             conn,
             spec,
@@ -151,9 +156,10 @@ async def enqueue(
             input_format=first[2] if first is not None else None,
             now=now,
             update=update,
+            changed=changed,
         )
         mode = "passthrough" if info.passthrough else info.regenerate
-        report = EnqueueReport(dataset=spec.name, created=created, mode=mode)
+        report = EnqueueReport(dataset=spec.name, created=created, mode=mode, changed=changed)
         seen = 0
         if first is not None:
             _check_mode(info, mode, first)
@@ -171,6 +177,8 @@ async def enqueue(
         if progress:
             progress(seen)
         await _add_samples(conn, info, report, now, str(path))
+        if changed:
+            report.pending = await pending_count(conn, info.id)
     if report.added or report.samples_added:
         await database.refresh_statistics("items")
     return report

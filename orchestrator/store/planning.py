@@ -8,6 +8,7 @@ regenerates every turn, whose items record in ``items.turn`` how many are done.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,3 +180,20 @@ def _stored(
         samples=row.samples or 1,
         sample_requests=row.draw_mode or "n",
     )
+
+
+async def scan_open_requests(
+    database: Database, each: Callable[[str, dict[str, Any], int], None]
+) -> None:
+    """``each(dataset, request, requests left)`` for every item not done or failed of a
+    dataset that sends requests: what ``plan`` checks against a server's context, the
+    request as stored (its dataset's parameters apply under it)."""
+    left = items.c.turns - items.c.turn
+    query = (
+        sa.select(datasets.c.name, items.c.request, left)
+        .select_from(items.join(datasets, datasets.c.id == items.c.dataset_id))
+        .where(items.c.state.in_(("pending", "running")), datasets.c.passthrough == sa.false())
+    )
+    async with database.read() as conn:
+        async for name, request, todo in await conn.stream(query):
+            each(name, orjson.loads(request), int(todo))

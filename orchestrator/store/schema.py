@@ -346,3 +346,49 @@ wasted_tokens = sa.Table(
     sa.Column("unknown", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("updated_at", sa.Float, nullable=False),
 )
+
+# Deleted datasets, kept aside until purged (``dataset delete``, migration 0016b): each
+# deletion is a row, and every row it took from the tables below is kept as it was in
+# ``deleted_<table>`` under the deletion's id, so that its undo puts them back as they
+# were. Nothing on the hot paths reads or writes these tables.
+deletions = sa.Table(
+    "deletions",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("dataset_id", sa.Integer, nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    # Items by state and the rows kept of each table, JSON: what the deletion took.
+    sa.Column("counts", sa.Text, nullable=False, server_default="{}"),
+    sa.Column("undone_at", sa.Float, nullable=True),
+    sa.Column("purged_at", sa.Float, nullable=True),
+)
+
+DELETED_FROM = (
+    datasets,
+    items,
+    outputs,
+    item_turns,
+    attempt_errors,
+    requeued_items,
+    superseded_outputs,
+    superseded_turns,
+    wasted_tokens,
+)
+"""The tables a dataset's rows are in, parents first (the order an undo inserts in)."""
+
+
+def _kept(table: sa.Table) -> sa.Table:
+    """``table``'s columns, with no key or constraint, under a deletion's id."""
+    kept = sa.Table(
+        f"deleted_{table.name}",
+        metadata,
+        sa.Column("deletion_id", sa.Integer, nullable=False),
+        *[sa.Column(c.name, c.type, nullable=c.nullable) for c in table.columns],
+    )
+    sa.Index(f"ix_deleted_{table.name}_deletion_id", kept.c.deletion_id)
+    return kept
+
+
+KEPT = {table.name: _kept(table) for table in DELETED_FROM}
+"""``deleted_<table>`` by the name of the table its rows came from."""

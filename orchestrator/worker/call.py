@@ -275,10 +275,7 @@ class Caller:
                 return classify.overflow_failed(lease, body, said, server, str(exc))
             failure = Failure(exc.error_class, where(lease) + str(exc), server)
             return Rejected(lease, server, str(exc), failure, info.params_hash)
-        if not isinstance(exc, InferenceError):
-            log.exception("item_crashed", item=lease.item_id, key=lease.key)
-            exc = InferenceError(f"{type(exc).__name__}: {exc}", error_class=ec.INTERNAL)
-        return classify.retry_or_fail(lease, exc, None, self.config, server=server)
+        return classify.crashed(lease, exc, self.config, server=server)
 
 
 def seed(lease: Lease, info: DatasetInfo) -> int | None:

@@ -85,6 +85,24 @@ def retry_or_fail(
     return Retry(lease, failure, time.time() + delay)
 
 
+def crashed(
+    lease: Lease, exc: Exception, config: WorkerConfig, *, server: str | None = None
+) -> Retry | Release | Failed:
+    """An error no rule expects (a bug in the client, in an answer's check): the item is
+    retried as ``internal``, and failed once its attempts are spent, never left held."""
+    if not isinstance(exc, InferenceError):
+        log.error(
+            "item_crashed",
+            item=lease.item_id,
+            key=lease.key,
+            server=server,
+            error_type=type(exc).__name__,
+            exc_info=exc,
+        )
+        exc = InferenceError(f"{type(exc).__name__}: {exc}"[:2000], error_class=ec.INTERNAL)
+    return retry_or_fail(lease, exc, None, config, server=server)
+
+
 def answered(
     lease: Lease,
     info: DatasetInfo,

@@ -10,8 +10,9 @@ servers with an ``auto`` cap, has the pool tune their caps.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -27,26 +28,29 @@ log = structlog.get_logger("orchestrator.worker")
 
 # Seconds between looks at whether the database file is still the one opened.
 FILE_CHECK_EVERY = 60.0
+# Seconds between heartbeats at most: status shows a worker's requests in flight and
+# servers as of its latest one (one small UPDATE each).
+HEARTBEAT_EVERY = 5.0
 
 
 async def keep(worker: Worker) -> None:
-    """Every quarter lease: renew, heartbeat, reap; checkpoint, sample and report when due."""
+    """Every quarter lease: renew, reap; checkpoint, sample and report when due. The
+    heartbeat, which status reads, more often (``HEARTBEAT_EVERY``) and at once when the
+    servers go down or come back."""
     config = worker.config
     interval = config.lease_seconds / 4
-    last_checkpoint = last_progress = time.monotonic()
+    last_renew = last_checkpoint = last_progress = time.monotonic()
     last_sample = float("-inf")
     while True:
-        await asyncio.sleep(interval)
+        await _pause(worker, min(HEARTBEAT_EVERY, interval))
         try:
-            await renew(worker)
-            await worker_rows.heartbeat(
-                worker.database,
-                worker.owner,
-                in_flight=worker.in_flight,
-                completed=worker.stats.completed,
-            )
-            await reap(worker)
+            await beat(worker)
             now = time.monotonic()
+            if now - last_renew < interval:
+                continue
+            last_renew = now
+            await renew(worker)
+            await reap(worker)
             if now - last_checkpoint >= config.checkpoint_every:
                 await worker.database.checkpoint()
                 last_checkpoint = now
@@ -64,6 +68,38 @@ async def keep(worker: Worker) -> None:
             log.error("keeper_failed", error=str(exc))
         except Exception:  # the keeper must outlive any one bad round
             log.exception("keeper_crashed")
+
+
+async def _pause(worker: Worker, seconds: float) -> None:
+    """``seconds``, or less when the servers go down or come back."""
+    available = worker.pool.available
+    was = available.is_set()
+    steps = max(1, math.ceil(seconds / 0.5))
+    for _ in range(steps):  # the pool has no event for going down: looked at twice a second
+        await asyncio.sleep(seconds / steps)
+        if available.is_set() != was:
+            return
+
+
+async def beat(worker: Worker) -> None:
+    """The worker's heartbeat: its requests in flight and answers."""
+    await worker_rows.heartbeat(
+        worker.database,
+        worker.owner,
+        in_flight=worker.in_flight,
+        completed=worker.stats.completed,
+    )
+
+
+def servers_view(worker: Worker) -> dict[str, Any]:
+    """How many servers the worker has, and those down with why and since when."""
+    states = worker.pool.states
+    down = [
+        {"server": url, "reason": st.down_reason, "since": st.down_since}
+        for url, st in states.items()
+        if not st.healthy
+    ]
+    return {"total": len(states), "down": down}
 
 
 async def watch_file(worker: Worker) -> None:

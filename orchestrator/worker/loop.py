@@ -40,7 +40,7 @@ from orchestrator.worker.committer import Committer
 from orchestrator.worker.config import Notifier, Silent, WorkerConfig, WorkerStats, stats_fields
 from orchestrator.worker.gate import Gate
 from orchestrator.worker.guard import RunGuard
-from orchestrator.worker.outcomes import Advance, Outcome, Release
+from orchestrator.worker.outcomes import Advance, Failed, Outcome, Rejected, Release
 
 if TYPE_CHECKING:
     from orchestrator.worker.metrics import WorkerMetrics
@@ -160,6 +160,12 @@ class Worker:
                 outcomes = list(await self.caller.draws(leases, info))
             else:
                 outcomes = [await self.caller.item(held, info)]
+        except Exception as exc:
+            # Anything that breaks between the request and the outcome (an answer's
+            # check, its parsing) settles the item: a task dying here would leave its
+            # lease renewed for ever, and the run waiting for it.
+            leases = [held.lease, *held.draws]  # a multi-turn item's turn has moved on
+            outcomes = [classify.crashed(lease, exc, self.config) for lease in leases]
         finally:
             # The slot is free once the answer is in; the write happens in a later round.
             self.claims.slot_freed(len(leases))
@@ -195,8 +201,16 @@ class Worker:
             await set_draw_mode(self.database, dataset_id, "seeds")
 
     def _hand_over(self, item_id: int, outcome: Outcome | None) -> None:
-        """Queue an item's outcome for writing, past the run guard."""
-        if self.gate.passes(item_id, outcome):
+        """Queue an item's outcome for writing, past the run guard (a guard that breaks
+        lets it through: the outcome is written whatever the guard's bookkeeping)."""
+        try:
+            through = self.gate.passes(item_id, outcome)
+        except Exception:
+            log.exception("gate_crashed", item=item_id)
+            if isinstance(outcome, Rejected):
+                outcome = Failed(outcome.lease, outcome.failure)
+            through = outcome is not None
+        if through:
             assert outcome is not None
             self.committer.submit(outcome)
         elif outcome is None:
@@ -314,10 +328,9 @@ class Worker:
         log.info("waiting_for_server", servers=list(self.config.servers))
         self.notifier.status("waiting for an inference server")
         limit = self.config.give_up_after
-        waits = [self.pool.available.wait(), self._stopping.wait()]
-        await stop.first(*waits, *([asyncio.sleep(limit)] if limit is not None else []))
-        if self.pool.available.is_set() or self._stopping.is_set():
+        if await stop.until_set(self.pool.available, self._stopping, seconds=limit):
             return
+        assert limit is not None  # without a limit the wait ends only with a server, or a stop
         reasons = "; ".join(f"{url}: {why}" for url, why, _ in self.pool.unreachable())
         self._halt(ServersUnreachable(f"no server answered within {limit:g}s: {reasons}"))
 

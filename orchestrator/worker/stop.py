@@ -97,3 +97,18 @@ async def first(*aws: Any) -> None:
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def until_set(*events: asyncio.Event, seconds: float | None) -> bool:
+    """Wait until one of ``events`` is set when looked at, or ``seconds`` have passed on
+    the clock (None: no limit); False when the time ran out. A wake-up by an event set
+    and cleared again before this resumed (a server that flaps) is no reason to stop
+    waiting: the event's state and the time elapsed decide, not the wake-up."""
+    deadline = None if seconds is None else time.monotonic() + seconds
+    while not any(event.is_set() for event in events):
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        timer = [] if left is None else [asyncio.sleep(left)]
+        await first(*(event.wait() for event in events), *timer)
+    return True

@@ -280,8 +280,11 @@ def test_graceful_stop(
     enqueue(tmp_path, db, 400)
     grace = 3.0
     worker = start_worker(db, server.url, "--concurrency", "32", "--grace", str(grace))
-    time.sleep(3)
-    in_flight = scalar(db, "SELECT count(*) FROM items WHERE state = 'running'")
+    # Signalled once it has items in flight, however long its start took.
+    deadline = time.monotonic() + 120
+    while not (in_flight := scalar(db, "SELECT count(*) FROM items WHERE state = 'running'")):
+        assert worker.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
     sent = time.monotonic()
     worker.send_signal(signal.SIGTERM)
     _, stderr = worker.communicate(timeout=60)

@@ -638,6 +638,8 @@ def _check_field(name: str, value: object, where: str = "") -> None:
     if expected:
         got = repr(value) if _is_number(value) else kind(value)
         raise RowError(f"{where}{name} must be {expected}, got {got}")
+    if why := params.unusable(name, value):
+        raise RowError(f"{where}{name}: {why}")
 
 
 def _is_int(value: object) -> bool:
@@ -675,7 +677,7 @@ def _check_seed(value: object) -> str:
 _FIELD_CHECKS: dict[str, Callable[[object], str]] = {
     "tools": _check_tools,
     "tool_choice": _check_tool_choice,
-    "response_format": _check_object,
+    "response_format": lambda value: params.expected("response_format", value),
     "chat_template_kwargs": _check_object,
     # The checks of enqueue's options and a run file's keys (orchestrator.items.params).
     "max_tokens": lambda value: params.expected("max_tokens", value),

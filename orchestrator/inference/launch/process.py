@@ -17,7 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import structlog
+
 from orchestrator.inference.launch.spec import LaunchSpec, SuperviseSettings
+
+log = structlog.get_logger("orchestrator.inference.launch")
 
 #: Lines of a server's log shown when it fails to start or dies.
 TAIL_LINES = 15
@@ -55,6 +59,42 @@ def describe_exit(code: int | None) -> str:
     if code == 127:
         return "exit status 127: command not found"
     return f"exit status {code}"
+
+
+def group_members(group: int) -> list[int]:
+    """The live processes (zombies aside: they hold no port and no memory) of a process
+    group, read from ``/proc`` (Linux); empty where there is none."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[3]) == group:
+            found.append(int(entry))
+    return found
+
+
+def group_alive(group: int) -> bool:
+    if os.path.isdir("/proc"):
+        return bool(group_members(group))
+    try:
+        os.killpg(group, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _signal_group(group: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)
 
 
 class ServerProcess:
@@ -111,7 +151,10 @@ class ServerProcess:
 
     async def stop(self) -> None:
         """SIGTERM (the watchdog passes it to the server's group, then SIGKILLs what is
-        left after ``stop_timeout``); the group SIGKILLed if the watchdog is stuck."""
+        left after ``stop_timeout``); the group SIGKILLed if the watchdog is stuck. Then
+        whatever its group still holds is stopped too: a watchdog that died (SIGKILLed)
+        took only the server's main process with it, and a restart must not find the
+        old server's children on the port."""
         proc = self.proc
         if proc is None:
             return
@@ -121,10 +164,25 @@ class ServerProcess:
             try:
                 await asyncio.wait_for(proc.wait(), self.settings.stop_timeout + 5)
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                _signal_group(proc.pid, signal.SIGKILL)
                 await proc.wait()
+        await self._stop_leftovers(proc.pid)
         self.close_pipe()
+
+    async def _stop_leftovers(self, group: int) -> None:
+        """SIGTERM to what is left in the watchdog's process group (its id is the
+        watchdog's pid, kept by the kernel while a member lives), SIGKILL to what is
+        still there after ``stop_timeout``."""
+        if not group_alive(group):
+            return
+        log.warning("server_group_left_behind", group=group, members=group_members(group))
+        _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.stop_timeout
+        while group_alive(group) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # no event says when processes of others end
+        _signal_group(group, signal.SIGKILL)
+        while group_alive(group) and time.monotonic() < deadline + 5:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
 
     def close_pipe(self) -> None:
         if self._pipe is not None:
