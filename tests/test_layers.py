@@ -136,9 +136,7 @@ EDGES = edges()
 @pytest.mark.parametrize("name", sorted(MODULES), ids=lambda n: n.removeprefix("orchestrator."))
 def test_imports_point_down(name: str) -> None:
     rank = _rank(unit(name))
-    upward = [
-        e.where() for e in EDGES if e.source == name and _rank(unit(e.target)) > rank
-    ]  # fmt: skip
+    upward = sorted({e.where() for e in EDGES if e.source == name and _rank(unit(e.target)) > rank})
     assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
 
 
@@ -190,9 +188,13 @@ def test_no_import_circles_between_files() -> None:
         report.append(
             " <-> ".join(c.removeprefix("orchestrator.") for c in component)
             + "".join(
-                f"\n    {e.where()}"
-                for e in EDGES
-                if e.source in inside and e.target in inside and not e.typing_only
+                sorted(
+                    {
+                        f"\n    {e.where()}"
+                        for e in EDGES
+                        if e.source in inside and e.target in inside and not e.typing_only
+                    }
+                )
             )
         )
     assert not report, "import circles:\n" + "\n".join(report)
