@@ -451,3 +451,27 @@ def test_results_left_early_are_closed_quietly(tmp_path: Path, db_url: str) -> N
         "end",
     ]
     assert done.stderr == ""
+
+
+def test_the_run_settings_are_one_list() -> None:
+    """``Queue.run``'s arguments and ``orchestrator run``'s options are the settings of
+    ``orchestrator.settings.run``, by name and default (the command's --exit-when-done
+    excepted: a service runs until it is stopped; the API's ``until_done`` is its name)."""
+    import inspect
+
+    import click
+
+    from orchestrator.api import Queue
+    from orchestrator.cli.run import run
+    from orchestrator.settings.run import RUN, settings
+
+    parameters = inspect.signature(Queue.run).parameters
+    options = {p.name: p for p in run.params if isinstance(p, click.Option)}
+    for spec, setting in settings():
+        api_name = "until_done" if spec.name == "exit_when_done" else spec.name
+        assert parameters[api_name].default == spec.default, spec.name
+        option = options[spec.name]
+        assert option.help == setting.help, spec.name
+        if spec.name not in ("exit_when_done", "datasets") and spec.default is not None:
+            assert option.default == spec.default, spec.name
+    assert set(RUN) <= set(options)

@@ -41,7 +41,6 @@ from orchestrator.settings.checks import (
     DATASET_NAME,
     FLAG,
     PATH,
-    RUN,
     SERVERS,
     WINDOW,
     Choice,
@@ -53,6 +52,7 @@ from orchestrator.settings.checks import (
     Text,
     checked,
 )
+from orchestrator.settings.run import RUN, RunSettings
 
 if TYPE_CHECKING:
     from orchestrator.formats.export import ExportOptions, ExportReport
@@ -301,27 +301,9 @@ class Queue(DatasetCalls):
         ``rpm``/``tpm`` pace each server under a hosted API's requests and tokens a
         minute (``--rpm``/``--tpm``); without them its ``x-ratelimit-*`` headers do.
         """
-        from orchestrator.api.running import RunSettings
-
         checked("until_done", until_done, RUN["exit_when_done"])
-        settings = RunSettings(
-            concurrency=_cap(concurrency),
-            datasets=_names("datasets", datasets, _DATASETS),
-            exit_when_done=until_done,
-            give_up_after=give_up_after,
-            request_timeout=request_timeout,
-            lease_seconds=lease_seconds,
-            max_attempts=max_attempts,
-            retry_backoff=retry_backoff,
-            grace=grace,
-            stream=stream,
-            stream_idle_timeout=stream_idle_timeout,
-            max_response_mb=max_response_mb,
-            rpm=rpm,
-            tpm=tpm,
-            rate_limited_warn_after=rate_limited_warn_after,
-            stream_usage=stream_usage,
-        )
+        given = {**locals(), "exit_when_done": until_done, "concurrency": _cap(concurrency)}
+        settings = RunSettings.given({**given, "datasets": _names("datasets", datasets, _DATASETS)})
         database = self.database
         supervisor = _supervisor(launch, replicas, gpus_per_server, startup_timeout, launch_dir,
                                  database)  # fmt: skip

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from orchestrator.inference.client import ClientConfig
     from orchestrator.inference.launch.supervisor import Supervisor
     from orchestrator.inference.servers_file import ServerSpec
+    from orchestrator.settings.run import RunSettings
     from orchestrator.store import Database
     from orchestrator.worker import WorkerConfig, WorkerStats
 
@@ -53,36 +54,6 @@ def without_credentials(
         )
     clean = [dataclasses.replace(spec, url=url) for url, spec in zip(shown, specs, strict=True)]
     return clean, auth
-
-
-@dataclass(frozen=True, slots=True)
-class RunSettings:
-    """What ``orchestrator run`` and ``Queue.run`` take beyond the servers, with the
-    command's defaults, checked by the rules of ``orchestrator.settings.checks.RUN`` (the
-    command's options take theirs from the same); made into the worker's and the
-    client's configuration in one place (:func:`configs`)."""
-
-    concurrency: int | str = 64
-    datasets: tuple[str, ...] = ()
-    exit_when_done: bool = True
-    give_up_after: float | None = None
-    request_timeout: float = 3600.0
-    lease_seconds: float = 120.0
-    max_attempts: int = 8
-    retry_backoff: float = 2.0
-    grace: float = 30.0
-    stream: bool = False
-    stream_idle_timeout: float = 120.0
-    max_response_mb: float = 64.0
-    rpm: int | None = None
-    tpm: int | None = None
-    rate_limited_warn_after: float = 600.0
-    stream_usage: bool = False
-
-    def __post_init__(self) -> None:
-        from orchestrator.settings.checks import RUN, check_all
-
-        check_all({name: getattr(self, name) for name in RUN}, RUN)
 
 
 def configs(

@@ -93,6 +93,11 @@ servers_option = click.option(
 )
 
 
+def _cap(text: str) -> int | str:
+    """A concurrency as typed: ``auto`` (any case) or a number."""
+    return "auto" if text.lower() == "auto" else int(text)
+
+
 class Checked(click.ParamType):
     """An option's value by a rule of ``orchestrator.settings.checks``: the option refuses what the
     Python API refuses, in the same words (``must be at least 1, got -5``)."""
@@ -106,6 +111,8 @@ class Checked(click.ParamType):
             self._parse, self.name = int, "integer"
         elif isinstance(inner, checks.Number):
             self._parse, self.name = float, "float"
+        elif isinstance(inner, checks.Cap):
+            self._parse, self.name = _cap, "integer|auto"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         parsed = value

@@ -23,16 +23,7 @@ from orchestrator.cli.common import (
 from orchestrator.cli.launching import launch_options, take_launch_options
 from orchestrator.cli.launching import supervisor as launched_servers
 from orchestrator.errors import StorageError
-from orchestrator.settings.checks import RUN
-
-max_response_option = click.option(
-    "--max-response-mb",
-    type=Checked(RUN["max_response_mb"]),
-    default=64.0,
-    show_default=True,
-    help="Most MiB of one answer's body; a larger one fails the item (response_too_large) "
-    "before it fills memory and the database.",
-)
+from orchestrator.settings.run import _KEEP
 
 
 def _servers(
@@ -66,13 +57,29 @@ def _servers(
     return specs, basic_auth, api_key, supervisor
 
 
-def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> int | str:
-    from orchestrator.inference.servers_file import parse_cap
+def settings_options(command: Any) -> Any:
+    """The run's settings as options, made from their one list
+    (``orchestrator.settings.run``): names, defaults, rules and help as ``Queue.run`` has
+    them, but for ``--exit-when-done`` (a service runs until it is stopped)."""
+    from orchestrator.settings.run import settings
 
-    try:
-        return parse_cap(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+    for spec, setting in reversed(settings()):
+        name = setting.option or "--" + spec.name.replace("_", "-")
+        default = spec.default if setting.cli_default is _KEEP else setting.cli_default
+        shape: dict[str, Any] = {"help": setting.help}
+        if setting.flag() and setting.negatable:
+            name = f"{name}/--no-{name[2:]}"
+            shape |= {"default": default, "show_default": True}
+        elif setting.flag():
+            shape |= {"is_flag": True, "default": default}
+        elif spec.name == "datasets":
+            shape |= {"multiple": True}
+        else:
+            shape |= {"type": Checked(setting.rule), "metavar": setting.metavar}
+            if default is not None:
+                shape |= {"default": default, "show_default": True}
+        command = click.option(name, spec.name, **shape)(command)
+    return command
 
 
 @click.command()
@@ -83,100 +90,7 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
     help="More servers, one URL a line, each optionally with its own concurrency=N|auto, "
     "rpm=N and tpm=N ('#' starts a comment, at a line's start or after white space).",
 )
-@click.option(
-    "--concurrency",
-    default="64",
-    show_default=True,
-    metavar="N|auto",
-    callback=_concurrency,
-    help="Most requests in flight per server (the worker's total is the sum over the "
-    "healthy servers); 'auto' adapts each server's to what it takes, from its /metrics.",
-)
-@click.option("--dataset", "datasets", multiple=True, help="Only work on these datasets.")
-@click.option(
-    "--exit-when-done",
-    is_flag=True,
-    help="Exit once no item is pending or running: 0 when every item is done, 6 when some "
-    "failed, 7 when items of paused datasets are left pending (8: launched servers would "
-    "not stay up).",
-)
-@click.option(
-    "--give-up-after",
-    type=Checked(RUN["give_up_after"]),
-    metavar="SECONDS",
-    help="Stop (exit 4) when no server has answered for this long; by default a worker "
-    "waits for its servers as long as it takes.",
-)
-@click.option(
-    "--rpm",
-    type=Checked(RUN["rpm"]),
-    metavar="N",
-    help="Most requests a minute sent to each server (a hosted API's limit; per server: "
-    "rpm=N in --servers-file). Without it a server's x-ratelimit-* headers set the pace.",
-)
-@click.option(
-    "--tpm",
-    type=Checked(RUN["tpm"]),
-    metavar="N",
-    help="Most tokens a minute sent to each server (prompt estimate plus max_tokens, "
-    "corrected by each answer's usage; per server: tpm=N in --servers-file).",
-)
-@click.option(
-    "--rate-limited-warn-after",
-    type=Checked(RUN["rate_limited_warn_after"]),
-    default=600.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="Warn (log and status) when a server has answered nothing but HTTP 429 this long.",
-)
-@click.option(
-    "--request-timeout",
-    type=Checked(RUN["request_timeout"]),
-    default=3600.0,
-    show_default=True,
-    help="Seconds a whole request may take, streamed or not (long reasoning answers need long).",
-)
-@click.option(
-    "--lease-seconds",
-    type=Checked(RUN["lease_seconds"]),
-    default=120.0,
-    show_default=True,
-    help="Lease length; renewed every quarter of it while a request is in flight.",
-)
-@click.option("--max-attempts", type=Checked(RUN["max_attempts"]), default=8, show_default=True)
-@click.option(
-    "--retry-backoff",
-    type=Checked(RUN["retry_backoff"]),
-    default=2.0,
-    show_default=True,
-    help="First retry delay in seconds; doubles per attempt (±25 %), capped at 300.",
-)
-@click.option(
-    "--grace",
-    type=Checked(RUN["grace"]),
-    default=30.0,
-    show_default=True,
-    help="Seconds in-flight requests get to finish after SIGTERM/SIGINT.",
-)
-@click.option(
-    "--stream/--no-stream",
-    default=False,
-    show_default=True,
-    help="Stream answers (then --stream-idle-timeout also bounds silence).",
-)
-@click.option(
-    "--stream-usage",
-    is_flag=True,
-    help="Ask streams for usage in every chunk (vLLM's and SGLang's continuous_usage_stats): "
-    "a request cut by a stop then counts the tokens it had generated (status, wasted).",
-)
-@click.option(
-    "--stream-idle-timeout",
-    type=Checked(RUN["stream_idle_timeout"]),
-    default=120.0,
-    show_default=True,
-    help="Seconds a stream may go without a data event (SSE comments do not count).",
-)
+@settings_options
 @click.option(
     "--metrics-port",
     type=click.IntRange(min=0, max=65535),
@@ -191,7 +105,6 @@ def _concurrency(_ctx: click.Context, _param: click.Parameter, value: str) -> in
 @launch_options
 @api_key_file_option
 @basic_auth_file_option
-@max_response_option
 @db_option
 def run(
     servers: tuple[str, ...],
@@ -210,7 +123,8 @@ def run(
     launched (--launch, --engine) are ready before the first claim and stopped after
     the last answer; if none of them will stay up it exits 8.
     """
-    from orchestrator.api.running import RunSettings, configs, run_worker
+    from orchestrator.api.running import configs, run_worker
+    from orchestrator.settings.run import RunSettings
 
     launch = take_launch_options(settings)
     files = (servers_file, api_key_file, basic_auth_file)

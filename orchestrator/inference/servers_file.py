@@ -63,7 +63,8 @@ class ServerSpec:
 
 def parse_per_minute(name: str, text: str) -> int:
     """A ``rpm``/``tpm`` value: a whole number, at least 1."""
-    from orchestrator.settings.checks import RUN, problem
+    from orchestrator.settings.checks import problem
+    from orchestrator.settings.run import RUN
 
     try:
         value: object = int(text.strip())

@@ -254,26 +254,6 @@ RECORDS = Records()
 #: ``dashboard`` and ``report --window``, the dashboard's ``?window=``, ``Queue.status``.
 WINDOW = Number(minimum=1)
 
-#: A run's settings (``orchestrator run``'s options, ``Queue.run``'s arguments), by the
-#: field names of ``orchestrator.api.running.RunSettings``.
-RUN: dict[str, Rule] = {
-    "concurrency": Cap(),
-    "datasets": Names("a dataset name"),
-    "exit_when_done": FLAG,
-    "give_up_after": OrNone(Number(minimum=0, above=True)),
-    "request_timeout": Number(minimum=1),
-    "lease_seconds": Number(minimum=2),
-    "max_attempts": Integer(minimum=1),
-    "retry_backoff": Number(minimum=0.01),
-    "grace": Number(minimum=0),
-    "stream": FLAG,
-    "stream_idle_timeout": Number(minimum=1),
-    "stream_usage": FLAG,
-    "max_response_mb": Number(minimum=0.001),
-    "rpm": OrNone(Integer(1, INT_MAX)),
-    "tpm": OrNone(Integer(1, INT_MAX)),
-    "rate_limited_warn_after": Number(minimum=0, above=True),
-}
 
 #: Prices (``orchestrator.settings.prices``): USD per server-hour, and per million prompt and
 #: completion tokens; by the field names of ``orchestrator.settings.prices.Prices``, which are also

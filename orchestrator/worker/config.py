@@ -12,7 +12,8 @@ from typing import Protocol
 from orchestrator.errors import ConfigError
 from orchestrator.inference.autoconcurrency import Limits
 from orchestrator.inference.servers_file import Cap
-from orchestrator.settings.checks import RUN, check_all, checked
+from orchestrator.settings.checks import check_all, checked
+from orchestrator.settings.run import RUN
 
 
 @dataclass(frozen=True, slots=True)
