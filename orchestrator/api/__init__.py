@@ -268,6 +268,15 @@ class Queue(DatasetCalls):
         gpus_per_server: int | None = None,
         startup_timeout: float = 1800.0,
         launch_dir: str | os.PathLike[str] | None = None,
+        engine: str | None = None,
+        engine_model: str | None = None,
+        tp: int = 1,
+        engine_args: str = "",
+        engine_bin: str | None = None,
+        served_model_name: str | None = None,
+        restart_backoff: float = 5.0,
+        max_server_deaths: int = 5,
+        server_death_window: float = 3600.0,
         concurrency: int | str = 64,
         datasets: Sequence[str] = (),
         until_done: bool = True,
@@ -297,7 +306,10 @@ class Queue(DatasetCalls):
         ``launch``: server commands (each with ``{port}``) the run starts, as ``run
         --launch`` does, ``replicas`` or ``gpus_per_server`` times; ready before the
         first claim, restarted when they die, stopped when the run ends (``ServersLost``
-        when none stays up).
+        when none stays up); ``engine`` with ``engine_model`` (and ``tp``,
+        ``engine_args``, ``engine_bin``, ``served_model_name``) launches a known
+        engine's server as ``run --engine`` does; ``restart_backoff``,
+        ``max_server_deaths`` and ``server_death_window`` as the command's options.
         ``rpm``/``tpm`` pace each server under a hosted API's requests and tokens a
         minute (``--rpm``/``--tpm``); without them its ``x-ratelimit-*`` headers do.
         """
@@ -305,8 +317,7 @@ class Queue(DatasetCalls):
         given = {**locals(), "exit_when_done": until_done, "concurrency": _cap(concurrency)}
         settings = RunSettings.given({**given, "datasets": _names("datasets", datasets, _DATASETS)})
         database = self.database
-        supervisor = _supervisor(launch, replicas, gpus_per_server, startup_timeout, launch_dir,
-                                 database)  # fmt: skip
+        supervisor = _supervisor(_launch_plan(given), database)
         launched = supervisor.server_specs() if supervisor is not None else []
         config, client_config = _configs(servers, api_key, settings, launched)
         run = _run(database, config, client_config, supervisor)
@@ -623,31 +634,29 @@ def _cap(concurrency: int | str) -> int | str:
     return concurrency
 
 
-def _supervisor(
-    launch: Sequence[str],
-    replicas: int | None,
-    gpus_per_server: int | None,
-    startup_timeout: float,
-    launch_dir: str | os.PathLike[str] | None,
-    database: Database,
-) -> Any:
-    """The supervisor of the servers ``run(launch=...)`` starts; None without any."""
-    from orchestrator.inference.launch.spec import SuperviseSettings, build_specs
-    from orchestrator.inference.launch.state import default_dir
-    from orchestrator.inference.launch.supervisor import Supervisor
+def _launch_plan(given: dict[str, Any]) -> Any:
+    """The launch arguments of a ``run`` call as the command's ``LaunchPlan``."""
+    from dataclasses import fields
 
-    commands = _names("launch", launch, _LAUNCH)
-    for name, value in (("replicas", replicas), ("gpus_per_server", gpus_per_server)):
+    from orchestrator.inference.launch.plan import LaunchPlan
+
+    names = {f.name for f in fields(LaunchPlan)} - {"file_launches"}
+    plan = {name: given[name] for name in names if name in given}
+    plan["launch"] = _names("launch", given["launch"], _LAUNCH)
+    return LaunchPlan(**plan)
+
+
+def _supervisor(plan: Any, database: Database) -> Any:
+    """The supervisor of the servers ``run(launch=...)`` starts; None without any."""
+    from orchestrator.inference.launch.plan import supervisor
+
+    checked("launch", tuple(plan.launch), _LAUNCH)
+    for name, value in (("replicas", plan.replicas), ("gpus_per_server", plan.gpus_per_server)):
         checked(name, value, OrNone(Integer(1)))
-    checked("startup_timeout", startup_timeout, Number(0, above=True))
-    checked("launch_dir", launch_dir, OrNone(PATH))
-    specs = build_specs([(c, None, None) for c in commands], source="launch",
-                        replicas=replicas, gpus_per_server=gpus_per_server)  # fmt: skip
-    if not specs:
-        return None
+    checked("startup_timeout", plan.startup_timeout, Number(0, above=True))
+    checked("launch_dir", plan.launch_dir, OrNone(PATH))
     path = str(database.url.database) if database.is_sqlite and database.url.database else None
-    base = Path(launch_dir) if launch_dir is not None else default_dir(path)
-    return Supervisor(specs, SuperviseSettings(startup_timeout=startup_timeout), base)
+    return supervisor(plan, path, source="launch")
 
 
 def _configs(

@@ -114,45 +114,26 @@ def launch_options(command: F) -> F:
 
 def launch_commands_options(command: F) -> F:
     """``--launch``, ``--startup-timeout`` and ``--launch-dir`` only."""
-    chosen = [_OPTIONS[LAUNCH_KEYS.index(key)] for key in COMMANDS_ONLY]
+    from dataclasses import fields
+
+    from orchestrator.inference.launch.plan import LaunchPlan
+
+    names = [f.name for f in fields(LaunchPlan)]  # the options' order
+    chosen = [_OPTIONS[names.index(key)] for key in COMMANDS_ONLY]
     for option in reversed(chosen):
         command = option(command)
     return command
 
 
-LAUNCH_KEYS = (
-    "launch",
-    "engine",
-    "engine_model",
-    "tp",
-    "engine_args",
-    "engine_bin",
-    "served_model_name",
-    "gpus_per_server",
-    "replicas",
-    "startup_timeout",
-    "restart_backoff",
-    "max_server_deaths",
-    "server_death_window",
-    "launch_dir",
-)
-
-
-_DEFAULTS = {
-    "launch": (),
-    "tp": 1,
-    "engine_args": "",
-    "startup_timeout": 1800.0,
-    "restart_backoff": 5.0,
-    "max_server_deaths": 5,
-    "server_death_window": 3600.0,
-}
-
-
 def take_launch_options(settings: dict[str, Any]) -> dict[str, Any]:
     """The launch options, taken out of a command's keyword arguments (those a command
-    does not have at their defaults)."""
-    return {key: settings.pop(key, _DEFAULTS.get(key)) for key in LAUNCH_KEYS}
+    does not have, or left unset, keep ``LaunchPlan``'s defaults)."""
+    from dataclasses import fields
+
+    from orchestrator.inference.launch.plan import LaunchPlan
+
+    taken = {f.name: settings.pop(f.name, None) for f in fields(LaunchPlan)}
+    return {key: value for key, value in taken.items() if value is not None}
 
 
 def supervisor(
@@ -161,45 +142,14 @@ def supervisor(
     """The supervisor of what the options (and a servers file's ``launch`` lines) say
     to launch; None when there is nothing to launch."""
     from orchestrator.errors import ConfigError
-    from orchestrator.inference.launch.spec import Preset, SuperviseSettings, build_specs
-    from orchestrator.inference.launch.state import default_dir
-    from orchestrator.inference.launch.supervisor import Supervisor
+    from orchestrator.inference.launch.plan import LaunchPlan
+    from orchestrator.inference.launch.plan import supervisor as build
     from orchestrator.store.reader import sqlite_path
 
-    o = options
-    preset = None
-    if o["engine"]:
-        if not o["engine_model"]:
-            raise click.UsageError("--engine needs --model PATH")
-        preset = Preset(
-            o["engine"],
-            o["engine_model"],
-            o["tp"],
-            o["engine_args"],
-            o["engine_bin"],
-            o["served_model_name"],
-        )
-    elif o["engine_model"] or o["engine_args"] or o["engine_bin"] or o["tp"] != 1:
-        raise click.UsageError("--model, --tp, --engine-args and --engine-bin go with --engine")
-    commands = [(cmd, None, None) for cmd in o["launch"]]
-    commands += [(ln.command, ln.concurrency, ln.port) for ln in file_launches or []]
-
-    def build() -> Any:
-        specs = build_specs(
-            commands, preset, gpus_per_server=o["gpus_per_server"], replicas=o["replicas"]
-        )
-        if not specs:
-            return None
-        try:
-            settings = SuperviseSettings(
-                startup_timeout=o["startup_timeout"],
-                restart_backoff=o["restart_backoff"],
-                max_deaths=o["max_server_deaths"],
-                death_window=o["server_death_window"],
-            )
-        except ConfigError as exc:
-            raise click.UsageError(str(exc)) from None
-        base = o["launch_dir"] or default_dir(sqlite_path(db))
-        return Supervisor(specs, settings, base)
-
-    return run_sync(build)
+    try:
+        plan = LaunchPlan(**options, file_launches=tuple(file_launches or ()))
+        plan.preset()
+        plan.supervise()
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    return run_sync(lambda: build(plan, sqlite_path(db)))
