@@ -13,7 +13,7 @@ import orjson
 
 from orchestrator.draws import seed_of
 from orchestrator.sim import answer_matches
-from tests.helpers import SimProcess, cli, prompts, query, write_jsonl
+from tests.helpers import SimProcess, cli, prompts, write_jsonl
 
 
 def _ok(*args: str) -> str:
@@ -55,3 +55,32 @@ def test_a_sample_requeued_with_other_settings_is_asked_with_its_own(
     shown = _ok("inspect", "--dataset", "d", "--id", "p000001", "--json", "--db", db)
     records = [json.loads(line) for line in shown.splitlines()]
     assert [r["request"]["max_tokens"] for r in records] == [2, 60]
+
+
+def test_every_failed_sample_is_named_in_every_export(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """Each answer cut at max_tokens fails (--on-truncated fail): every failed-sample line
+    says its sample, and SpecForge's error ids are the ids its rows have."""
+    server = sim_process()
+    db = str(tmp_path / "q.db")
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(2))
+    _ok("enqueue", str(data), "-d", "d", "--db", db, "--max-tokens", "4", "--samples", "2",
+        "--on-truncated", "fail")  # fmt: skip
+    result = cli("run", "--server", server.url, "--db", db, "--exit-when-done")
+    assert result.returncode == 6, result.stderr[-3000:]
+    want = [(f"p00000{i}", s) for i in range(2) for s in range(2)]
+    _ok("export", str(tmp_path / "m.jsonl"), "--db", db, "--include-failed",
+        str(tmp_path / "failed.jsonl"))  # fmt: skip
+    failed = _lines(tmp_path / "failed.jsonl")
+    assert [(line["id"], line["sample"]) for line in failed] == want
+    assert all(line["error_class"] == "truncated" for line in failed)
+    _ok("export", str(tmp_path / "b.jsonl"), "--db", db, "--format", "openai-batch")
+    errors = _lines(tmp_path / "b.errors.jsonl")
+    assert [(line["custom_id"], line["sample"]) for line in errors] == want
+    assert len({line["id"] for line in errors}) == 4
+    _ok("export", str(tmp_path / "sf.jsonl"), "--db", db, "--format", "specforge")
+    sf_errors = _lines(tmp_path / "sf_error.jsonl")
+    assert [(line["id"], line["sample"]) for line in sf_errors] == [
+        (f"{key}#sample{s}", s) for key, s in want
+    ]
