@@ -10,8 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from orchestrator.draws import seed_of
+from orchestrator.draws import USAGE_SPLIT, choice_usages, seed_of
 from orchestrator.sim import answer_matches
 from tests.helpers import SimProcess, cli, prompts, write_jsonl
 
@@ -84,3 +87,76 @@ def test_every_failed_sample_is_named_in_every_export(
     assert [(line["id"], line["sample"]) for line in sf_errors] == [
         (f"{key}#sample{s}", s) for key, s in want
     ]
+
+
+@pytest.mark.parametrize(
+    ("run_args", "exact"),
+    [((), False), (("--stream",), False), (("--stream", "--stream-usage"), True)],
+    ids=["json", "stream", "stream-usage"],
+)
+def test_each_sample_asked_with_n_keeps_its_completion_tokens(
+    tmp_path: Path,
+    sim_process: Callable[..., SimProcess],
+    run_args: tuple[str, ...],
+    exact: bool,
+) -> None:
+    """A server counts an n request's completion tokens for all its choices: each sample
+    still says its own (its share of the total, marked, unless the server counted it
+    alone), they add up to what the server generated, and status, exports and the card
+    count them all."""
+    server = sim_process("--mean-tokens", "12")
+    db = str(tmp_path / "q.db")
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(10))
+    _ok("enqueue", str(data), "-d", "d", "--db", db, "--max-tokens", "40", "--samples", "4")
+    _run(db, server, *run_args)
+    generated = server.stats()["generation_tokens"]
+    assert server.stats()["chat_requests"] < 40 and generated > 0
+    status = json.loads(_ok("status", "--json", "--db", db))["datasets"][0]
+    assert status["completion_tokens"]["total"] == generated, status["completion_tokens"]
+    assert status["completion_tokens"]["mean"] == round(generated / 40, 1)
+    header, row = _ok("status", "--db", db).splitlines()[1:3]
+    assert header.split()[-4:] == ["tok", "p90", "tok", "ETA"], header  # mean, p50, p90
+    assert int(row.split()[-4]) == round(generated / 40), row
+    _ok("export", str(tmp_path / "out.jsonl"), "--db", db, "--provenance", "--card",
+        str(tmp_path / "README.md"))  # fmt: skip
+    lines = _lines(tmp_path / "out.jsonl")
+    counts = [line["usage"]["completion_tokens"] for line in lines]
+    assert sum(counts) == generated and all(c >= 1 for c in counts), counts
+    split = [line["usage"].get("usage_split", False) for line in lines]
+    assert split == [not exact] * 40
+    card = (tmp_path / "README.md").read_text()
+    figures = next(line for line in card.splitlines() if "completion tokens p50" in line)
+    assert "n/a" not in figures and any(c.isdigit() for c in figures), figures
+
+
+@given(
+    total=st.one_of(st.none(), st.integers(0, 10_000)),
+    choices=st.lists(
+        st.tuples(st.one_of(st.none(), st.integers(0, 500)), st.integers(0, 2_000)),
+        min_size=2,
+        max_size=8,
+    ),
+)
+def test_a_requests_total_is_shared_by_its_choices(
+    total: int | None, choices: list[tuple[int | None, int]]
+) -> None:
+    counted, sizes = [c for c, _ in choices], [s for _, s in choices]
+    usage = (
+        {"prompt_tokens": 7} if total is None else {"prompt_tokens": 7, "completion_tokens": total}
+    )
+    out = choice_usages(usage, counted, sizes)
+    assert len(out) == len(choices) and all(u["prompt_tokens"] == 7 for u in out)
+    got = [u.get("completion_tokens") for u in out]
+    trusted = None not in counted and (total is None or sum(counted) == total)  # type: ignore[arg-type]
+    if trusted:
+        assert got == counted and not any(USAGE_SPLIT in u for u in out)
+        return
+    if total is None:
+        assert got == counted  # what was said alone; nothing made up
+        return
+    assert all(g is not None for g in got)
+    shared = [(g, s) for g, s, u in zip(got, sizes, out, strict=True) if USAGE_SPLIT in u]
+    assert all(g >= 1 for g, s in shared if s > 0)  # type: ignore[operator]
+    # The total, and at most one more token for each text whose share rounded to 0.
+    ones = sum(1 for g, s in shared if s and g == 1)
+    assert total <= sum(got) <= total + ones  # type: ignore[arg-type]
