@@ -86,3 +86,23 @@ def _shares(rest: int, known: Sequence[int | None], sizes: Sequence[int]) -> dic
     for j in sorted(range(len(open_)), key=lambda j: floors[j] - exact[j])[:left]:
         floors[j] += 1
     return {i: max(n, 1) if sizes[i] > 0 else n for i, n in zip(open_, floors, strict=True)}
+
+
+#: Where an answer asked as one choice of an ``n`` request keeps which (its ``usage``).
+CHOICE, CHOICES = "choice", "n"
+
+
+def as_choice(usage: dict[str, Any] | None, choice: int, of: int) -> dict[str, Any]:
+    """An answer's usage, saying it was choice ``choice`` of a request asking ``n = of``
+    (seeded with its first sample's seed): what ``inspect`` shows it was sent as."""
+    return {**(usage or {}), CHOICE: choice, CHOICES: of}
+
+
+def sent_as(usage: Any) -> tuple[int, int] | None:
+    """(choice, n) when an answer came as one choice of an ``n`` request, else None."""
+    if not isinstance(usage, dict):
+        return None
+    choice, of = usage.get(CHOICE), usage.get(CHOICES)
+    if type(choice) is int and type(of) is int and 0 <= choice < of:
+        return choice, of
+    return None

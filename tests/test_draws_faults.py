@@ -160,3 +160,31 @@ def test_a_requests_total_is_shared_by_its_choices(
     # The total, and at most one more token for each text whose share rounded to 0.
     ones = sum(1 for g, s in shared if s and g == 1)
     assert total <= sum(got) <= total + ones  # type: ignore[arg-type]
+
+
+def test_inspect_shows_the_request_a_sample_went_in(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """Samples asked together went as the choices of one request (the first sample's
+    seed, n): inspect shows that request and each sample's choice; a sample requeued and
+    asked alone shows its own seed and no n."""
+    server = sim_process()
+    db = str(tmp_path / "q.db")
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(2))
+    _ok("enqueue", str(data), "-d", "d", "--db", db, "--max-tokens", "8", "--samples", "3")
+    _run(db, server)
+    assert server.stats()["chat_requests"] == 2
+    _ok("requeue", "--state", "done", "--key", "p000001", "--sample", "1", "--db", db)
+    _run(db, server)
+    for key, alone in (("p000000", None), ("p000001", 1)):
+        shown = _ok("inspect", "--dataset", "d", "--id", key, "--json", "--db", db)
+        records = [json.loads(line) for line in shown.splitlines()]
+        sent = [
+            (r["draw"], r["choice"], r["request"]["seed"], r["request"].get("n")) for r in records
+        ]
+        first = seed_of(key, 0)
+        assert sent == [
+            (s, None, seed_of(key, s), None) if s == alone else (s, s, first, 3) for s in range(3)
+        ], key
+    text = _ok("inspect", "--dataset", "d", "--id", "p000000", "--db", db)
+    assert "choice" in text and "2 of n=3" in text, text
