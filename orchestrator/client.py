@@ -801,7 +801,7 @@ class InferenceClient:
         usages = choice_usages(
             with_cached(got.usage, got.timings),
             [len(t) if t else c.said for c, t in zip(ordered, tokens, strict=True)],
-            [_size(c.content, c.reasoning, c.tool_calls or None) for c in ordered],
+            [_size(c.content, c.reasoning, list(c.tool_calls.values())) for c in ordered],
         )
         return [
             _counted(
@@ -1007,7 +1007,7 @@ def _size(content: Any, reasoning: Any, tool_calls: Any) -> int:
         elif isinstance(part, list):  # a stream's pieces
             size += sum(len(p) for p in part if isinstance(p, str))
     if tool_calls:
-        size += len(orjson.dumps(tool_calls, default=str))
+        size += len(orjson.dumps(tool_calls, default=str, option=orjson.OPT_NON_STR_KEYS))
     return size
 
 
