@@ -290,13 +290,15 @@ def sharegpt_turn(message: dict[str, Any]) -> dict[str, Any]:
     return turn
 
 
-def batch_ids(dataset: str, key: str) -> str:
-    """A stable hex id for a line of the batch format: same item, same id, every export."""
-    return hashlib.sha256(f"{dataset}\x00{key}".encode()).hexdigest()[:32]
+def batch_ids(dataset: str, key: str, sample: int | None = None) -> str:
+    """A stable hex id for a line of the batch format: same item, same id, every export
+    (``sample``: which of its prompt's samples, when the prompt has several)."""
+    name = f"{dataset}\x00{key}" if sample is None else f"{dataset}\x00{key}\x00{sample}"
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
 def failed_line(dataset: str, row: FailedRow) -> dict[str, Any]:
-    key, error_class, last_error, attempts, turn, turns = row
+    key, error_class, last_error, attempts, turn, turns = row[:6]
     line: dict[str, Any] = {
         "id": key,
         "dataset": dataset,
@@ -320,11 +322,14 @@ def line_id(dataset: str, key: str) -> str:
     return f"{dataset.replace('%', '%25').replace('/', '%2F')}/{key}"
 
 
-def batch_error_line(dataset: str, row: FailedRow, *, shared: bool = False) -> dict[str, Any]:
-    """A failed item as the batch format's error line; ``shared``: the file has others' too."""
+def batch_error_line(
+    dataset: str, row: FailedRow, *, shared: bool = False, sampled: bool = False
+) -> dict[str, Any]:
+    """A failed item as the batch format's error line; ``shared``: the file has others' too;
+    ``sampled``: the prompt has several samples, and the line's id names this one's."""
     key, error_class, last_error = row[0], row[1], row[2]
     return {
-        "id": f"batch_req_{batch_ids(dataset, key)}",
+        "id": f"batch_req_{batch_ids(dataset, key, row[6] if sampled else None)}",
         "custom_id": line_id(dataset, key) if shared else key,
         "response": None,
         "error": {"code": error_class, "message": last_error},
@@ -583,7 +588,7 @@ class _Lines:
 
     def _batch_line(self, row: FullRow, message: Any, usage: Any) -> dict[str, Any]:
         key, finish_reason, model, response_id, created_at = row[1], row[4], row[7], row[8], row[9]
-        ids = batch_ids(self.dataset.name, key)
+        ids = batch_ids(self.dataset.name, key, row[15] if self.dataset.samples > 1 else None)
         line: dict[str, Any] = {
             "id": f"batch_req_{ids}",
             "custom_id": self._id(key),
@@ -1042,22 +1047,21 @@ class _Job:
     def write_failed(
         self, write: Callable[[bytes], object], dataset: DatasetRef, rows: Sequence[FailedRow]
     ) -> None:
-        if self.options.format == "openai-batch":
-            shared = dataset.id in self._shared_failures
-            for row in rows:
-                write(orjson.dumps(batch_error_line(dataset.name, row, shared=shared)))
-                write(b"\n")
-        elif self.options.format == "specforge":
-            shared = dataset.id in self._shared_failures
-            for row in rows:
+        fmt, several = self.options.format, dataset.samples > 1
+        shared = dataset.id in self._shared_failures
+        for row in rows:
+            if fmt == "openai-batch":
+                line = batch_error_line(dataset.name, row, shared=shared, sampled=several)
+            else:
                 line = failed_line(dataset.name, row)
-                line["id"] = line_id(dataset.name, row[0]) if shared else row[0]
-                write(orjson.dumps(specforge.error_line(line)))
-                write(b"\n")
-        else:
-            for row in rows:
-                write(orjson.dumps(failed_line(dataset.name, row)))
-                write(b"\n")
+                if fmt == "specforge":
+                    line["id"] = line_id(dataset.name, row[0]) if shared else row[0]
+            if several:  # each failed sample named as its done rows are (ids that join)
+                line = draws.sampled(line, row[6], fmt)
+            if fmt == "specforge":
+                line = specforge.error_line(line)
+            write(orjson.dumps(line))
+            write(b"\n")
         self._failed += len(rows)
 
     def __enter__(self) -> _Job:

@@ -1106,7 +1106,9 @@ async def _stream_answer(
             "model": model or _served({}, config),
             "choices": [{**choice, "finish_reason": finish}],
         }
-        if so_far is not None:  # vLLM's continuous_usage_stats: usage in every chunk
+        if so_far is not None:
+            # vLLM's continuous_usage_stats: usage in every chunk, its completion tokens
+            # those of the chunk's choice alone (the last chunk's are the request's).
             payload["usage"] = _usage(prompt_tokens, so_far, cached)
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
@@ -1119,12 +1121,13 @@ async def _stream_answer(
     # A malformed stream stops after about half of its deltas, without finish_reason/[DONE];
     # a stalled one sends the same half, then nothing, keeping the connection open.
     sent = entries[: max(1, (len(entries) - 1) // 2)] if cut or stall else entries
-    so_far = 0
+    so_far, each = 0, [0] * len(answers)
     try:
         for index, delta, tokens, finish in sent:
             await _sleep(0 if batcher is not None or finish else config.per_token * tokens)
             so_far += tokens
-            usage_now = so_far if continuous and finish is None else None
+            each[index] += tokens
+            usage_now = each[index] if continuous and finish is None else None
             await response.write(chunk(delta, finish, index, tokens, usage_now))
     except (ConnectionError, asyncio.CancelledError):
         # The client left mid-stream: what it was sent is generated and thrown away.

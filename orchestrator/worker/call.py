@@ -7,6 +7,7 @@ HTTP; ``classify`` turns the answer or the error into an outcome.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import structlog
 from orchestrator import error_classes as ec
 from orchestrator.client import Completion, InferenceClient, Streamed
 from orchestrator.conversation import stops_after, turn_messages
-from orchestrator.draws import seed_of
+from orchestrator.draws import as_choice, seed_of
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
 from orchestrator.logs import debug_enabled
 from orchestrator.params import item_body
@@ -204,10 +205,13 @@ class Caller:
         tokens = sum((c.usage or {}).get("completion_tokens") or 0 for c in choices)
         self.pool.succeeded(server, tokens, choices[0].latency)
         outcomes = []
-        for each, answer in zip(leases, choices, strict=False):
+        for choice, (each, answer) in enumerate(zip(leases, choices, strict=False)):
             result = classify.answered(each, info, asked, answer, self.config)
-            if asked is not body and isinstance(result, Output):
-                result = classify.reduced(result, each, asked)
+            if isinstance(result, Output):
+                if asked is not body:
+                    result = classify.reduced(result, each, asked)
+                usage = as_choice(result.usage, choice, len(leases))
+                result = dataclasses.replace(result, usage=usage)
             outcomes.append(_done(each, result))
         if len(choices) < len(leases):
             await self._n_ignored(info, server, len(leases), len(choices))
