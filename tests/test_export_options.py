@@ -233,3 +233,69 @@ def test_completions_group_samples(answered: Path, tmp_path: Path) -> None:
         assert [a["sample"] for a in line["answers"]] == [0, 1]
         assert [a["completion"] for a in line["answers"]] == [s["completion"] for s in pair]
         assert all(a["token_logprobs"] for a in line["answers"])
+
+
+# ---------------------------------------------------------------------- folders
+
+
+def _two_datasets(tmp_path: Path) -> Path:
+    """Datasets ``a`` and ``b``, three done items each, answered in plain SQL."""
+    import sqlite3
+
+    db = tmp_path / "two.db"
+    for name in ("a", "b"):
+        rows = [{"id": f"{name}{i}", "prompt": f"question {i}"} for i in range(3)]
+        source = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        result = cli("enqueue", str(source), "-d", name, "--db", str(db))
+        assert result.returncode == 0, result.stderr
+    with sqlite3.connect(db) as conn:
+        message = '{"role":"assistant","content":"an answer"}'
+        conn.execute(
+            "INSERT INTO outputs (item_id, dataset_id, finish_reason, message, latency, attempt,"
+            " created_at, flags) SELECT id, dataset_id, 'stop', ?, 0.5, 1, 1.8e9, 0 FROM items",
+            (message,),
+        )
+        conn.execute("UPDATE items SET state = 'done', attempts = 1")
+    return db
+
+
+def _files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "messages"])
+def test_a_folder_export_of_fewer_datasets_leaves_only_what_its_card_lists(
+    tmp_path: Path, fmt: str
+) -> None:
+    """``export OUT --split`` of a and b, then of a alone: b's files, named by the earlier
+    card, go with it, and the folder holds what the new card lists (and nothing else of
+    the earlier export's)."""
+    db = _two_datasets(tmp_path)
+    out = tmp_path / "out"
+    args = ["export", str(out), "--db", str(db), "--format", fmt, "--split"]
+    args += [] if fmt == "parquet" else ["--card", str(out / "README.md")]
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")  # not the export's: left alone
+    first = cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert any(name.startswith("b") for name in _files_under(out))
+    again = cli(*args, "--dataset", "a")
+    assert again.returncode == 0, again.stderr
+    header = yaml.safe_load((out / "README.md").read_text().split("---")[1])
+    listed = sorted(p for c in header["configs"] for f in c["data_files"] for p in f["path"])
+    assert [c["config_name"] for c in header["configs"]] == ["a"]
+    assert _files_under(out) == sorted([*listed, "README.md", "notes.txt"])
+    assert not (out / "b").exists()
+
+
+def test_split_makes_the_folders_parents_and_a_folder_target_suggests_split(
+    tmp_path: Path,
+) -> None:
+    db = _two_datasets(tmp_path)
+    out = tmp_path / "out" / "final" / "sg"
+    result = cli("export", str(out), "--db", str(db), "--format", "specforge", "--split")
+    assert result.returncode == 0, result.stderr
+    assert (out / "a.jsonl").exists() and (out / "b.jsonl").exists()
+    refused = cli("export", str(out), "--db", str(db), "--format", "specforge")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "is a directory" in refused.stderr and "--split" in refused.stderr

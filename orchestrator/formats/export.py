@@ -955,6 +955,8 @@ class _Job:
                 _check_target(path, output=path in outputs and not options.split)
         # Run once every file is in place: a table writer's removal of older shards.
         self.after_commit: list[Callable[[], None]] = []
+        if options.split and self.card is not None:
+            self._drop_unlisted(self.card)
         # Rows written per dataset id, for the card.
         self.written: dict[int, int] = {}
         # The files each output became, where a writer names them as it goes (a table
@@ -966,6 +968,20 @@ class _Job:
             d.id for _, group in self.failures if len(group) > 1 for d in group
         }
         self._mixed: list[tuple[Path, int, int]] = []
+
+    def _drop_unlisted(self, card: Path) -> None:
+        """After the commit, the files of the folder's earlier card that this export did
+        not write go (``writers.card.drop_unlisted``)."""
+        from orchestrator.formats.writers.card import drop_unlisted, listed
+
+        before = listed(card)
+
+        def drop() -> None:
+            written = [f for p, _ in self.outputs for f in self.files_of(p)]
+            drop_unlisted(card, before, written)
+
+        if before:
+            self.after_commit.append(drop)
 
     def excluded_by_dataset(self) -> dict[int, int]:
         """Done items left out for their flags so far, by dataset id."""
