@@ -22,7 +22,7 @@ import yaml
 from orchestrator.errors import ConfigError
 from orchestrator.formats import support
 from orchestrator.formats.choices import EXPORT_FORMATS, TABLE_FORMATS
-from tests.helpers import SimProcess, cli, write_jsonl
+from tests.helpers import SimProcess, cli, is_postgres, query, write_jsonl
 
 N = 4
 
@@ -299,3 +299,66 @@ def test_split_makes_the_folders_parents_and_a_folder_target_suggests_split(
     refused = cli("export", str(out), "--db", str(db), "--format", "specforge")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "is a directory" in refused.stderr and "--split" in refused.stderr
+
+
+# ---------------------------------------------------------------------- one snapshot
+
+_REASONED = '{"role":"assistant","content":"an answer","reasoning_content":"because"}'
+
+
+def _commit(db: str, sql: str, *params: Any) -> None:
+    if is_postgres(db):
+        query(db, sql, *params)  # asyncpg commits each statement
+        return
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute(sql, params)
+
+
+def _answer(db: str, keys: list[str]) -> None:
+    """Answers (with reasoning) for ``keys`` committed, as a worker commits them."""
+    for key in keys:
+        _commit(
+            db,
+            "INSERT INTO outputs (item_id, dataset_id, finish_reason, message, latency,"
+            " attempt, created_at, flags) SELECT id, dataset_id, 'stop', ?, 0.5, 1, 1.8e9, 0"
+            " FROM items WHERE key = ?",
+            _REASONED,
+            key,
+        )
+        _commit(db, "UPDATE items SET state = 'done', attempts = 1 WHERE key = ?", key)
+
+
+def test_the_card_describes_the_rows_it_was_written_with(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker commits answers while the export runs, after its rows were read and
+    before its card's figures are: rows, counts and figures all come from one snapshot."""
+    import orchestrator
+    from orchestrator.formats.writers import card
+
+    keys = [f"k{i}" for i in range(10)]
+    rows = [{"id": key, "prompt": f"question {key}"} for key in keys]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    assert cli("enqueue", str(source), "-d", "d", "--db", db_url).returncode == 0
+    _answer(db_url, keys[:4])
+    figures = card.card_figures
+
+    def meanwhile(rows: Any, dataset_id: int, **how: Any) -> Any:
+        _answer(db_url, keys[4:])  # committed between the rows' read and the figures'
+        return figures(rows, dataset_id, **how)
+
+    monkeypatch.setattr(card, "card_figures", meanwhile)
+    out = tmp_path / "out"
+    queue = orchestrator.open_sync(db_url)
+    try:
+        report = queue.export(out, format="parquet", split=True)
+    finally:
+        queue.close()
+    assert report.lines == 4 and query(db_url, "SELECT count(*) FROM outputs") == [(10,)]
+    text = (out / "README.md").read_text()
+    assert "| d | 4 | 10 | 4 | 0 | 0 | 1 |" in text
+    assert "| done | 4 |" in text and "| pending or running | 6 |" in text
+    assert "| answers with reasoning | 100.0% (4 of 4) |" in text
