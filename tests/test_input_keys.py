@@ -81,3 +81,60 @@ def test_id_column_missing_from_a_row_read_whole_names_it(tmp_path: Path) -> Non
     assert result.returncode == 2, result.stderr
     assert f"{source}:2" in result.stderr and "'prompt_id' is missing" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------- shard names
+
+
+def _shards(tmp_path: Path) -> tuple[Path, Path]:
+    """``data/a/train-00000-of-00001.parquet`` and the same name under ``data/b``."""
+    paths = []
+    for folder in ("a", "b"):
+        (tmp_path / "data" / folder).mkdir(parents=True)
+        path = tmp_path / "data" / folder / "train-00000-of-00001.parquet"
+        rows = [{"prompt": f"{folder} question {i}"} for i in range(3)]
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def _enqueue(db: str, source: Path, *, cwd: Path) -> str:
+    result = cli("enqueue", str(source), "-d", "d", "--db", db, cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_shards_of_one_name_in_two_folders_both_go_in(tmp_path: Path) -> None:
+    """Two shards named alike, each named directly, into one dataset: each row once, keyed
+    by folder and name; each enqueue repeated (from another directory too) adds nothing,
+    and the folder above them, enqueued, gives the same keys."""
+    a, b = _shards(tmp_path)
+    db = str(tmp_path / "q.db")
+    _enqueue(db, a.relative_to(tmp_path), cwd=tmp_path)
+    _enqueue(db, b.relative_to(tmp_path), cwd=tmp_path)
+    keys = [k for (k,) in query(db, "SELECT key FROM items ORDER BY position")]
+    assert keys == [f"{f}/train-00000-of-00001.parquet:{i}" for f in "ab" for i in (1, 2, 3)]
+    for source, cwd in ((a, tmp_path), (b.relative_to(tmp_path / "data"), tmp_path / "data")):
+        assert _enqueue(db, source, cwd=cwd).startswith("nothing new: all 3 items")
+    _enqueue(db, tmp_path / "data", cwd=tmp_path)
+    assert query(db, "SELECT count(*) FROM items") == [(6,)]
+
+
+def test_a_dataset_keyed_by_shard_name_alone_keeps_its_keys(tmp_path: Path) -> None:
+    """A dataset an earlier version filled from a shard named directly (keys
+    ``train-00000-of-00001.parquet:N``): the same shard again adds nothing, and a shard
+    of the same name from another folder goes in beside it."""
+    a, b = _shards(tmp_path)
+    db = str(tmp_path / "q.db")
+    _enqueue(db, a, cwd=tmp_path)
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(db)) as conn, conn:  # the keys an earlier version gave
+        conn.execute("UPDATE items SET key = substr(key, 3)")
+    _enqueue(db, a, cwd=tmp_path)
+    old = [f"train-00000-of-00001.parquet:{i}" for i in (1, 2, 3)]
+    assert [k for (k,) in query(db, "SELECT key FROM items ORDER BY position")] == old
+    _enqueue(db, b, cwd=tmp_path)
+    keys = [k for (k,) in query(db, "SELECT key FROM items ORDER BY position")]
+    assert keys == [*old, *(f"b/train-00000-of-00001.parquet:{i}" for i in (1, 2, 3))]
