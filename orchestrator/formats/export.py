@@ -949,14 +949,13 @@ class _Job:
         if options.split:
             make_folder(target)
         outputs = {p for p, _ in self.outputs}
-        for path in paths:
+        for path in paths:  # (a table's dataset folder: its writer checks it)
             if not (table and options.split and path in outputs):
-                # A table's dataset folder: its writer checks it.
                 _check_target(path, output=path in outputs and not options.split)
-        # Run once every file is in place: a table writer's removal of older shards.
+        # Run once every file is in place: a table writer's removal of older shards, and
+        # of the files of a folder's earlier card that this export does not write.
         self.after_commit: list[Callable[[], None]] = []
-        if options.split and self.card is not None:
-            self._drop_unlisted(self.card)
+        self._drop_unlisted(self.card if options.split else None)
         # Rows written per dataset id, for the card.
         self.written: dict[int, int] = {}
         # The files each output became, where a writer names them as it goes (a table
@@ -969,9 +968,11 @@ class _Job:
         }
         self._mixed: list[tuple[Path, int, int]] = []
 
-    def _drop_unlisted(self, card: Path) -> None:
+    def _drop_unlisted(self, card: Path | None) -> None:
         """After the commit, the files of the folder's earlier card that this export did
         not write go (``writers.card.drop_unlisted``)."""
+        if card is None:
+            return
         from orchestrator.formats.writers.card import drop_unlisted, listed
 
         before = listed(card)
