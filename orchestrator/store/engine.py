@@ -373,9 +373,9 @@ class Database:
         PostgreSQL, whose READ COMMITTED (the queue's level) would let each statement see
         what committed since the one before, and an export's card count answers its
         rows do not hold. A read-only transaction there never fails to serialise."""
-        if self.is_sqlite:
-            return self.engine.execution_options(sqlite_begin="DEFERRED")
-        return self.engine.execution_options(isolation_level="REPEATABLE READ")
+        if self.url.get_backend_name() == "postgresql":
+            return self.engine.execution_options(isolation_level="REPEATABLE READ")
+        return self.engine.execution_options(sqlite_begin="DEFERRED")
 
     async def checkpoint(self, mode: str = "PASSIVE") -> None:
         """Fold the WAL back into the database file so that it stops growing."""
