@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import click
 
 from orchestrator.sim.config import (
+    ADMISSIONS,
+    METRIC_NAMES,
     REASONING_FIELDS,
     REASONING_MODES,
     SimConfig,
@@ -214,6 +216,21 @@ OPTIONS: tuple[SimOption, ...] = (
         0,
         show_default=False,
         help="Batch continuously, at most this many requests decoded together.",
+    ),
+    SimOption(
+        "--admission",
+        "admission",
+        ADMISSIONS,
+        help="Batching: reserve (SGLang: room for a share of each running request's "
+        "max_tokens too) or fifo (vLLM: first come first served while the prompt fits now; "
+        "the newest preempted when the cache overflows).",
+    ),
+    SimOption(
+        "--metric-names",
+        "metric_names",
+        METRIC_NAMES,
+        help="Whose names /metrics uses: sglang (sglang:num_queue_reqs, ...) or vllm "
+        "(vllm:num_requests_waiting, ...).",
     ),
     SimOption(
         "--step-time", "step_time", float, 0, help="Batching: seconds of one decode step ..."
