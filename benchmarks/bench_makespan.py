@@ -23,6 +23,12 @@ time from 99 % of the answers done to the last, as a share of the makespan.
 
     .venv/bin/python benchmarks/bench_makespan.py [--prompts 3000] [--time-scale 0.1]
         [--strategies orchestrator sequential] [--json out.json] [--keep DIR]
+        [--server-models default vllm vllm-256 sglang] [--answers with without]
+
+``--server-models`` sweeps the server's scheduling (``SERVER_MODELS``: SGLang's admission
+or vLLM's, a batch cap, whose metric names) and ``--answers`` whether the lines hold
+their original answers (without them, lengths are predicted per dataset); each pair gets
+its own ideal schedule, on that server, and a table, then one summary of ÷ ideal.
 
 ``--run-arg`` passes options to ``orchestrator run`` (e.g. ``--run-arg=--concurrency=256``),
 ``--repo DIR`` runs another checkout's orchestrator against the same server and data,
@@ -61,11 +67,13 @@ SERVER = {
 #: ways. ``default``: SGLang's admission (room for a share of each request's max_tokens),
 #: no batch cap, SGLang's metric names. ``vllm``: vLLM's v1 scheduler, 64 sequences at
 #: most (``--max-num-seqs``), first come first served while the prompt fits the cache,
-#: the newest preempted when it overflows, vLLM's metric names. ``sglang``: SGLang with
-#: ``--max-running-requests 64``.
+#: the newest preempted when it overflows, vLLM's metric names; ``vllm-256``: the same at
+#: vLLM's default of 256 sequences, where the cache, not the cap, bounds the batch.
+#: ``sglang``: SGLang with ``--max-running-requests 64``.
 SERVER_MODELS: dict[str, dict[str, Any]] = {
     "default": {},
     "vllm": {"max_running": 64, "admission": "fifo", "metric_names": "vllm"},
+    "vllm-256": {"max_running": 256, "admission": "fifo", "metric_names": "vllm"},
     "sglang": {"max_running": 64, "admission": "reserve", "metric_names": "sglang"},
 }
 SHORT_CONCURRENCY, LONG_CONCURRENCY = 150, 32
@@ -258,7 +266,7 @@ def _arguments() -> argparse.Namespace:
         nargs="+",
         default=["default"],
         choices=list(SERVER_MODELS),
-        help="the servers to run on (SERVER_MODELS): default, vllm, sglang",
+        help="the servers to run on (SERVER_MODELS)",
     )
     parser.add_argument(
         "--answers",
