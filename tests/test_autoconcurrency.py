@@ -160,3 +160,44 @@ async def test_auto_converges_near_the_knee_of_a_batching_server(
     assert batch["retracted"] <= 50
     final = changes[-1]["new"]
     assert 30 <= final <= 150, [(e["new"], e["reason"]) for e in changes]
+
+
+@pytest.mark.sqlite_only
+async def test_auto_reads_a_vllm_server_and_keeps_its_batch_full(
+    database: Database, tmp_path: Path, sim: StartSim
+) -> None:
+    # vLLM's scheduling and names: at most 32 sequences, first come first served while the
+    # prompt fits, the newest preempted when the cache overflows.
+    url = await sim(
+        mean_tokens=100,
+        kv_tokens=20_000,
+        max_running=32,
+        admission="fifo",
+        metric_names="vllm",
+        step_time=0.002,
+        step_per_request=0.00002,
+    )
+    path = write_jsonl(tmp_path / "in.jsonl", prompts(600))
+    await enqueue(
+        database, DatasetSpec("ds", {"max_tokens": 200}), iter_records(path), path=str(path)
+    )
+    cfg = WorkerConfig(
+        servers=(url,),
+        concurrency="auto",
+        auto_interval=0.25,
+        exit_when_done=True,
+        poll_interval=0.05,
+        probe_min=0.05,
+    )
+    with capture_logs() as logs:
+        async with InferenceClient(ClientConfig(request_timeout=30)) as client:
+            stats = await asyncio.wait_for(Worker(database, client, cfg).run(), 90)
+    assert stats.completed == 600
+    batch = (await sim_stats(url))["batch"]
+    changes = [(e["new"], e["reason"]) for e in logs if e["event"] == "concurrency_changed"]
+    # Tuned from the server's /metrics (the blind climb's reasons never appear)...
+    assert {reason for _, reason in changes} <= {"ramp", "room", "queue", "retractions"}, changes
+    assert "queue" in {reason for _, reason in changes}, changes
+    # ...to the batch the server runs plus a short queue: full, never flooded.
+    assert batch["peak_running"] == 32
+    assert 32 <= changes[-1][0] <= 48, changes
