@@ -236,3 +236,25 @@ async def test_vllm_names_on_metrics(sim: StartSim) -> None:
     assert stats["batch"]["retracted"] > 0
     assert final["preemptions_total"] == stats["batch"]["retracted"]
     assert stats["completed"] == 30
+
+
+def test_sglang_retraction_frees_room_for_twenty_steps_to_the_back_of_the_queue() -> None:
+    # Retracted: the fewest generated tokens first (the longest prompt among equals),
+    # until those that stay have room for 20 more steps; they wait behind the queue.
+    model = _model(kv_tokens=860, retraction="sglang")
+    old = [_seq(100, 500, 600) for _ in range(3)]
+    for seq in old:
+        seq.generated = 150
+    short, long = _seq(50, 500, 600), _seq(80, 500, 600)
+    waiting = _seq(900, 1)
+    model.running = [*old, short, long]
+    for seq in model.running:
+        seq.place = "running"
+    model.kv_used = sum(seq.kv for seq in model.running)  # 750 + 130 = 880, over 860
+    model.queue.append(waiting)
+    waiting.place = "queued"
+    assert model._retract() == 2  # one makes room for a step; 20 need another gone
+    assert model.running == old
+    assert list(model.queue) == [waiting, long, short]
+    assert model.kv_used + 3 * 20 <= 860
+    assert model.ratio == pytest.approx((450 + 60) / (1800 + 1))

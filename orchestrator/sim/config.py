@@ -43,6 +43,13 @@ REASONING_FIELDS: tuple[str, ...] = ("reasoning_content", "reasoning")
 #: the free cache now, nothing reserved for what it will generate).
 ADMISSIONS: tuple[str, ...] = ("reserve", "fifo")
 
+#: What a batching server does when its cache cannot hold the next decode step:
+#: ``newest`` retracts the newest running requests, just enough, to the head of the queue
+#: (vLLM's preemption); ``sglang`` those with the fewest generated tokens (the longest
+#: prompt first among equals) until 20 more steps fit, to the back of the queue, and
+#: sets its admission estimate from what stays (SGLang's ``retract_decode``).
+RETRACTIONS: tuple[str, ...] = ("newest", "sglang")
+
 #: Whose names ``/metrics`` uses: SGLang's (``sglang:num_queue_reqs``, ``sglang:token_usage``,
 #: ``sglang:num_retracted_requests``) or vLLM's (``vllm:num_requests_waiting``,
 #: ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions``).
@@ -101,6 +108,8 @@ class SimConfig:
             With ``fifo`` a running request that finds no room for its next token retracts
             the newest running ones (vLLM's preemption by recompute) and nothing is
             admitted in that step, as vLLM's scheduler does.
+        retraction: one of ``RETRACTIONS``: which running requests a cache overflow
+            retracts, and where in the queue they wait.
         metric_names: one of ``METRIC_NAMES``: whose names ``/metrics`` gives its figures.
         step_time: seconds of one decode step, plus ``step_per_request`` per request in
             the batch: the larger the batch, the slower each request and the higher the
@@ -154,6 +163,7 @@ class SimConfig:
     kv_tokens: int = 0
     max_running: int = 0
     admission: str = "reserve"
+    retraction: str = "newest"
     metric_names: str = "sglang"
     step_time: float = 0.01
     step_per_request: float = 0.0002
@@ -185,7 +195,11 @@ class SimConfig:
                 f"unknown reasoning field {self.reasoning_field!r}; "
                 f"known: {', '.join(REASONING_FIELDS)}"
             )
-        for name, known in (("admission", ADMISSIONS), ("metric_names", METRIC_NAMES)):
+        for name, known in (
+            ("admission", ADMISSIONS),
+            ("retraction", RETRACTIONS),
+            ("metric_names", METRIC_NAMES),
+        ):
             if getattr(self, name) not in known:
                 raise ValueError(
                     f"unknown {name} {getattr(self, name)!r}; known: {', '.join(known)}"

@@ -20,6 +20,7 @@ from orchestrator.sim.config import (
     METRIC_NAMES,
     REASONING_FIELDS,
     REASONING_MODES,
+    RETRACTIONS,
     SimConfig,
     parse_fault,
     parse_outage,
@@ -224,6 +225,14 @@ OPTIONS: tuple[SimOption, ...] = (
         help="Batching: reserve (SGLang: room for a share of each running request's "
         "max_tokens too) or fifo (vLLM: first come first served while the prompt fits now; "
         "the newest preempted when the cache overflows).",
+    ),
+    SimOption(
+        "--retraction",
+        "retraction",
+        RETRACTIONS,
+        help="Batching, when the cache overflows: newest (the newest running, to the head of "
+        "the queue, as vLLM) or sglang (the fewest generated, to its back, room kept for 20 "
+        "steps).",
     ),
     SimOption(
         "--metric-names",
