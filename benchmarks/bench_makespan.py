@@ -69,12 +69,18 @@ SERVER = {
 #: most (``--max-num-seqs``), first come first served while the prompt fits the cache,
 #: the newest preempted when it overflows, vLLM's metric names; ``vllm-256``: the same at
 #: vLLM's default of 256 sequences, where the cache, not the cap, bounds the batch.
-#: ``sglang``: SGLang with ``--max-running-requests 64``.
+#: ``sglang``: SGLang with ``--max-running-requests 64`` and its own retraction (the
+#: fewest generated first, to the back of the queue).
 SERVER_MODELS: dict[str, dict[str, Any]] = {
     "default": {},
     "vllm": {"max_running": 64, "admission": "fifo", "metric_names": "vllm"},
     "vllm-256": {"max_running": 256, "admission": "fifo", "metric_names": "vllm"},
-    "sglang": {"max_running": 64, "admission": "reserve", "metric_names": "sglang"},
+    "sglang": {
+        "max_running": 64,
+        "admission": "reserve",
+        "retraction": "sglang",
+        "metric_names": "sglang",
+    },
 }
 SHORT_CONCURRENCY, LONG_CONCURRENCY = 150, 32
 BIN_SECONDS = 10.0
