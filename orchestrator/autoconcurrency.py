@@ -130,10 +130,13 @@ class Controller:
         queued = s.queued or 0.0
         kv = s.kv_usage
         if retracted > 0:
-            # The cache overflowed: it holds fewer requests than it took.
+            # The cache overflowed: it holds fewer requests than it took. Not below what
+            # it still runs: those are already admitted, and vLLM preempts again as long
+            # as they grow, whatever we send; a cut under them only empties the batch.
             self._ramping = False
             self._hold = 2 * max(s.elapsed, 1.0)
-            return int(min(self.cap, running + queued) * 0.9), "retractions"
+            cut = max(running, min(self.cap, running + queued) * 0.9)
+            return int(min(self.cap, cut)), "retractions"
         if queued > 2 * self._allowance(running):
             self._ramping = False
             self._hold = 2 * max(s.elapsed, 1.0)

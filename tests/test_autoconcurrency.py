@@ -75,7 +75,8 @@ def test_backs_off_on_retractions_and_waits() -> None:
     c = Controller(Limits(start=100))
     # The counter's first value is no news, whatever it says.
     assert c.update(idle(c, retractions=5, kv_usage=0.95)) is None
-    change = c.update(idle(c, retractions=9, kv_usage=0.95, running=100))
+    # What it took: 80 running, 20 retracted back to its queue.
+    change = c.update(idle(c, retractions=9, kv_usage=0.95, running=80, queued=20))
     assert change is not None and change.reason == "retractions"
     assert change.new == 90
     # No raise right after a back-off, even if the server looks idle.
@@ -83,6 +84,25 @@ def test_backs_off_on_retractions_and_waits() -> None:
     # A counter that goes back (a restarted server) is no retraction either.
     c.update(idle(c, retractions=9))
     assert c.update(idle(c, retractions=0, kv_usage=0.95)) is None
+
+
+def test_preemptions_never_cut_below_what_the_server_runs() -> None:
+    # vLLM admits whatever fits the cache now and preempts the newest as the running
+    # requests grow: a look after look with new preemptions while it runs 120 and queues
+    # 30. Each cut a tenth of the last took the cap to 1, emptying the batch.
+    c = Controller(Limits(start=256))
+    c.update(idle(c, retractions=0))
+    caps = []
+    for look in range(1, 60):
+        c.update(idle(c, retractions=5 * look, running=120, queued=30, kv_usage=0.99))
+        caps.append(c.cap)
+    assert caps[0] == 135  # a tenth off what it holds
+    assert min(caps) >= 120, caps
+    # Never raised by a preemption either: a cap under what the server runs stays.
+    low = Controller(Limits(start=50))
+    low.update(idle(low, retractions=0, in_flight=10))
+    assert low.update(idle(low, retractions=3, running=80, queued=0)) is None
+    assert low.cap == 50
 
 
 def test_stays_within_bounds_whatever_it_is_fed() -> None:
