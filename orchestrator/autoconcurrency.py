@@ -14,7 +14,9 @@ two) and answers with a new cap when one is due. With the server's ``/metrics`` 
   a time;
 * holds while a short queue stands (the target) or the cache is nearly full;
 * backs off to what the server runs plus a small queue when a longer queue builds, and
-  by a tenth when the server retracts or preempts requests.
+  by a tenth when the server retracts or preempts requests, never below what it still
+  runs: vLLM admits what fits its cache now and preempts again as those grow, whatever
+  we send, so a cut under its batch only empties it.
 
 Without metrics (a server that does not publish them) it climbs while our own generated
 tokens per second keep rising; once a raise brings nothing it steps back and trims the cap
