@@ -439,7 +439,7 @@ def _variant(strategy: str, label: str) -> tuple[str, list[str], bool]:
     if strategy == "fixed":
         return "orchestrator, --concurrency 256", ["--concurrency", "256"], False
     if strategy == "before":
-        return "before: input order, --concurrency auto", [], False
+        return "before (--before DIR), --concurrency auto", [], False
     return label, [], False
 
 
