@@ -218,6 +218,7 @@ async def test_auto_reads_a_vllm_server_and_keeps_its_batch_full(
     # Tuned from the server's /metrics (the blind climb's reasons never appear)...
     assert {reason for _, reason in changes} <= {"ramp", "room", "queue", "retractions"}, changes
     assert "queue" in {reason for _, reason in changes}, changes
-    # ...to the batch the server runs plus a short queue: full, never flooded.
+    # ...its batch filled, and each queue that built cut back to what vLLM's gauge said
+    # it ran (32 at most) plus a short queue.
     assert batch["peak_running"] == 32
-    assert 32 <= changes[-1][0] <= 48, changes
+    assert all(cap <= 35 for cap, reason in changes if reason == "queue"), changes
