@@ -223,8 +223,8 @@ OPTIONS: tuple[SimOption, ...] = (
         "admission",
         ADMISSIONS,
         help="Batching: reserve (SGLang: room for a share of each running request's "
-        "max_tokens too) or fifo (vLLM: first come first served while the prompt fits now; "
-        "the newest preempted when the cache overflows).",
+        "max_tokens too) or fifo (vLLM: first come first served while the prompt fits now, "
+        "none let in by a step that preempted).",
     ),
     SimOption(
         "--retraction",
