@@ -122,7 +122,11 @@ def _files(out: Path, made: dict[str, Any], got: Any, base: Any) -> None:
 def _failed(out: Path, made: dict[str, Any], got: Any, base: Any) -> None:
     lines = _records(Path(made["include_failed"]))
     failed = "rbad" if _ids(base).startswith("r") else "cbad"
-    assert {line.get("custom_id") or line["id"] for line in lines} == {failed}
+    # Each failed sample's line names its prompt and its sample (SpecForge's ids join
+    # with its rows' ``<id>#sample<k>``).
+    ids = {line.get("custom_id") or line["id"] for line in lines}
+    assert {i.split("#sample")[0] for i in ids} == {failed}
+    assert all("sample" in line for line in lines) or len(lines) == 1
 
 
 def _ids(records: list[dict[str, Any]]) -> str:
