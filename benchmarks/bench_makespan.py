@@ -23,6 +23,12 @@ time from 99 % of the answers done to the last, as a share of the makespan.
 
     .venv/bin/python benchmarks/bench_makespan.py [--prompts 3000] [--time-scale 0.1]
         [--strategies orchestrator sequential] [--json out.json] [--keep DIR]
+        [--server-models default vllm vllm-256 sglang] [--answers with without]
+
+``--server-models`` sweeps the server's scheduling (``SERVER_MODELS``: SGLang's admission
+or vLLM's, a batch cap, whose metric names) and ``--answers`` whether the lines hold
+their original answers (without them, lengths are predicted per dataset); each pair gets
+its own ideal schedule, on that server, and a table, then one summary of ÷ ideal.
 
 ``--run-arg`` passes options to ``orchestrator run`` (e.g. ``--run-arg=--concurrency=256``),
 ``--repo DIR`` runs another checkout's orchestrator against the same server and data,
@@ -57,6 +63,25 @@ SERVER = {
     "step_per_request": 0.000876,
     "prefill_per_token": 0.00002,
 }
+#: The servers the sweep runs on (``--server-models``): the same node, scheduled three
+#: ways. ``default``: SGLang's admission (room for a share of each request's max_tokens),
+#: no batch cap, SGLang's metric names. ``vllm``: vLLM's v1 scheduler, 64 sequences at
+#: most (``--max-num-seqs``), first come first served while the prompt fits the cache,
+#: the newest preempted when it overflows, vLLM's metric names; ``vllm-256``: the same at
+#: vLLM's default of 256 sequences, where the cache, not the cap, bounds the batch.
+#: ``sglang``: SGLang with ``--max-running-requests 64`` and its own retraction (the
+#: fewest generated first, to the back of the queue).
+SERVER_MODELS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "vllm": {"max_running": 64, "admission": "fifo", "metric_names": "vllm"},
+    "vllm-256": {"max_running": 256, "admission": "fifo", "metric_names": "vllm"},
+    "sglang": {
+        "max_running": 64,
+        "admission": "reserve",
+        "retraction": "sglang",
+        "metric_names": "sglang",
+    },
+}
 SHORT_CONCURRENCY, LONG_CONCURRENCY = 150, 32
 BIN_SECONDS = 10.0
 
@@ -76,12 +101,15 @@ class Outcome:
     """Per ``BIN_SECONDS`` of simulated time: (start, mean running, generated tok/s)."""
 
 
-def server_args(time_scale: float, trace: Path, lengths: Path) -> list[str]:
+def server_args(time_scale: float, lengths: Path, model: str) -> list[str]:
+    """The simulated server's options for one of ``SERVER_MODELS`` (its trace aside)."""
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_MODELS[model].items()]
     return [
+        *options,
         "--kv-tokens", str(SERVER["kv_tokens"]), "--step-time", str(SERVER["step_time"]),
         "--step-per-request", str(SERVER["step_per_request"]),
         "--prefill-per-token", str(SERVER["prefill_per_token"]),
-        "--time-scale", str(time_scale), "--length-model", str(lengths), "--trace", str(trace),
+        "--time-scale", str(time_scale), "--length-model", str(lengths),
     ]  # fmt: skip
 
 
@@ -146,7 +174,7 @@ def orch(repo: Path, *args: str, **kwargs: Any) -> subprocess.Popen[str]:
 
 
 def run_orchestrator(
-    name: str, work: Path, repo: Path, time_scale: float, run_args: list[str], run_file: str
+    name: str, work: Path, repo: Path, server: list[str], run_args: list[str], run_file: str
 ) -> Outcome:
     """Enqueue the run file into a fresh database, then one ``orchestrator run`` to the end."""
     slug = "".join(c if c.isalnum() else "-" for c in name).strip("-")
@@ -156,8 +184,7 @@ def run_orchestrator(
     config.write_text(run_file)
     for path in (db, trace):
         path.unlink(missing_ok=True)
-    lengths = work / "lengths.json"
-    with SimServer(mean_tokens=64, extra=tuple(server_args(time_scale, trace, lengths))) as sim:
+    with SimServer(mean_tokens=64, extra=(*server, "--trace", str(trace))) as sim:
         enq = orch(
             repo, "enqueue", "--config", str(config), "--db", str(db),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -204,11 +231,10 @@ async def _one_after_another(url: str, rows: list[workload.Line]) -> None:
             await asyncio.gather(*(ask(r) for r in rows if r.dataset == d.name))
 
 
-def run_sequential(work: Path, rows: list[workload.Line], time_scale: float) -> Outcome:
+def run_sequential(work: Path, rows: list[workload.Line], server: list[str]) -> Outcome:
     trace = work / "sequential.trace.jsonl"
     trace.unlink(missing_ok=True)
-    lengths = work / "lengths.json"
-    with SimServer(mean_tokens=64, extra=tuple(server_args(time_scale, trace, lengths))) as sim:
+    with SimServer(mean_tokens=64, extra=(*server, "--trace", str(trace))) as sim:
         started = time.monotonic()
         asyncio.run(_one_after_another(sim.url, rows))
         wall = time.monotonic() - started
@@ -241,69 +267,110 @@ def _arguments() -> argparse.Namespace:
         "--levers", action="store_true", help="also each claim order's own cost, offline"
     )
     parser.add_argument("--keep", type=Path, help="keep data, databases, traces, logs here")
+    parser.add_argument(
+        "--server-models",
+        nargs="+",
+        default=["default"],
+        choices=list(SERVER_MODELS),
+        help="the servers to run on (SERVER_MODELS)",
+    )
+    parser.add_argument(
+        "--answers",
+        nargs="+",
+        default=["with"],
+        choices=["with", "without"],
+        help="lines with their original answers, without (bare prompts), or both",
+    )
     return parser.parse_args()
 
 
 def main() -> int:
     args = _arguments()
     print_machine()
-
+    run_args = [a for arg in args.run_arg for a in arg.split("=", 1)]
+    if "--concurrency" not in run_args:
+        run_args += ["--concurrency", "auto"]
+    sweeps = []
     with tempfile.TemporaryDirectory(prefix="bench-makespan-") as tmp:
-        work = args.keep or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        rows = workload.write(work, args.prompts)
-        requests = workload.requests(rows)
-        config = SimConfig(**SERVER)  # type: ignore[arg-type]
-        ideal = schedule(config, longest_first(requests))
-        outcomes = [from_schedule("ideal (offline, longest first)", ideal)]
-        lower = ideal.generated / ideal.peak_rate
+        root = args.keep or Path(tmp)
+        for model in args.server_models:
+            for answers in args.answers:
+                work = root / f"{model}-{answers}"
+                work.mkdir(parents=True, exist_ok=True)
+                sweeps.append(sweep(args, work, model, answers == "with", run_args))
+    if len(sweeps) > 1:
+        print("\n÷ ideal, each server model:")
+        summary(sweeps)
+    if args.json:
+        args.json.write_text(json.dumps({"sweeps": sweeps}))
+        print(f"figures: {args.json}")
+    return 0
+
+
+def sweep(
+    args: argparse.Namespace, work: Path, model: str, answers: bool, run_args: list[str]
+) -> dict[str, Any]:
+    """Every strategy on one server model, the lines with or without their answers."""
+    rows = workload.write(work, args.prompts, answers=answers)
+    config = SimConfig(**SERVER, **SERVER_MODELS[model])
+    ideal = schedule(config, longest_first(workload.requests(rows)))
+    outcomes = [from_schedule("ideal (offline, longest first)", ideal)]
+    lower = ideal.generated / ideal.peak_rate
+    print(
+        f"\nserver model {model}, lines {'with' if answers else 'without'} their answers: "
+        f"{len(rows):,} prompts, {ideal.generated:,} tokens to generate; ideal "
+        f"{ideal.makespan:,.0f} s, lower bound {lower:,.0f} s (simulated)",
+        flush=True,
+    )
+    if args.levers:
+        offline_levers(rows, config, ideal)
+    server = server_args(args.time_scale, work / "lengths.json", model)
+    runs = [(s, args.repo) for s in args.strategies]
+    if args.before is not None:
+        runs.insert(0, ("before", args.before))
+    for strategy, repo in runs:
+        started = time.monotonic()
+        if strategy == "sequential":
+            outcome = run_sequential(work, rows, server)
+        else:
+            name, extra, capped = _variant(strategy, args.label)
+            run_file = workload.run_file(caps=capped)
+            outcome = run_orchestrator(name, work, repo, server, [*run_args, *extra], run_file)
+        outcomes.append(outcome)
         print(
-            f"{len(rows):,} prompts, {ideal.generated:,} tokens to generate; ideal "
-            f"{ideal.makespan:,.0f} s, lower bound {lower:,.0f} s (simulated)",
+            f"{outcome.name}: {outcome.makespan:,.0f} s "
+            f"({outcome.makespan / ideal.makespan:.3f} x ideal), tail {outcome.tail:.1%}, "
+            f"{outcome.answers:,} answers, {outcome.retracted} retracted, "
+            f"{time.monotonic() - started:.0f} s wall",
             flush=True,
         )
-        if args.levers:
-            offline_levers(rows, config, ideal)
-        run_args = [a for arg in args.run_arg for a in arg.split("=", 1)]
-        if "--concurrency" not in run_args:
-            run_args += ["--concurrency", "auto"]
-        runs = [(s, args.repo) for s in args.strategies]
-        if args.before is not None:
-            runs.insert(0, ("before", args.before))
-        for strategy, repo in runs:
-            started = time.monotonic()
-            if strategy == "sequential":
-                outcome = run_sequential(work, rows, args.time_scale)
-            else:
-                name, extra, capped = _variant(strategy, args.label)
-                outcome = run_orchestrator(
-                    name,
-                    work,
-                    repo,
-                    args.time_scale,
-                    [*run_args, *extra],
-                    workload.run_file(caps=capped),
-                )
-            outcomes.append(outcome)
-            print(
-                f"{outcome.name}: {outcome.makespan:,.0f} s "
-                f"({outcome.makespan / ideal.makespan:.3f} x ideal), tail {outcome.tail:.1%}, "
-                f"{outcome.answers:,} answers, "
-                f"{time.monotonic() - started:.0f} s wall",
-                flush=True,
-            )
-        report(outcomes, ideal, lower)
-        if args.json:
-            doc = {
-                "prompts": len(rows),
-                "tokens": ideal.generated,
-                "lower_bound": lower,
-                "time_scale": args.time_scale,
-                "outcomes": [o.__dict__ for o in outcomes],
-            }
-            args.json.write_text(json.dumps(doc))
-            print(f"figures: {args.json}")
-    return 0
+    report(outcomes, ideal, lower)
+    return {
+        "server_model": model,
+        "answers": answers,
+        "prompts": len(rows),
+        "tokens": ideal.generated,
+        "lower_bound": lower,
+        "time_scale": args.time_scale,
+        "outcomes": [o.__dict__ for o in outcomes],
+    }
+
+
+def summary(sweeps: list[dict[str, Any]]) -> None:
+    """One row per server model and lines with or without answers: each run ÷ ideal."""
+    names = [o["name"] for o in sweeps[0]["outcomes"][1:]]
+    rows = []
+    for doc in sweeps:
+        ideal = doc["outcomes"][0]["makespan"]
+        by_name = {o["name"]: o for o in doc["outcomes"]}
+        cells = []
+        for name in names:
+            o = by_name.get(name)
+            cells.append(f"{o['makespan'] / ideal:.3f} ({o['retracted']})" if o else "-")
+        answers = "with" if doc["answers"] else "without"
+        rows.append([doc["server_model"], answers, f"{ideal:,.0f}", *cells])
+    header = ["server model", "answers in lines", "ideal s"]
+    print_table([*header, *(f"{n} (retracted)" for n in names)], rows)
 
 
 def offline_levers(rows: list[workload.Line], config: SimConfig, ideal: Schedule) -> None:
@@ -372,7 +439,7 @@ def _variant(strategy: str, label: str) -> tuple[str, list[str], bool]:
     if strategy == "fixed":
         return "orchestrator, --concurrency 256", ["--concurrency", "256"], False
     if strategy == "before":
-        return "before: input order, --concurrency auto", [], False
+        return "before (--before DIR), --concurrency auto", [], False
     return label, [], False
 
 

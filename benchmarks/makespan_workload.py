@@ -111,9 +111,10 @@ def lines(total: int, seed: int = 0) -> Iterator[Line]:
             )
 
 
-def write(work: Path, total: int, seed: int = 0) -> list[Line]:
+def write(work: Path, total: int, seed: int = 0, *, answers: bool = True) -> list[Line]:
     """One JSONL file per dataset (``<name>.jsonl``), the length model, a run file;
-    returns the lines."""
+    returns the lines. Without ``answers`` every line is the bare prompt, as a prompt set
+    that never had answers."""
     rows = list(lines(total, seed))
     files: dict[str, Any] = {}
     try:
@@ -123,7 +124,8 @@ def write(work: Path, total: int, seed: int = 0) -> list[Line]:
                 fh = files[line.dataset] = open(work / f"{line.dataset}.jsonl", "wb")  # noqa: SIM115
             words = (_WORDS[(len(line.key) + k) % len(_WORDS)] for k in range(line.original))
             answer = " ".join(words)
-            conversation = [*line.messages, {"role": "assistant", "content": answer}]
+            reply = [{"role": "assistant", "content": answer}] if answers else []
+            conversation = [*line.messages, *reply]
             fh.write(orjson.dumps({"id": line.key, "messages": conversation}) + b"\n")
     finally:
         for fh in files.values():

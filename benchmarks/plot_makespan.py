@@ -18,10 +18,14 @@ def main() -> int:
     parser.add_argument("figures", type=Path, help="the JSON that bench_makespan.py wrote")
     parser.add_argument("out", type=Path, help="the PNG to write")
     parser.add_argument(
+        "--sweep", type=int, default=0, help="which server model and answers (in run order)"
+    )
+    parser.add_argument(
         "--skip", action="append", default=[], help="leave out strategies whose name has this"
     )
     args = parser.parse_args()
     doc = json.loads(args.figures.read_text())
+    doc = doc.get("sweeps", [doc])[args.sweep]
 
     import matplotlib
 

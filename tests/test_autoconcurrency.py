@@ -75,7 +75,8 @@ def test_backs_off_on_retractions_and_waits() -> None:
     c = Controller(Limits(start=100))
     # The counter's first value is no news, whatever it says.
     assert c.update(idle(c, retractions=5, kv_usage=0.95)) is None
-    change = c.update(idle(c, retractions=9, kv_usage=0.95, running=100))
+    # What it took: 80 running, 20 retracted back to its queue.
+    change = c.update(idle(c, retractions=9, kv_usage=0.95, running=80, queued=20))
     assert change is not None and change.reason == "retractions"
     assert change.new == 90
     # No raise right after a back-off, even if the server looks idle.
@@ -83,6 +84,25 @@ def test_backs_off_on_retractions_and_waits() -> None:
     # A counter that goes back (a restarted server) is no retraction either.
     c.update(idle(c, retractions=9))
     assert c.update(idle(c, retractions=0, kv_usage=0.95)) is None
+
+
+def test_preemptions_never_cut_below_what_the_server_runs() -> None:
+    # vLLM admits whatever fits the cache now and preempts the newest as the running
+    # requests grow: a look after look with new preemptions while it runs 120 and queues
+    # 30. Each cut a tenth of the last took the cap to 1, emptying the batch.
+    c = Controller(Limits(start=256))
+    c.update(idle(c, retractions=0))
+    caps = []
+    for look in range(1, 60):
+        c.update(idle(c, retractions=5 * look, running=120, queued=30, kv_usage=0.99))
+        caps.append(c.cap)
+    assert caps[0] == 135  # a tenth off what it holds
+    assert min(caps) >= 120, caps
+    # Never raised by a preemption either: a cap under what the server runs stays.
+    low = Controller(Limits(start=50))
+    low.update(idle(low, retractions=0, in_flight=10))
+    assert low.update(idle(low, retractions=3, running=80, queued=0)) is None
+    assert low.cap == 50
 
 
 def test_stays_within_bounds_whatever_it_is_fed() -> None:
@@ -160,3 +180,45 @@ async def test_auto_converges_near_the_knee_of_a_batching_server(
     assert batch["retracted"] <= 50
     final = changes[-1]["new"]
     assert 30 <= final <= 150, [(e["new"], e["reason"]) for e in changes]
+
+
+@pytest.mark.sqlite_only
+async def test_auto_reads_a_vllm_server_and_keeps_its_batch_full(
+    database: Database, tmp_path: Path, sim: StartSim
+) -> None:
+    # vLLM's scheduling and names: at most 32 sequences, first come first served while the
+    # prompt fits, the newest preempted when the cache overflows.
+    url = await sim(
+        mean_tokens=100,
+        kv_tokens=20_000,
+        max_running=32,
+        admission="fifo",
+        metric_names="vllm",
+        step_time=0.002,
+        step_per_request=0.00002,
+    )
+    path = write_jsonl(tmp_path / "in.jsonl", prompts(600))
+    await enqueue(
+        database, DatasetSpec("ds", {"max_tokens": 200}), iter_records(path), path=str(path)
+    )
+    cfg = WorkerConfig(
+        servers=(url,),
+        concurrency="auto",
+        auto_interval=0.25,
+        exit_when_done=True,
+        poll_interval=0.05,
+        probe_min=0.05,
+    )
+    with capture_logs() as logs:
+        async with InferenceClient(ClientConfig(request_timeout=30)) as client:
+            stats = await asyncio.wait_for(Worker(database, client, cfg).run(), 90)
+    assert stats.completed == 600
+    batch = (await sim_stats(url))["batch"]
+    changes = [(e["new"], e["reason"]) for e in logs if e["event"] == "concurrency_changed"]
+    # Tuned from the server's /metrics (the blind climb's reasons never appear)...
+    assert {reason for _, reason in changes} <= {"ramp", "room", "queue", "retractions"}, changes
+    assert "queue" in {reason for _, reason in changes}, changes
+    # ...its batch filled, and each queue that built cut back to what vLLM's gauge said
+    # it ran (32 at most) plus a short queue.
+    assert batch["peak_running"] == 32
+    assert all(cap <= 35 for cap, reason in changes if reason == "queue"), changes

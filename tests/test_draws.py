@@ -207,8 +207,11 @@ def test_requeue_one_sample_and_on_truncated_act_per_sample(
     _check(_export(db_url, tmp_path / "out.jsonl"), keys, 3)
     shown = cli("inspect", "--dataset", "d", "--id", "p000002", "--json", "--db", db_url)
     records = [json.loads(line) for line in shown.stdout.splitlines()]
-    assert [(r["draw"], r["request"]["seed"]) for r in records] == [
-        (s, seed_of("p000002", s)) for s in range(3)
+    # Samples 0 and 2 went as choices of one request seeded as sample 0; 1 went alone.
+    assert [(r["draw"], r["request"]["seed"], r["request"].get("n")) for r in records] == [
+        (0, seed_of("p000002", 0), 3),
+        (1, seed_of("p000002", 1), None),
+        (2, seed_of("p000002", 0), 3),
     ]
     assert len(records[1]["requeues"]) == 1 and not records[0]["requeues"]
     # Every answer is cut at 16 tokens: with --on-truncated fail each sample fails alone.

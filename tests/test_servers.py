@@ -220,7 +220,9 @@ def test_run_refuses_a_bad_servers_file_before_touching_the_database(tmp_path: P
     assert f"{path}:2: concurrency must be at least 1" in result.stderr
     assert not db.exists()
     result = cli("run", "--server", "http://h:1", "--concurrency", "lots", "--db", str(db))
-    assert result.returncode == 2 and "whole number of at least 1 or 'auto', got lots" in result.stderr
+    assert (
+        result.returncode == 2 and "whole number of at least 1 or 'auto', got lots" in result.stderr
+    )
 
 
 def test_worker_config_checks_caps() -> None:

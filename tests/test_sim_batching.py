@@ -141,3 +141,120 @@ def test_batching_is_off_by_default_and_options_are_checked(
             sim_main(bad)
         assert exc.value.code == 2
     assert "time_scale" in capsys.readouterr().err
+
+
+def _model(**config: Any) -> Any:
+    from orchestrator.sim.batching import BatchModel
+
+    return BatchModel(SimConfig(**config))
+
+
+def _seq(prompt: int, target: int, limit: int | None = None) -> Any:
+    from orchestrator.sim.batching import Seq
+
+    return Seq(prompt, target, limit or target)
+
+
+def test_fifo_admits_what_fits_now_and_reserves_nothing() -> None:
+    # Ten requests of 100 prompt tokens that will each grow to 1,100: SGLang's admission
+    # reserves room for part of every max_tokens, vLLM's takes what fits the cache now.
+    reserve = _model(kv_tokens=2000)
+    fifo = _model(kv_tokens=2000, admission="fifo")
+    for model in (reserve, fifo):
+        for _ in range(10):
+            model.add(_seq(100, 1000))
+        model.step()
+    assert len(reserve.running) == 2
+    assert len(fifo.running) == 10
+    assert fifo.kv_used == 10 * 101
+
+
+def test_fifo_stops_at_the_batch_cap_and_keeps_arrival_order() -> None:
+    model = _model(kv_tokens=100_000, max_running=4, admission="fifo")
+    seqs = [_seq(10, 5) for _ in range(10)]
+    for seq in seqs:
+        model.add(seq)
+    model.step()
+    assert model.running == seqs[:4]
+    assert list(model.queue) == seqs[4:]
+
+
+def test_fifo_preempts_the_newest_to_the_head_of_the_queue() -> None:
+    # Four requests admitted at once fill the cache as they grow: the newest is preempted
+    # (its cache freed, to be computed again) and waits at the head of the queue, before
+    # a request that came after it; every answer still ends whole, the cache never over.
+    model = _model(kv_tokens=100, admission="fifo")
+    seqs = [_seq(10, 40) for _ in range(4)]
+    for seq in seqs:
+        model.add(seq)
+    model.step()
+    assert model.running == seqs
+    later = _seq(60, 1)  # too large to fit beside them
+    model.add(later)
+    while not model.retracted:
+        model.step()
+    assert model.retracted == 1
+    assert model.running == seqs[:3]
+    assert list(model.queue) == [seqs[3], later]
+    assert model.kv_used + len(model.running) <= 100
+    while model.busy:
+        model.step()
+        assert model.kv_used <= 100
+    assert all(seq.generated == seq.target for seq in [*seqs, later])
+
+
+def test_admission_and_metric_names_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in (["--admission", "lifo"], ["--metric-names", "tgi"]):
+        with pytest.raises(SystemExit) as exc:
+            sim_main(bad)
+        assert exc.value.code == 2
+    with pytest.raises(ValueError, match="admission"):
+        SimConfig(admission="lifo")
+    with pytest.raises(ValueError, match="metric_names"):
+        SimConfig(metric_names="tgi")
+
+
+async def test_vllm_names_on_metrics(sim: StartSim) -> None:
+    url = await sim(
+        mean_tokens=400,
+        kv_tokens=2000,
+        max_running=8,
+        admission="fifo",
+        metric_names="vllm",
+        step_time=0.0001,
+        step_per_request=0.0,
+    )
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    assert "sglang:" not in text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"vllm:{name}{{" in text
+    await _run_all(url, 30, max_tokens=600)
+    stats, final = await _final(url)
+    assert final["kind"] == "vllm"
+    assert stats["batch"]["peak_running"] == 8
+    assert stats["batch"]["retracted"] > 0
+    assert final["preemptions_total"] == stats["batch"]["retracted"]
+    assert stats["completed"] == 30
+
+
+def test_sglang_retraction_frees_room_for_twenty_steps_to_the_back_of_the_queue() -> None:
+    # Retracted: the fewest generated tokens first (the longest prompt among equals),
+    # until those that stay have room for 20 more steps; they wait behind the queue.
+    model = _model(kv_tokens=860, retraction="sglang")
+    old = [_seq(100, 500, 600) for _ in range(3)]
+    for seq in old:
+        seq.generated = 150
+    short, long = _seq(50, 500, 600), _seq(80, 500, 600)
+    waiting = _seq(900, 1)
+    model.running = [*old, short, long]
+    for seq in model.running:
+        seq.place = "running"
+    model.kv_used = sum(seq.kv for seq in model.running)  # 750 + 130 = 880, over 860
+    model.queue.append(waiting)
+    waiting.place = "queued"
+    assert model._retract() == 2  # one makes room for a step; 20 need another gone
+    assert model.running == old
+    assert list(model.queue) == [waiting, long, short]
+    assert model.kv_used + 3 * 20 <= 860
+    assert model.ratio == pytest.approx((450 + 60) / (1800 + 1))

@@ -265,9 +265,9 @@ def test_csv_and_tsv_cells_are_text(db_url: str, tmp_path: Path) -> None:
     result = enqueue(db_url, tsv, "-d", "tsv")  # read as prompt lines: prompt and system
     assert result.returncode == 0, result.stderr
     assert items(db_url, "tsv") == [
-        ("q.tsv:1", {"messages": [{"role": "user", "content": "a"}]}),
+        (f"{tmp_path.name}/q.tsv:1", {"messages": [{"role": "user", "content": "a"}]}),
         (
-            "q.tsv:2",
+            f"{tmp_path.name}/q.tsv:2",
             {
                 "messages": [
                     {"role": "system", "content": "be brief"},
@@ -355,7 +355,7 @@ def test_messages_column_for_every_kind_of_dataset(db_url: str, tmp_path: Path) 
     stored = enqueue(db_url, source, "-d", "pass", "--messages-column", "chat", "--passthrough")
     for result in (last, every, stored):
         assert result.returncode == 0, result.stderr
-    assert items(db_url, "last") == [("c.parquet:1", {"messages": chat[:3]})]
+    assert items(db_url, "last") == [(f"{tmp_path.name}/c.parquet:1", {"messages": chat[:3]})]
     assert "2 turns to generate" in every.stdout
     assert "stored 1 rows as done" in stored.stdout
     assert query(db_url, "SELECT state FROM items WHERE position = 1 ORDER BY id") == [

@@ -346,7 +346,7 @@ def test_a_killed_specforge_export_leaves_no_file(tmp_path: Path) -> None:
     [
         (("-", "--format", "specforge"), "writes its skipped rows beside OUT"),
         (("o.jsonl", "--format", "specforge", "--reasoning", "inline"), "<think> markers"),
-        (("o.jsonl", "--format", "openai-batch", "--per-turn"), "--per-turn splits"),
+        (("o.jsonl", "--format", "openai-batch", "--per-turn"), "it splits conversations"),
     ],
 )
 def test_what_the_specforge_shapes_refuse(tmp_path: Path, args: tuple[str, ...], says: str) -> None:

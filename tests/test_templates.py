@@ -168,6 +168,6 @@ def test_rows_without_ids_are_keyed_by_their_file_in_tables_and_by_line_in_jsonl
     keys = {name: [key for key, *_ in _queue(path, None)] for name, path in paths.items()}
     assert keys == {
         "jsonl": ["1", "2"],
-        "parquet": ["rows.parquet:1", "rows.parquet:2"],
-        "csv": ["rows.csv:1", "rows.csv:2"],
+        "parquet": [f"{tmp_path.name}/rows.parquet:1", f"{tmp_path.name}/rows.parquet:2"],
+        "csv": [f"{tmp_path.name}/rows.csv:1", f"{tmp_path.name}/rows.csv:2"],
     }

@@ -8,6 +8,7 @@ holds (a file added to an existing dataset is read the way the dataset was made)
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -145,10 +146,11 @@ async def store_reading(
     """A reading's rows into the store, in one transaction, named by their places."""
     from orchestrator.store import enqueue as do_enqueue
 
+    records = await _older_keys(database, spec.name, reading)
     return await do_enqueue(
         database,
         spec,
-        reading,
+        records,
         path=reading.name,
         on_invalid=on_invalid,
         progress=progress,
@@ -157,6 +159,36 @@ async def store_reading(
         source_sha256=reading.sha256(),
         place=reading.place,
     )
+
+
+async def _older_keys(database: Database, name: str, reading: Reading[Any]) -> Iterable[Any]:
+    """``reading``'s rows, keyed as an earlier version keyed them where the dataset holds
+    them so: a table file named directly was keyed by its own name alone
+    (``train.parquet:1``), now by its folder's too (``a/train.parquet:1``). Its first
+    row's old key holding the same content says the file is in the dataset under the old
+    keys, and enqueuing it again adds nothing."""
+    from orchestrator.store.datasets import get_dataset, key_digest
+
+    older = getattr(reading.source, "older", None)
+    info = await get_dataset(database, name) if older is not None else None
+    if info is None:
+        return reading
+    rows = iter(reading)
+    first = next(rows, None)
+    if first is None:
+        return ()
+    prefix = f"{reading.source.files[0][1]}:"  # type: ignore[attr-defined]
+    key, digest = first[1], first[3]
+    if not key.startswith(prefix):
+        return itertools.chain([first], rows)
+    if await key_digest(database, info.id, f"{older}:{key[len(prefix) :]}") != digest:
+        return itertools.chain([first], rows)
+    return (_rekeyed(row, prefix, f"{older}:") for row in itertools.chain([first], rows))
+
+
+def _rekeyed(row: Any, prefix: str, older: str) -> Any:
+    key = row[1]
+    return row._replace(key=older + key[len(prefix) :]) if key.startswith(prefix) else row
 
 
 async def enqueue_source(

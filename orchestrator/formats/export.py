@@ -45,6 +45,7 @@ import orjson
 
 from orchestrator._util import atomicfile
 from orchestrator.errors import ConfigError, StorageError
+from orchestrator.formats import support
 from orchestrator.formats.writers import sample_groups as draws
 from orchestrator.formats.writers import specforge
 from orchestrator.formats.writers import turns as per_turn
@@ -135,27 +136,7 @@ class ExportOptions:
         from orchestrator.settings.checks import EXPORT, check_all
 
         check_all({name: getattr(self, name) for name in EXPORT}, EXPORT)
-        if self.format == "specforge" and self.reasoning == "inline":
-            raise ConfigError(
-                "--format specforge keeps reasoning in reasoning_content: --reasoning inline "
-                "would leave <think> markers in content, which SpecForge's validator refuses"
-            )
-        if self.per_turn and not per_turn.expandable(self.format):
-            raise ConfigError(
-                f"--per-turn splits conversations; --format {self.format} has none: use "
-                "messages, sharegpt, specforge or parquet"
-            )
-        if self.group_samples and (self.per_turn or self.format == "specforge"):
-            raise ConfigError(
-                "--group-samples puts a prompt's samples in one line: --per-turn and --format "
-                "specforge write one conversation a line (each sample's its own)"
-            )
-        if self.group_samples and self.format in TABLE_FORMATS:
-            raise ConfigError(
-                f"--group-samples writes a prompt's answers as a list in one line: not in "
-                f"--format {self.format}, whose rows hold one conversation each (with their "
-                "sample column); group them with --format messages or sharegpt"
-            )
+        support.check(self)  # every option honoured by the format, or refused here
 
     @property
     def plain(self) -> bool:
@@ -293,13 +274,15 @@ def sharegpt_turn(message: dict[str, Any]) -> dict[str, Any]:
     return turn
 
 
-def batch_ids(dataset: str, key: str) -> str:
-    """A stable hex id for a line of the batch format: same item, same id, every export."""
-    return hashlib.sha256(f"{dataset}\x00{key}".encode()).hexdigest()[:32]
+def batch_ids(dataset: str, key: str, sample: int | None = None) -> str:
+    """A stable hex id for a line of the batch format: same item, same id, every export
+    (``sample``: which of its prompt's samples, when the prompt has several)."""
+    name = f"{dataset}\x00{key}" if sample is None else f"{dataset}\x00{key}\x00{sample}"
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
 def failed_line(dataset: str, row: FailedRow) -> dict[str, Any]:
-    key, error_class, last_error, attempts, turn, turns = row
+    key, error_class, last_error, attempts, turn, turns = row[:6]
     line: dict[str, Any] = {
         "id": key,
         "dataset": dataset,
@@ -323,11 +306,14 @@ def line_id(dataset: str, key: str) -> str:
     return f"{dataset.replace('%', '%25').replace('/', '%2F')}/{key}"
 
 
-def batch_error_line(dataset: str, row: FailedRow, *, shared: bool = False) -> dict[str, Any]:
-    """A failed item as the batch format's error line; ``shared``: the file has others' too."""
+def batch_error_line(
+    dataset: str, row: FailedRow, *, shared: bool = False, sampled: bool = False
+) -> dict[str, Any]:
+    """A failed item as the batch format's error line; ``shared``: the file has others' too;
+    ``sampled``: the prompt has several samples, and the line's id names this one's."""
     key, error_class, last_error = row[0], row[1], row[2]
     return {
-        "id": f"batch_req_{batch_ids(dataset, key)}",
+        "id": f"batch_req_{batch_ids(dataset, key, row[6] if sampled else None)}",
         "custom_id": line_id(dataset, key) if shared else key,
         "response": None,
         "error": {"code": error_class, "message": last_error},
@@ -586,7 +572,7 @@ class _Lines:
 
     def _batch_line(self, row: FullRow, message: Any, usage: Any) -> dict[str, Any]:
         key, finish_reason, model, response_id, created_at = row[1], row[4], row[7], row[8], row[9]
-        ids = batch_ids(self.dataset.name, key)
+        ids = batch_ids(self.dataset.name, key, row[15] if self.dataset.samples > 1 else None)
         line: dict[str, Any] = {
             "id": f"batch_req_{ids}",
             "custom_id": self._id(key),
@@ -719,16 +705,6 @@ def check_shape(options: ExportOptions, dataset: DatasetRef) -> None:
             f"dataset {dataset.name!r} holds chat answers: --format completions is for "
             "datasets enqueued with --endpoint completions"
         )
-    if (options.logprobs or options.token_ids) and options.format in ("openai-batch", "specforge"):
-        raise ConfigError(
-            f"--logprobs and --token-ids add columns the {options.format} line has no place "
-            "for: export them with --format messages, sharegpt or completions"
-        )
-    if (options.logprobs or options.token_ids or raw) and options.per_turn:
-        raise ConfigError(
-            "--per-turn splits a conversation into its turns: an answer's tokens (and a raw "
-            "completion) belong to one line; export without --per-turn"
-        )
 
 
 def plain_rows(options: ExportOptions, dataset: DatasetRef) -> bool:
@@ -736,15 +712,18 @@ def plain_rows(options: ExportOptions, dataset: DatasetRef) -> bool:
     the messages shape (JSONL, Parquet): nothing in them changes the stored answer."""
     plain = options.reasoning == "separate" and not options.exclude_flags
     plain = plain and not options.provenance and not options.per_turn and not options.parsed
+    plain = plain and not options.logprobs and not options.token_ids
     plain = plain and dataset.regenerate == "last" and not dataset.passthrough
     return plain and dataset.samples == 1
 
 
-def _check_target(target: Path) -> None:
+def _check_target(target: Path, *, output: bool = False) -> None:
+    """A file the export will write; ``output``: the export's own file (not --split)."""
     if target == STDOUT or atomicfile.is_stream(target):
         return
     if target.is_dir():
-        raise ConfigError(f"{target}: is a directory; give a file name")
+        hint = ", or --split to write a file per dataset into it" if output else ""
+        raise ConfigError(f"{target}: is a directory; give a file name{hint}")
     if not target.parent.exists():
         raise ConfigError(f"{target}: directory {target.parent} does not exist")
     if not target.parent.is_dir():
@@ -771,11 +750,6 @@ def _check_table_target(target: Path, options: ExportOptions) -> None:
             f"{target}: --split writes a folder of shards per dataset; give a folder "
             "name, not a .parquet file (or leave out --split for one file)"
         )
-    if options.shard_rows is not None and not options.split:
-        raise ConfigError(
-            "shard_rows: shards are written with --split (one folder per dataset); "
-            "without it the export is one file"
-        )
 
 
 # What writing an export file can meet, and what to do about it.
@@ -794,9 +768,10 @@ _WRITE_ERRORS = {
 
 
 def make_folder(target: Path) -> None:
-    """``target`` made a folder if it is not one, or one line saying why it cannot be."""
+    """``target`` made a folder (and its parents, as ``mkdir -p``) if it is not one, or
+    one line saying why it cannot be."""
     try:
-        target.mkdir(exist_ok=True)
+        target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _write_error(target, exc) from None
 
@@ -954,8 +929,6 @@ class _Job:
                 raise ConfigError(
                     f"{target}: not a directory (--split writes one file per dataset)"
                 )
-            if not target.parent.exists():
-                raise ConfigError(f"{target}: directory {target.parent} does not exist")
             stems = file_stems([d.name for d in datasets])
             # A table format's dataset is a folder of shards (formats.writers.parquet).
             suffix = "" if table else ".jsonl"
@@ -984,11 +957,14 @@ class _Job:
             _check_table_target(target, options)
         if options.split:
             make_folder(target)
-        for path in paths:
-            if not (table and options.split and any(path == p for p, _ in self.outputs)):
-                _check_target(path)  # a table's dataset folder: its writer checks it
-        # Run once every file is in place: a table writer's removal of older shards.
+        outputs = {p for p, _ in self.outputs}
+        for path in paths:  # (a table's dataset folder: its writer checks it)
+            if not (table and options.split and path in outputs):
+                _check_target(path, output=path in outputs and not options.split)
+        # Run once every file is in place: a table writer's removal of older shards, and
+        # of the files of a folder's earlier card that this export does not write.
         self.after_commit: list[Callable[[], None]] = []
+        self._drop_unlisted(self.card if options.split else None)
         # Rows written per dataset id, for the card.
         self.written: dict[int, int] = {}
         # The files each output became, where a writer names them as it goes (a table
@@ -1000,6 +976,22 @@ class _Job:
             d.id for _, group in self.failures if len(group) > 1 for d in group
         }
         self._mixed: list[tuple[Path, int, int]] = []
+
+    def _drop_unlisted(self, card: Path | None) -> None:
+        """After the commit, the files of the folder's earlier card that this export did
+        not write go (``writers.card.drop_unlisted``)."""
+        if card is None:
+            return
+        from orchestrator.formats.writers.card import drop_unlisted, listed
+
+        before = listed(card)
+
+        def drop() -> None:
+            written = [f for p, _ in self.outputs for f in self.files_of(p)]
+            drop_unlisted(card, before, written)
+
+        if before:
+            self.after_commit.append(drop)
 
     def excluded_by_dataset(self) -> dict[int, int]:
         """Done items left out for their flags so far, by dataset id."""
@@ -1045,22 +1037,21 @@ class _Job:
     def write_failed(
         self, write: Callable[[bytes], object], dataset: DatasetRef, rows: Sequence[FailedRow]
     ) -> None:
-        if self.options.format == "openai-batch":
-            shared = dataset.id in self._shared_failures
-            for row in rows:
-                write(orjson.dumps(batch_error_line(dataset.name, row, shared=shared)))
-                write(b"\n")
-        elif self.options.format == "specforge":
-            shared = dataset.id in self._shared_failures
-            for row in rows:
+        fmt, several = self.options.format, dataset.samples > 1
+        shared = dataset.id in self._shared_failures
+        for row in rows:
+            if fmt == "openai-batch":
+                line = batch_error_line(dataset.name, row, shared=shared, sampled=several)
+            else:
                 line = failed_line(dataset.name, row)
-                line["id"] = line_id(dataset.name, row[0]) if shared else row[0]
-                write(orjson.dumps(specforge.error_line(line)))
-                write(b"\n")
-        else:
-            for row in rows:
-                write(orjson.dumps(failed_line(dataset.name, row)))
-                write(b"\n")
+                if fmt == "specforge":
+                    line["id"] = line_id(dataset.name, row[0]) if shared else row[0]
+            if several:  # each failed sample named as its done rows are (ids that join)
+                line = draws.sampled(line, row[6], fmt)
+            if fmt == "specforge":
+                line = specforge.error_line(line)
+            write(orjson.dumps(line))
+            write(b"\n")
         self._failed += len(rows)
 
     def __enter__(self) -> _Job:

@@ -14,7 +14,9 @@ two) and answers with a new cap when one is due. With the server's ``/metrics`` 
   a time;
 * holds while a short queue stands (the target) or the cache is nearly full;
 * backs off to what the server runs plus a small queue when a longer queue builds, and
-  by a tenth when the server retracts or preempts requests.
+  by a tenth when the server retracts or preempts requests, never below what it still
+  runs: vLLM admits what fits its cache now and preempts again as those grow, whatever
+  we send, so a cut under its batch only empties it.
 
 Without metrics (a server that does not publish them) it climbs while our own generated
 tokens per second keep rising; once a raise brings nothing it steps back and trims the cap
@@ -130,10 +132,13 @@ class Controller:
         queued = s.queued or 0.0
         kv = s.kv_usage
         if retracted > 0:
-            # The cache overflowed: it holds fewer requests than it took.
+            # The cache overflowed: it holds fewer requests than it took. Not below what
+            # it still runs: those are already admitted, and vLLM preempts again as long
+            # as they grow, whatever we send; a cut under them only empties the batch.
             self._ramping = False
             self._hold = 2 * max(s.elapsed, 1.0)
-            return int(min(self.cap, running + queued) * 0.9), "retractions"
+            cut = max(running, min(self.cap, running + queued) * 0.9)
+            return int(min(self.cap, cut)), "retractions"
         if queued > 2 * self._allowance(running):
             self._ramping = False
             self._hold = 2 * max(s.elapsed, 1.0)

@@ -73,6 +73,7 @@ from orchestrator.inference import http1
 from orchestrator.items import error_classes as ec
 from orchestrator.items.answer import Answer
 from orchestrator.items.quality import UNCLOSED_THINK, flags_of, split_think
+from orchestrator.items.samples import choice_usages
 from orchestrator.items.tokens import BadTokens, Collector, Tokens
 
 log = structlog.get_logger(__name__)
@@ -549,8 +550,9 @@ class InferenceClient:
     ) -> list[Completion]:
         """POST one chat completion (or raw completion) and return each of its choices, in
         index order (a request with ``n`` has several; a server that ignores ``n`` sends
-        fewer). Each choice's usage says the prompt's tokens; its completion tokens only
-        when it is the only choice, as servers count them for the whole request.
+        fewer). Each choice's usage says the prompt's tokens, and its own completion
+        tokens: counted from what the server said of it alone, or its share of the
+        request's total, marked ``usage_split`` (``draws.choice_usages``).
 
         ``progress`` hears the completion tokens a stream's chunks say as they come (in
         every chunk with ``stream_usage``): what a request cut mid-way had generated."""
@@ -694,31 +696,40 @@ class InferenceClient:
         choices = doc.get("choices") if isinstance(doc, dict) else None
         if not choices or not all(isinstance(c, dict) for c in choices):
             raise TransientError("the answer has no choices", error_class=ec.BAD_RESPONSE)
-        usage = _per_choice(with_cached(doc.get("usage"), doc.get("timings")), len(choices))
-        answers = []
-        for choice in sorted(choices, key=_index):
+        ordered = sorted(choices, key=_index)
+        messages = []
+        for choice in ordered:
             message = {"content": choice.get("text")} if raw else choice.get("message")
             if not isinstance(message, dict):
                 raise TransientError(
                     "the answer's choice has no message", error_class=ec.BAD_RESPONSE
                 )
-            answers.append(
-                _counted(
-                    usage,
-                    message.get("content"),
-                    _reasoning_of(message),
-                    message.get("tool_calls") or None,
-                    choice.get("finish_reason"),
-                    usage=usage,
-                    latency=latency,
-                    server=server,
-                    model=doc.get("model"),
-                    response_id=doc.get("id"),
-                    tokens=_tokens_of([choice]),
-                    raw=raw,
-                )
+            messages.append(message)
+        tokens = [_tokens_of([choice]) for choice in ordered]
+        usages = choice_usages(
+            with_cached(doc.get("usage"), doc.get("timings")),
+            [len(t) if t else None for t in tokens],
+            [_size(m.get("content"), _reasoning_of(m), m.get("tool_calls")) for m in messages],
+        )
+        return [
+            _counted(
+                usage,
+                message.get("content"),
+                _reasoning_of(message),
+                message.get("tool_calls") or None,
+                choice.get("finish_reason"),
+                usage=usage,
+                latency=latency,
+                server=server,
+                model=doc.get("model"),
+                response_id=doc.get("id"),
+                tokens=tokens_,
+                raw=raw,
             )
-        return answers
+            for choice, message, tokens_, usage in zip(
+                ordered, messages, tokens, usages, strict=True
+            )
+        ]
 
     async def _data_events(self, resp: aiohttp.ClientResponse, server: str) -> AsyncIterator[bytes]:
         """The payloads of a stream's ``data:`` events, each within ``stream_idle_timeout``
@@ -785,7 +796,13 @@ class InferenceClient:
             raise TransientError(
                 "the stream ended before the answer was complete", error_class=ec.STREAM_CUT
             )
-        usage = _per_choice(with_cached(got.usage, got.timings), len(got.choices))
+        ordered = [c for _, c in sorted(got.choices.items())]
+        tokens = [_tokens_of(c.token_parts) for c in ordered]
+        usages = choice_usages(
+            with_cached(got.usage, got.timings),
+            [len(t) if t else c.said for c, t in zip(ordered, tokens, strict=True)],
+            [_size(c.content, c.reasoning, list(c.tool_calls.values())) for c in ordered],
+        )
         return [
             _counted(
                 usage,
@@ -798,10 +815,10 @@ class InferenceClient:
                 server=server,
                 model=got.model,
                 response_id=got.response_id,
-                tokens=_tokens_of(c.token_parts),
+                tokens=tokens_,
                 raw=raw,
             )
-            for _, c in sorted(got.choices.items())
+            for c, tokens_, usage in zip(ordered, tokens, usages, strict=True)
         ]
 
 
@@ -868,6 +885,9 @@ class _StreamedChoice:
     finish_reason: Any = None
     #: Its chunks that carry logprobs or token ids, in order.
     token_parts: list[dict[str, Any]] = field(default_factory=list)
+    #: Its completion tokens so far, as a chunk of this choice alone said in its usage
+    #: (vLLM's ``continuous_usage_stats`` counts each choice apart).
+    said: Any = None
 
 
 @dataclass(slots=True)
@@ -898,12 +918,15 @@ class _Streamed:
             self.usage = chunk["usage"]
         if isinstance(chunk.get("timings"), dict):
             self.timings = chunk["timings"]
+        alone = isinstance(chunk.get("usage"), dict) and len(chunk.get("choices") or ()) == 1
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict):
                 raise TransientError(
                     "a stream choice is not an object", error_class=ec.BAD_RESPONSE
                 )
             got = self.choices.setdefault(_index(choice), _StreamedChoice())
+            if alone:
+                got.said = chunk["usage"].get("completion_tokens")
             if choice.get("logprobs") or _TOKEN_IDS.intersection(choice):
                 got.token_parts.append(choice)
             delta = {"content": choice.get("text")} if self.raw else choice.get("delta") or {}
@@ -974,12 +997,18 @@ def _index(choice: dict[str, Any]) -> int:
     return index if isinstance(index, int) and not isinstance(index, bool) else 0
 
 
-def _per_choice(usage: Any, choices: int) -> Any:
-    """The usage each of ``choices`` answers keeps: all of it for one; for several, the
-    prompt's counts only, as a server counts completion tokens for the whole request."""
-    if choices <= 1 or not isinstance(usage, dict):
-        return usage
-    return {k: v for k, v in usage.items() if k not in ("completion_tokens", "total_tokens")}
+def _size(content: Any, reasoning: Any, tool_calls: Any) -> int:
+    """How much text a choice holds (its parts as received): what a request's completion
+    tokens are shared by (``draws.choice_usages``)."""
+    size = 0
+    for part in (content, reasoning):
+        if isinstance(part, str):
+            size += len(part)
+        elif isinstance(part, list):  # a stream's pieces
+            size += sum(len(p) for p in part if isinstance(p, str))
+    if tool_calls:
+        size += len(orjson.dumps(tool_calls, default=str, option=orjson.OPT_NON_STR_KEYS))
+    return size
 
 
 def _counted(said: Any, *args: Any, **kwargs: Any) -> Completion:

@@ -119,6 +119,8 @@ def _header(r: ItemRecord, now: float) -> RenderableType:
                 ("position", r.position),
                 # A prompt's sample, when its request is seeded as samples are.
                 ("sample", r.draw if r.draw or "seed" in r.request else None),
+                # Asked in one request with its prompt's other samples: which choice.
+                ("choice", None if r.choice is None else f"{r.choice} of n={r.request['n']}"),
                 ("kind", kind),
                 ("attempts", r.attempts),
                 ("turn", turn),

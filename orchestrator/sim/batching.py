@@ -8,7 +8,14 @@ schedule differ only in when requests reach the queue.
 Each step admits queued requests while the cache (less what the running ones are
 expected to still need) holds them, then decodes one token of every running request;
 when the cache cannot hold the step's tokens, the newest running requests are retracted
-to the front of the queue, as SGLang does.
+to the front of the queue, as vLLM preempts (with ``retraction="sglang"``, those
+SGLang's ``retract_decode`` picks, to the back: see ``_retract_sglang``).
+
+With ``admission="fifo"`` it schedules as vLLM's v1 scheduler
+(``vllm/v1/core/sched/scheduler.py``): the running requests first, each needing a slot
+for its next token, the newest preempted (freed, to be computed again) until they fit;
+then, only in a step that preempted none, queued requests in order while the batch has
+room and their tokens fit the cache now, nothing reserved for what they will generate.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ __all__ = ["BatchModel", "Seq"]
 NEW_TOKEN_RATIO_INIT = 0.7
 NEW_TOKEN_RATIO_MIN = 0.1
 NEW_TOKEN_RATIO_DECAY = (NEW_TOKEN_RATIO_INIT - NEW_TOKEN_RATIO_MIN) / 600
+#: SGLang's retraction frees room for this many more decode steps of what stays.
+RETRACT_DECODE_STEPS = 20
 
 
 @dataclass(eq=False, slots=True)
@@ -93,8 +102,11 @@ class BatchModel:
     def step(self) -> tuple[float, int, list[Seq]]:
         """One scheduling round and decode step: its simulated seconds, the tokens it
         decoded (the batch) and the requests it finished."""
-        prefill = self._admit()
-        self._retract()
+        if self.config.admission == "fifo":
+            prefill = 0 if self._retract() else self._admit_fifo()
+        else:
+            prefill = self._admit()
+            self._retract()
         batch = len(self.running)
         self.peak_running = max(self.peak_running, batch)
         self.peak_queued = max(self.peak_queued, len(self.queue))
@@ -131,25 +143,69 @@ class BatchModel:
             need = seq.kv + ratio * (seq.limit - seq.generated)
             if self.running and self.kv_used + reserved + need > self.capacity:
                 break
-            self.queue.popleft()
-            seq.place = "running"
-            self.running.append(seq)
-            self.kv_used += seq.kv
             reserved += ratio * (seq.limit - seq.generated)
-            prefill += seq.kv - seq.cached
-            seq.cached = 0  # retracted and admitted again, it is prefilled whole
+            prefill += self._start()
         return prefill
 
-    def _retract(self) -> None:
+    def _admit_fifo(self) -> int:
+        """vLLM's admission: the head of the queue while the batch has room and the cache
+        holds the running requests' next tokens, its own tokens and its first new one."""
+        prefill = 0
+        while self.queue and len(self.running) < self.max_running:
+            need = self.kv_used + len(self.running) + self.queue[0].kv + 1
+            if self.running and need > self.capacity:
+                break
+            prefill += self._start()
+        return prefill
+
+    def _start(self) -> int:
+        """Move the head of the queue into the batch; returns the tokens to prefill."""
+        seq = self.queue.popleft()
+        seq.place = "running"
+        self.running.append(seq)
+        self.kv_used += seq.kv
+        prefill = seq.kv - seq.cached
+        seq.cached = 0  # retracted and admitted again, it is prefilled whole
+        return prefill
+
+    def _retract(self) -> int:
         """Every running request adds a token to the cache; retract the newest until they
-        fit."""
+        fit. Returns how many were retracted."""
+        if self.config.retraction == "sglang":
+            return self._retract_sglang()
+        retracted = 0
         while len(self.running) > 1 and self.kv_used + len(self.running) > self.capacity:
             seq = self.running.pop()
             self.kv_used -= seq.kv
             seq.place = "queued"
             self.queue.appendleft(seq)
-            self.retracted += 1
+            retracted += 1
             self.ratio = NEW_TOKEN_RATIO_INIT
+        self.retracted += retracted
+        return retracted
+
+    def _retract_sglang(self) -> int:
+        """SGLang's ``retract_decode``: the fewest generated tokens first (the longest
+        prompt among equals), until the rest have room for ``RETRACT_DECODE_STEPS`` more
+        steps; they wait at the back of the queue, and the admission estimate starts again
+        from what the rest have generated of their ``max_tokens``."""
+        if self.kv_used + len(self.running) <= self.capacity:
+            return 0
+        keep = sorted(self.running, key=lambda s: (s.generated, -s.prompt), reverse=True)
+        retracted: list[Seq] = []
+        while len(keep) > 1 and (
+            not retracted or self.kv_used + len(keep) * RETRACT_DECODE_STEPS > self.capacity
+        ):
+            seq = keep.pop()
+            self.kv_used -= seq.kv
+            seq.place = "queued"
+            retracted.append(seq)
+        self.queue.extend(retracted)
+        self.running = [seq for seq in self.running if seq.place == "running"]
+        self.retracted += len(retracted)
+        decoded = sum(seq.generated for seq in keep) + RETRACT_DECODE_STEPS * len(keep)
+        self.ratio = min(1.0, decoded / (sum(seq.limit for seq in keep) + 1))
+        return len(retracted)
 
     def decode_rate(self, batch: int) -> float:
         """Tokens per second a batch of ``batch`` requests generates, prefill aside."""

@@ -37,6 +37,24 @@ REASONING_MODES: tuple[str, ...] = ("none", "field", "think", "think-end")
 #: Names of the separate reasoning field: SGLang and older vLLM, newer vLLM.
 REASONING_FIELDS: tuple[str, ...] = ("reasoning_content", "reasoning")
 
+#: How a batching server admits queued requests: ``reserve`` (SGLang: the cache must also
+#: hold an estimated share of every running request's remaining ``max_tokens``) or
+#: ``fifo`` (vLLM's v1 scheduler: first come first served while the request's tokens fit
+#: the free cache now, nothing reserved for what it will generate).
+ADMISSIONS: tuple[str, ...] = ("reserve", "fifo")
+
+#: What a batching server does when its cache cannot hold the next decode step:
+#: ``newest`` retracts the newest running requests, just enough, to the head of the queue
+#: (vLLM's preemption); ``sglang`` those with the fewest generated tokens (the longest
+#: prompt first among equals) until 20 more steps fit, to the back of the queue, and
+#: sets its admission estimate from what stays (SGLang's ``retract_decode``).
+RETRACTIONS: tuple[str, ...] = ("newest", "sglang")
+
+#: Whose names ``/metrics`` uses: SGLang's (``sglang:num_queue_reqs``, ``sglang:token_usage``,
+#: ``sglang:num_retracted_requests``) or vLLM's (``vllm:num_requests_waiting``,
+#: ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions``).
+METRIC_NAMES: tuple[str, ...] = ("sglang", "vllm")
+
 #: The name ``/v1/models`` lists when no model is pinned.
 DEFAULT_MODEL = "sim-model"
 
@@ -84,7 +102,15 @@ class SimConfig:
             in a queue until they fit, are decoded together one token per step, and when
             the cache overflows as sequences grow the newest are retracted (re-queued, to
             be prefilled again). 0: no cache limit.
-        max_running: most requests decoded together (0: as many as fit in the cache).
+        max_running: most requests decoded together (0: as many as fit in the cache), as
+            SGLang's ``--max-running-requests`` and vLLM's ``--max-num-seqs``.
+        admission: one of ``ADMISSIONS``: how queued requests are let into the batch.
+            With ``fifo`` a running request that finds no room for its next token retracts
+            the newest running ones (vLLM's preemption by recompute) and nothing is
+            admitted in that step, as vLLM's scheduler does.
+        retraction: one of ``RETRACTIONS``: which running requests a cache overflow
+            retracts, and where in the queue they wait.
+        metric_names: one of ``METRIC_NAMES``: whose names ``/metrics`` gives its figures.
         step_time: seconds of one decode step, plus ``step_per_request`` per request in
             the batch: the larger the batch, the slower each request and the higher the
             total throughput, up to ``1 / step_per_request`` tokens/s.
@@ -136,6 +162,9 @@ class SimConfig:
     json_mismatch_rate: float = 0.0
     kv_tokens: int = 0
     max_running: int = 0
+    admission: str = "reserve"
+    retraction: str = "newest"
+    metric_names: str = "sglang"
     step_time: float = 0.01
     step_per_request: float = 0.0002
     prefill_per_token: float = 0.00002
@@ -166,6 +195,15 @@ class SimConfig:
                 f"unknown reasoning field {self.reasoning_field!r}; "
                 f"known: {', '.join(REASONING_FIELDS)}"
             )
+        for name, known in (
+            ("admission", ADMISSIONS),
+            ("retraction", RETRACTIONS),
+            ("metric_names", METRIC_NAMES),
+        ):
+            if getattr(self, name) not in known:
+                raise ValueError(
+                    f"unknown {name} {getattr(self, name)!r}; known: {', '.join(known)}"
+                )
         rates = (self.json_invalid_rate, self.json_mismatch_rate)
         if not all(0.0 <= r <= 1.0 for r in rates) or sum(rates) > 1.0:
             raise ValueError(f"json rates must be within [0, 1], at most 1 together, got {rates}")

@@ -16,8 +16,11 @@ from typing import Any, TypeVar
 import click
 
 from orchestrator.sim.config import (
+    ADMISSIONS,
+    METRIC_NAMES,
     REASONING_FIELDS,
     REASONING_MODES,
+    RETRACTIONS,
     SimConfig,
     parse_fault,
     parse_outage,
@@ -214,6 +217,29 @@ OPTIONS: tuple[SimOption, ...] = (
         0,
         show_default=False,
         help="Batch continuously, at most this many requests decoded together.",
+    ),
+    SimOption(
+        "--admission",
+        "admission",
+        ADMISSIONS,
+        help="Batching: reserve (SGLang: room for a share of each running request's "
+        "max_tokens too) or fifo (vLLM: first come first served while the prompt fits now, "
+        "none let in by a step that preempted).",
+    ),
+    SimOption(
+        "--retraction",
+        "retraction",
+        RETRACTIONS,
+        help="Batching, when the cache overflows: newest (the newest running, to the head of "
+        "the queue, as vLLM) or sglang (the fewest generated, to its back, room kept for 20 "
+        "steps).",
+    ),
+    SimOption(
+        "--metric-names",
+        "metric_names",
+        METRIC_NAMES,
+        help="Whose names /metrics uses: sglang (sglang:num_queue_reqs, ...) or vllm "
+        "(vllm:num_requests_waiting, ...).",
     ),
     SimOption(
         "--step-time", "step_time", float, 0, help="Batching: seconds of one decode step ..."

@@ -24,7 +24,7 @@ import random
 import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -36,6 +36,7 @@ from orchestrator.items.quality import split_think
 from orchestrator.sim import logprobs as sim_tokens
 from orchestrator.sim.batching import BatchModel, Seq
 from orchestrator.sim.config import DEFAULT_MODEL, FAULT_KINDS, SimConfig
+from orchestrator.sim.exposition import Figures, metrics_text
 from orchestrator.sim.length_model import dataset_of, quantile
 from orchestrator.sim.options import sim_config, sim_options
 from orchestrator.sim.prefix import PrefixCache, prompt_words
@@ -1106,7 +1107,9 @@ async def _stream_answer(
             "model": model or _served({}, config),
             "choices": [{**choice, "finish_reason": finish}],
         }
-        if so_far is not None:  # vLLM's continuous_usage_stats: usage in every chunk
+        if so_far is not None:
+            # vLLM's continuous_usage_stats: usage in every chunk, its completion tokens
+            # those of the chunk's choice alone (the last chunk's are the request's).
             payload["usage"] = _usage(prompt_tokens, so_far, cached)
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
@@ -1119,12 +1122,13 @@ async def _stream_answer(
     # A malformed stream stops after about half of its deltas, without finish_reason/[DONE];
     # a stalled one sends the same half, then nothing, keeping the connection open.
     sent = entries[: max(1, (len(entries) - 1) // 2)] if cut or stall else entries
-    so_far = 0
+    so_far, each = 0, [0] * len(answers)
     try:
         for index, delta, tokens, finish in sent:
             await _sleep(0 if batcher is not None or finish else config.per_token * tokens)
             so_far += tokens
-            usage_now = so_far if continuous and finish is None else None
+            each[index] += tokens
+            usage_now = each[index] if continuous and finish is None else None
             await response.write(chunk(delta, finish, index, tokens, usage_now))
     except (ConnectionError, asyncio.CancelledError):
         # The client left mid-stream: what it was sent is generated and thrown away.
@@ -1214,27 +1218,8 @@ def _served(body: dict[str, Any], config: SimConfig) -> str:
     return config.model or body.get("model") or DEFAULT_MODEL
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 def _metrics_text(state: _State) -> str:
     stats = state.stats
-    labels = f'model_name="{_label(state.config.model or DEFAULT_MODEL)}"'
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, samples: Iterable[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for sample_name, value in samples:
-            lines.append(f"{sample_name} {float(value)!r}")
-
-    def gauge(name: str, help_text: str, value: float) -> None:
-        metric(name, "gauge", help_text, [(f"{name}{{{labels}}}", value)])
-
-    def counter(name: str, help_text: str, value: float) -> None:
-        metric(name, "counter", help_text, [(f"{name}_total{{{labels}}}", value)])
-
     batcher = state.batcher
     if batcher is not None:
         running, queued = len(batcher.model.running), len(batcher.model.queue)
@@ -1243,35 +1228,21 @@ def _metrics_text(state: _State) -> str:
         running, queued = stats.running, 0
         usage = min(1.0, stats.running_tokens / _KV_CAPACITY_TOKENS)
         throughput = stats.throughput(state.uptime())
-    gauge("sglang:num_running_reqs", "The number of running requests.", running)
-    gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", queued)
-    gauge("sglang:token_usage", "The token usage.", usage)
-    gauge("sglang:gen_throughput", "The generation throughput (token/s).", throughput)
-    gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", 0)
-    counter("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
-    counter(
-        "sglang:generation_tokens",
-        "Number of generation tokens processed.",
-        stats.generation_tokens,
+    figures = Figures(
+        running=running,
+        queued=queued,
+        usage=usage,
+        throughput=throughput,
+        prompt_tokens=stats.prompt_tokens,
+        generation_tokens=stats.generation_tokens,
+        completed=stats.completed,
+        aborted=stats.aborted,
+        retracted=batcher.model.retracted if batcher is not None else 0,
+        latency=list(zip(_LATENCY_BUCKETS, stats.latency_buckets, strict=True)),
+        latency_sum=stats.latency_sum,
     )
-    counter("sglang:num_requests", "Number of requests processed.", stats.completed)
-    counter("sglang:num_aborted_requests", "Number of requests aborted.", stats.aborted)
-    counter(
-        "sglang:num_retracted_requests",
-        "Number of requests retracted (the KV cache overflowed).",
-        batcher.model.retracted if batcher is not None else 0,
-    )
-
-    name = "sglang:e2e_request_latency_seconds"
-    samples = [
-        (f'{name}_bucket{{{labels},le="{bound!r}"}}', count)
-        for bound, count in zip(_LATENCY_BUCKETS, stats.latency_buckets, strict=True)
-    ]
-    samples.append((f'{name}_bucket{{{labels},le="+Inf"}}', stats.completed))
-    samples.append((f"{name}_sum{{{labels}}}", stats.latency_sum))
-    samples.append((f"{name}_count{{{labels}}}", stats.completed))
-    metric(name, "histogram", "Histogram of End-to-end request latency in seconds", samples)
-    return "\n".join(lines) + "\n"
+    config = state.config
+    return metrics_text(config.metric_names, config.model or DEFAULT_MODEL, figures)
 
 
 async def _metrics(request: web.Request) -> web.Response:

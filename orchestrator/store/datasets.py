@@ -495,6 +495,16 @@ async def get_dataset(database: Database, name: str) -> DatasetInfo | None:
     return _info(row) if row is not None else None
 
 
+async def key_digest(database: Database, dataset_id: int, key: str) -> str | None:
+    """The digest of the dataset's item ``key`` (its first sample), or None: whether a
+    source's rows are already in the dataset under that key."""
+    query = sa.select(items.c.digest).where(
+        items.c.dataset_id == dataset_id, items.c.key == key, items.c.sample == 0
+    )
+    async with database.read() as conn:
+        return (await conn.execute(query)).scalar_one_or_none()
+
+
 async def set_draw_mode(database: Database, dataset_id: int, mode: str) -> None:
     """How the dataset's samples are asked for from now on (``DRAW_MODES``)."""
     async with database.write() as conn:

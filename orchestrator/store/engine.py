@@ -369,6 +369,12 @@ class Database:
 
     @property
     def _reader(self) -> AsyncEngine:
+        """Connections for one snapshot: a deferred BEGIN on SQLite; REPEATABLE READ on
+        PostgreSQL, whose READ COMMITTED (the queue's level) would let each statement see
+        what committed since the one before, and an export's card count answers its
+        rows do not hold. A read-only transaction there never fails to serialise."""
+        if self.url.get_backend_name() == "postgresql":
+            return self.engine.execution_options(isolation_level="REPEATABLE READ")
         return self.engine.execution_options(sqlite_begin="DEFERRED")
 
     async def checkpoint(self, mode: str = "PASSIVE") -> None:

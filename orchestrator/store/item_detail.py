@@ -29,7 +29,7 @@ import orjson
 from orchestrator.errors import ConfigError
 from orchestrator.items.params import item_body
 from orchestrator.items.quality import flag_names
-from orchestrator.items.samples import seed_of
+from orchestrator.items.samples import seed_of, sent_as
 from orchestrator.store.outputs import check_names
 
 if TYPE_CHECKING:
@@ -215,6 +215,9 @@ class ItemRecord:
     not_before: float | None
     draw: int = 0
     """Which of its prompt's samples the item is (``enqueue --samples``; 0 when one)."""
+    choice: int | None = None
+    """Which choice of the request its answer came in, when that request asked for
+    several of its prompt's samples (``request`` holds the request's ``n`` and seed)."""
 
 
 # -------------------------------------------------------------------------- selection
@@ -535,10 +538,10 @@ def _record(row: Sequence[Any], found: _Found, datasets: Mapping[int, _Dataset])
     error_class, last_error, owner, expires, not_before, created, updated, finished = row[9:17]
     heartbeat, draw = row[17], row[18]
     dataset = datasets[dataset_id]
-    seed = _seed(dataset, key, draw)
     answer = found.answers.get(item_id)
     item_request = orjson.loads(request)
-    requeues = _requeues(item_id, item_request, found, dataset)
+    requeues = _requeues(item_id, item_request, found, dataset, key, draw)
+    choice = sent_as(answer.usage) if answer is not None else None
     lease = LeaseRecord(owner, expires, heartbeat) if state == "running" else None
     return ItemRecord(
         dataset=dataset.name,
@@ -550,7 +553,7 @@ def _record(row: Sequence[Any], found: _Found, datasets: Mapping[int, _Dataset])
         turns=turns,
         regenerate=dataset.regenerate,
         passthrough=dataset.passthrough,
-        request=_sent(item_request, answer, found, dataset, seed),
+        request=_sent(item_request, answer, found, dataset, key, draw),
         params_hash=_params_hash(answer, found),
         answer=answer,
         generated=found.turns.get(item_id, []),
@@ -564,6 +567,7 @@ def _record(row: Sequence[Any], found: _Found, datasets: Mapping[int, _Dataset])
         finished_at=finished,
         not_before=not_before if state == "pending" and not_before else None,
         draw=draw,
+        choice=choice[0] if choice is not None else None,
     )
 
 
@@ -585,17 +589,27 @@ def _sent(
     answer: AnswerRecord | None,
     found: _Found,
     dataset: _Dataset,
-    seed: int | None = None,
+    key: str,
+    draw: int,
 ) -> Json:
     """The body the answer was asked with (its parameter set, when known), or the one the
-    next attempt sends (the dataset's parameters now), with the sample's seed."""
+    next attempt sends (the dataset's parameters now), with the sample's seed. An answer
+    that came as choice ``c`` of an ``n`` request was asked with that request's body: the
+    seed of the sample ``c`` before it, and ``n``."""
     params = dataset.params
     if answer is not None and answer.params_hash in found.params:
         params = found.params[answer.params_hash]
-    return item_body(params, request, seed)
+    choice = sent_as(answer.usage) if answer is not None else None
+    if choice is None:
+        return item_body(params, request, _seed(dataset, key, draw))
+    body = item_body(params, request, _seed(dataset, key, draw - choice[0]))
+    body["n"] = choice[1]
+    return body
 
 
-def _requeues(item_id: int, request: Json, found: _Found, dataset: _Dataset) -> list[RequeueRecord]:
+def _requeues(
+    item_id: int, request: Json, found: _Found, dataset: _Dataset, key: str, draw: int
+) -> list[RequeueRecord]:
     """The item's requeues, oldest first. A requeue that changed the request kept the one
     before it: walking them newest first, the request of each is the one the next kept,
     or the item's own."""
@@ -616,7 +630,7 @@ def _requeues(item_id: int, request: Json, found: _Found, dataset: _Dataset) -> 
                 error_class=cls,
                 last_error=last,
                 finished_at=finished,
-                request=_sent(then, answer, found, dataset),
+                request=_sent(then, answer, found, dataset, key, draw),
                 answer=answer,
                 generated=found.set_aside_turns.get((item_id, requeue_id), []),
             )

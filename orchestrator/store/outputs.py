@@ -51,8 +51,8 @@ FullRow = tuple[
     bytes | None,
     int,
 ]
-# key, error_class, last_error, attempts, turn, turns
-FailedRow = tuple[str, str | None, str | None, int, int, int]
+# key, error_class, last_error, attempts, turn, turns, sample
+FailedRow = tuple[str, str | None, str | None, int, int, int, int]
 
 BATCH = 2000
 
@@ -97,8 +97,8 @@ _BYTES = (
     " ORDER BY item_id DESC LIMIT :limit) AS recent"
 )
 _FAILED = (
-    "SELECT key, error_class, last_error, attempts, turn, turns FROM items"
-    " WHERE dataset_id = :dataset_id AND state = 'failed' ORDER BY id"
+    "SELECT key, error_class, last_error, attempts, turn, turns, sample FROM items"
+    " WHERE dataset_id = :dataset_id AND state = 'failed' ORDER BY position, sample"
 )
 
 

@@ -7,6 +7,7 @@ HTTP; ``classify`` turns the answer or the error into an outcome.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from orchestrator.inference.pool import ServerPool
 from orchestrator.items import error_classes as ec
 from orchestrator.items.conversation import stops_after, turn_messages
 from orchestrator.items.params import item_body
-from orchestrator.items.samples import seed_of
+from orchestrator.items.samples import as_choice, seed_of
 from orchestrator.logs import debug_enabled
 from orchestrator.store import Failure, Lease, Output
 from orchestrator.store.datasets import DatasetInfo
@@ -205,10 +206,13 @@ class Caller:
         tokens = sum((c.usage or {}).get("completion_tokens") or 0 for c in choices)
         self.pool.succeeded(server, tokens, choices[0].latency)
         outcomes = []
-        for each, answer in zip(leases, choices, strict=False):
+        for choice, (each, answer) in enumerate(zip(leases, choices, strict=False)):
             result = classify.answered(each, info, asked, answer, self.config)
-            if asked is not body and isinstance(result, Output):
-                result = classify.reduced(result, each, asked)
+            if isinstance(result, Output):
+                if asked is not body:
+                    result = classify.reduced(result, each, asked)
+                usage = as_choice(result.usage, choice, len(leases))
+                result = dataclasses.replace(result, usage=usage)
             outcomes.append(_done(each, result))
         if len(choices) < len(leases):
             await self._n_ignored(info, server, len(leases), len(choices))

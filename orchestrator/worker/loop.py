@@ -183,7 +183,10 @@ class Worker:
 
     def _joins(self, first: Lease, lease: Lease, count: int) -> bool:
         """Whether ``lease`` is asked for in ``first``'s request: the next sample of the
-        same prompt, claimed together, with the next seed, of a dataset asking with n."""
+        same prompt, claimed together, with the next seed, of a dataset asking with n,
+        and asked exactly as ``first`` is (a sample requeued with other settings, say a
+        larger ``max_tokens``, goes in a request of its own: ``n`` replaces the seed
+        alone)."""
         info = self.catalog.infos.get(first.dataset_id)
         return (
             info is not None
@@ -193,6 +196,7 @@ class Worker:
             and lease.sample == first.sample + count
             and lease.turns == 1
             and call_seed(lease, info) == (call_seed(first, info) or 0) + count
+            and lease.request == first.request
         )
 
     async def _ignores_n(self, dataset_id: int) -> None:

@@ -35,7 +35,7 @@ from orchestrator.formats.readers import lines
 from orchestrator.formats.readers.lines import Mapped, RowError
 from orchestrator.formats.readers.template import Template, TemplateError, ValueProblem, parse
 
-__all__ = ["Columns", "Mapper", "check", "mapper", "problems"]
+__all__ = ["Columns", "Mapper", "check", "keyed", "mapper", "problems"]
 
 Mapper = Callable[[dict[str, Any]], Mapped]
 """A row to what the reader stores (``formats.lines.Mapped``), or ``RowError``."""
@@ -155,14 +155,30 @@ def check(
     mode: str = "last",
     say: Callable[[str], str] = _say_key,
 ) -> Mapper | None:
-    """The row mapper ``columns`` ask for (None: rows are read as JSONL lines), or
-    ``ConfigError`` with every problem, before anything is read."""
+    """The row mapper ``columns`` ask for (None: rows are read as JSONL lines, keyed by
+    ``id_column`` if given: :func:`keyed`), or ``ConfigError`` with every problem, before
+    anything is read."""
     if columns is None or not columns.given():
         return None
     found = problems(columns, fmt=fmt, mode=mode, say=say)
     if found:
         raise ConfigError("; ".join(reason for _, reason in found))
+    if columns.builder is None:
+        return None
     return mapper(columns, mode, say)
+
+
+def keyed(parse: Mapper, column: str) -> Mapper:
+    """``parse`` (a row read whole, as its JSONL line) with the key taken from ``column``:
+    ``--id-column`` without a column that builds the messages, as for ultrachat's
+    ``prompt_id`` beside its ``messages``."""
+
+    def parse_keyed(row: dict[str, Any]) -> Mapped:
+        key = _key(row, column)
+        _, request, fmt, turns, usage, predicted = parse(row)
+        return key, request, fmt, turns, usage, predicted
+
+    return parse_keyed
 
 
 def mapper(columns: Columns, mode: str, say: Callable[[str], str] = _say_key) -> Mapper:

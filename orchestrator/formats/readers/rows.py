@@ -36,7 +36,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import orjson
 
 from orchestrator.errors import ConfigError, InputError
-from orchestrator.formats.readers.columns import Columns, template_columns
+from orchestrator.formats.readers.columns import Columns, keyed, template_columns
 from orchestrator.formats.readers.columns import check as check_columns
 from orchestrator.formats.readers.lines import (
     ITEM_PARSERS,
@@ -262,7 +262,9 @@ def _reading(
     mapper = check_columns(columns, fmt=fmt, mode=mode, say=say or _same)
     wanted = template_columns(columns) if mapper is not None and columns is not None else None
     source = spec if _is_source(spec) else open_source(spec, split=split, config=config)
-    parsers = _Parsers(kind, mode, fmt, mapper, raw=endpoint == "completions")
+    # An id column without a column that builds the messages: rows read whole, keyed by it.
+    id_column = columns.id_column if columns is not None and mapper is None else None
+    parsers = _Parsers(kind, mode, fmt, mapper, raw=endpoint == "completions", id_column=id_column)
     return Reading(source, parsers, on_invalid, wanted)  # type: ignore[arg-type]
 
 
@@ -414,6 +416,7 @@ class _Parsers:
         mapper: Callable[[dict], Mapped] | None,
         *,
         raw: bool = False,
+        id_column: str | None = None,
     ):
         self.raw = raw
         self.kind = kind
@@ -421,13 +424,16 @@ class _Parsers:
         self.fmt = fmt
         self.mapper = mapper
         self.item_parser = mapper or ITEM_PARSERS[mode, fmt == "tokens"]
+        self.id_column = id_column
+        if id_column is not None:
+            self.item_parser = keyed(self.item_parser, id_column)
 
     def for_part(self, part: Part, offset: int) -> Callable[[Raw, int], Any]:
         parse = self._for_part(part, offset)
         return _as_prompt(parse) if self.raw else parse
 
     def _for_part(self, part: Part, offset: int) -> Callable[[Raw, int], Any]:
-        plain = self.mode == "last" and self.mapper is None
+        plain = self.mode == "last" and self.mapper is None and self.id_column is None
         if plain and part.key is None and offset == 0 and part.unit == "line":
             # A JSONL file named directly: nearly every large run's path.
             fast = _prepare_line if self.kind == "prepared" else _parse_line

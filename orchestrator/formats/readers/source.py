@@ -171,7 +171,18 @@ def _path_source(name: str, split: str | None, config: str | None) -> Source:
     _no_split(split, name)
     kind = kind_of(name) or "jsonl"
     # A JSONL file named directly keeps the keys it always had: id-less lines by number.
-    return Files(name, [(name, os.path.basename(name), kind)], keyed=kind != "jsonl")
+    if kind == "jsonl":
+        return Files(name, [(name, os.path.basename(name), kind)], keyed=False)
+    return Files(name, [(name, direct_name(name), kind)], keyed=True, older=os.path.basename(name))
+
+
+def direct_name(path: str) -> str:
+    """How the rows of a table file named directly are keyed: its folder's name and its
+    own (``a/train-00000-of-00001.parquet``), so that the same shard name in two folders
+    never meets, and the keys are those a folder one level up gives the same file."""
+    folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    name = os.path.basename(path)
+    return f"{folder}/{name}" if folder else name
 
 
 def _no_split(split: str | None, what: str) -> None:
@@ -270,12 +281,22 @@ def _read_json(folder: str, name: str) -> object:
 class Files:
     """Files read in order, each by the reader its suffix names."""
 
-    def __init__(self, name: str, files: list[tuple[str, str, str]], *, keyed: bool):
+    def __init__(
+        self,
+        name: str,
+        files: list[tuple[str, str, str]],
+        *,
+        keyed: bool,
+        older: str | None = None,
+    ):
         self.name = name
         self.files = files
         """(path, name relative to the source, reader) per file."""
         self.keyed = keyed
         """Rows without an id are keyed by file and number (else by number alone)."""
+        self.older = older
+        """A table file named directly: the name earlier versions keyed its rows by (its
+        own name alone), which a dataset they filled keeps (``enqueueing``)."""
 
     def parts(self, wanted: Wanted) -> Iterator[tuple[Part, Rows]]:
         for path, relative, kind in self.files:

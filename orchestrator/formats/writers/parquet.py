@@ -4,7 +4,8 @@ A row is the line the JSONL export writes for the same item (``_Lines.line``, th
 place rows are made), read into Arrow by pyarrow's JSON reader against a fixed schema:
 nothing here decides what a row says, only how it is typed. Three columns are retyped
 on the way: ``tools`` (JSON schemas of any shape) and the provenance ``params`` become
-JSON text, and ``flags`` (the quality flags' names) is on every row.
+JSON text, and ``flags`` (the quality flags' names) is on every row. With ``token_ids``
+and ``logprobs`` an answer's tokens are list columns (``TOKEN_IDS``, ``LOGPROBS``).
 
 ``messages`` is a list of structs of ``role``, ``content``, ``reasoning_content``,
 ``tool_calls`` (``id``, ``type``, ``function`` of ``name`` and ``arguments``) and
@@ -100,23 +101,51 @@ PER_TURN = [
 ]
 
 
+# With token_ids / logprobs: an answer's tokens (``orchestrator.items.tokens.row_fields``), as
+# the server gave them: ids as int32, logprobs as float32 (null where none was given);
+# ``tokens`` and ``top_tokens`` hold the texts of answers whose server gave no ids.
+TOKEN_IDS = [("token_ids", pa.list_(pa.int32()))]
+LOGPROBS = [
+    ("tokens", pa.list_(_TEXT)),
+    ("token_logprobs", pa.list_(pa.float32())),
+    ("top_token_ids", pa.list_(pa.list_(pa.int32()))),
+    ("top_tokens", pa.list_(pa.list_(_TEXT))),
+    ("top_logprobs", pa.list_(pa.list_(pa.float32()))),
+]
+
+
 def schema(
-    provenance: bool, per_turn: bool = False, parsed: bool = False, sampled: bool = False
+    provenance: bool,
+    per_turn: bool = False,
+    parsed: bool = False,
+    sampled: bool = False,
+    *,
+    token_ids: bool = False,
+    logprobs: bool = False,
 ) -> pa.Schema:
     """The export's columns: the per-turn ones after ``id`` (or ``sample``, the sample's
-    index, when a dataset has several per prompt), the provenance ones, then ``parsed``
-    (the structured answer's JSON text)."""
+    index, when a dataset has several per prompt), the provenance ones, ``parsed`` (the
+    structured answer's JSON text), then the answer's tokens."""
     head = COLUMNS[:1] + ([("sample", pa.int64())] if sampled else [])
     columns = head + (PER_TURN if per_turn else []) + COLUMNS[1:]
     columns += PROVENANCE if provenance else []
-    return pa.schema(columns + ([("parsed", _TEXT)] if parsed else []))
+    columns += [("parsed", _TEXT)] if parsed else []
+    columns += TOKEN_IDS if token_ids else []
+    return pa.schema(columns + (LOGPROBS if logprobs else []))
 
 
 def write_tables(job: _Job, rows: Rows) -> None:
     """Every output of ``job`` as Parquet: one file, or (``split``) a folder per dataset."""
     options = job.options
     sampled = any(d.samples > 1 for _, group in job.outputs for d in group)
-    table_schema = schema(options.provenance, options.per_turn, options.parsed, sampled)
+    table_schema = schema(
+        options.provenance,
+        options.per_turn,
+        options.parsed,
+        sampled,
+        token_ids=options.token_ids,
+        logprobs=options.logprobs,
+    )
     for target, group in job.outputs:
         job.restart_index()
         with _Sink(job, target, table_schema) as sink:

@@ -15,6 +15,8 @@ messages or turns, ``tools``) and what is each sample's own goes into its answer
   sample's ``finish_reason``, ``usage`` and provenance fields.
 * ``regenerate = "all"``: each sample is a conversation of its own; its answer holds the
   whole of it (``messages`` / ``conversations``), and the record keeps only the ids.
+* ``completions``: the prompt once; each answer is ``{"sample", "completion"}`` plus that
+  sample's ``finish_reason``, ``usage`` and the rest of its own fields.
 * ``openai-batch``: the format's own shape for several answers, ``choices``, indexed by
   sample, in one response body.
 """
@@ -50,6 +52,8 @@ def grouped(records: list[dict[str, Any]], fmt: str, regenerate: str) -> dict[st
     """One prompt's sample records (marked by :func:`sampled`) as one record."""
     if fmt == "openai-batch":
         return _batch_group(records)
+    if fmt == "completions":
+        return _completions_group(records)
     field = _CONVERSATION[fmt]
     first = records[0]
     whole = regenerate == "all"
@@ -68,6 +72,19 @@ def grouped(records: list[dict[str, Any]], fmt: str, regenerate: str) -> dict[st
     out[ANSWERS] = answers
     if "tools" in first:
         out["tools"] = first["tools"]
+    return out
+
+
+def _completions_group(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``prompt``/``completion`` records of one prompt as one record: the prompt once, each
+    sample's completion (with its own finish_reason, usage, tokens) in ``answers``."""
+    first = records[0]
+    out = {k: v for k, v in first.items() if k in _SHARED or k == "prompt"}
+    answers = []
+    for record in records:
+        own = {k: v for k, v in record.items() if k not in out and k != SAMPLE}
+        answers.append({SAMPLE: record[SAMPLE], **own})
+    out[ANSWERS] = answers
     return out
 
 
