@@ -8,11 +8,11 @@ from typing import Any
 import click
 
 from orchestrator.checks import DATASET
-from orchestrator.cli.common import Checked, db_option, on_database
+from orchestrator.cli.common import Checked, Commands, db_option, on_database
 from orchestrator.store.columns import ON_INVALID, ON_OVERFLOW, ON_TRUNCATED
 
 
-@click.group()
+@click.group(cls=Commands)
 def dataset() -> None:
     """Change a dataset's settings, or delete it (and undo that)."""
 
