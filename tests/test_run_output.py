@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -81,6 +82,25 @@ def test_progress_line_on_a_terminal_with_logs_above_it(
     # The line is taken away at the end: what the screen's last line shows is the summary.
     last = text.rstrip().rsplit("\n", 1)[-1].rsplit("\r\x1b[K", 1)[-1].strip("\r")
     assert last.startswith("worker stopped: 60 done"), text[-300:]
+
+
+def test_progress_line_says_when_no_server_is_reachable(tmp_path: Path) -> None:
+    """The only server down from the start: the live line gives no ETA, says that no
+    server is reachable, which one and why, until the run gives up (exit 4)."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    db = _enqueue(tmp_path, 5)
+    argv = [*ORCH, "run", "--server", url, "--db", db, "--exit-when-done", "--give-up-after", "4"]
+    code, raw = run_on_a_terminal(argv, _env(), columns=400)
+    assert code == 4, raw
+    text = ANSI_COLOUR.sub("", raw)
+    outage = re.compile(
+        r"0/5 done +0\.0% .* ETA \? \(waiting for a server\) +failed 0 .* in flight 0"
+        rf"  NO SERVER REACHABLE: {re.escape(url)} \(connection refused by [^)]*\)?, for \d+s\)"
+    )
+    lines = [p.strip("\r") for chunk in text.split("\r\x1b[K") for p in chunk.split("\n")]
+    assert any(outage.fullmatch(line) for line in lines), text
 
 
 def test_no_progress_line_when_piped(

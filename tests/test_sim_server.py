@@ -8,7 +8,10 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from orchestrator.sim import (
     serve,
     write_sample,
 )
+from tests.helpers import cli
 
 REPO = Path(__file__).resolve().parents[1]
 MESSAGES = [
@@ -1102,3 +1106,73 @@ async def test_json_answers_stream_as_they_answer_whole(
         assert value["sim"] == request_digest(messages)
         assert ("text" in value) == (kind == "valid") and ("words" in value) != (kind == "valid")
     assert kinds == {"valid", "invalid_json", "schema_mismatch"}
+
+
+def _sim_server(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """``orchestrator sim-server`` as a user starts it, on a free port."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "sim-server", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    match = re.fullmatch(r"sim-server listening on (http://127\.0\.0\.1:\d+)\n", line)
+    assert match, line
+    return proc, match.group(1)
+
+
+def _ask(base: str, model: str | None) -> tuple[int, dict[str, Any]]:
+    body = {"messages": MESSAGES, **({"model": model} if model is not None else {})}
+    request = urllib.request.Request(
+        base + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _listed(base: str) -> list[str]:
+    with urllib.request.urlopen(base + "/v1/models", timeout=30) as resp:
+        return [m["id"] for m in json.loads(resp.read())["data"]]
+
+
+def test_sim_server_answers_only_the_models_it_lists_as_vllm_does(tmp_path: Path) -> None:
+    """What /v1/models lists is what is answered: another name gets vLLM's 404, so that
+    ``doctor --model X`` and a run agree with the server; ``--model`` (repeated) serves
+    those names, ``--any-model`` any name."""
+    db = tmp_path / "q.db"
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    made = cli("enqueue", str(src), "-d", "d", "--model", "Qwen/Qwen3-8B", "--db", str(db))
+    assert made.returncode == 0, made.stderr
+    started = [_sim_server(), _sim_server("--model", "Qwen/Qwen3-8B", "--model", "qwen")]
+    started.append(_sim_server("--any-model"))
+    (_, plain), (_, named), (_, anything) = started
+    try:
+        assert _listed(plain) == ["sim-model"]
+        assert _ask(plain, None)[0] == 200 and _ask(plain, "sim-model")[0] == 200
+        status, body = _ask(plain, "Qwen/Qwen3-8B")
+        assert (status, body["message"]) == (404, "The model `Qwen/Qwen3-8B` does not exist.")
+        assert body["type"] == "NotFoundError"
+        refused = cli("doctor", "--server", plain, "--db", str(db))
+        assert refused.returncode != 0 and "does not serve Qwen/Qwen3-8B" in refused.stdout
+
+        assert _listed(named) == ["Qwen/Qwen3-8B", "qwen"]
+        for model in ("Qwen/Qwen3-8B", "qwen"):
+            status, body = _ask(named, model)
+            assert status == 200 and body["model"] == model
+        assert _ask(named, "sim-model")[0] == 404
+        served = cli("doctor", "--server", named, "--db", str(db))
+        assert served.returncode == 0, served.stdout + served.stderr
+
+        assert _listed(anything) == ["sim-model"] and _ask(anything, "Qwen/Qwen3-8B")[0] == 200
+    finally:
+        for proc, _ in started:
+            proc.kill()
+            proc.wait()

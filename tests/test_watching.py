@@ -4,6 +4,8 @@ person reads there must be true of the run: shares that never round up to finish
 from __future__ import annotations
 
 import json
+import re
+import signal
 import sqlite3
 import time
 from collections.abc import Callable
@@ -15,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from orchestrator.monitor.text import percent
-from tests.helpers import SimProcess, cli, prompts, start_worker, write_jsonl
+from tests.helpers import Heard, SimProcess, cli, prompts, start_worker, write_jsonl
 
 
 @given(st.integers(min_value=1, max_value=10**9), st.data())
@@ -82,3 +84,95 @@ def test_workers_show_their_requests_in_flight_and_death(
     assert entry["dead"] and not entry["stopped"], entry
     text = cli("status", "--db", str(db)).stdout
     assert "DEAD" in text, text
+
+
+def _status(db: Path) -> dict[str, Any]:
+    shown = cli("status", "--json", "--db", str(db))
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout)
+
+
+def _wait_for(db: Path, check: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while not check(snap := _status(db)):
+        assert time.monotonic() < deadline, f"never {what}: {json.dumps(snap)[-3000:]}"
+        time.sleep(0.2)
+    return snap
+
+
+def _answering(snap: dict[str, Any]) -> bool:
+    """Answers done, an ETA, and the worker's heartbeat says its one server is up."""
+    totals, workers = snap["totals"], snap["workers"]
+    up = bool(workers) and workers[0]["servers"] == workers[0]["servers_up"] == 1
+    return up and totals["counts"]["done"] >= 4 and totals["eta_seconds"] is not None
+
+
+def _refused(snap: dict[str, Any]) -> bool:
+    """Every worker waits for a server, its one server refusing connections."""
+    down = [d for w in snap["workers"] for d in w["servers_down"]]
+    said = all("connection refused" in d["reason"].lower() for d in down)
+    return bool(snap["totals"]["waiting_for_server"] and down and said)
+
+
+def test_status_says_when_no_server_is_reachable(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """The only server killed under a running worker: status (text and JSON) says that
+    none is reachable, since when and why, and gives no ETA; the server back, it clears."""
+    db = tmp_path / "q.db"
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(400))
+    assert cli("enqueue", str(data), "-d", "d", "--db", str(db)).returncode == 0
+    server = sim_process("--latency", "0.5")
+    worker = Heard(start_worker(db, server.url, "--concurrency", "4"))
+    snap = _wait_for(db, _answering, "answered")
+    assert not snap["totals"]["waiting_for_server"] and not snap["workers"][0]["servers_down"]
+
+    server.kill()
+    # Requests cut by the kill may take it out first; the probes then find it refused.
+    snap = _wait_for(db, _refused, "waiting for a server, refused")
+    (entry,) = snap["workers"]
+    assert entry["waiting_for_server"] and entry["servers_up"] == 0, entry
+    (down,) = entry["servers_down"]
+    assert down["server"] == server.url, down
+    assert entry["unreachable_since"] and snap["totals"]["unreachable_since"]
+    assert snap["totals"]["eta_seconds"] is None and snap["datasets"][0]["eta_seconds"] is None
+    text = cli("status", "--db", str(db), env={"COLUMNS": "200"}).stdout
+    assert re.search(r"servers: none reachable for \S+: " + re.escape(server.url), text), text
+    assert "connection refused" in text.lower() and "waiting for a server" in text, text
+    assert "WAITING FOR A SERVER" in text, text
+
+    server.start()
+    snap = _wait_for(db, lambda s: not s["totals"]["waiting_for_server"], "back")
+    assert snap["workers"][0]["servers_up"] == 1 and not snap["workers"][0]["servers_down"]
+    text = cli("status", "--db", str(db), env={"COLUMNS": "200"}).stdout
+    assert "none reachable" not in text and "WAITING" not in text, text
+    worker.proc.terminate()
+    assert worker.proc.wait(60) == 0, worker.text()[-3000:]
+
+
+def test_a_worker_not_heard_from_past_its_lease_is_presumed_dead(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """A worker frozen (as one on another host that is gone looks: its process cannot be
+    looked at) reads as silent and presumed dead once its heartbeat is older than its
+    lease, when the others may take its items, not 120 s later; heard again, it is live."""
+    db = tmp_path / "q.db"
+    data = write_jsonl(tmp_path / "in.jsonl", prompts(40))
+    assert cli("enqueue", str(data), "-d", "d", "--db", str(db)).returncode == 0
+    server = sim_process("--latency", "600")
+    proc = start_worker(db, server.url, "--concurrency", "2", "--lease-seconds", "8")
+    _wait_for(db, lambda s: bool(s["workers"]) and s["workers"][0]["in_flight"] == 2, "claimed")
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        snap = _wait_for(db, lambda s: s["workers"][0]["silent"], "silent")
+        (entry,) = snap["workers"]
+        assert entry["presumed_dead"] and not entry["dead"] and entry["lease_seconds"] == 8, entry
+        text = cli("status", "--db", str(db)).stdout
+        assert re.search(
+            r"SILENT: no heartbeat for \d+s, longer than its lease: presumed dead", text
+        )
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    _wait_for(db, lambda s: not s["workers"][0]["silent"], "heard again")
+    proc.kill()
+    proc.wait()

@@ -33,6 +33,7 @@ from orchestrator.cli import (
 )
 from orchestrator.cli.common import (
     LOG_LEVELS,
+    Commands,
     configure_logs,
     defer_logs,
     quiet_broken_pipe,
@@ -43,8 +44,9 @@ from orchestrator.cli.common import (
 _LAZY_LOGGING = frozenset({"status", "export", "inspect"})
 
 
-class _Commands(click.Group):
-    """The command group; a reader that stops reading (``| head``) ends a command quietly."""
+class _Commands(Commands):
+    """The command group; a reader that stops reading (``| head``) ends a command quietly,
+    and a mistyped command is answered with the close names."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

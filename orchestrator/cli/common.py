@@ -8,6 +8,7 @@ fast paths load this module, and never SQLAlchemy, asyncio or structlog.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import functools
 import os
@@ -31,6 +32,38 @@ T = TypeVar("T")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 _pending_logs: tuple[str, bool | None] | None = None
+
+
+class Commands(click.Group):
+    """A group of commands whose mistyped names are answered with the close ones."""
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError:
+            name = args[0] if args else ""
+            if name.startswith("-"):  # an option, not a command: click's own word
+                raise
+            shown = [n for n in self.list_commands(ctx) if not self.commands[n].hidden]
+            close = close_names(name, shown)
+            if not close:
+                raise
+            either = close[0] if len(close) == 1 else "one of " + ", ".join(close)
+            message = f"No such command {name!r}. Did you mean {either}?"
+            raise click.UsageError(message, ctx) from None
+
+
+def close_names(name: str, names: list[str]) -> list[str]:
+    """The names ``name`` may have meant, quoted: those it begins (``sim`` for
+    ``sim-server``), then those difflib finds alike, three at most."""
+    lowered = {n.lower(): n for n in names}
+    typed = name.lower()
+    begun = [n for low, n in lowered.items() if typed and low.startswith(typed)]
+    alike = [lowered[n] for n in difflib.get_close_matches(typed, list(lowered), n=3)]
+    return [repr(n) for n in dict.fromkeys(begun + alike)][:3]
+
 
 db_option = click.option(
     "--db",

@@ -7,12 +7,12 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import Checked, db_option, on_database
+from orchestrator.cli.common import Checked, Commands, db_option, on_database
 from orchestrator.settings.checks import DATASET
 from orchestrator.settings.dataset_options import ON_INVALID, ON_OVERFLOW, ON_TRUNCATED
 
 
-@click.group()
+@click.group(cls=Commands)
 def dataset() -> None:
     """Change a dataset's settings, or delete it (and undo that)."""
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.common import db_option, run_async, tty_progress
+from orchestrator.cli.common import Commands, db_option, run_async, tty_progress
 
 
-@click.group()
+@click.group(cls=Commands)
 def db() -> None:
     """Database schema."""
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.common import run_sync, split_servers
+from orchestrator.cli.common import Commands, run_sync, split_servers
 
 
-@click.group()
+@click.group(cls=Commands)
 def deploy() -> None:
     """Files for running workers as services."""
 

@@ -17,7 +17,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.monitor.text import duration, percent, worker_note
+from orchestrator.monitor.text import duration, eta_cell, outage_lines, percent, worker_note
 
 
 def render(snap: dict[str, Any]) -> RenderableType:
@@ -50,6 +50,7 @@ def _datasets(snap: dict[str, Any]) -> Table:
     rows = [(e["name"] + (" (paused)" if e["paused"] else ""), e) for e in snap["datasets"]]
     if len(rows) != 1:
         rows.append(("TOTAL", snap["totals"]))
+    waiting = bool(snap["totals"].get("waiting_for_server"))
     for name, e in rows:
         counts = e["counts"]
         tokens = e["completion_tokens"]
@@ -65,7 +66,7 @@ def _datasets(snap: dict[str, Any]) -> Table:
             f"{e['recent']['requests_per_s']:.2f}",
             f"{e['recent']['tokens_per_s']:,.0f}",
             "/".join(_n(tokens.get(k)) for k in ("mean", "p50", "p90")),
-            duration(e["eta_seconds"]),
+            eta_cell(e, waiting),
         )
     return table
 
@@ -95,11 +96,7 @@ def _workers(snap: dict[str, Any]) -> Panel | None:
     if not listed:
         return None
     now = snap.get("generated_at", 0.0)
-    lines = (
-        ["[red]NO SERVER REACHABLE: every worker waits for one (no ETA until one answers)[/red]"]
-        if snap["totals"].get("waiting_for_server")
-        else []
-    )
+    lines = [f"[red]{escape(line)}[/red]" for line in outage_lines(snap) if line]
     for w in listed:
         note = worker_note(w, now)
         lines.append(

@@ -109,7 +109,7 @@ class ProgressLine:
         if self.worker.pool.available.is_set():
             return ""
         view = servers_view(self.worker)
-        return servers_down({"servers_down": view["down"]}, time.time()) or "none left"
+        return servers_down({"servers_down": view.down}, time.time()) or "none left"
 
 
 def _width() -> int:

@@ -25,9 +25,13 @@ def document(snap: stats.Snapshot) -> dict[str, Any]:
     """The status document of a snapshot, its ETA filled in."""
     outlook = forecast([Work(**w) for w in snap.work], live_in_flight=snap.live_in_flight)
     doc = snap.document
+    # No server answers: the pace of the minutes before says nothing of the end, and an
+    # ETA counted down from it would fall while nothing is done.
+    waiting = doc["totals"].get("waiting_for_server")
     for dataset_id, entry in zip(snap.ids, doc["datasets"], strict=True):
-        entry["eta_seconds"] = _round(outlook.datasets.get(dataset_id, 0.0))
-    doc["totals"]["eta_seconds"] = _round(outlook.total)
+        eta = outlook.datasets.get(dataset_id, 0.0)
+        entry["eta_seconds"] = None if waiting and _left(entry) else _round(eta)
+    doc["totals"]["eta_seconds"] = None if waiting else _round(outlook.total)
     doc["totals"]["eta_slots"] = round(outlook.slots, 1)
     return doc
 
@@ -49,6 +53,10 @@ def snapshot_fast(
 ) -> dict[str, Any] | None:
     """The status document through plain sqlite3, or None where that path does not apply."""
     return access.read_fast(db, lambda rows: read(rows, window=window))
+
+
+def _left(entry: dict[str, Any]) -> int:
+    return int(entry["counts"]["pending"] + entry["counts"]["running"])
 
 
 def _round(seconds: float | None) -> float | None:

@@ -30,7 +30,7 @@ def percent(part: int, total: int) -> str:
     return f"{tenths // 10}.{tenths % 10}%"
 
 
-def _row(name: str, e: dict[str, Any]) -> list[str]:
+def _row(name: str, e: dict[str, Any], waiting: bool = False) -> list[str]:
     c = e["counts"]
     tokens = e["completion_tokens"]
     mean = tokens["mean"]
@@ -48,8 +48,15 @@ def _row(name: str, e: dict[str, Any]) -> list[str]:
         f"{mean:.0f}" if mean is not None else "-",
         _tokens(tokens.get("p50")),
         _tokens(tokens.get("p90")),
-        duration(e["eta_seconds"]),
+        eta_cell(e, waiting),
     ]
+
+
+def eta_cell(e: dict[str, Any], waiting: bool) -> str:
+    """A dataset's (or the total's) ETA; while no server is reachable, with items left,
+    that it waits for one."""
+    left = e["counts"]["pending"] + e["counts"]["running"]
+    return "waiting for a server" if waiting and left else duration(e["eta_seconds"])
 
 
 def _tokens(n: int | None) -> str:
@@ -175,11 +182,12 @@ def render_status(snap: dict[str, Any]) -> str:
         "ETA",
     ]
     rows = []
+    waiting = bool(snap["totals"].get("waiting_for_server"))
     for e in snap["datasets"]:
         name = e["name"] + (" (paused)" if e["paused"] else "")
-        rows.append(_row(name, e))
+        rows.append(_row(name, e, waiting))
     if len(snap["datasets"]) != 1:
-        rows.append(_row("TOTAL", snap["totals"]))
+        rows.append(_row("TOTAL", snap["totals"], waiting))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [f"database: {snap['database']}"]
     if not snap["datasets"]:
@@ -190,6 +198,7 @@ def render_status(snap: dict[str, Any]) -> str:
             c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
         ]
         lines.append("  ".join(cells))
+    lines.extend(outage_lines(snap))
     lines.extend(_cache_lines(snap["totals"].get("prompt_tokens")))
     lines.extend(_waste_lines(snap))
     lines.extend(_cost_lines(snap.get("cost")))
@@ -224,7 +233,8 @@ def worker_note(w: dict[str, Any], now: float) -> str:
     if w.get("dead"):
         return f"DEAD: its process is gone (last heartbeat {duration(w['heartbeat_age_s'])} ago)"
     if w["silent"]:
-        return "SILENT"
+        silent = f"SILENT: no heartbeat for {duration(w['heartbeat_age_s'])}"
+        return silent + (", longer than its lease: presumed dead" if w.get("presumed_dead") else "")
     if w.get("waiting_for_server"):
         return "WAITING FOR A SERVER: " + servers_down(w, now)
     if w.get("stalled"):
@@ -232,6 +242,20 @@ def worker_note(w: dict[str, Any], now: float) -> str:
     if w.get("servers_down"):
         return f"{len(w['servers_down'])} of {w['servers']} servers down: " + servers_down(w, now)
     return ""
+
+
+def outage_lines(snap: dict[str, Any]) -> list[str]:
+    """When no worker reaches a server: for how long, each server and why, and that the
+    ETA waits for one to answer."""
+    totals = snap["totals"]
+    if not totals.get("waiting_for_server"):
+        return []
+    now = snap.get("generated_at", 0.0)
+    since = totals.get("unreachable_since")
+    long = f" for {duration(max(now - since, 0.0))}" if since else ""
+    down = [{**d, "since": None} for d in totals.get("servers_down") or []]
+    why = servers_down({"servers_down": down}, now) or "none left"
+    return ["", f"servers: none reachable{long}: {why}; no ETA until one answers"]
 
 
 def servers_down(w: dict[str, Any], now: float) -> str:
@@ -249,10 +273,7 @@ def _worker_lines(snap: dict[str, Any]) -> list[str]:
     listed = [w for w in snap["workers"] if not w["stopped"]]
     if not listed:
         return []
-    lines = [""]
-    if snap["totals"].get("waiting_for_server"):
-        lines.append("NO SERVER REACHABLE: every worker waits for one (no ETA until one answers)")
-    lines.append("workers:")
+    lines = ["", "workers:"]
     now = snap.get("generated_at", 0.0)
     for w in listed:
         note = worker_note(w, now)

@@ -64,9 +64,13 @@ class SimConfig:
     """How the simulated server behaves.
 
     Attributes:
-        model: the one model name served (requests naming another get 404, and
-            ``/v1/models`` lists it); None answers to any name, as llama.cpp does, and
-            lists ``DEFAULT_MODEL``.
+        model: the model name served, or several (vLLM's ``--served-model-name a b``):
+            ``/v1/models`` lists them and a request naming another gets vLLM's 404
+            ``The model `X` does not exist.``; None serves ``DEFAULT_MODEL``.
+        any_model: with no ``model``, answer to any name (as llama.cpp does) rather
+            than refuse those other than ``DEFAULT_MODEL`` as vLLM does. True here and
+            in ``python -m orchestrator.sim.server`` (the tests' and benchmarks'
+            harness); ``orchestrator sim-server`` refuses unless given ``--any-model``.
         latency: base seconds spent on every answer (time to first token when streaming).
         per_token: extra seconds per generated token, so long answers take longer.
         seed: seeds both the filler words and the fault draws.
@@ -146,7 +150,8 @@ class SimConfig:
             ``rate_limit_headers`` is False (a provider that says nothing ahead).
     """
 
-    model: str | None = None
+    model: str | tuple[str, ...] | None = None
+    any_model: bool = True
     latency: float = 0.0
     per_token: float = 0.0
     seed: int = 0
@@ -180,11 +185,23 @@ class SimConfig:
     rate_limit_headers: bool = True
 
     @property
+    def served(self) -> tuple[str, ...]:
+        """The model names ``/v1/models`` lists."""
+        if self.model is None:
+            return (DEFAULT_MODEL,)
+        return (self.model,) if isinstance(self.model, str) else tuple(self.model)
+
+    def serves(self, name: object) -> bool:
+        """Whether a request naming ``name`` (None: none) is answered."""
+        pinned = self.model is not None
+        return name is None or name in self.served or (self.any_model and not pinned)
+
+    @property
     def batching(self) -> bool:
         return self.kv_tokens > 0 or self.max_running > 0
 
     def __post_init__(self) -> None:
-        if self.model is not None and not self.model:
+        if self.model is not None and not all(self.served):
             raise ValueError("model name must not be empty")
         if self.reasoning not in REASONING_MODES:
             raise ValueError(

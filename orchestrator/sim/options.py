@@ -67,7 +67,8 @@ class SimOption:
             default = self.module_default
         flags = (self.flag, *(self.module_flags if module else ()))
         if self.is_flag:
-            return click.option(*flags, self.name, is_flag=True, help=self.help)
+            on = bool(module and self.module_default)
+            return click.option(*flags, self.name, is_flag=True, default=on, help=self.help)
         return click.option(
             *flags,
             self.name,
@@ -95,8 +96,18 @@ OPTIONS: tuple[SimOption, ...] = (
     SimOption(
         "--model",
         "model",
+        multiple=True,
         show_default=False,
-        help="Serve only this model name (others get 404); by default it answers to any name.",
+        help="A model name served, listed in /v1/models (repeat for several, as vLLM's"
+        " --served-model-name); requests naming another get vLLM's 404. Default: sim-model.",
+    ),
+    SimOption(
+        "--any-model",
+        "any_model",
+        is_flag=True,
+        module_default=True,
+        help="With no --model: answer to any model name (as llama.cpp does), not only"
+        " sim-model (as vLLM does). Always so in `python -m orchestrator.sim.server`.",
     ),
     SimOption(
         "--ignore-n",
@@ -313,6 +324,7 @@ def sim_config(values: dict[str, Any]) -> SimConfig:
         given["outages"] = [parse_outage(o) for o in given.get("outages", ())]
         given["refusals"] = dict(parse_refusal(r) for r in given.get("refusals", ()))
         given["required_fields"] = tuple(given.get("required_fields", ()))
+        given["model"] = tuple(given.get("model") or ()) or None
         if given.get("rate_limits"):
             from orchestrator.sim.ratelimit import parse_rate_limit
 

@@ -35,7 +35,7 @@ from aiohttp import web
 from orchestrator.items.quality import split_think
 from orchestrator.sim import logprobs as sim_tokens
 from orchestrator.sim.batching import BatchModel, Seq
-from orchestrator.sim.config import DEFAULT_MODEL, FAULT_KINDS, SimConfig
+from orchestrator.sim.config import FAULT_KINDS, SimConfig
 from orchestrator.sim.exposition import Figures, metrics_text
 from orchestrator.sim.length_model import dataset_of, quantile
 from orchestrator.sim.options import sim_config, sim_options
@@ -516,7 +516,7 @@ def _validate(state: _State, raw: bytes, *, plain: bool = False) -> dict[str, An
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             return _bad_request(f"messages[{i}] must be an object with a string 'role'")
     model = body.get("model")
-    if model is not None and state.config.model is not None and model != state.config.model:
+    if not state.config.serves(model):
         return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
@@ -1194,28 +1194,20 @@ async def _health(request: web.Request) -> web.Response:
 async def _models(request: web.Request) -> web.Response:
     state = request.app[_STATE]
     created = int(time.time() - state.uptime())
+    context = {"max_model_len": state.config.max_model_len} if state.config.max_model_len else {}
     body = {
         "object": "list",
         "data": [
-            {
-                "id": state.config.model or DEFAULT_MODEL,
-                "object": "model",
-                "created": created,
-                "owned_by": "sim",
-                **(
-                    {"max_model_len": state.config.max_model_len}
-                    if state.config.max_model_len
-                    else {}
-                ),
-            }
+            {"id": name, "object": "model", "created": created, "owned_by": "sim", **context}
+            for name in state.config.served
         ],
     }
     return web.Response(body=orjson.dumps(body), content_type=_JSON)
 
 
 def _served(body: dict[str, Any], config: SimConfig) -> str:
-    """The model name an answer carries: the pinned one, else the one asked for."""
-    return config.model or body.get("model") or DEFAULT_MODEL
+    """The model name an answer carries: the one asked for, else the first served."""
+    return body.get("model") or config.served[0]
 
 
 def _metrics_text(state: _State) -> str:
@@ -1242,7 +1234,7 @@ def _metrics_text(state: _State) -> str:
         latency_sum=stats.latency_sum,
     )
     config = state.config
-    return metrics_text(config.metric_names, config.model or DEFAULT_MODEL, figures)
+    return metrics_text(config.metric_names, config.served[0], figures)
 
 
 async def _metrics(request: web.Request) -> web.Response:

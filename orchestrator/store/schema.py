@@ -270,6 +270,14 @@ workers = sa.Table(
     # When ``completed`` last moved: a worker that heartbeats but answers nothing for a
     # long while (a hung server, a stuck request) shows up as stalled.
     sa.Column("progress_at", sa.Float, nullable=True),
+    # Its lease: a worker not heard from for longer has lost its items to the others.
+    sa.Column("lease_seconds", sa.Float, nullable=True),
+    # Its servers as of its latest heartbeat: how many, how many reachable, those down
+    # (a JSON list of {server, reason, since}), and since when none is reachable.
+    sa.Column("servers", sa.Integer, nullable=True),
+    sa.Column("servers_up", sa.Integer, nullable=True),
+    sa.Column("servers_down", sa.Text, nullable=True),
+    sa.Column("unreachable_since", sa.Float, nullable=True),
 )
 
 # Requeues, so that one can be taken back (``requeue --undo``): each requeue, what every

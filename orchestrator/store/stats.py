@@ -329,6 +329,7 @@ def _document(
         _percentiles([n for sample in lengths.values() for n in sample])
     )
     totals["error_messages"] = _error_messages(totals["errors"], _by_class(messages), names)
+    totals.update(liveness.outage(workers))
     document = {
         "version": STATUS_VERSION,
         "generated_at": now,

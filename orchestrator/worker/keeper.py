@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -82,24 +82,29 @@ async def _pause(worker: Worker, seconds: float) -> None:
 
 
 async def beat(worker: Worker) -> None:
-    """The worker's heartbeat: its requests in flight and answers."""
+    """The worker's heartbeat: its requests in flight, answers and servers."""
     await worker_rows.heartbeat(
         worker.database,
         worker.owner,
         in_flight=worker.in_flight,
         completed=worker.stats.completed,
+        servers=servers_view(worker),
     )
 
 
-def servers_view(worker: Worker) -> dict[str, Any]:
-    """How many servers the worker has, and those down with why and since when."""
-    states = worker.pool.states
+def servers_view(worker: Worker) -> worker_rows.Servers:
+    """How many servers the worker has and reaches, those down with why and since when,
+    and since when none is reachable: the last of them to go down."""
+    pool = worker.pool
     down = [
-        {"server": url, "reason": st.down_reason, "since": st.down_since}
-        for url, st in states.items()
-        if not st.healthy
+        {"server": url, "reason": reason, "since": since}
+        for url, reason, since in pool.unreachable()
     ]
-    return {"total": len(states), "down": down}
+    total = len(pool.states)
+    none_since = None
+    if total and len(down) == total:
+        none_since = max((d["since"] for d in down if d["since"]), default=time.time())
+    return worker_rows.Servers(total, total - len(down), down, none_since)
 
 
 async def watch_file(worker: Worker) -> None:

@@ -116,7 +116,13 @@ class Worker:
             _export_gauges(metrics, self.claims, self.pool)
 
     async def run(self) -> WorkerStats:
-        await worker_rows.register(self.database, self.owner, procinfo.hostname(), os.getpid())
+        await worker_rows.register(
+            self.database,
+            self.owner,
+            procinfo.hostname(),
+            os.getpid(),
+            lease_seconds=self.config.lease_seconds,
+        )
         await keeper.reap(self)
         await self.catalog.load()
         self.pool.start()
