@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from orchestrator.errors import InputError
-from orchestrator.formats.readers.source import Rows, Wanted, file_error, projection
+from orchestrator.formats.readers.base import Rows, Wanted, file_error, projection
 from orchestrator.formats.readers.tables import batch_rows
 
 __all__ = ["csv_rows"]

@@ -20,7 +20,7 @@ from typing import Any
 
 from orchestrator._util.tables import is_dataset
 from orchestrator.errors import ConfigError, InputError
-from orchestrator.formats.readers.source import Part, Rows, Wanted, projection
+from orchestrator.formats.readers.base import Part, Rows, Wanted, projection
 from orchestrator.formats.readers.tables import BATCH_ROWS, TableSource, batch_rows
 
 __all__ = ["INSTALL", "HubSource", "dataset_source", "is_dataset", "load"]

@@ -11,7 +11,7 @@ import json
 import os
 
 from orchestrator.errors import InputError
-from orchestrator.formats.readers.source import Rows, Wanted, file_error
+from orchestrator.formats.readers.base import Rows, Wanted, file_error
 from orchestrator.formats.readers.tables import batch_rows
 
 __all__ = ["arrow_rows", "saved_files"]

@@ -16,7 +16,7 @@ from typing import IO, Any
 import orjson
 
 from orchestrator.errors import InputError
-from orchestrator.formats.readers.source import Part, Rows, Wanted, file_error, stdin_binary
+from orchestrator.formats.readers.base import Part, Rows, Wanted, file_error, stdin_binary
 
 __all__ = ["RecordsSource", "StdinSource", "file_lines"]
 

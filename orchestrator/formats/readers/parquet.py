@@ -8,7 +8,7 @@ columns are read from the file: a wide dataset costs what its prompt columns cos
 from __future__ import annotations
 
 from orchestrator.errors import InputError
-from orchestrator.formats.readers.source import Rows, Wanted, file_error, projection
+from orchestrator.formats.readers.base import Rows, Wanted, file_error, projection
 from orchestrator.formats.readers.tables import BATCH_ROWS, batch_rows
 
 __all__ = ["parquet_rows"]

@@ -36,6 +36,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import orjson
 
 from orchestrator.errors import ConfigError, InputError
+from orchestrator.formats.readers.base import Part, Raw, Source
 from orchestrator.formats.readers.columns import Columns, keyed, template_columns
 from orchestrator.formats.readers.columns import check as check_columns
 from orchestrator.formats.readers.lines import (
@@ -48,7 +49,7 @@ from orchestrator.formats.readers.lines import (
     parse_object,
     too_deep,
 )
-from orchestrator.formats.readers.source import Part, Raw, Source, open_source
+from orchestrator.formats.readers.source import open_source
 from orchestrator.settings.choices import INPUT_FORMATS, LINE_FORMATS
 
 __all__ = [

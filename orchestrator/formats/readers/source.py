@@ -21,10 +21,17 @@ import os
 import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from orchestrator.errors import ConfigError, InputError
+from orchestrator.formats.readers.base import (
+    Part,
+    Raw,
+    Rows,
+    Source,
+    Wanted,
+    file_error,
+)
 
 __all__ = [
     "DATA_SUFFIXES",
@@ -34,57 +41,6 @@ __all__ = [
     "file_error",
     "open_source",
 ]
-
-Raw = bytes | dict[str, Any]
-"""A row as a source gives it: a JSONL line's bytes, or a table row."""
-Rows = Iterator[tuple[int, Raw]]
-"""A part's rows with their 1-based numbers (a JSONL file's blank lines are skipped, and
-counted)."""
-Wanted = frozenset[str] | None
-"""The columns a mapping by columns needs: a table source may load only these and the key
-columns; None: rows are read whole, as JSONL lines. A file that lacks one is read whole,
-so that the row's error can list the columns there are."""
-KEY_COLUMNS = frozenset({"id", "custom_id"})
-"""Read with the wanted columns wherever they are: a row's own key."""
-
-
-def projection(names: list[str], wanted: Wanted) -> list[str] | None:
-    """Which of a table's columns ``names`` to load for ``wanted`` (None: all)."""
-    if wanted is None or not wanted.issubset(names):
-        return None
-    return [name for name in names if name in wanted or name in KEY_COLUMNS]
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """One file of a source, or its one stream: how its rows are named."""
-
-    path: str
-    """How errors name it: the path as given (a shard: the folder or glob's directory
-    joined with its name), ``<stdin>``, ``<records>``, ``hf://org/name[train]``."""
-    key: str | None
-    """The key of a row without an id is ``f"{key}:{number}"``; None: the number alone
-    (a JSONL file named directly, rows in memory: the keys they always had)."""
-    unit: str = "line"
-    """``line`` or ``row``: what errors count (``FILE:3``, ``FILE:row 3``)."""
-
-
-class Source(Protocol):
-    """Rows from one place, part by part, in a stable order."""
-
-    @property
-    def name(self) -> str:
-        """The source as a whole, as the report and the dataset's ``source_path`` name it."""
-        ...
-
-    def parts(self, wanted: Wanted) -> Iterator[tuple[Part, Rows]]:
-        """Each part with its rows, opened as it is reached."""
-        ...
-
-    def sha256(self) -> str | None:
-        """The digest of the files read, or None (a stream, rows in memory, the Hub)."""
-        ...
-
 
 # Suffixes of the files a folder or a glob takes, and the reader of each.
 DATA_SUFFIXES: dict[str, str] = {
@@ -130,9 +86,7 @@ def open_source(spec: object, *, split: str | None = None, config: str | None = 
     if isinstance(spec, str | os.PathLike):
         return _path_source(os.fsdecode(spec), split, config)
     _no_config(config, "rows in memory")
-    from orchestrator.formats.readers import tables
-
-    table = tables.table_source(spec, split)
+    table = _table_source(spec, split)
     if table is not None:
         return table
     _no_split(split, "rows in memory")
@@ -349,21 +303,33 @@ _READERS: dict[str, Callable[[], Callable[[str, str, Wanted], Rows]]] = {
 }
 
 
-def file_error(name: str, exc: OSError) -> InputError:
-    """A file that cannot be opened or read, in the words every reader uses."""
-    if isinstance(exc, FileNotFoundError):
-        reason = "no such file"
-    elif isinstance(exc, IsADirectoryError):
-        reason = "is a directory, not a file"
-    elif isinstance(exc, NotADirectoryError):
-        reason = "no such file (a parent is not a directory)"
-    elif isinstance(exc, PermissionError):
-        reason = "permission denied"
-    else:
-        reason = f"cannot read: {exc.strerror or exc}"
-    return InputError(reason, path=name)
+def _table_source(obj: object, split: str | None) -> Any:
+    """``obj`` as a table source if it is one (else None): a ``pyarrow`` table, batch or
+    reader, a pandas ``DataFrame``, a ``datasets`` dataset (a ``DatasetDict`` with
+    ``split``)."""
+    from orchestrator.formats.readers import tables
+
+    pa = sys.modules.get("pyarrow")
+    if pa is not None:
+        if isinstance(obj, pa.Table):
+            return _plain(
+                split, tables.TableSource("<Table>", lambda: obj.to_batches(tables.BATCH_ROWS))
+            )
+        if isinstance(obj, pa.RecordBatch):
+            return _plain(split, tables.TableSource("<RecordBatch>", lambda: [obj]))
+        if isinstance(obj, pa.RecordBatchReader):
+            return _plain(split, tables.TableSource("<RecordBatchReader>", lambda: obj))
+    pandas = sys.modules.get("pandas")
+    if pandas is not None and isinstance(obj, pandas.DataFrame):
+        return _plain(split, tables.TableSource("<DataFrame>", lambda: tables.frame_batches(obj)))
+    if "datasets" in sys.modules:
+        from orchestrator.formats.readers.huggingface import dataset_source
+
+        return dataset_source(obj, split)
+    return None
 
 
-def stdin_binary() -> Any:
-    """Standard input's bytes (the command's ``-``)."""
-    return sys.stdin.buffer
+def _plain(split: str | None, source: Any) -> Any:
+    if split is not None:
+        raise ConfigError(f"{source.name}: has no splits to choose from (split {split!r} given)")
+    return source

@@ -14,19 +14,18 @@ theirs means its library is loaded already (``sys.modules``).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Iterator
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
 from orchestrator._util.tables import is_table
-from orchestrator.errors import ConfigError, InputError
-from orchestrator.formats.readers.source import Part, Rows, Wanted, projection
+from orchestrator.errors import InputError
+from orchestrator.formats.readers.base import Part, Rows, Wanted, projection
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["BATCH_ROWS", "TableSource", "batch_rows", "is_table", "table_source"]
+__all__ = ["BATCH_ROWS", "TableSource", "batch_rows", "is_table"]
 
 BATCH_ROWS = 4096
 """Rows per record batch read: large enough to make the conversion cheap per row, small
@@ -145,35 +144,7 @@ class TableSource:
         return None
 
 
-def table_source(obj: object, split: str | None) -> TableSource | None:
-    """``obj`` as a table source if it is one (else None): a ``pyarrow`` table, batch or
-    reader, a pandas ``DataFrame``, a ``datasets`` dataset (a ``DatasetDict`` with
-    ``split``)."""
-    pa = sys.modules.get("pyarrow")
-    if pa is not None:
-        if isinstance(obj, pa.Table):
-            return _plain(split, TableSource("<Table>", lambda: obj.to_batches(BATCH_ROWS)))
-        if isinstance(obj, pa.RecordBatch):
-            return _plain(split, TableSource("<RecordBatch>", lambda: [obj]))
-        if isinstance(obj, pa.RecordBatchReader):
-            return _plain(split, TableSource("<RecordBatchReader>", lambda: obj))
-    pandas = sys.modules.get("pandas")
-    if pandas is not None and isinstance(obj, pandas.DataFrame):
-        return _plain(split, TableSource("<DataFrame>", lambda: _frame_batches(obj)))
-    if "datasets" in sys.modules:
-        from orchestrator.formats.readers.huggingface import dataset_source
-
-        return dataset_source(obj, split)
-    return None
-
-
-def _plain(split: str | None, source: TableSource) -> TableSource:
-    if split is not None:
-        raise ConfigError(f"{source.name}: has no splits to choose from (split {split!r} given)")
-    return source
-
-
-def _frame_batches(frame: Any) -> Iterator[Any]:
+def frame_batches(frame: Any) -> Iterator[Any]:
     """A DataFrame as Arrow batches, a slice at a time (the frame's index is not a column).
 
     A slice Arrow cannot type (a column of text and numbers) comes as its rows instead,
