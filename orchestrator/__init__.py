@@ -34,7 +34,7 @@ if TYPE_CHECKING:
         RunStopped,
         StorageError,
     )
-    from orchestrator.formats.export import ExportReport
+    from orchestrator.formats.options import ExportReport
     from orchestrator.store.item_detail import ItemRecord
     from orchestrator.store.loading import EnqueueReport
     from orchestrator.store.requeue import UndoReport
@@ -51,7 +51,7 @@ _SOURCES = {
     "EnqueueReport": "store.loading",
     "ItemRecord": "store.item_detail",
     "UndoReport": "store.requeue",
-    "ExportReport": "formats.export",
+    "ExportReport": "formats.options",
     "OrchestratorError": "errors",
     "InputError": "errors",
     "ConfigError": "errors",

@@ -26,15 +26,10 @@ import orjson
 import pytest
 
 from orchestrator.cli import export as cli_export
-from orchestrator.formats import export
-from orchestrator.formats.export import (
-    ExportOptions,
-    apply_reasoning,
-    export_database,
-    file_stems,
-    messages_line,
-    sharegpt_turn,
-)
+from orchestrator.formats.export import export_database
+from orchestrator.formats.options import ExportOptions
+from orchestrator.formats.writers.job import file_stems
+from orchestrator.formats.writers.lines import apply_reasoning, messages_line, sharegpt_turn
 from orchestrator.items.quality import (
     ALL_FLAGS,
     EMPTY_CONTENT,
@@ -43,6 +38,7 @@ from orchestrator.items.quality import (
     UNCLOSED_THINK,
 )
 from orchestrator.monitor import status as status_view
+from orchestrator.settings import choices
 from orchestrator.store import Database, Failure, Output, Queue, iter_done, open_database
 from orchestrator.store.reader import EngineRows, open_reader
 from tests.helpers import REPO, write_jsonl
@@ -738,8 +734,8 @@ async def test_status_flag_counts(db: Path, database: Database, tmp_path: Path) 
 
 def test_choices_kept_in_step() -> None:
     """The CLI spells the choices out to keep its start-up light."""
-    assert cli_export.EXPORT_FORMATS is export.FORMATS
-    assert cli_export.REASONING_MODES is export.REASONING_MODES
+    assert cli_export.EXPORT_FORMATS is choices.EXPORT_FORMATS
+    assert cli_export.REASONING_MODES is choices.REASONING_MODES
 
 
 def test_options_keep_the_plain_sqlite_path(db: Path, tmp_path: Path) -> None:

@@ -23,7 +23,8 @@ import sqlalchemy as sa
 
 from orchestrator import cli, logs
 from orchestrator.cli import inspect as cli_inspect
-from orchestrator.formats.export import export_jsonl, messages_line
+from orchestrator.formats.export import export_jsonl
+from orchestrator.formats.writers.lines import messages_line
 from orchestrator.monitor import status as status_view
 from orchestrator.monitor.status import snapshot
 from orchestrator.store import (

@@ -423,7 +423,7 @@ def test_expansion_is_specforges(row: dict[str, Any], index: int) -> None:
 def test_inline_reasoning_leaves_earlier_turns(reasonings: list[str]) -> None:
     """With ``--reasoning inline`` an earlier turn loses its <think> block, nothing else
     (a reasoning that itself holds ``\n</think>\n\n`` cannot be told from its end)."""
-    from orchestrator.formats.export import apply_reasoning
+    from orchestrator.formats.writers.lines import apply_reasoning
 
     messages: list[dict[str, Any]] = []
     for t, thought in enumerate(reasonings):

@@ -55,7 +55,7 @@ from orchestrator.settings.checks import (
 from orchestrator.settings.run import RUN, RunSettings
 
 if TYPE_CHECKING:
-    from orchestrator.formats.export import ExportOptions, ExportReport
+    from orchestrator.formats.options import ExportOptions, ExportReport
     from orchestrator.store import Database, EnqueueReport
     from orchestrator.store.access import Batches
     from orchestrator.store.item_detail import ItemRecord
@@ -615,7 +615,7 @@ def _flags(name: str, value: str | Sequence[str]) -> int:
 def _export_options(
     fmt: str, reasoning: str, exclude_flags: str | Sequence[str], provenance: bool, **more: Any
 ) -> ExportOptions:
-    from orchestrator.formats.export import ExportOptions
+    from orchestrator.formats.options import ExportOptions
 
     mask = _flags("exclude_flags", exclude_flags)
     return ExportOptions(

@@ -23,7 +23,7 @@ from orchestrator.cli.common import (
 from orchestrator.settings.choices import EXPORT_FORMATS, REASONING_MODES
 
 if TYPE_CHECKING:
-    from orchestrator.formats.export import ExportOptions, ExportReport
+    from orchestrator.formats.options import ExportOptions, ExportReport
 
 
 @click.command()
@@ -158,7 +158,7 @@ def export(
 def _options(
     fmt: str, reasoning: str, exclude_flags: tuple[str, ...], provenance: bool, **files: Any
 ) -> ExportOptions:
-    from orchestrator.formats.export import ExportOptions
+    from orchestrator.formats.options import ExportOptions
     from orchestrator.items.quality import parse_flags
 
     mask = 0

@@ -314,7 +314,7 @@ COLUMNS: dict[str, Rule] = {
 
 #: How an export is shaped and where it goes (``orchestrator export``'s options,
 #: ``Queue.export`` and ``Queue.results``), by the field names of
-#: ``orchestrator.formats.export.ExportOptions``.
+#: ``orchestrator.formats.options.ExportOptions``.
 EXPORT: dict[str, Rule] = {
     "format": Choice(EXPORT_FORMATS),
     "reasoning": Choice(REASONING_MODES),

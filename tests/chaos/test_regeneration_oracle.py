@@ -16,8 +16,9 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.formats.export import FORMATS, REASONING_MODES
 from orchestrator.formats.writers import specforge
+from orchestrator.settings.choices import EXPORT_FORMATS as FORMATS
+from orchestrator.settings.choices import REASONING_MODES
 from orchestrator.sim.config import REASONING_MODES as SIM_REASONING
 from tests import oracle
 from tests.helpers import SimProcess, cli, query, start_worker, write_jsonl

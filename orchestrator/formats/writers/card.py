@@ -26,7 +26,7 @@ from orchestrator.settings.choices import TABLE_FORMATS
 from orchestrator.store.stats import card_figures
 
 if TYPE_CHECKING:
-    from orchestrator.formats.export import _Job
+    from orchestrator.formats.writers.job import ExportJob
     from orchestrator.store.outputs import DatasetRef
     from orchestrator.store.reader import Rows
 
@@ -42,7 +42,7 @@ _SIZES = [
 ]
 
 
-def write_card(job: _Job, rows: Rows) -> None:
+def write_card(job: ExportJob, rows: Rows) -> None:
     """Write ``job``'s card (``job.card``) from the datasets it exported."""
     assert job.card is not None
     card = job.card
@@ -66,7 +66,7 @@ def _relative(path: Path, card: Path) -> str:
     return Path(rel).as_posix()
 
 
-def configs(job: _Job, card: Path) -> list[dict[str, Any]]:
+def configs(job: ExportJob, card: Path) -> list[dict[str, Any]]:
     """The ``configs`` of the card's YAML: each output's files under a ``train`` split,
     named by the output's file or folder name with ``split`` (``default`` without)."""
     table = job.options.format in TABLE_FORMATS
@@ -78,7 +78,7 @@ def configs(job: _Job, card: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _yaml(job: _Job, card: Path, written: int) -> str:
+def _yaml(job: ExportJob, card: Path, written: int) -> str:
     """The metadata block: JSON scalars are YAML scalars, so each value is quoted by orjson."""
     lines = ["configs:"]
     for config in configs(job, card):
@@ -109,7 +109,7 @@ def _n(value: Any) -> str:
 
 
 def render(
-    job: _Job,
+    job: ExportJob,
     card: Path,
     datasets: list[DatasetRef],
     figures: dict[int, dict[str, Any]],
@@ -225,7 +225,7 @@ def _sides(path: Path) -> list[Path]:
     """The files an export writes beside a JSONL file (batch errors, SpecForge's)."""
     if path.suffix != ".jsonl":
         return []
-    from orchestrator.formats.export import errors_path
+    from orchestrator.formats.writers.lines import errors_path
     from orchestrator.formats.writers.specforge import beside
 
     return [errors_path(path), beside(path, "skipped"), beside(path, "error")]

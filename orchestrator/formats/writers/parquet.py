@@ -1,6 +1,6 @@
 """``export --format parquet``: the messages rows as Parquet, streamed a row group at a time.
 
-A row is the line the JSONL export writes for the same item (``_Lines.line``, the one
+A row is the line the JSONL export writes for the same item (``LineWriter.line``, the one
 place rows are made), read into Arrow by pyarrow's JSON reader against a fixed schema:
 nothing here decides what a row says, only how it is typed. Three columns are retyped
 on the way: ``tools`` (JSON schemas of any shape) and the provenance ``params`` become
@@ -36,12 +36,15 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from orchestrator.errors import ConfigError, StorageError
-from orchestrator.formats.export import make_folder, plain_record, plain_rows
+from orchestrator.formats.options import plain_rows
+from orchestrator.formats.writers.job import make_folder
+from orchestrator.formats.writers.lines import plain_record
 from orchestrator.items.quality import flag_names
 from orchestrator.store.outputs import flagged_rows, full_batches
 
 if TYPE_CHECKING:
-    from orchestrator.formats.export import _Job, _Lines
+    from orchestrator.formats.writers.job import ExportJob
+    from orchestrator.formats.writers.lines import LineWriter
     from orchestrator.store.outputs import DatasetRef
     from orchestrator.store.reader import Rows
 
@@ -134,7 +137,7 @@ def schema(
     return pa.schema(columns + (LOGPROBS if logprobs else []))
 
 
-def write_tables(job: _Job, rows: Rows) -> None:
+def write_tables(job: ExportJob, rows: Rows) -> None:
     """Every output of ``job`` as Parquet: one file, or (``split``) a folder per dataset."""
     options = job.options
     sampled = any(d.samples > 1 for _, group in job.outputs for d in group)
@@ -159,11 +162,11 @@ def write_tables(job: _Job, rows: Rows) -> None:
 
 
 def _tables(
-    lines: _Lines, rows: Rows, dataset: DatasetRef, table_schema: pa.Schema
+    lines: LineWriter, rows: Rows, dataset: DatasetRef, table_schema: pa.Schema
 ) -> Iterator[pa.Table]:
     """A dataset's rows as Arrow tables, one per batch read from the store: the plain
     rows from the narrow read where nothing in them changes (as the JSONL export does),
-    else each row through ``_Lines.rows``."""
+    else each row through ``LineWriter.rows``."""
     encoder = _Encoder(dataset, table_schema)
     if plain_rows(lines.options, dataset):
         loads, add, record = orjson.loads, encoder.add, plain_record
@@ -319,7 +322,7 @@ class _Sink:
     the shards are given their ``-of-N`` names once N is known.
     """
 
-    def __init__(self, job: _Job, target: Path, table_schema: pa.Schema):
+    def __init__(self, job: ExportJob, target: Path, table_schema: pa.Schema):
         self.job = job
         self.target = target
         self.schema = table_schema
