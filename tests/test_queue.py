@@ -495,3 +495,44 @@ async def test_fence_sorts_a_mixed_batch(database: Database, tmp_path: Path) -> 
     assert state[lost.key]["lease_owner"] == "w2" and state[lost.key]["state"] == "running"
     assert state[c.key]["state"] == "running"
     assert await output_count(database) == 1
+
+
+@pytest.mark.parametrize("statements", ["driver-sql"], indirect=True)
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    capacity=st.sampled_from([1, 2, 3, 8, 16, 32]),
+    n=st.integers(1, 70),
+    where=st.floats(0, 1, exclude_max=True),
+)
+async def test_a_poison_item_is_found_and_fails_alone(
+    database: Database, tmp_path: Path, capacity: int, n: int, where: float
+) -> None:
+    """A worker of ``capacity`` slots claims a full load, and dies whenever the poison
+    item is among it; started again at once, it goes on. In the end the poison item
+    fails, within ``crashes.most_deaths(capacity)`` deaths, and every other item is
+    done on its first attempt, whatever crashes it shared."""
+    name = f"p{next(_EXAMPLES)}"
+    await load(database, tmp_path, n, name=name)
+    poison = f"{name}{int(where * n):06d}"
+    queue = Queue(database)
+    deaths = 0
+    for life in range(10 * n + 20):
+        owner = f"{name}-w{life}"
+        leases = await queue.claim(
+            owner, capacity, lease_seconds=60, dataset_names=[name], suspect_slots=capacity
+        )
+        if not leases:
+            break
+        if any(lease.key == poison for lease in leases):
+            await queue.reap(dead_owners=[owner])
+            deaths += 1
+        else:
+            assert await queue.complete([(lease, answer()) for lease in leases])
+    state = {k: r for k, r in (await rows(database)).items() if k.startswith(name)}
+    assert (state[poison]["state"], state[poison]["deaths"]) == ("failed", deaths)
+    assert deaths <= crashes.most_deaths(capacity)
+    innocent = [r for k, r in state.items() if k != poison]
+    assert {(r["state"], r["attempts"]) for r in innocent} <= {("done", 1)}
+    assert all(r["deaths_alone"] < crashes.ALONE_TWICE for r in innocent)
