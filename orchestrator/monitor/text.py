@@ -183,6 +183,7 @@ def render_status(snap: dict[str, Any]) -> str:
             c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
         ]
         lines.append("  ".join(cells))
+    lines.extend(_crash_lines(snap["totals"].get("after_crash")))
     lines.extend(_cache_lines(snap["totals"].get("prompt_tokens")))
     lines.extend(_waste_lines(snap))
     lines.extend(_cost_lines(snap.get("cost")))
@@ -221,6 +222,22 @@ def render_status(snap: dict[str, Any]) -> str:
     lines.extend(_server_lines(snap.get("servers") or []))
     lines.extend(_launched_lines(snap.get("launched") or []))
     return "\n".join(lines)
+
+
+def _crash_lines(after: dict[str, int] | None) -> list[str]:
+    """Items left that were in flight when a worker died (``store.crashes``)."""
+    if not after or not after["items"]:
+        return []
+    lines = [
+        f"after a crash: {after['items']:,} items left were in flight when a worker died;"
+        " those that died once run at full concurrency"
+    ]
+    if after["rationed"]:
+        lines.append(
+            f"  {after['rationed']:,} died twice or more: rationed, a group per worker at a"
+            " time, until the item that kills its worker is found (not in the ETA)"
+        )
+    return lines
 
 
 def _launched_lines(launched: list[dict[str, Any]]) -> list[str]:

@@ -24,9 +24,12 @@ its items and counts none.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import sqlalchemy as sa
+if TYPE_CHECKING:  # the sqlite3 path of ``status`` reads this module without SQLAlchemy
+    import sqlalchemy as sa
+
+    from orchestrator.store.engine import Database
 
 #: Deaths from which an item is claimed in groups rather than freely.
 SUSPECT = 2
@@ -93,6 +96,8 @@ def suspects_held(conn: sa.Connection, taken: Sequence[Taken]) -> dict[str | Non
     owners = sorted({row.lease_owner for row in taken if row.lease_owner is not None})
     if not owners:
         return {}
+    import sqlalchemy as sa
+
     params = {f"o{n}": owner for n, owner in enumerate(owners)}
     sql = HELD_SQL.format(owners=", ".join(f":{k}" for k in params))
     return {owner: int(n) for owner, n in conn.execute(sa.text(sql), params)}
@@ -124,10 +129,23 @@ AFTER_CRASH_SQL = (
 )
 
 
-def after_crash(rows: Iterable[tuple[int, int, int]]) -> dict[int, tuple[int, int]]:
-    """The rows of :data:`AFTER_CRASH_SQL` summed per dataset: (items, suspects)."""
-    out: dict[int, tuple[int, int]] = {}
+def after_crash(rows: Iterable[Sequence[Any]]) -> dict[int, dict[str, int]]:
+    """The rows of :data:`AFTER_CRASH_SQL` summed per dataset: the items left that were
+    in flight at a death (``items``), and the suspects among them (``rationed``)."""
+    out: dict[int, dict[str, int]] = {}
     for dataset_id, n, suspects in rows:
-        before = out.get(dataset_id, (0, 0))
-        out[dataset_id] = (before[0] + int(n), before[1] + int(suspects))
+        slot = out.setdefault(dataset_id, {"items": 0, "rationed": 0})
+        slot["items"] += int(n)
+        slot["rationed"] += int(suspects)
     return out
+
+
+async def left_after_crash(database: Database, names: Sequence[str] = ()) -> dict[str, int]:
+    """Items left after crashes, and rationed, in the datasets named (none: all)."""
+    import sqlalchemy as sa
+
+    async with database.read() as conn:
+        found = after_crash((await conn.execute(sa.text(AFTER_CRASH_SQL))).all())
+        ids = dict((await conn.execute(sa.text("SELECT id, name FROM datasets"))).all())
+    picked = [v for d, v in found.items() if not names or ids.get(d) in names]
+    return {k: sum(v[k] for v in picked) for k in ("items", "rationed")}
