@@ -412,6 +412,8 @@ def test_the_items_of_a_crash_go_back_to_work_side_by_side(
     worker = start_worker(db, second.url, *args, "--grace", "0", log_level="warning")
     wait_until(lambda: second.stats()["running"] >= n - 1, "the items back at work")
     peak_after_crash = second.stats()["peak_running"]
+    said = cli("status", "--db", str(db)).stdout
+    assert f"after a crash: {n} items left were in flight when a worker died" in said
     worker.send_signal(signal.SIGTERM)  # a graceful restart: released at once, no death
     worker.communicate(timeout=60)
     third = sim_process("--latency", "0.5")
