@@ -79,7 +79,7 @@ async def test_concurrent_reapers_take_each_row_back_once(
         await enqueue(databases[0], DatasetSpec("d"), iter_records(path), path=str(path))
         await Queue(databases[0]).claim("dead", 300, lease_seconds=60)
         counts = await asyncio.gather(
-            *(Queue(db).reap(max_attempts=5, dead_owners=["dead"]) for db in databases)
+            *(Queue(db).reap(dead_owners=["dead"]) for db in databases)
         )
     finally:
         for database in databases:
