@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from orchestrator.store.engine import Database
 
 # The head of migrations/versions; a test keeps the two equal.
-SCHEMA_REVISION = "0016c"
+SCHEMA_REVISION = "0018"
 
 _OUR_TABLES = {"datasets", "items", "outputs"}
 # The PostgreSQL advisory lock that serialises schema upgrades ("orch" in ASCII).
