@@ -78,9 +78,7 @@ async def test_concurrent_reapers_take_each_row_back_once(
         path = write_jsonl(tmp_path / "in.jsonl", prompts(300))
         await enqueue(databases[0], DatasetSpec("d"), iter_records(path), path=str(path))
         await Queue(databases[0]).claim("dead", 300, lease_seconds=60)
-        counts = await asyncio.gather(
-            *(Queue(db).reap(max_attempts=5, dead_owners=["dead"]) for db in databases)
-        )
+        counts = await asyncio.gather(*(Queue(db).reap(dead_owners=["dead"]) for db in databases))
     finally:
         for database in databases:
             await database.close()

@@ -8,6 +8,7 @@ uses), and as SQLAlchemy constructs (what PostgreSQL uses).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -16,10 +17,21 @@ from pathlib import Path
 import orjson
 import pytest
 import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from orchestrator.formats import iter_records
-from orchestrator.store import Database, DatasetSpec, Failure, Lease, Output, Queue, enqueue
+from orchestrator.store import (
+    Database,
+    DatasetSpec,
+    Failure,
+    Lease,
+    Output,
+    Queue,
+    crashes,
+    enqueue,
+)
 from orchestrator.store import queue as queue_module
 from orchestrator.store.queue import Claim, Round
 from orchestrator.store.schema import attempt_errors, item_turns, items, outputs
@@ -178,9 +190,10 @@ async def test_late_completion_after_takeover_is_fenced(database: Database, tmp_
     queue = Queue(database)
     [slow] = await queue.claim("slow-worker", 1, lease_seconds=5, now=time.time() - 10)
     # The lease expired; the reaper gives the item back and another worker takes it.
-    assert await queue.reap(max_attempts=5) == 1
+    assert await queue.reap() == 1
     [fast] = await queue.claim("fast-worker", 1, lease_seconds=60)
-    assert fast.item_id == slow.item_id and fast.token != slow.token and fast.attempt == 2
+    # The death gave the attempt back (store.crashes).
+    assert fast.item_id == slow.item_id and fast.token != slow.token and fast.attempt == 1
     # The slow worker wakes up: its renew, retry, fail and complete all change nothing.
     assert await queue.renew([(slow.item_id, slow.token)], lease_seconds=60) == set()
     assert await queue.retry([(slow, Failure("timeout", "late"), 0.0)]) == set()
@@ -256,18 +269,41 @@ async def test_fail_keeps_reason(database: Database, tmp_path: Path) -> None:
     assert row["finished_at"] is not None
 
 
-async def test_reap_fails_items_whose_attempts_are_spent(
+async def test_a_death_gives_the_attempt_back_and_is_counted(
     database: Database, tmp_path: Path
 ) -> None:
+    """Items that share crash after crash keep their attempts: none of them is known to
+    be at fault, and none ran alone."""
     await load(database, tmp_path, 2)
     queue = Queue(database)
     past = time.time() - 100
-    for _ in range(3):
+    for _ in range(5):
         await queue.claim("crashy", 2, lease_seconds=1, now=past)
-        await queue.reap(max_attempts=3)
+        await queue.reap()
     state = await rows(database)
-    assert {r["state"] for r in state.values()} == {"failed"}
-    assert all(r["error_class"] == "lease_lost" and r["attempts"] == 3 for r in state.values())
+    assert {r["state"] for r in state.values()} == {"pending"}
+    assert all(r["error_class"] == "lease_lost" and r["attempts"] == 0 for r in state.values())
+    assert [(r["deaths"], r["deaths_alone"]) for r in state.values()] == [(5, 0), (5, 0)]
+
+
+async def test_an_item_that_dies_alone_twice_fails_as_poison(
+    database: Database, tmp_path: Path
+) -> None:
+    """Once it has died twice an item runs in a group; the only suspect of its worker at
+    two more deaths, it is what kills the worker, and it fails alone."""
+    await load(database, tmp_path, 3)
+    queue = Queue(database)
+    for death in range(1, 5):
+        [lease] = await queue.claim(f"w{death}", 1, lease_seconds=60, suspect_slots=8)
+        assert lease.key == "ds000000" and lease.suspect == (death > 2)
+        await queue.reap(dead_owners=[f"w{death}"])
+    state = await rows(database)
+    poison = state["ds000000"]
+    assert (poison["state"], poison["error_class"]) == ("failed", "lease_lost")
+    assert (poison["deaths"], poison["deaths_alone"], poison["attempts"]) == (4, 2, 0)
+    assert "kills its worker" in poison["last_error"]
+    assert crashes.most_deaths(1) == 4
+    assert [state[k]["state"] for k in ("ds000001", "ds000002")] == ["pending", "pending"]
 
 
 async def test_reap_dead_owner_without_waiting_for_expiry(
@@ -277,7 +313,7 @@ async def test_reap_dead_owner_without_waiting_for_expiry(
     queue = Queue(database)
     await queue.claim("dead", 2, lease_seconds=3600)
     await queue.claim("alive", 1, lease_seconds=3600)
-    assert await queue.reap(max_attempts=5, dead_owners=["dead"]) == 2
+    assert await queue.reap(dead_owners=["dead"]) == 2
     state = await rows(database)
     assert sorted(r["state"] for r in state.values()) == ["pending", "pending", "running"]
 
@@ -340,23 +376,75 @@ async def test_a_row_holding_a_token_is_running(database: Database, tmp_path: Pa
                 await conn.execute(items.update().values(state=state, lease_token="f" * 32))
 
 
-async def test_suspects_are_claimed_one_at_a_time(database: Database, tmp_path: Path) -> None:
-    """Items taken back from a dead worker run alone, so a poison item cannot keep
-    taking the same innocent items down with it."""
-    await load(database, tmp_path, 6)
+async def test_items_of_one_crash_run_side_by_side(database: Database, tmp_path: Path) -> None:
+    """The items in flight at one death go back to work at full concurrency; those that
+    died again come back as suspects, in groups that halve with each death."""
+    await load(database, tmp_path, 8)
     queue = Queue(database)
-    await queue.claim("dead", 3, lease_seconds=3600)
-    await queue.reap(max_attempts=5, dead_owners=["dead"])
-    leases = await queue.claim("w1", 6, lease_seconds=60, suspect_slots=1)
+    await queue.claim("dead", 6, lease_seconds=3600)
+    await queue.reap(dead_owners=["dead"])
+    leases = await queue.claim("w1", 8, lease_seconds=60, suspect_slots=8)
     assert [(lease.key, lease.suspect) for lease in leases] == [
-        ("ds000000", True),
-        ("ds000003", False),
-        ("ds000004", False),
-        ("ds000005", False),
+        (f"ds{n:06d}", False) for n in range(8)
     ]
-    assert await queue.claim("w1", 6, lease_seconds=60, suspect_slots=0) == []
-    [next_suspect] = await queue.claim("w2", 6, lease_seconds=60, suspect_slots=1)
-    assert (next_suspect.key, next_suspect.suspect, next_suspect.attempt) == ("ds000001", True, 2)
+    await queue.reap(dead_owners=["w1"])
+    # Twice dead: a group of 8 >> 1 = 4, the other four later; the one of a worker that
+    # runs a group already (0) takes none; without groups (None) any.
+    # (The two that died once, at the second death, run freely beside them.)
+    first = await queue.claim("w2", 8, lease_seconds=60, suspect_slots=8)
+    assert [(lease.key, lease.suspect) for lease in first] == [
+        *((f"ds{n:06d}", True) for n in range(4)),
+        ("ds000006", False),
+        ("ds000007", False),
+    ]
+    assert await queue.claim("w3", 8, lease_seconds=60, suspect_slots=0) == []
+    assert [lease.key for lease in await queue.claim("w3", 8, lease_seconds=60)] == [
+        "ds000004",
+        "ds000005",
+    ]
+
+
+_EXAMPLES = itertools.count()
+
+
+@pytest.mark.parametrize("statements", ["driver-sql"], indirect=True)
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    capacity=st.sampled_from([1, 2, 3, 8, 16, 64]),
+    levels=st.lists(st.integers(0, 9), min_size=1, max_size=40),
+    want=st.integers(1, 80),
+)
+async def test_a_group_is_one_level_and_halves_with_each_death(
+    database: Database, tmp_path: Path, capacity: int, levels: list[int], want: int
+) -> None:
+    """Whatever the deaths of the items left: a claim takes every item that died once or
+    never as it comes, and of those that died more, one group: the level with the most
+    deaths, at most ``max(1, capacity >> (deaths - 1))`` of it, in input order."""
+    name = f"g{next(_EXAMPLES)}"  # a dataset of its own for each example
+    await load(database, tmp_path, len(levels), name=name)
+    async with database.write() as conn:
+        for n, deaths in enumerate(levels):
+            key = f"{name}{n:06d}"
+            await conn.execute(items.update().where(items.c.key == key).values(deaths=deaths))
+    queue = Queue(database)
+    leases = await queue.claim(
+        "w", want, lease_seconds=60, dataset_names=[name], suspect_slots=capacity
+    )
+    suspects = [int(lease.key[len(name) :]) for lease in leases if lease.suspect]
+    others = [int(lease.key[len(name) :]) for lease in leases if not lease.suspect]
+    grouped = [n for n, d in enumerate(levels) if d >= crashes.SUSPECT]
+    free = [n for n, d in enumerate(levels) if d < crashes.SUSPECT]
+    if grouped:
+        top = max(levels)
+        at_top = [n for n in grouped if levels[n] == top]
+        size = min(want, crashes.group_size(capacity, top), len(at_top))
+        assert suspects == at_top[:size]
+        assert size == max(1, capacity >> (top - 1)) or size in (want, len(at_top))
+    else:
+        assert suspects == []
+    assert others == free[: min(want - len(suspects), len(free))]
 
 
 @pytest.mark.sqlite_only
@@ -396,7 +484,7 @@ async def test_fence_sorts_a_mixed_batch(database: Database, tmp_path: Path) -> 
     queue = Queue(database)
     [lost] = await queue.claim("w1", 1, lease_seconds=5, now=time.time() - 10)
     b, c = await queue.claim("w1", 2, lease_seconds=60)
-    assert await queue.reap(max_attempts=5) == 1
+    assert await queue.reap() == 1
     [taken] = await queue.claim("w2", 1, lease_seconds=60)
     assert taken.item_id == lost.item_id
     # w1 still holds b and c (one claim) but not the first item any more.
@@ -407,3 +495,44 @@ async def test_fence_sorts_a_mixed_batch(database: Database, tmp_path: Path) -> 
     assert state[lost.key]["lease_owner"] == "w2" and state[lost.key]["state"] == "running"
     assert state[c.key]["state"] == "running"
     assert await output_count(database) == 1
+
+
+@pytest.mark.parametrize("statements", ["driver-sql"], indirect=True)
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    capacity=st.sampled_from([1, 2, 3, 8, 16, 32]),
+    n=st.integers(1, 70),
+    where=st.floats(0, 1, exclude_max=True),
+)
+async def test_a_poison_item_is_found_and_fails_alone(
+    database: Database, tmp_path: Path, capacity: int, n: int, where: float
+) -> None:
+    """A worker of ``capacity`` slots claims a full load, and dies whenever the poison
+    item is among it; started again at once, it goes on. In the end the poison item
+    fails, within ``crashes.most_deaths(capacity)`` deaths, and every other item is
+    done on its first attempt, whatever crashes it shared."""
+    name = f"p{next(_EXAMPLES)}"
+    await load(database, tmp_path, n, name=name)
+    poison = f"{name}{int(where * n):06d}"
+    queue = Queue(database)
+    deaths = 0
+    for life in range(10 * n + 20):
+        owner = f"{name}-w{life}"
+        leases = await queue.claim(
+            owner, capacity, lease_seconds=60, dataset_names=[name], suspect_slots=capacity
+        )
+        if not leases:
+            break
+        if any(lease.key == poison for lease in leases):
+            await queue.reap(dead_owners=[owner])
+            deaths += 1
+        else:
+            assert await queue.complete([(lease, answer()) for lease in leases])
+    state = {k: r for k, r in (await rows(database)).items() if k.startswith(name)}
+    assert (state[poison]["state"], state[poison]["deaths"]) == ("failed", deaths)
+    assert deaths <= crashes.most_deaths(capacity)
+    innocent = [r for k, r in state.items() if k != poison]
+    assert {(r["state"], r["attempts"]) for r in innocent} <= {("done", 1)}
+    assert all(r["deaths_alone"] < crashes.ALONE_TWICE for r in innocent)

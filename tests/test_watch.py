@@ -70,3 +70,24 @@ def test_an_empty_database_and_a_silent_worker() -> None:
     text = draw(snap)
     assert "flagged answers: truncated 2" in text
     assert "h:1:2" in text and "SILENT" in text
+
+
+def test_the_live_line_counts_the_rationed_apart_from_its_eta() -> None:
+    """Suspects go a group at a time: the line's ETA is for the rest, and says how many
+    are rationed, rather than an ETA from the pace of one group."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from orchestrator.monitor.progress import Counts, ProgressLine
+    from orchestrator.worker.config import WorkerStats
+
+    reachable = asyncio.Event()
+    reachable.set()  # a server answers: the line has an ETA
+    pool = SimpleNamespace(available=reachable)
+    worker = SimpleNamespace(stats=WorkerStats(), in_flight=3, pool=pool)
+    line = ProgressLine(worker)  # type: ignore[arg-type]
+    line.counts = Counts(done=100, pending=110, running=10, after_crash=40, rationed=20)
+    line.samples.extend([(0.0, 0, 0, 0), (10.0, 100, 0, 100)])  # 10 answers a second
+    assert "ETA 10s + 20 rationed after crashes" in line.render(200)
+    line.counts.rationed = 0
+    assert "ETA 12s (40 back after a crash)" in line.render(200)

@@ -40,6 +40,10 @@ class Counts:
     failed: int = 0
     pending: int = 0
     running: int = 0
+    #: Of the items left, those in flight when a worker died, and those of them rationed
+    #: (``store.crashes``): they run a group at a time, not at the pace of the rest.
+    after_crash: int = 0
+    rationed: int = 0
 
     @property
     def total(self) -> int:
@@ -91,13 +95,13 @@ class ProgressLine:
             head = f"{c.done:,}/{c.total:,} done {percent(c.done, c.total):>6}"
             # Other workers' answers count too: the queue's own pace when it moved.
             pace = queue_s if queue_s > 0 else req_s
-            eta = (c.pending + c.running) / pace if pace > 0 else None
+            eta = (c.pending + c.running - c.rationed) / pace if pace > 0 else None
         failed = c.failed if c is not None else stats.failed
         down = self._down()
         # No server answers: the pace of the minutes before says nothing of the end.
         shown = "? (waiting for a server)" if down else duration(eta)
         line = (
-            f"{head}  {req_s:,.1f} req/s  {tok_s:,.0f} tok/s  ETA {shown}  "
+            f"{head}  {req_s:,.1f} req/s  {tok_s:,.0f} tok/s  ETA {shown}{_crashed(c)}  "
             f"failed {failed:,}  retries {stats.retried:,}  in flight {self.worker.in_flight}"
         )
         if down:
@@ -112,6 +116,16 @@ class ProgressLine:
         return servers_down({"servers_down": view.down}, time.time()) or "none left"
 
 
+def _crashed(c: Counts | None) -> str:
+    """What the line says of the items left after crashes: those rationed are not in the
+    ETA (a group at a time, they go at no pace the rest of the run shows)."""
+    if c is None or not c.after_crash:
+        return ""
+    if c.rationed:
+        return f" + {c.rationed:,} rationed after crashes"
+    return f" ({c.after_crash:,} back after a crash)"
+
+
 def _width() -> int:
     """The terminal's width, from stderr itself (stdout may be a file or /dev/null)."""
     try:
@@ -121,10 +135,14 @@ def _width() -> int:
 
 
 async def _read_counts(database: Database, datasets: Sequence[str]) -> Counts:
+    from orchestrator.store import crashes
     from orchestrator.store.queue import Queue
 
     counts = await Queue(database).counts()
-    return tally([(name, state, n) for (name, state), n in counts.items()], datasets)
+    found = tally([(name, state, n) for (name, state), n in counts.items()], datasets)
+    crashed = await crashes.left_after_crash(database, datasets)
+    found.after_crash, found.rationed = crashed["items"], crashed["rationed"]
+    return found
 
 
 async def show_progress(database: Database, worker: Worker) -> None:

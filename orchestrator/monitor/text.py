@@ -199,6 +199,7 @@ def render_status(snap: dict[str, Any]) -> str:
         ]
         lines.append("  ".join(cells))
     lines.extend(outage_lines(snap))
+    lines.extend(_crash_lines(snap["totals"].get("after_crash")))
     lines.extend(_cache_lines(snap["totals"].get("prompt_tokens")))
     lines.extend(_waste_lines(snap))
     lines.extend(_cost_lines(snap.get("cost")))
@@ -280,6 +281,22 @@ def _worker_lines(snap: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {w['id']}  in flight {w['in_flight']}, done {w['completed']:,},"
             f" last heartbeat {duration(w['heartbeat_age_s'])} ago" + (f"  {note}" if note else "")
+        )
+    return lines
+
+
+def _crash_lines(after: dict[str, int] | None) -> list[str]:
+    """Items left that were in flight when a worker died (``store.crashes``)."""
+    if not after or not after["items"]:
+        return []
+    lines = [
+        f"after a crash: {after['items']:,} items left were in flight when a worker died;"
+        " those that died once run at full concurrency"
+    ]
+    if after["rationed"]:
+        lines.append(
+            f"  {after['rationed']:,} died twice or more: rationed, a group per worker at a"
+            " time, until the item that kills its worker is found (not in the ETA)"
         )
     return lines
 

@@ -42,6 +42,7 @@ import structlog
 from orchestrator.items.answer import Answer
 from orchestrator.items.answer_length import Expected
 from orchestrator.items.tokens import Tokens, pack
+from orchestrator.store import crashes
 from orchestrator.store import waste as wasted
 from orchestrator.store.engine import Database, insert_rows
 from orchestrator.store.schema import (
@@ -73,8 +74,8 @@ class Lease:
     request: dict[str, Any]
     attempt: int
     expires_at: float
-    # Taken back from a worker that died or went silent while holding it: it may be
-    # what killed that worker, so workers run such items one at a time.
+    # In flight at two deaths of its worker or more: it may be what killed them, so it
+    # runs in a group of its level, one group per worker (``store.crashes``).
     suspect: bool = False
     # Multi-turn regeneration: the turn to generate (of ``turns``), and the assistant
     # messages already generated for the turns before it, in order.
@@ -256,10 +257,10 @@ def put_back(row: Mapping[str, Any]) -> dict[str, Any]:
 class Claim:
     """A request for work: up to ``want`` items for ``owner``.
 
-    At most ``suspect_slots`` (None: no limit) of the items are suspects (taken back from
-    a dead worker): if one of them is a poison item that kills its worker, it takes only
-    itself and fresh items down with it, so no innocent item is caught in crash after
-    crash until its attempts run out.
+    ``suspect_slots`` is the worker's room for one group of suspects (items that died
+    twice or more, ``store.crashes``): the group of level ``d`` takes at most
+    ``max(1, suspect_slots >> (d - 1))``; 0: none (the worker runs a group already);
+    None: any item, without groups.
     """
 
     owner: str
@@ -435,17 +436,12 @@ class Queue:
 
     # ---------------------------------------------------------------- recovery
 
-    async def reap(
-        self,
-        *,
-        max_attempts: int,
-        dead_owners: Sequence[str] = (),
-        now: float | None = None,
-    ) -> int:
+    async def reap(self, *, dead_owners: Sequence[str] = (), now: float | None = None) -> int:
         """Take back leases that expired or whose holder is known dead.
 
-        The attempt the lost holder spent stays counted, so an item that crashes its
-        worker every time fails after ``max_attempts`` instead of looping forever.
+        Each item counts the death (``store.crashes``) and gets its attempt back, so the
+        bystanders of crash after crash keep theirs; an item that died as its worker's
+        only suspect twice is failed as poison instead.
         """
         now = time.time() if now is None else now
         lost = sa.and_(
@@ -459,7 +455,8 @@ class Queue:
             items.c.id,
             items.c.dataset_id,
             items.c.attempts,
-            items.c.lease_expires_at,
+            items.c.deaths,
+            items.c.deaths_alone,
             items.c.lease_owner,
         ).where(lost)
         if self.db.url.get_backend_name() == "postgresql":
@@ -467,24 +464,25 @@ class Queue:
             # is taken back once, and never from a holder that claimed it since.
             picked = picked.with_for_update(skip_locked=True)
         async with self.db.write() as conn:
-            rows = (await conn.execute(picked)).all()
+            rows = [crashes.Taken(*r) for r in (await conn.execute(picked)).all()]
             if not rows:
                 return 0
-            exhausted = [r.id for r in rows if r.attempts >= max_attempts]
-            retry = [r.id for r in rows if r.attempts < max_attempts]
-            message = "the worker holding this item died or stopped renewing its lease"
-            for ids, state in ((exhausted, "failed"), (retry, "pending")):
+            held = await conn.run_sync(lambda c: crashes.suspects_held(c, rows))
+            verdicts = crashes.verdicts(rows, held)
+            for (alone, poison), ids in crashes.by_verdict(verdicts).items():
+                values: dict[str, Any] = {
+                    "state": "pending",
+                    **_CLEAR_LEASE,
+                    "attempts": sa.case((items.c.attempts > 0, items.c.attempts - 1), else_=0),
+                    "error_class": LEASE_LOST,
+                    "last_error": crashes.DIED,
+                    "updated_at": now,
+                    "deaths": items.c.deaths + 1,
+                    "deaths_alone": items.c.deaths_alone + int(alone),
+                }
+                if poison:
+                    values |= {"state": "failed", "finished_at": now, "last_error": crashes.POISON}
                 for chunk in _chunks(ids):
-                    values: dict[str, Any] = {
-                        "state": state,
-                        **_CLEAR_LEASE,
-                        "error_class": LEASE_LOST,
-                        "last_error": message,
-                        "updated_at": now,
-                    }
-                    if state == "failed":
-                        values["finished_at"] = now
-                        values["last_error"] = f"{message}, {max_attempts} attempts spent"
                     await conn.execute(
                         items.update()
                         .where(items.c.id.in_(list(chunk)), items.c.state == "running")
@@ -498,8 +496,8 @@ class Queue:
                         "dataset_id": r.dataset_id,
                         "attempt": r.attempts,
                         "error_class": LEASE_LOST,
-                        "message": message,
-                        "outcome": "failed" if r.attempts >= max_attempts else "retry",
+                        "message": crashes.POISON if verdicts[r.id].poison else crashes.DIED,
+                        "outcome": "failed" if verdicts[r.id].poison else "retry",
                         "created_at": now,
                     }
                     for r in rows
@@ -510,6 +508,9 @@ class Queue:
             dead = set(dead_owners)
             killed = [(r.dataset_id, _KILLED) for r in rows if r.lease_owner in dead]
             await conn.run_sync(lambda c: wasted.add(c, wasted.tally(killed), now))
+        poison = sorted(item_id for item_id, v in verdicts.items() if v.poison)
+        if poison:
+            log.warning("poison_items_failed", items=poison)
         return len(rows)
 
     async def remaining(self, dataset_names: Sequence[str] | None = None) -> int:
@@ -747,8 +748,8 @@ def _take(
     suspect_slots: int | None,
     together: _Together,
 ) -> tuple[list[Lease], int | None]:
-    """``n`` items of one dataset, never put back first for a trial, suspects within
-    the slots left for them; those taken and the suspect slots still left."""
+    """``n`` items of one dataset, never put back first for a trial, a group of suspects
+    if there is room for one; those taken and the room for suspects still left."""
     taken: list[Lease] = []
     if suspect_slots is None:
         if claim.fresh_first:
@@ -758,12 +759,26 @@ def _take(
         )
         return taken + more, None
     if suspect_slots > 0:
-        taken = _claim_from(conn, dataset_id, min(n, suspect_slots), True, lease)
-        suspect_slots -= len(taken)
+        taken = _claim_group(conn, dataset_id, n, suspect_slots, lease)
+        suspect_slots = 0 if taken else suspect_slots
     more = _claim_from(
         conn, dataset_id, n - len(taken), False, lease, together=together.after(len(taken))
     )
     return taken + more, suspect_slots
+
+
+def _claim_group(
+    conn: sa.Connection, dataset_id: int, n: int, capacity: int, lease: _LeaseOf
+) -> list[Lease]:
+    """Up to ``n`` of a dataset's suspects, of its level with the most deaths, as many
+    as a group of that level holds for a worker of ``capacity`` slots."""
+    st = _Statements(conn)
+    found = st.rows(crashes.LEVEL_SQL, {"dataset": dataset_id, "now": lease.now})
+    if not found:
+        return []
+    level = int(found[0][0])
+    size = min(n, crashes.group_size(capacity, level))
+    return _claim_from(conn, dataset_id, size, True, lease, level=level)
 
 
 def _prompts(leases: Sequence[Lease]) -> deque[list[Lease]]:
@@ -924,10 +939,10 @@ def _claim_sql(
     siblings: bool = False,
 ) -> str:
     """Take up to :n pending items of a dataset, longest predicted answer first (or in
-    input order): suspects only, none, or (None) any; ``fresh``: only items never put
-    back (no error kept); ``siblings``: the later samples of one prompt (its
-    ``:predicted`` and ``:position``, past ``:sample``, an ``ix_items_longest`` range).
-    Suspects go in input order (``ix_items_suspect``): they are taken one at a time.
+    input order): suspects only (those of ``:level`` deaths), none, or (None) any;
+    ``fresh``: only items never put back (no error kept); ``siblings``: the later
+    samples of one prompt (its ``:predicted`` and ``:position``, past ``:sample``, an
+    ``ix_items_longest`` range). Suspects go in input order (``ix_items_suspect``).
 
     On PostgreSQL rows another claim has locked are skipped, not waited for; a row
     claimed and committed since this statement's snapshot is re-checked under the lock
@@ -940,9 +955,9 @@ def _claim_sql(
     only = ""
     if suspects is not None:
         only = (
-            " AND error_class = :lost"
+            f" AND deaths > 0 AND deaths >= {crashes.SUSPECT} AND deaths = :level"
             if suspects
-            else " AND (error_class IS NULL OR error_class != :lost)"
+            else f" AND deaths < {crashes.SUSPECT}"
         )
     if fresh:
         only += " AND error_class IS NULL"
@@ -967,7 +982,7 @@ def _claim_sql(
         " lease_owner = :owner, lease_expires_at = :expires, updated_at = :now"
         f" WHERE {f'id = ANY(ARRAY({chosen}))' if postgres else f'id IN ({chosen})'}"
         " RETURNING id, key, position, request, attempts, error_class, turn, turns,"
-        " last_error, predicted_tokens, sample"
+        " last_error, predicted_tokens, sample, deaths"
     )
 
 
@@ -981,9 +996,10 @@ def _claim_from(
     in_input_order: bool = False,
     fresh: bool = False,
     together: _Together = _ALONE,
+    level: int = 0,
 ) -> list[Lease]:
-    """Claim ``n`` of a dataset's items: suspects only, none, or (None) any; ``fresh``:
-    only those never put back; the leases in the order they were ranked. With
+    """Claim ``n`` of a dataset's items: suspects only (of ``level`` deaths), none, or
+    (None) any; ``fresh``: only those never put back; the leases in the order they were ranked. With
     ``together.samples`` (a dataset's samples per prompt, asked in one request) each
     prompt claimed comes with its later pending samples, after it, beyond ``n`` but
     within ``together.most``."""
@@ -998,8 +1014,8 @@ def _claim_from(
         "dataset": dataset_id,
         "n": n,
     }
-    if suspects is not None:
-        params["lost"] = LEASE_LOST
+    if suspects:
+        params["level"] = level
     rows = st.rows(_claim_sql(suspects, st.postgres, in_input_order, fresh), params)
     if suspects or in_input_order:
         rows.sort(key=lambda r: (r[2], r[10]))
@@ -1010,7 +1026,8 @@ def _claim_from(
     resumed = _generated_turns(conn, [r[0] for r in rows if r[6] > 0])
     token, expires = lease.token, lease.expires
     leases = []
-    for item_id, key, _, request, attempts, error_class, turn, turns, last_error, _, sample in rows:
+    for item_id, key, _, request, attempts, error_class, turn, turns, last_error, *rest in rows:
+        _, sample, deaths = rest
         before = resumed.get(item_id, _NOTHING_GENERATED)
         leases.append(
             Lease(
@@ -1021,7 +1038,7 @@ def _claim_from(
                 request=orjson.loads(request),
                 attempt=attempts,
                 expires_at=expires,
-                suspect=bool(suspects) or (suspects is None and error_class == LEASE_LOST),
+                suspect=deaths >= crashes.SUSPECT,
                 turn=turn,
                 turns=turns,
                 generated=before.messages,

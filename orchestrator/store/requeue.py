@@ -162,6 +162,9 @@ def _pending_values(state: str, now: float) -> dict[str, Any]:
     values: dict[str, Any] = {
         "state": "pending",
         "attempts": 0,
+        # A fresh start: the deaths it was in flight for are forgotten too (store.crashes).
+        "deaths": 0,
+        "deaths_alone": 0,
         "not_before": 0,
         "error_class": None,
         "last_error": None,

@@ -94,6 +94,11 @@ items = sa.Table(
     # Several samples per prompt (migration 0015): each is its own row, numbered from 0,
     # sharing the prompt's key, position and request; 0 for a dataset of one sample.
     sa.Column("sample", sa.Integer, nullable=False, server_default="0"),
+    # Deaths of its worker the item was in flight for (migration 0018, ``store.crashes``),
+    # and those at which it was its worker's only item with two or more: the evidence
+    # that tells an item that kills its worker from the bystanders of a crash.
+    sa.Column("deaths", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("deaths_alone", sa.Integer, nullable=False, server_default="0"),
     sa.UniqueConstraint("dataset_id", "key", "sample"),
     sa.CheckConstraint("state IN ('pending', 'running', 'done', 'failed')", name="state_valid"),
     # A running row always carries its fence; no other state does.
@@ -111,14 +116,16 @@ sa.Index(
     sqlite_where=items.c.state == "pending",
     postgresql_where=items.c.state == "pending",
 )
-# Suspects (items taken back from a dead worker) are claimed one at a time: find them
-# without scanning every pending row.
+# Pending items that were in flight when a worker died: those that died twice or more
+# are claimed in groups of one level (``store.crashes``), found without scanning every
+# pending row; ``status`` counts them all from here.
 sa.Index(
     "ix_items_suspect",
     items.c.dataset_id,
+    items.c.deaths,
     items.c.position,
-    sqlite_where=sa.and_(items.c.state == "pending", items.c.error_class == "lease_lost"),
-    postgresql_where=sa.and_(items.c.state == "pending", items.c.error_class == "lease_lost"),
+    sqlite_where=sa.and_(items.c.state == "pending", items.c.deaths > 0),
+    postgresql_where=sa.and_(items.c.state == "pending", items.c.deaths > 0),
 )
 # The reaper and the per-dataset running counts only look at running rows.
 sa.Index(
@@ -355,7 +362,7 @@ wasted_tokens = sa.Table(
     sa.Column("updated_at", sa.Float, nullable=False),
 )
 
-# Deleted datasets, kept aside until purged (``dataset delete``, migration 0016b): each
+# Deleted datasets, kept aside until purged (``dataset delete``, migration 0016): each
 # deletion is a row, and every row it took from the tables below is kept as it was in
 # ``deleted_<table>`` under the deletion's id, so that its undo puts them back as they
 # were. Nothing on the hot paths reads or writes these tables.

@@ -19,7 +19,7 @@ from orchestrator.items.answer_length import MEASURED_AFTER
 from orchestrator.items.error_classes import limited_for
 from orchestrator.items.quality import ALL_FLAGS
 from orchestrator.items.structured import INVALID_FLAGS, expected_format
-from orchestrator.store import liveness
+from orchestrator.store import crashes, liveness
 
 if TYPE_CHECKING:
     from orchestrator.store.reader import Rows
@@ -105,6 +105,8 @@ _QUERIES: dict[str, str] = {
         "SELECT +dataset_id, count(*), coalesce(sum(predicted_tokens), 0) FROM items"
         " WHERE state = 'running' AND predicted_tokens > 0 GROUP BY +dataset_id"
     ),
+    # Items left that were in flight when a worker died (migration 0018).
+    "after_crash": crashes.AFTER_CRASH_SQL,
     # Tokens thrown away (migration 0013): a row per dataset and cause, read whole.
     "wasted": "SELECT dataset_id, cause, requests, tokens, unknown FROM wasted_tokens",
     "workers": (
@@ -218,7 +220,24 @@ def snapshot(rows: Rows, *, now: float | None = None, window: float = WINDOW_SEC
         _add_messages(messages, key, rows.fetch(_MESSAGES, key))
     snap = _document(found, lengths, costs, messages, where=rows.where, now=now, window=window)
     snap.document["rate_limited"] = _rate_limited(rows, found["errors"], params["since"], now)
+    _add_after_crash(snap, crashes.after_crash(found["after_crash"]))
     return snap
+
+
+def _add_after_crash(snap: Snapshot, by_dataset: dict[int, dict[str, int]]) -> None:
+    """Each dataset's items left that were in flight at a worker's death, and those
+    rationed among them (``store.crashes``); the totals sum them. The rationed are left
+    out of the ETA's work: a group at a time, they go at no pace the forecast knows."""
+    none = {"items": 0, "rationed": 0}
+    for work in snap.work:
+        rationed = by_dataset.get(work["dataset_id"], none)["rationed"]
+        work["pending"] = max(work["pending"] - rationed, 0)
+    for dataset_id, entry in zip(snap.ids, snap.document["datasets"], strict=True):
+        entry["after_crash"] = dict(by_dataset.get(dataset_id, none))
+    entries = snap.document["datasets"]
+    snap.document["totals"]["after_crash"] = {
+        k: sum(e["after_crash"][k] for e in entries) for k in none
+    }
 
 
 def _rate_limited(rows: Rows, errors: Sequence[Sequence[Any]], since: float, now: float) -> Any:

@@ -182,9 +182,10 @@ class Claims:
             return None
         suspect_slots = 0
         if not self._suspects and now >= self._next_suspect_probe:
-            # Suspects are rare: once none is found, look again a second later rather
-            # than in every round.
-            suspect_slots = 1
+            # Room for one group of suspects (store.crashes), sized from the capacity.
+            # They are rare: once none is found, look again a second later rather than
+            # in every round.
+            suspect_slots = concurrency
             self._next_suspect_probe = now + 1.0
         return Claim(
             self.owner,
@@ -213,8 +214,8 @@ class Claims:
             self.buffer.append(lease)
         self.stats.claimed += len(leases)
         if claim.suspect_slots and any(lease.suspect for lease in leases):
-            # Where there was one suspect there may be more (a dead worker's whole
-            # share): look again as soon as this one is settled.
+            # Where there was one group there may be more (a bisection's other half):
+            # look again as soon as this one is settled.
             self._next_suspect_probe = 0.0
         self.fill()
         if trial is not None:

@@ -162,7 +162,7 @@ async def reap(worker: Worker) -> None:
     queue = worker.queue
     owners = await queue.running_owners()
     dead = [o for o in owners if o != worker.owner and procinfo.is_dead_local(o)]
-    reaped = await queue.reap(max_attempts=worker.config.max_attempts, dead_owners=dead)
+    reaped = await queue.reap(dead_owners=dead)
     if dead:
         await worker_rows.mark_dead(worker.database, dead)
     if reaped:

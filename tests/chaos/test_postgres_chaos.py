@@ -59,8 +59,8 @@ def test_crash_loop_postgresql(
     url = pg_database()
     server = sim_process("--latency", "0.05", "--per-token", "0.001", "--mean-tokens", "40")
     keys = enqueue(tmp_path, url, n)
-    # Items taken back from a killed worker run one at a time (they may be what killed
-    # it): a modest concurrency keeps the CI variant to a few seconds.
+    # Items in flight at several kills run in groups (they may be what killed it): a
+    # modest concurrency keeps the CI variant to a few seconds.
     concurrency = "16" if kills < 10 else "48"
     reclaimed = kill_repeatedly(
         lambda: start_worker(url, server.url, "--concurrency", concurrency, "--exit-when-done"),

@@ -7,7 +7,7 @@ undo moves them back as they were, and ``dataset purge`` drops them for good. Th
 copies have the columns of their tables as they are at this revision, and no keys: a
 later migration that adds a column to one of these tables adds it to its copy too.
 
-Revision ID: 0016b
+Revision ID: 0016
 Revises: 0015
 Create Date: 2026-12-03
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0016b"
+revision = "0016"
 down_revision = "0015"
 branch_labels = None
 depends_on = None

@@ -4,8 +4,8 @@ A worker writes with its heartbeat how many servers it has and how many it reach
 each one down with why and since when, and since when it reaches none; and, at its
 start, its lease, after which a worker not heard from is presumed dead.
 
-Revision ID: 0016c
-Revises: 0016b
+Revision ID: 0017
+Revises: 0016
 Create Date: 2026-12-07
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0016c"
-down_revision = "0016b"
+revision = "0017"
+down_revision = "0016"
 branch_labels = None
 depends_on = None
 
