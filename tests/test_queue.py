@@ -34,6 +34,7 @@ from orchestrator.store import (
 )
 from orchestrator.store import queue as queue_module
 from orchestrator.store.queue import Claim, Round
+from orchestrator.store.requeue import Selection, requeue
 from orchestrator.store.schema import attempt_errors, item_turns, items, outputs
 from tests.helpers import prompts, write_jsonl
 
@@ -343,11 +344,11 @@ async def test_requeue_failed_and_done(database: Database, tmp_path: Path) -> No
     a, b, c = await queue.claim("w1", 3, lease_seconds=60)
     await queue.fail([(a, Failure("http_400", "bad")), (b, Failure("timeout", "slow"))])
     await queue.complete([(c, answer())])
-    assert await queue.requeue(error_class="timeout") == 1
+    assert await requeue(database, Selection(error_class="timeout")) == 1
     state = await rows(database)
     assert state[b.key]["state"] == "pending" and state[b.key]["attempts"] == 0
     assert state[a.key]["state"] == "failed"
-    assert await queue.requeue(state="done") == 1
+    assert await requeue(database, Selection(state="done")) == 1
     assert await output_count(database) == 0
     assert (await rows(database))[c.key]["state"] == "pending"
 

@@ -28,6 +28,7 @@ from orchestrator.store import (
 )
 from orchestrator.store.datasets import params_hash
 from orchestrator.store.queue import Round
+from orchestrator.store.requeue import Selection, requeue
 from orchestrator.store.schema import item_turns, items, outputs, param_sets
 from orchestrator.worker import Worker, WorkerConfig, WorkerStats
 from tests.conftest import StartSim
@@ -116,8 +117,8 @@ async def test_requeue_truncated_with_more_room(
     await run_worker(database, config(url))
     truncated = [f for (f,) in await rows(database, outputs.c.flags) if f & TRUNCATED]
     assert 0 < len(truncated) < 6  # answers of 20 to 60 words against 25
-    queue = Queue(database)
-    assert await queue.requeue(state="done", flags=TRUNCATED, max_tokens=200) == len(truncated)
+    done = Selection(state="done", flags=TRUNCATED)
+    assert await requeue(database, done, max_tokens=200) == len(truncated)
     assert len(await rows(database, outputs.c.item_id)) == 6 - len(truncated)
     assert (await run_worker(database, config(url))).completed == len(truncated)
     assert [f for (f,) in await rows(database, outputs.c.flags) if f & TRUNCATED] == []
@@ -244,7 +245,7 @@ async def test_a_failed_turn_fails_the_conversation_and_requeue_resumes_it(
             assert len(kept.get(key, [])) == turn
         assert any(turn > 0 for _, _, turn in failed)
         # Requeued, they resume at the failed turn: the turns before it are kept as they were.
-        assert await Queue(database).requeue() == len(failed)
+        assert await requeue(database, Selection()) == len(failed)
         assert (await run_worker(database, config(await sim()))).completed == len(failed)
         after = await generated_turns(database)
         assert all(len(turns) == 3 for turns in after.values()) and len(after) == 20

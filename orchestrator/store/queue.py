@@ -544,34 +544,6 @@ class Queue:
 
     # ---------------------------------------------------------------- operator actions
 
-    async def requeue(
-        self,
-        *,
-        dataset_names: Sequence[str] | None = None,
-        state: str = "failed",
-        error_class: str | None = None,
-        flags: int = 0,
-        max_tokens: int | None = None,
-        now: float | None = None,
-    ) -> int:
-        """Send failed (or done) items back to pending with their attempts reset.
-
-        Requeuing done items sets their outputs (and generated turns) aside in the same
-        transaction, where ``requeue --undo`` finds them (``store.requeue``): they will be
-        generated again, from the first turn. ``flags`` picks done items whose output
-        carries any of these quality flags. A failed multi-turn item resumes at the turn
-        that failed. ``max_tokens`` raises the requeued items' own limit.
-        """
-        from orchestrator.store import requeue as requeues
-
-        selection = requeues.Selection(
-            state=state,
-            dataset_names=tuple(dataset_names or ()),
-            error_class=error_class,
-            flags=flags,
-        )
-        return await requeues.requeue(self.db, selection, max_tokens=max_tokens, now=now)
-
 
 _OUTPUT_COLUMNS = (
     "item_id",
