@@ -4,7 +4,7 @@ The simulated server's answer is a function of the messages it received
 (``orchestrator.sim``: ``request_digest``, ``answer_matches``). This module recomputes,
 from an exported line and the input row it came from, the messages every exported answer
 must have been asked with, and checks the answer against them. It is written from the
-rules as users read them (README, "Regenerating every turn"), not from
+rules as users read them (docs/INPUTS-AND-EXPORTS.md, "Kinds of dataset"), not from
 ``orchestrator.items.conversation``, so a fault in that module shows here:
 
 * ``last``: the answer to the input without its trailing assistant turns; nothing else

@@ -140,8 +140,8 @@ def export(
     """Write done items to OUT as JSONL, by dataset then input order.
 
     The default line: {"id", "dataset", "messages": [...input, assistant answer],
-    "finish_reason", "usage"}; the README shows every format. Each file is written under
-    a temporary name and renamed once all are complete: never half a file.
+    "finish_reason", "usage"}; docs/INPUTS-AND-EXPORTS.md shows every format. Each file is
+    written under a temporary name and renamed once all are complete: never half a file.
     """
     files = {"split": split, "include_failed": include_failed, "shard_rows": shard_rows}
     files |= {"card": card, "per_turn": per_turn, "parsed": parsed}

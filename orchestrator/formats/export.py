@@ -14,7 +14,7 @@ fraction of the cost. The default shape (:func:`write_lines`) parses only the re
 to splice its messages in; the other shapes (:class:`ExportOptions`) parse what they
 change.
 
-Four line formats (README, "Export formats"): ``messages`` (the default), ``sharegpt``
+Four line formats (docs/INPUTS-AND-EXPORTS.md): ``messages`` (the default), ``sharegpt``
 (``from``/``value`` turns, as SpecForge and other EAGLE-3 trainers read them),
 ``openai-batch`` (the OpenAI Batch API / ``vllm run-batch`` output line, failed items in
 an error file beside it) and ``specforge`` (SpecForge's regenerated data, rows its
