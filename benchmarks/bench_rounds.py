@@ -32,7 +32,7 @@ from common import (
 )
 
 if TYPE_CHECKING:
-    from orchestrator.store.queue import Output
+    from orchestrator.store.leases import Output
 
 _ANSWER = "north tau shadow worker"
 
@@ -40,7 +40,9 @@ _ANSWER = "north tau shadow worker"
 async def _rounds(url: str, size: int) -> tuple[int, int, float, float]:
     """Complete and claim until nothing is left: items, rounds, CPU and wall seconds."""
     from orchestrator.store import open_database
-    from orchestrator.store.queue import Claim, Queue, Round
+    from orchestrator.store.leases import Claim
+    from orchestrator.store.queue import Queue
+    from orchestrator.store.rounds import Round
 
     database = await open_database(url)
     try:
@@ -58,7 +60,7 @@ async def _rounds(url: str, size: int) -> tuple[int, int, float, float]:
 
 
 def _output() -> Output:
-    from orchestrator.store.queue import Output
+    from orchestrator.store.leases import Output
 
     return Output(
         message={"role": "assistant", "content": _ANSWER},

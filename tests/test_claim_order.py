@@ -14,7 +14,8 @@ from typing import Any
 from orchestrator.formats import iter_records
 from orchestrator.items.answer_length import Expected
 from orchestrator.store import Database, DatasetSpec, Queue, enqueue, list_datasets
-from orchestrator.store.queue import Claim, Round
+from orchestrator.store.leases import Claim
+from orchestrator.store.rounds import Round
 from tests.helpers import write_jsonl
 from tests.test_queue import statements  # noqa: F401 - both ways of running statements
 

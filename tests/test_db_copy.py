@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from orchestrator.store import Failure, Queue, open_database
-from orchestrator.store.queue import Round
+from orchestrator.store.rounds import Round
 from tests.chaos.test_scenarios import SimFactory
 from tests.helpers import cli, db_snapshot, prompts, query, start_worker, write_jsonl
 from tests.test_queue import answer

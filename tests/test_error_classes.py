@@ -8,7 +8,7 @@ from pathlib import Path
 
 from orchestrator.items import error_classes
 from orchestrator.items.error_classes import ERROR_CLASSES
-from orchestrator.store.queue import LEASE_LOST
+from orchestrator.store.leases import LEASE_LOST
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -85,10 +85,10 @@ def test_the_claim_reads_the_index_whatever_the_size(tmp_path: Path) -> None:
     db = tmp_path / "q.db"
     path = write_jsonl(tmp_path / "in.jsonl", [held(f"k{i}", i % 50 + 1) for i in range(200)])
     assert cli("enqueue", str(path), "--dataset", "ds", "--db", str(db)).returncode == 0
-    from orchestrator.store.queue import _HEADS, _claim_sql
+    from orchestrator.store.claims import HEADS, claim_sql
 
     with closing(sqlite3.connect(db)) as conn:
-        for sql in (_HEADS, _claim_sql(False, False)):
+        for sql in (HEADS, claim_sql(False, False)):
             params = {"dataset": 1, "now": 0, "n": 5, "lost": "x", "token": "t"}
             params |= {"owner": "o", "expires": 0}
             plan = " ".join(str(r) for r in conn.execute("EXPLAIN QUERY PLAN " + sql, params))

@@ -32,9 +32,10 @@ from orchestrator.store import (
     crashes,
     enqueue,
 )
-from orchestrator.store import queue as queue_module
-from orchestrator.store.queue import Claim, Round
+from orchestrator.store import statements as sql_statements
+from orchestrator.store.leases import Claim
 from orchestrator.store.requeue import Selection, requeue
+from orchestrator.store.rounds import Round
 from orchestrator.store.schema import attempt_errors, item_turns, items, outputs
 from tests.helpers import prompts, write_jsonl
 
@@ -42,7 +43,7 @@ from tests.helpers import prompts, write_jsonl
 @pytest.fixture(autouse=True, params=["driver-sql", "sqlalchemy"])
 def statements(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     if request.param == "sqlalchemy":
-        monkeypatch.setattr(queue_module, "_sqlite_driver", lambda _conn: None)
+        monkeypatch.setattr(sql_statements, "_sqlite_driver", lambda _conn: None)
     yield request.param
 
 

@@ -34,7 +34,7 @@ from orchestrator.store import (
     Queue,
     create_database,
     engine,
-    inspection,
+    item_detail,
     iter_done,
     open_database,
     reader,
@@ -562,7 +562,7 @@ def test_constants_kept_in_step() -> None:
     assert reader.DEFAULT_DB == engine.DEFAULT_DB
     assert reader.BUSY_TIMEOUT_MS == engine.BUSY_TIMEOUT_MS
     assert stats.STATES == schema.STATES
-    assert inspection.STATES == cli_inspect._STATES == schema.STATES
+    assert item_detail.STATES == cli_inspect._STATES == schema.STATES
     assert cli.LOG_LEVELS == logs.LEVELS
 
 

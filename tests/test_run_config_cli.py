@@ -292,7 +292,7 @@ def progress(db: Path) -> None:
         return Output(message, "x", None, "stop", usage, 0.1, None, "m", None)
 
     async def go() -> None:
-        from orchestrator.store.queue import Round
+        from orchestrator.store.rounds import Round
 
         database = await open_database(str(db))
         try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.store import Database, Queue
-from orchestrator.store.queue import Claim, Round
+from orchestrator.store.leases import Claim
+from orchestrator.store.rounds import Round
 from tests.test_queue import answer, load
 
 

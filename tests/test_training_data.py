@@ -27,8 +27,8 @@ from orchestrator.store import (
     open_database,
 )
 from orchestrator.store.datasets import params_hash
-from orchestrator.store.queue import Round
 from orchestrator.store.requeue import Selection, requeue
+from orchestrator.store.rounds import Round
 from orchestrator.store.schema import item_turns, items, outputs, param_sets
 from orchestrator.worker import Worker, WorkerConfig, WorkerStats
 from tests.conftest import StartSim

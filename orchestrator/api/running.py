@@ -251,3 +251,18 @@ async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int | No
         return await worker.run()
     finally:
         await runner.cleanup()
+
+
+def checked_outcome(outcome: RunOutcome) -> RunOutcome:
+    """Raise what stopped a run short for a reason to act on; return the rest."""
+    from orchestrator.errors import ItemsFailed, ItemsLeftPending, StorageError
+
+    if outcome.stats.dropped:
+        raise StorageError(
+            f"{outcome.stats.dropped:,} answers could not be written before the stop and "
+            "were dropped (their items run again once their leases expire)"
+        )
+    for reason in outcome.stopped:
+        if not isinstance(reason, ItemsFailed | ItemsLeftPending):
+            raise reason
+    return outcome

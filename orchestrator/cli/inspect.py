@@ -1,6 +1,6 @@
 """``orchestrator inspect``: single items as a person reads them, or as JSON lines.
 
-Parses the options, reads through ``store.inspection`` (plain sqlite3 on an SQLite file at
+Parses the options, reads through ``store.item_detail`` (plain sqlite3 on an SQLite file at
 the current schema, the store otherwise) and prints with ``monitor.inspection``. It only
 reads: the database is opened read-only either way.
 """

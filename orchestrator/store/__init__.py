@@ -18,10 +18,11 @@ from orchestrator._util.lazy import exports
 if TYPE_CHECKING:
     from orchestrator.store.datasets import DatasetInfo, DatasetSpec, list_datasets, set_paused
     from orchestrator.store.engine import Database, create_database, resolve_url
+    from orchestrator.store.leases import Failure, Lease, Output
     from orchestrator.store.loading import EnqueueReport, enqueue
     from orchestrator.store.migrate import ensure_schema, upgrade
     from orchestrator.store.outputs import DoneItem, check_datasets, iter_done
-    from orchestrator.store.queue import Failure, Lease, Output, Queue
+    from orchestrator.store.queue import Queue
 
 _SOURCES = {
     "DatasetInfo": "datasets",
@@ -38,9 +39,9 @@ _SOURCES = {
     "DoneItem": "outputs",
     "check_datasets": "outputs",
     "iter_done": "outputs",
-    "Failure": "queue",
-    "Lease": "queue",
-    "Output": "queue",
+    "Failure": "leases",
+    "Lease": "leases",
+    "Output": "leases",
     "Queue": "queue",
 }
 

@@ -37,8 +37,9 @@ from orchestrator.errors import ConfigError, SchemaError
 from orchestrator.items.quality import NUL_CHAR
 from orchestrator.store import open_database
 from orchestrator.store.engine import Database, create_database, insert_many, resolve_url
+from orchestrator.store.leases import put_back
 from orchestrator.store.migrate import upgrade
-from orchestrator.store.queue import put_back, storable
+from orchestrator.store.rounds import storable
 
 log = structlog.get_logger("orchestrator.store.copy")
 

@@ -9,7 +9,7 @@ again, and failed: the answer they had comes back); the superseded answers of it
 generated again stay where they are.
 
 Both hold the item rows they move while workers claim and complete around them
-(``store.queue``: the state changes themselves are there).
+(``store.transitions``: the state changes themselves are there).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.items.error_classes import is_known, unknown
 from orchestrator.items.params import expected, shown
 from orchestrator.store.engine import Database
-from orchestrator.store.queue import RESTORABLE, hold, reopen, restore
 from orchestrator.store.schema import datasets, items, outputs, requeued_items, requeues
+from orchestrator.store.transitions import RESTORABLE, hold, reopen, restore
 
 _CHUNK = 400
 

@@ -89,7 +89,7 @@ items = sa.Table(
     sa.Column("turns", sa.Integer, nullable=False, server_default="1"),
     # The answer's length in tokens as the input line predicts it: the original answer
     # it holds (the turns the model writes again), estimated from their text; 0: none.
-    # Claims take the longest first (``store.queue``).
+    # Claims take the longest first (``store.claims``).
     sa.Column("predicted_tokens", sa.Integer, nullable=False, server_default="0"),
     # Several samples per prompt (migration 0015): each is its own row, numbered from 0,
     # sharing the prompt's key, position and request; 0 for a dataset of one sample.

@@ -25,8 +25,8 @@ from orchestrator.inference.pool import ServerPool
 from orchestrator.items.answer_length import Expected, expected
 from orchestrator.store import Database, Lease, list_datasets
 from orchestrator.store.datasets import DatasetInfo
+from orchestrator.store.leases import Claim
 from orchestrator.store.length_stats import length_stats
-from orchestrator.store.queue import Claim
 from orchestrator.worker.config import WorkerConfig, WorkerStats
 from orchestrator.worker.guard import RunGuard
 

@@ -18,7 +18,7 @@ from sqlalchemy import exc as sa_exc
 
 from orchestrator.errors import StorageError
 from orchestrator.store import Lease, Queue
-from orchestrator.store.queue import Claim
+from orchestrator.store.leases import Claim
 from orchestrator.worker.outcomes import Outcome, to_round
 
 log = structlog.get_logger("orchestrator.worker")

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from orchestrator.store import Failure, Lease, Output
-from orchestrator.store.queue import Claim, Round
+from orchestrator.store.leases import Claim
+from orchestrator.store.rounds import Round
 
 
 @dataclass(slots=True)
