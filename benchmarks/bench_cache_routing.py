@@ -38,7 +38,7 @@ import structlog
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from orchestrator import servers  # noqa: E402
+from orchestrator.inference import pool, routing  # noqa: E402
 from orchestrator.formats import iter_records  # noqa: E402
 from orchestrator.inference.client import ClientConfig, InferenceClient  # noqa: E402
 from orchestrator.sim.config import SimConfig  # noqa: E402
@@ -170,16 +170,16 @@ async def _not_holding(self: Caller, server: str | None, landed: asyncio.Future[
 
 
 KEEP_SLOT = Caller._holding
-_HOLDER = servers.ServerPool._holder
+_HOLDER = pool.ServerPool._holder
 
 
 def _holder_alone(
-    self: servers.ServerPool,
+    self: pool.ServerPool,
     hashes: list[int],
     lowest: float,
     previous: str | None = None,
     width: int = 1,
-) -> servers.ServerState | None:
+) -> pool.ServerState | None:
     return _HOLDER(self, hashes, lowest, None, width)
 
 
@@ -187,9 +187,9 @@ async def measure(
     backend: str, workload: str, n: int, servers_used: int, cache: bool, keep: bool = True
 ) -> dict:
     make, mode = WORKLOADS[workload]
-    servers.CACHE_THRESHOLD = 0.5 if cache else math.inf
+    routing.CACHE_THRESHOLD = 0.5 if cache else math.inf
     # Least-loaded routing knows no previous server either.
-    servers.ServerPool._holder = _HOLDER if cache else _holder_alone  # type: ignore[method-assign]
+    pool.ServerPool._holder = _HOLDER if cache else _holder_alone  # type: ignore[method-assign]
     Caller._holding = KEEP_SLOT if keep else _not_holding  # type: ignore[method-assign]
     start = sim_servers if backend == "sim" else llama_servers
     with tempfile.TemporaryDirectory() as tmp:
