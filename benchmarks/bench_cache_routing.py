@@ -38,8 +38,8 @@ import structlog
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from orchestrator.inference import pool, routing  # noqa: E402
 from orchestrator.formats import iter_records  # noqa: E402
+from orchestrator.inference import pool, routing  # noqa: E402
 from orchestrator.inference.client import ClientConfig, InferenceClient  # noqa: E402
 from orchestrator.sim.config import SimConfig  # noqa: E402
 from orchestrator.sim.server import serve  # noqa: E402

@@ -260,7 +260,8 @@ def configure_logs() -> None:
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; turn our errors into a message and an exit code."""
-    from orchestrator._util import aio  # here, not at the top: the read-only fast paths never need it
+    # Here, not at the top: the read-only fast paths never need it.
+    from orchestrator._util import aio
 
     return run_sync(functools.partial(aio.run, coro))
 
