@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 client for the worker's chat requests to plain ``http://`` servers.
 
 aiohttp's client path costs more CPU per request than everything else the worker does
-for an item (BENCHMARKS.md figure 1): a request object, a response object, a stream
+for an item (benchmarks/HISTORY.md, figure 1): a request object, a response object, a stream
 reader, timers and trace hooks, for a POST whose answer is read whole. Here one
 :class:`asyncio.Protocol` per keep-alive connection writes the request in one buffer and
 feeds the answer to llhttp (``httptools``, the parser uvicorn uses), which handles
