@@ -159,7 +159,8 @@ class TransientError(InferenceError):
     ):
         super().__init__(message, error_class=error_class)
         self.retry_after = retry_after
-        #: A 429's ``x-ratelimit-*`` headers (``orchestrator.inference.client.RateLimits``), if any.
+        #: A 429's ``x-ratelimit-*`` headers, if any
+        #: (``orchestrator.inference.failures.RateLimits``).
         self.rate_limits: object | None = None
 
 

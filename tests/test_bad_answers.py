@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import pytest
 
-from orchestrator.inference.client import _retry_after
+from orchestrator.inference.failures import _retry_after
 from orchestrator.store import Database
 from tests.helpers import REPO, ServerScript, cli, events, query, start_worker, write_jsonl
 

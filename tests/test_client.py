@@ -9,7 +9,8 @@ import orjson
 import pytest
 
 from orchestrator.errors import PermanentError, ServerUnavailable, TransientError
-from orchestrator.inference.client import ClientConfig, Completion, InferenceClient, base_url
+from orchestrator.inference.client import ClientConfig, InferenceClient, base_url
+from orchestrator.inference.completions import Completion
 from orchestrator.items.quality import (
     EMPTY_CONTENT,
     REASONING_ONLY,

@@ -121,7 +121,7 @@ def test_max_model_len_is_read_from_v1_models(sim_process: Callable[..., SimProc
 
     import aiohttp
 
-    from orchestrator.inference.client import models
+    from orchestrator.inference.probes import models
 
     server = sim_process("--max-model-len", "4096", "--model", "m")
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from orchestrator.errors import ConfigError
-from orchestrator.inference.client import RateLimits, parse_duration, rate_limits
+from orchestrator.inference.failures import RateLimits, parse_duration, rate_limits
 from orchestrator.inference.servers_file import parse_servers_file
 from orchestrator.items import error_classes as ec
 from orchestrator.sim.ratelimit import duration, parse_rate_limit

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from orchestrator.formats import iter_records
-from orchestrator.inference import client as inference
+from orchestrator.inference import completions
 from orchestrator.inference.pool import ServerPool
 from orchestrator.inference.routing import PREFIX_BLOCK, prefix_blocks
 from orchestrator.store import Database, DatasetSpec, enqueue
@@ -144,10 +144,10 @@ def test_a_server_that_went_down_holds_no_prefix() -> None:
 def test_cached_tokens_are_read_from_each_server_kind() -> None:
     usage = {"prompt_tokens": 10, "completion_tokens": 2}
     sglang = {**usage, "prompt_tokens_details": {"cached_tokens": 7}}
-    assert inference.with_cached(sglang, None)["cached_tokens"] == 7
-    assert inference.with_cached(usage, {"cache_n": 5, "prompt_n": 5})["cached_tokens"] == 5
-    assert "cached_tokens" not in inference.with_cached(usage, None)
-    assert inference.with_cached(None, {"cache_n": 5}) is None
+    assert completions.with_cached(sglang, None)["cached_tokens"] == 7
+    assert completions.with_cached(usage, {"cache_n": 5, "prompt_n": 5})["cached_tokens"] == 5
+    assert "cached_tokens" not in completions.with_cached(usage, None)
+    assert completions.with_cached(None, {"cache_n": 5}) is None
 
 
 def _sample(exposition: str, name: str) -> float:

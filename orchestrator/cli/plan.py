@@ -156,7 +156,7 @@ def _served_context(servers: tuple[str, ...], plans: Any) -> int | None:
 
     import aiohttp
 
-    from orchestrator.inference.client import models
+    from orchestrator.inference.probes import models
 
     async def look() -> list[dict[str, int]]:
         async with aiohttp.ClientSession() as session:
@@ -194,8 +194,8 @@ def _look(launch: dict[str, Any], db: str | None) -> dict[str, Any] | None:
     launched = supervisor(take_launch_options(launch), db)
     if launched is None:
         return None
-    from orchestrator.inference.client import plain_session
     from orchestrator.inference.launch.supervisor import look_briefly
+    from orchestrator.inference.probes import plain_session
 
     async def look() -> dict[str, Any]:
         async with plain_session("orchestrator-plan", None, {}) as session:

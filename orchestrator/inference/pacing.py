@@ -12,7 +12,7 @@ import orjson
 import structlog
 
 if TYPE_CHECKING:
-    from orchestrator.inference.client import RateLimits
+    from orchestrator.inference.failures import RateLimits
 
 
 log = structlog.get_logger("orchestrator.inference.pacing")

@@ -286,7 +286,7 @@ class ServerPool:
     async def _probe(self, server: str) -> None:
         """Poll ``/health`` until the server answers. Why it does not is said at once, then
         every ``REPORT_EVERY`` seconds and whenever the reason changes, with since when."""
-        from orchestrator.inference import client as inference
+        from orchestrator.inference import probes
 
         state = self.states[server]
         delay = self.config.probe_min * min(2 ** max(state.failures - 2, 0), 8)
@@ -296,7 +296,7 @@ class ServerPool:
         initial = state.down_reason == "not probed yet"
         while True:
             await asyncio.sleep(delay)
-            result = await inference.probe(
+            result = await probes.probe(
                 self.client.session, server, self.client.config.health_timeout
             )
             if result.ok:
@@ -456,7 +456,7 @@ class ServerPool:
     def _looked(self, state: ServerState) -> tuple[bool, dict[str, float | None] | None]:
         """What the last look at the server's ``/metrics`` gave: (False, None) when its
         controller gets no sample this time, else (True, its figures or None)."""
-        from orchestrator.inference.client import RequestFailed
+        from orchestrator.inference.failures import RequestFailed
 
         task = state.scrape
         if task is None or not task.done():
@@ -509,13 +509,12 @@ class ServerPool:
     async def metrics(self, server: str) -> dict[str, float | None]:
         """The server's queue, running requests, KV-cache usage and retractions (or
         preemptions) from its ``/metrics``; ``RequestFailed`` when it gives none we know."""
-        from orchestrator.inference import client as inference
-        from orchestrator.inference import server_metrics
+        from orchestrator.inference import probes, server_metrics
 
-        text = await inference.metrics_text(self.client.session, server, METRICS_TIMEOUT)
+        text = await probes.metrics_text(self.client.session, server, METRICS_TIMEOUT)
         view = server_metrics.tuning_view(text)
         if view is None:
-            raise inference.RequestFailed("no SGLang, vLLM or llama.cpp figures in /metrics")
+            raise probes.RequestFailed("no SGLang, vLLM or llama.cpp figures in /metrics")
         return view
 
     async def close(self) -> None:

@@ -7,7 +7,7 @@ concurrency that leaves the server's queue empty and its cache half full is too 
 long queue with a full cache means the server is the limit. :func:`scrape` is
 synchronous on purpose: ``status`` stays a quick read with no event loop. The tuner
 (``orchestrator.inference.pool``) reads the same figures through :func:`tuning_view`. The
-requests themselves are the client's (``orchestrator.inference.client``).
+requests themselves are ``orchestrator.inference.probes``'s.
 
 llama.cpp's ``llama-server --metrics`` has no KV-cache gauge (older builds had
 ``llamacpp:kv_cache_usage_ratio``) and no aggregate throughput gauge: its
@@ -87,7 +87,8 @@ def scrape(server: str, *, timeout: float = 3.0, interval: float = 1.0) -> dict[
     """Two scrapes ``interval`` apart: gauges from the second, generation tok/s from the
     counters' difference when the server has no throughput gauge (vLLM)."""
     from orchestrator._util.urls import split
-    from orchestrator.inference.client import base_url, read_metrics
+    from orchestrator.inference.client import base_url
+    from orchestrator.inference.probes import read_metrics
 
     server, auth = split(server)  # credentials are sent, never shown
     header = auth.encode() if auth is not None else None

@@ -21,7 +21,7 @@ import structlog
 
 from orchestrator._util.urls import credentials_sent, refused_advice
 from orchestrator.errors import EmptyDatabase, OrchestratorError
-from orchestrator.inference import client as inference
+from orchestrator.inference import probes
 from orchestrator.inference.client import base_url
 from orchestrator.monitor.status import snapshot
 from orchestrator.store import Database, list_datasets, open_database, resolve_url
@@ -147,10 +147,10 @@ async def check_server(
     name = f"server {url}"
     started = time.monotonic()
     try:
-        reply = await inference.get(session, url + "/health", config.timeout)
+        reply = await probes.get(session, url + "/health", config.timeout)
         status, date = reply.status, reply.date
         received = time.time()
-    except inference.RequestFailed as exc:
+    except probes.RequestFailed as exc:
         reason = str(exc)
         return [
             Check(name, False, f"/health: {reason}"),
@@ -175,10 +175,10 @@ async def _check_models(
 ) -> Check:
     name = f"models {url}"
     try:
-        reply = await inference.get(session, url + "/v1/models", seconds)
+        reply = await probes.get(session, url + "/v1/models", seconds)
         status, text = reply.status, reply.body.strip()
         body: Any = json.loads(text.decode()) if status == 200 and text else None
-    except (inference.RequestFailed, ValueError) as exc:
+    except (probes.RequestFailed, ValueError) as exc:
         return Check(name, False, f"/v1/models: {str(exc) or type(exc).__name__}")
     if body is None:
         hint = f" ({refused_advice(sent, status)})" if status in (401, 403) else ""
@@ -263,7 +263,7 @@ async def run_checks(config: DoctorConfig) -> list[Check]:
     wanted = [config.model] if config.model else facts.models
     if not config.servers:
         checks.append(Check("servers", None, "none given (--server or ORCHESTRATOR_SERVERS)"))
-    session = inference.plain_session("orchestrator-doctor", config.api_key, config.basic_auth)
+    session = probes.plain_session("orchestrator-doctor", config.api_key, config.basic_auth)
     async with session:
         for server in config.servers:
             checks.extend(await check_server(session, server, wanted, config))
@@ -282,7 +282,7 @@ async def run_checks_launched(config: DoctorConfig, supervisor: Any) -> list[Che
 
     from orchestrator.errors import ServersLost
 
-    session = inference.plain_session("orchestrator-doctor", config.api_key, config.basic_auth)
+    session = probes.plain_session("orchestrator-doctor", config.api_key, config.basic_auth)
     checks: list[Check] = []
     async with session:
         try:

@@ -18,15 +18,9 @@ if TYPE_CHECKING:
         parse_outage,
         parse_refusal,
     )
+    from orchestrator.sim.generation import answer_matches, json_answer_kind, request_digest
     from orchestrator.sim.sample import write_sample
-    from orchestrator.sim.server import (
-        answer_matches,
-        build_app,
-        json_answer_kind,
-        request_digest,
-        run_forever,
-        serve,
-    )
+    from orchestrator.sim.server import build_app, run_forever, serve
 
 __all__ = [
     "REASONING_FIELDS",
@@ -46,6 +40,8 @@ __all__ = [
 
 _HOMES = {name: "orchestrator.sim.server" for name in __all__}
 _HOMES["write_sample"] = "orchestrator.sim.sample"
+_GENERATION = ("answer_matches", "json_answer_kind", "request_digest")
+_HOMES.update(dict.fromkeys(_GENERATION, "orchestrator.sim.generation"))
 _CONFIG = (
     "REASONING_FIELDS",
     "REASONING_MODES",

@@ -16,9 +16,11 @@ from typing import Any
 import structlog
 
 from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
-from orchestrator.inference.client import Completion, InferenceClient, Streamed
+from orchestrator.inference.client import InferenceClient
+from orchestrator.inference.completions import Completion
 from orchestrator.inference.pacing import request_tokens
 from orchestrator.inference.pool import ServerPool
+from orchestrator.inference.streaming import Streamed
 from orchestrator.items import error_classes as ec
 from orchestrator.items.conversation import stops_after, turn_messages
 from orchestrator.items.params import item_body

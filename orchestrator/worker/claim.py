@@ -20,8 +20,8 @@ from typing import Any
 
 import structlog
 
-from orchestrator.inference.client import Streamed
 from orchestrator.inference.pool import ServerPool
+from orchestrator.inference.streaming import Streamed
 from orchestrator.items.answer_length import Expected, expected
 from orchestrator.store import Database, Lease, list_datasets
 from orchestrator.store.datasets import DatasetInfo

@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from orchestrator.errors import InferenceError, PermanentError, TransientError
-from orchestrator.inference.client import Completion
+from orchestrator.inference.completions import Completion
 from orchestrator.items import error_classes as ec
 from orchestrator.items import structured
 from orchestrator.items.answer import ANSWER_FIELDS

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.errors import RunStopped
-from orchestrator.inference import client as inference
+from orchestrator.inference import probes
 from orchestrator.inference.client import InferenceClient
 from orchestrator.store import Lease, Output
 from orchestrator.store.datasets import DatasetInfo
@@ -68,9 +68,7 @@ class Gate:
 
     async def vet(self, server: str) -> bool:
         """A server's ``/v1/models``, once, before its first request."""
-        found = await inference.models(
-            self.client.session, server, self.client.config.health_timeout
-        )
+        found = await probes.models(self.client.session, server, self.client.config.health_timeout)
         halted = self.guard.check_models(server, found, self.catalog.scope())
         if halted is not None:
             self.halt(halted)

@@ -32,7 +32,7 @@ import structlog
 
 from orchestrator._util.urls import refused_advice
 from orchestrator.errors import RunHalted
-from orchestrator.inference.client import Models
+from orchestrator.inference.probes import Models
 from orchestrator.store import Failure, Lease
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.worker.breaker import Breaker, Trip, cause

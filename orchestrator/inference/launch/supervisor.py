@@ -1,6 +1,6 @@
 """The servers a run launched: started, waited for, watched, restarted, given up on,
 stopped. The worker routes to them as to any ``--server``; all HTTP (the looks at
-``/health`` and ``/v1/models``) goes through ``orchestrator.inference.client``.
+``/health`` and ``/v1/models``) goes through ``orchestrator.inference.probes``.
 
 A server is ready once ``/health`` and ``/v1/models`` answer with its process alive (an
 answer from another process on its port does not count). One that never gets there is
@@ -185,7 +185,7 @@ class Supervisor:
     async def _until_ready(self, server: Launched, process: ServerProcess) -> str | None:
         """Poll ``/health`` and ``/v1/models`` until both answer, saying how long it has
         been every ``PROGRESS_EVERY`` seconds; None, or why it never got there."""
-        from orchestrator.inference import client
+        from orchestrator.inference import probes
 
         assert self.session is not None
         limit = self.settings.startup_timeout
@@ -196,9 +196,9 @@ class Supervisor:
         while not self._stopping.is_set():
             if process.returncode is not None:
                 return f"exited ({describe_exit(process.returncode)}) before it was ready"
-            probe = await client.probe(self.session, server.url, min(10.0, limit))
+            probe = await probes.probe(self.session, server.url, min(10.0, limit))
             if probe.ok:
-                listed = await client.models(self.session, server.url, min(30.0, limit))
+                listed = await probes.models(self.session, server.url, min(30.0, limit))
                 if listed.status == 200 and process.returncode is None:
                     return None
                 reason = f"/v1/models: {listed.reason or listed.status}"
@@ -248,7 +248,7 @@ class Supervisor:
     async def _until_down(self, server: Launched, process: ServerProcess) -> str | None:
         """Why the server went down (its process exited, or it stopped answering
         ``/health``); None when the run stops first."""
-        from orchestrator.inference import client
+        from orchestrator.inference import probes
 
         assert self.session is not None
         exited = asyncio.ensure_future(process.wait())
@@ -258,7 +258,7 @@ class Supervisor:
                 done, _ = await asyncio.wait({exited}, timeout=self.settings.health_every)
                 if done or self._stopping.is_set():
                     break
-                probe = await client.probe(self.session, server.url, self.settings.health_timeout)
+                probe = await probes.probe(self.session, server.url, self.settings.health_timeout)
                 misses = 0 if probe.ok else misses + 1
                 if misses >= self.settings.health_misses:
                     return f"stopped answering /health ({misses} looks in a row: {probe.reason})"
@@ -355,7 +355,7 @@ async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
 async def look_briefly(supervisor: Supervisor, session: aiohttp.ClientSession) -> dict[str, Any]:
     """Start the first server ``supervisor`` has, read its context length and whose
     metrics it serves, and stop it: what ``plan`` says of a server before the run."""
-    from orchestrator.inference import client, server_metrics
+    from orchestrator.inference import probes, server_metrics
 
     server = supervisor.servers[0]
     supervisor.servers = [server]
@@ -366,11 +366,11 @@ async def look_briefly(supervisor: Supervisor, session: aiohttp.ClientSession) -
         except ServersLost:
             return {"name": server.name, "command": server.command, "error": server.failure}
         ready_s = round(time.monotonic() - started, 1)
-        context = await client.context_length(session, server.url, 30.0)
+        context = await probes.context_length(session, server.url, 30.0)
         try:
-            text = await client.metrics_text(session, server.url, 30.0)
+            text = await probes.metrics_text(session, server.url, 30.0)
             kind = server_metrics.view(server_metrics.parse(text))["kind"]
-        except client.RequestFailed:
+        except probes.RequestFailed:
             kind = None
         return {
             "name": server.name,
