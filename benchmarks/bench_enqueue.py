@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import sqlite3
 import statistics
 import time
 from itertools import chain
@@ -32,6 +31,7 @@ from common import (
     Measured,
     add_common_args,
     connect,
+    count_items,
     enqueue_argv,
     fmt_mb,
     print_machine,
@@ -109,14 +109,6 @@ def sqlite_floor(db: Path, rows: list[tuple[Any, ...]], per_statement: int = 1) 
                     )
             conn.execute("COMMIT")
         return watch.seconds
-    finally:
-        conn.close()
-
-
-def count_items(db: Path) -> int:
-    conn = sqlite3.connect(db)
-    try:
-        return conn.execute("SELECT count(*) FROM items").fetchone()[0]
     finally:
         conn.close()
 

@@ -24,8 +24,11 @@ from common import (
     ORCH,
     Measured,
     add_common_args,
+    against,
+    count_items,
     fmt_mb,
     print_machine,
+    print_passes,
     print_table,
     prompt_line,
     run_measured,
@@ -56,16 +59,6 @@ def _schema(flat: bool) -> pa.Schema:
         return pa.schema([("id", pa.string()), ("prompt", pa.string())])
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
     return pa.schema([("id", pa.string()), ("messages", pa.list_(message))])
-
-
-def count_items(db: Path) -> int:
-    import sqlite3
-
-    conn = sqlite3.connect(db)
-    try:
-        return conn.execute("SELECT count(*) FROM items").fetchone()[0]
-    finally:
-        conn.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,38 +103,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cpu(m: Measured) -> float:
-    return m.user_s + m.sys_s
-
-
 def _report(runs: dict[str, list[Measured]], lines: int, repeat: int) -> None:
     jsonl = runs["JSONL (messages lines)"]
     base = statistics.median(m.seconds for m in jsonl)
-    base_cpu = statistics.median(_cpu(m) for m in jsonl)
-    rows = []
-    for name, measured in runs.items():
-        seconds = statistics.median(m.seconds for m in measured)
-        cpu = statistics.median(_cpu(m) for m in measured)
-        rows.append(
-            [
-                name,
-                f"{lines:,}",
-                f"{seconds:.1f} ({seconds / base:.2f}x)",
-                f"{cpu:.1f} ({cpu / base_cpu:.2f}x)",
-                f"{lines / seconds:,.0f}",
-                fmt_mb(max(m.peak_rss_mb for m in measured)),
-            ]
-        )
+    base_cpu = statistics.median(m.cpu_s for m in jsonl)
+    rows = [
+        [
+            name,
+            f"{lines:,}",
+            *against(measured, jsonl),
+            f"{lines / statistics.median(m.seconds for m in measured):,.0f}",
+            fmt_mb(max(m.peak_rss_mb for m in measured)),
+        ]
+        for name, measured in runs.items()
+    ]
     print()
     heads = [f"wall s, median of {repeat} (÷ JSONL)", "CPU s (÷ JSONL)", "rows/s", "peak RSS"]
     print_table(["source", "rows", *heads], rows)
     print()
-    for name, measured in runs.items():
-        shown = ", ".join(f"{m.seconds:.1f} ({_cpu(m):.1f} CPU)" for m in measured)
-        print(f"{name}: {shown} s")
+    print_passes(runs)
     parquet = runs["Parquet, rows as lines"]
     wall = statistics.median(m.seconds for m in parquet) / base
-    cpu = statistics.median(_cpu(m) for m in parquet) / base_cpu
+    cpu = statistics.median(m.cpu_s for m in parquet) / base_cpu
     rss = max(m.peak_rss_mb for name in runs if runs[name] is not jsonl for m in runs[name])
     base_rss = max(m.peak_rss_mb for m in jsonl)
     print(

@@ -22,9 +22,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from common import (
     Measured,
+    against,
     export_argv,
     fmt_mb,
     items_args,
+    print_passes,
     print_table,
     run_measured,
     upgraded_db,
@@ -77,38 +79,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cpu(m: Measured) -> float:
-    return m.user_s + m.sys_s
-
-
 def _report(runs: dict[str, list[Measured]], sizes: dict[str, str], n: int, repeat: int) -> None:
     base = statistics.median(m.seconds for m in runs[JSONL])
-    base_cpu = statistics.median(_cpu(m) for m in runs[JSONL])
-    rows = []
-    for name, measured in runs.items():
-        seconds = statistics.median(m.seconds for m in measured)
-        cpu = statistics.median(_cpu(m) for m in measured)
-        rows.append(
-            [
-                name,
-                f"{n:,}",
-                sizes[name],
-                f"{seconds:.1f} ({seconds / base:.2f}x)",
-                f"{cpu:.1f} ({cpu / base_cpu:.2f}x)",
-                fmt_mb(max(m.peak_rss_mb for m in measured)),
-            ]
-        )
+    base_cpu = statistics.median(m.cpu_s for m in runs[JSONL])
+    rows = [
+        [
+            name,
+            f"{n:,}",
+            sizes[name],
+            *against(measured, runs[JSONL]),
+            fmt_mb(max(m.peak_rss_mb for m in measured)),
+        ]
+        for name, measured in runs.items()
+    ]
     print()
     heads = [f"wall s, median of {repeat} (÷ JSONL)", "CPU s (÷ JSONL)", "peak RSS"]
     print_table(["export", "rows", "size", *heads], rows)
     print()
-    for name, measured in runs.items():
-        shown = ", ".join(f"{m.seconds:.1f} ({_cpu(m):.1f} CPU)" for m in measured)
-        print(f"{name}: {shown} s")
+    print_passes(runs)
     worst = max(
         max(
             statistics.median(m.seconds for m in measured) / base,
-            statistics.median(_cpu(m) for m in measured) / base_cpu,
+            statistics.median(m.cpu_s for m in measured) / base_cpu,
         )
         for name, measured in runs.items()
         if name != JSONL

@@ -17,6 +17,7 @@ import re
 import select
 import shutil
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -642,6 +643,31 @@ def workdir(path: Path | None) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="orch-bench-") as tmp:
         yield Path(tmp)
+
+
+def count_items(db: Path) -> int:
+    """The items an SQLite queue holds."""
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute("SELECT count(*) FROM items").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def against(measured: list[Measured], base: list[Measured]) -> list[str]:
+    """Median wall and CPU seconds of ``measured``, each with its ratio to ``base``'s."""
+    seconds = statistics.median(m.seconds for m in measured)
+    cpu = statistics.median(m.cpu_s for m in measured)
+    base_s = statistics.median(m.seconds for m in base)
+    base_cpu = statistics.median(m.cpu_s for m in base)
+    return [f"{seconds:.1f} ({seconds / base_s:.2f}x)", f"{cpu:.1f} ({cpu / base_cpu:.2f}x)"]
+
+
+def print_passes(runs: dict[str, list[Measured]]) -> None:
+    """Each run's passes: wall seconds with CPU seconds."""
+    for name, measured in runs.items():
+        shown = ", ".join(f"{m.seconds:.1f} ({m.cpu_s:.1f} CPU)" for m in measured)
+        print(f"{name}: {shown} s")
 
 
 def count(db: Path, sql: str) -> int:

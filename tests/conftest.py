@@ -30,7 +30,7 @@ import structlog
 
 from orchestrator.sim import SimConfig, serve
 from orchestrator.store import Database, open_database
-from tests.helpers import REPO, STARTED, SimProcess
+from tests.helpers import REPO, STARTED, Hostile, SimProcess
 
 BACKENDS = ("sqlite", "postgresql")
 PG_SERVER = os.environ.get("ORCHESTRATOR_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
@@ -232,3 +232,17 @@ def sim_process() -> Iterator[Callable[..., SimProcess]]:
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def hostile() -> Iterator[Callable[..., Hostile]]:
+    """Start ``tests.hostile_server`` processes; stopped after the test."""
+    started: list[Hostile] = []
+
+    def start(*args: str) -> Hostile:
+        started.append(Hostile(*args))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()

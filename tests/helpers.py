@@ -20,6 +20,7 @@ import termios
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,85 @@ class ServerScript:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+class Hostile(ServerScript):
+    """``tests.hostile_server`` as its own process."""
+
+    def __init__(self, *args: str):
+        super().__init__([sys.executable, "-m", "tests.hostile_server", *args])
+
+
+def wait_for(condition: Callable[[], Any], what: str, deadline: float = 120.0) -> Any:
+    """Poll ``condition`` until it is true; fail naming ``what`` after ``deadline`` s."""
+    until = time.monotonic() + deadline
+    while time.monotonic() < until:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {deadline:.0f} s waiting for {what}")
+
+
+def kill_worker_once(
+    worker: subprocess.Popen[str], reached: Callable[[], bool], *, pause: float = 0.05
+) -> None:
+    """SIGKILL ``worker`` once ``reached()`` (or it ended, or 60 s went by), and reap it."""
+    deadline = time.monotonic() + 60
+    while not reached() and time.monotonic() < deadline and worker.poll() is None:
+        time.sleep(pause)
+    worker.send_signal(signal.SIGKILL)
+    worker.communicate()
+
+
+def export_caught(proc: subprocess.Popen[Any], out: Path, seconds: float) -> Path:
+    """The temporary file of the export ``proc`` writes to ``out``, once it holds bytes."""
+    tmp = out.with_name(f".{out.name}.{proc.pid}.tmp")
+    deadline = time.monotonic() + seconds
+    while not (tmp.exists() and tmp.stat().st_size > 0):
+        assert proc.poll() is None, "the export finished before it could be caught"
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return tmp
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run code in a fresh interpreter (which modules a command loads is per process)."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def cli_loading(
+    args: list[str], packages: tuple[str, ...], *, fail_on_exit: bool = True
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """The command ``args`` run in a fresh interpreter: the process, and the modules of
+    ``packages`` it loaded (printed last on stderr)."""
+    ended = "    assert not exc.code, exc.code\n" if fail_on_exit else "    pass\n"
+    code = (
+        "import json, sys\n"
+        "from orchestrator.cli import main\n"
+        "try:\n"
+        f"    main({args!r})\n"
+        "except SystemExit as exc:\n"
+        f"{ended}"
+        f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {packages!r})\n"
+        "print(json.dumps(loaded), file=sys.stderr)\n"
+    )
+    result = run_python(code)
+    return result, json.loads(result.stderr.strip().splitlines()[-1])
+
+
+def planned(folder: Path, datasets: str) -> list[dict[str, Any]]:
+    """``plan --json`` of a run file in ``folder`` with ``datasets`` (its [[dataset]]
+    tables) under defaults of model m and max_tokens 1000, on an empty database."""
+    config = folder / "run.toml"
+    config.write_text('[defaults]\nmodel = "m"\nmax_tokens = 1000\n\n' + datasets)
+    done = cli("plan", "--config", str(config), "--db", str(folder / "none.db"), "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["datasets"]
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import socket
-import sys
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 import orchestrator
 from orchestrator.errors import ConfigError
 from tests.helpers import (
-    ServerScript,
+    Hostile,
     SimProcess,
     cli,
     db_snapshot,
@@ -77,24 +76,6 @@ def enqueue(db: str, n: int, name: str, folder: Path) -> None:
     src = write_jsonl(folder / f"{name}.jsonl", prompts(n, prefix=name))
     result = cli("enqueue", str(src), "-d", name, "--max-tokens", "16", "--db", db)
     assert result.returncode == 0, result.stderr
-
-
-class Hostile(ServerScript):
-    def __init__(self, *args: str):
-        super().__init__([sys.executable, "-m", "tests.hostile_server", *args])
-
-
-@pytest.fixture
-def hostile() -> Iterator[Callable[..., Hostile]]:
-    started: list[Hostile] = []
-
-    def start(*args: str) -> Hostile:
-        started.append(Hostile(*args))
-        return started[-1]
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 DEBUG = {"ORCHESTRATOR_LOG_LEVEL": "debug"}

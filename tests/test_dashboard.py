@@ -32,6 +32,17 @@ LENGTHS = """Object.fromEntries([...document.querySelectorAll('[data-lengths]')]
   el => [el.dataset.lengths, Number(el.dataset.count)]))"""
 
 
+async def report_rows(out: Path, db: str) -> dict[str, dict[str, str]]:
+    """The dataset rows of ``orchestrator report OUT`` as a browser shows them, by field."""
+    assert cli("report", str(out), "--db", db).returncode == 0
+    async with Browser() as browser:
+        await browser.open(out.as_uri())
+        await browser.wait_for("document.querySelectorAll('#datasets tbody tr').length >= 1")
+        rows = await browser.evaluate(ROWS)
+        assert browser.errors == []
+    return rows
+
+
 async def start_dashboard(db: Path, servers: tuple[str, ...] = ()) -> tuple[web.AppRunner, str]:
     source = SqliteSource(str(db))
     source.check()

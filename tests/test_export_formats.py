@@ -15,8 +15,6 @@ import dataclasses
 import json
 import shutil
 import sqlite3
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import closing
 from pathlib import Path
@@ -41,8 +39,8 @@ from orchestrator.monitor import status as status_view
 from orchestrator.settings import choices
 from orchestrator.store import Database, Failure, Output, Queue, iter_done, open_database
 from orchestrator.store.reader import EngineRows, open_reader
-from tests.helpers import REPO, write_jsonl
 from tests.helpers import cli as run_cli
+from tests.helpers import cli_loading, write_jsonl
 
 T0 = 1_800_000_000.0
 
@@ -746,22 +744,7 @@ def test_options_keep_the_plain_sqlite_path(db: Path, tmp_path: Path) -> None:
     args = ["export", str(tmp_path / "split"), "--split", "--format", "openai-batch"]
     args += ["--provenance", "--exclude-flag", "truncated", "--reasoning", "inline"]
     args += ["--include-failed", str(tmp_path / "failed.jsonl"), "--db", str(db)]
-    code = (
-        "import json, sys\n"
-        "from orchestrator.cli import main\n"
-        "try:\n"
-        f"    main({args!r})\n"
-        "except SystemExit as exc:\n"
-        "    assert not exc.code, exc.code\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('sqlalchemy', 'alembic', 'aiosqlite', 'structlog'))\n"
-        "print(json.dumps(heavy), file=sys.stderr)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    heavy = json.loads(result.stderr.strip().splitlines()[-1])
+    result, heavy = cli_loading(args, ("sqlalchemy", "alembic", "aiosqlite", "structlog"))
     assert {name.split(".")[0] for name in heavy} == {"structlog"}
     (warning,) = [orjson.loads(line) for line in result.stderr.splitlines()[:-1]]
     assert warning["event"] == "export_mixed_token_rows"

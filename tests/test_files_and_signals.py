@@ -20,7 +20,16 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, SimProcess, cli, events, prompts, start_worker, write_jsonl
+from tests.helpers import (
+    REPO,
+    SimProcess,
+    cli,
+    events,
+    export_caught,
+    prompts,
+    start_worker,
+    write_jsonl,
+)
 
 
 def _no_traceback(result: subprocess.CompletedProcess[str]) -> str:
@@ -189,12 +198,7 @@ def _export_caught_writing(db: Path, out: Path) -> tuple[subprocess.Popen[str], 
         text=True,
         cwd=REPO,
     )
-    tmp = out.with_name(f".{out.name}.{proc.pid}.tmp")
-    deadline = time.monotonic() + 30
-    while not (tmp.exists() and tmp.stat().st_size > 0):
-        assert proc.poll() is None, "the export finished before it could be caught"
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    tmp = export_caught(proc, out, 30)
     proc.send_signal(signal.SIGSTOP)
     assert not out.exists()
     return proc, tmp

@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from orchestrator.inference.pool import ServerPool
 from tests.helpers import (
     REPO,
     STARTED,
-    ServerScript,
+    Hostile,
     SimProcess,
     cli,
     db_snapshot,
@@ -39,27 +39,6 @@ from tests.helpers import (
 )
 
 SECRET = "s3cret-Pa55"
-
-
-class Hostile(ServerScript):
-    """``tests.hostile_server`` as its own process."""
-
-    def __init__(self, *args: str):
-        super().__init__([sys.executable, "-m", "tests.hostile_server", *args])
-
-
-@pytest.fixture
-def hostile() -> Iterator[Callable[..., Hostile]]:
-    started: list[Hostile] = []
-
-    def start(*args: str) -> Hostile:
-        server = Hostile(*args)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 def enqueue(db: Path, n: int, *extra: str, prefix: str = "p") -> None:

@@ -18,6 +18,7 @@ import pytest
 from scripts import llama_server
 from tests.helpers import cli, events, query, write_jsonl
 from tests.test_launch import alive, done_count, start_run, states, wait_for
+from tests.test_llamacpp import require_llama_server
 
 pytestmark = pytest.mark.llamacpp
 MODEL = llama_server.MODEL_ALIAS
@@ -28,14 +29,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def command() -> str:
     """llama-server as a launch command: 4 slots of 2,048 tokens, one thread, metrics."""
-    missing = [
-        str(p) for p in (llama_server.binary_path(), llama_server.model_path()) if not p.exists()
-    ]
-    if missing:
-        reason = f"llama-server not built ({', '.join(missing)}): python3 scripts/llama_server.py"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require_llama_server()
     binary, model = map(str, (llama_server.binary_path(), llama_server.model_path()))
     return shlex.join([binary, "-m", model, "-a", MODEL, "--host", "127.0.0.1"]) + (
         " --port {port} -c 8192 -np 4 -t 1 --metrics"

@@ -28,15 +28,23 @@ import orjson
 import pytest
 
 from scripts import llama_server
-from tests.helpers import REPO, STARTED, cli, dialogue, query, start_worker, write_jsonl
+from tests.helpers import (
+    REPO,
+    STARTED,
+    cli,
+    dialogue,
+    kill_worker_once,
+    query,
+    start_worker,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.llamacpp
 MODEL = llama_server.MODEL_ALIAS
 
 
-@pytest.fixture(scope="session")
-def llama() -> Iterator[str]:
-    """One llama-server for the session: 8 slots of 4,096 tokens, ``/metrics`` on."""
+def require_llama_server() -> None:
+    """Skip the test where llama-server or its model is not built (fail on CI)."""
     missing = [
         str(p) for p in (llama_server.binary_path(), llama_server.model_path()) if not p.exists()
     ]
@@ -45,6 +53,12 @@ def llama() -> Iterator[str]:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(reason)
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def llama() -> Iterator[str]:
+    """One llama-server for the session: 8 slots of 4,096 tokens, ``/metrics`` on."""
+    require_llama_server()
     server = llama_server.LlamaServer()
     server.start()
     yield server.url
@@ -94,11 +108,7 @@ def test_killed_run_resumes_and_exports_each_item_once(
     enqueue(db, rows, "kill", "--max-tokens", "12")
     flags = ["--concurrency", "8", *(["--stream"] if stream else [])]
     worker = start_worker(db, llama, *flags)
-    deadline = time.monotonic() + 60
-    while done(db) < n // 4 and time.monotonic() < deadline and worker.poll() is None:
-        time.sleep(0.05)
-    worker.send_signal(signal.SIGKILL)
-    worker.communicate()
+    kill_worker_once(worker, lambda: done(db) >= n // 4)
     killed_at = done(db)
     assert 0 < killed_at < n, "the kill must land mid-run"
     result = cli("run", "--server", llama, "--db", str(db), "--exit-when-done", *flags)

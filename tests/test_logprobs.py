@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-import signal
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,15 @@ from hypothesis import strategies as st
 
 from orchestrator.items.tokens import Collector, Tokens, pack, row_fields, stored, unpack
 from orchestrator.sim import answer_matches
-from tests.helpers import SimProcess, cli, db_snapshot, query, start_worker, write_jsonl
+from tests.helpers import (
+    SimProcess,
+    cli,
+    db_snapshot,
+    kill_worker_once,
+    query,
+    start_worker,
+    write_jsonl,
+)
 from tests.oracle import Verdict, check_tokens
 
 # ------------------------------------------------------------------ packing
@@ -262,11 +268,7 @@ def test_killed_run_keeps_every_answers_tokens_once(
         )
         flags = ["--concurrency", "8", *(["--stream"] if stream else [])]
         worker = start_worker(db_url, url, *flags)
-        deadline = time.monotonic() + 60
-        while _done(db_url) < N // 2 and time.monotonic() < deadline and worker.poll() is None:
-            time.sleep(0.02)
-        worker.send_signal(signal.SIGKILL)
-        worker.communicate()
+        kill_worker_once(worker, lambda: _done(db_url) >= N // 2, pause=0.02)
         killed_at = _done(db_url)
         assert 0 < killed_at < 2 * N, "the kill must land mid-run"
         result = cli("run", "--server", url, "--db", db_url, "--exit-when-done", *flags)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
-from tests.helpers import SimProcess, cli, write_jsonl
+from tests.helpers import SimProcess, cli, planned, write_jsonl
 from tests.test_claim_order import held, prompt
 
 
@@ -64,19 +64,16 @@ def test_a_run_sends_the_longest_answers_of_all_datasets_first(
 def test_plan_counts_a_run_files_lines_at_their_answers_length(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "regen.jsonl", [held(f"r{i}", 100 * (i + 1)) for i in range(4)])
     write_jsonl(tmp_path / "prompts.jsonl", [prompt(f"p{i}") for i in range(4)])
-    config = tmp_path / "run.toml"
-    config.write_text(
-        '[defaults]\nmodel = "m"\nmax_tokens = 1000\n\n'
+    regen, prompts = planned(
+        tmp_path,
         '[[dataset]]\nname = "regen"\nfile = "regen.jsonl"\n\n'
-        '[[dataset]]\nname = "prompts"\nfile = "prompts.jsonl"\n'
+        '[[dataset]]\nname = "prompts"\nfile = "prompts.jsonl"\n',
     )
-    done = cli("plan", "--config", str(config), "--db", str(tmp_path / "none.db"), "--json")
-    assert done.returncode == 0, done.stderr
-    regen, prompts = json.loads(done.stdout)["datasets"]
     # 100 + 200 + 300 + 400 tokens, the answers the lines hold; the prompts at 0.35 x 1000.
     assert (regen["predicted"], regen["generated_tokens"]) == (4, 1000)
     assert (prompts["predicted"], prompts["generated_tokens"]) == (0, 4 * 350)
-    text = cli("plan", "--config", str(config), "--db", str(tmp_path / "none.db")).stdout
+    config = str(tmp_path / "run.toml")
+    text = cli("plan", "--config", config, "--db", str(tmp_path / "none.db")).stdout
     assert " 250 p " in text and "p: requests whose line holds an answer" in text
 
 

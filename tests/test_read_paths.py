@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, closing
 from pathlib import Path
@@ -43,8 +41,8 @@ from orchestrator.store import (
 )
 from orchestrator.store.migrate import SCHEMA_REVISION, alembic_config, head_revision
 from orchestrator.store.reader import EngineRows, open_reader, sqlite_path
-from tests.helpers import REPO, write_jsonl
 from tests.helpers import cli as run_cli
+from tests.helpers import cli_loading, run_python, write_jsonl
 
 T0 = 1_800_000_000.0
 
@@ -364,30 +362,12 @@ async def test_postgresql_status_matches_sqlite(
     assert document["database"] == database.where
 
 
-def _python(code: str) -> subprocess.CompletedProcess[str]:
-    """Run code in a fresh interpreter: which modules a command loads is per process."""
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    return result
-
-
 async def test_status_cli_reads_without_sqlalchemy(mixed_db: tuple[Path, Database]) -> None:
     db, database = mixed_db
-    code = (
-        "import json, sys\n"
-        "from orchestrator.cli import main\n"
-        "try:\n"
-        f"    main(['status', '--json', '--db', {str(db)!r}])\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('sqlalchemy', 'alembic', 'aiosqlite', 'structlog', 'jsonschema'))\n"
-        "print(json.dumps(heavy), file=sys.stderr)\n"
-    )
-    result = _python(code)
-    assert json.loads(result.stderr.strip().splitlines()[-1]) == []
+    args = ["status", "--json", "--db", str(db)]
+    packages = ("sqlalchemy", "alembic", "aiosqlite", "structlog", "jsonschema")
+    result, heavy = cli_loading(args, packages, fail_on_exit=False)
+    assert heavy == []
     status = json.loads(result.stdout)
     expected = await snapshot(database, now=status["generated_at"])
     assert status == json.loads(orjson.dumps(expected))
@@ -577,7 +557,7 @@ def test_store_exports_survive_lazy_loading() -> None:
         "from orchestrator.store import queue\n"
         "assert queue.__name__ == 'orchestrator.store.queue'\n"
     )
-    _python(code)
+    run_python(code)
 
 
 async def _via_engine(database: Database, now: float) -> dict[str, Any]:
@@ -596,4 +576,4 @@ def test_read_seam_loads_neither_sqlalchemy_nor_asyncio_nor_the_forecast() -> No
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sqlalchemy', 'asyncio')"
         " or m == 'orchestrator.monitor.eta'))\n"
     )
-    assert _python(code).stdout.strip() == "[]"
+    assert run_python(code).stdout.strip() == "[]"

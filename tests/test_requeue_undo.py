@@ -32,6 +32,7 @@ from tests.helpers import (
     start_worker,
     write_jsonl,
 )
+from tests.helpers import wait_for as _wait_for
 
 # What a worker logs when a completion meets a row it should not (a leftover output).
 _BROKEN = ("pk_outputs", "outputs.item_id", "pk_item_turns", "outcome_unstorable", "duplicate key")
@@ -42,15 +43,9 @@ ORPHANS = (
 )
 
 
-def wait_for(condition: Callable[[], Any], what: str, deadline: float = 240.0) -> Any:
-    """Poll ``condition`` until it is true; fail naming ``what`` after ``deadline`` s."""
-    until = time.monotonic() + deadline
-    while time.monotonic() < until:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {deadline:.0f} s waiting for {what}")
+def wait_for(condition: Callable[[], Any], what: str) -> Any:
+    """:func:`tests.helpers.wait_for` with the longer deadline a live requeue needs."""
+    return _wait_for(condition, what, deadline=240.0)
 
 
 def counts(db: str) -> dict[str, int]:

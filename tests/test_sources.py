@@ -10,7 +10,6 @@ pyarrow writes the Parquet, CSV and Arrow files the tests read; ``datasets`` wri
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import pty
 import re
@@ -29,7 +28,16 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import REPO, cli, db_snapshot, is_postgres, query, write_jsonl
+from tests.helpers import (
+    REPO,
+    cli,
+    cli_loading,
+    db_snapshot,
+    is_postgres,
+    planned,
+    query,
+    write_jsonl,
+)
 
 PROBLEMS = [
     {"problem": f"What is {i} + {i}?", "meta": {"level": i % 3, "source": "gen"}, "answer": i}
@@ -456,15 +464,11 @@ def test_plan_counts_a_parquet_run_files_rows_at_their_answers_length(tmp_path: 
         pa.Table.from_pylist([{"id": f"r{i}", "messages": c} for i, c in enumerate(_HELD)]),
         tmp_path / "rows.parquet",
     )
-    config = tmp_path / "run.toml"
-    config.write_text(
-        '[defaults]\nmodel = "m"\nmax_tokens = 1000\n\n'
+    column, rows = planned(
+        tmp_path,
         '[[dataset]]\nname = "column"\nfile = "chats.parquet"\nmessages_column = "chat"\n\n'
-        '[[dataset]]\nname = "rows"\nfile = "rows.parquet"\nregenerate = "all"\n'
+        '[[dataset]]\nname = "rows"\nfile = "rows.parquet"\nregenerate = "all"\n',
     )
-    done = cli("plan", "--config", str(config), "--db", str(tmp_path / "none.db"), "--json")
-    assert done.returncode == 0, done.stderr
-    column, rows = json.loads(done.stdout)["datasets"]
     # 10 + 20 tokens held; the row without an answer at 0.35 x 1000.
     assert (column["predicted"], column["generated_tokens"]) == (2, 30 + 350)
     # Every turn: 10; 10 + 30 over two turns; the prompt-only row's one turn at 350.
@@ -686,18 +690,6 @@ def test_sigkill_mid_enqueue_of_a_parquet_file_leaves_all_or_nothing(
 
 def test_a_jsonl_enqueue_never_imports_pyarrow(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
-    code = (
-        "import sys\n"
-        "from orchestrator.cli import main\n"
-        "try:\n"
-        f"    main(['enqueue', {str(path)!r}, '-d', 'd', '--db', {str(tmp_path / 'q.db')!r}])\n"
-        "except SystemExit as exc:\n"
-        "    assert not exc.code, exc.code\n"
-        "heavy = ('pyarrow', 'datasets', 'pandas')\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    args = ["enqueue", str(path), "-d", "d", "--db", str(tmp_path / "q.db")]
+    _, heavy = cli_loading(args, ("pyarrow", "datasets", "pandas"))
+    assert heavy == []

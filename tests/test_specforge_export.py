@@ -13,7 +13,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ import orchestrator as orc
 from orchestrator.formats.writers import specforge, turns
 from tests import oracle
 from tests.conftest import StartSim
-from tests.helpers import REPO, SimProcess, cli, write_jsonl
+from tests.helpers import REPO, SimProcess, cli, export_caught, write_jsonl
 from tests.test_llamacpp import CONVERSATIONS as LLAMA_CONVERSATIONS
 from tests.test_llamacpp import MODEL as LLAMA_MODEL
 from tests.test_llamacpp import llama  # noqa: F401 (the session's llama-server)
@@ -322,12 +321,7 @@ def test_a_killed_specforge_export_leaves_no_file(tmp_path: Path) -> None:
          "--db", str(db)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
     )  # fmt: skip
-    tmp = out.with_name(f".{out.name}.{proc.pid}.tmp")
-    deadline = time.monotonic() + 60
-    while not (tmp.exists() and tmp.stat().st_size > 0):
-        assert proc.poll() is None, "the export finished before it could be caught"
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    export_caught(proc, out, 60)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
     names = ("out.jsonl", "out_skipped.jsonl", "out_error.jsonl")

@@ -5,8 +5,6 @@ the prompt, so the oracle here knows each answer's flag before the run."""
 from __future__ import annotations
 
 import json
-import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,16 @@ from orchestrator.items.quality import INVALID_JSON, SCHEMA_MISMATCH
 from orchestrator.items.structured import check, response_format_for
 from orchestrator.sim import answer_matches, json_answer_kind, request_digest
 from tests.conftest import StartSim
-from tests.helpers import SimProcess, cli, db_snapshot, prompts, query, start_worker, write_jsonl
+from tests.helpers import (
+    SimProcess,
+    cli,
+    db_snapshot,
+    kill_worker_once,
+    prompts,
+    query,
+    start_worker,
+    write_jsonl,
+)
 
 SCHEMA = {
     "type": "object",
@@ -69,11 +76,7 @@ def test_each_answer_is_flagged_once_across_a_sigkill(
     assert cli("enqueue", str(objects), "-d", "objects", *fmt, *common).returncode == 0
 
     worker = start_worker(db_url, server.url, "--concurrency", "4")
-    deadline = time.monotonic() + 60
-    while done(db_url) < 40 and time.monotonic() < deadline and worker.poll() is None:
-        time.sleep(0.05)
-    worker.send_signal(signal.SIGKILL)
-    worker.communicate()
+    kill_worker_once(worker, lambda: done(db_url) >= 40)
     assert 0 < done(db_url) < 200, "the kill must land mid-run"
     # Resumed streaming: a streamed JSON answer is checked as a whole one is.
     result = cli("run", "--server", server.url, "--db", db_url, "--exit-when-done", "--stream")

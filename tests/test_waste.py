@@ -25,20 +25,11 @@ from tests.helpers import (
     prompts,
     query,
     start_worker,
+    wait_for,
     write_jsonl,
 )
 
 STORED = "SELECT coalesce(sum(completion_tokens), 0) FROM outputs"
-
-
-def wait_for(condition: Callable[[], Any], what: str, deadline: float = 120.0) -> Any:
-    until = time.monotonic() + deadline
-    while time.monotonic() < until:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {deadline:.0f} s waiting for {what}")
 
 
 def enqueue(tmp_path: Path, db: str, n: int, *extra: str, dataset: str = "d") -> None:
@@ -248,8 +239,7 @@ async def test_metrics_dashboard_and_report_show_the_queues_waste(
     from orchestrator.inference.client import ClientConfig, InferenceClient
     from orchestrator.worker import Worker, WorkerConfig
     from orchestrator.worker.metrics import WorkerMetrics
-    from tests.browser import Browser
-    from tests.test_dashboard import ROWS
+    from tests.test_dashboard import report_rows
     from tests.test_metrics import samples, value
 
     server = sim_process("--mean-tokens", "24", "--seed", "3")
@@ -268,13 +258,7 @@ async def test_metrics_dashboard_and_report_show_the_queues_waste(
     assert value(found, "orchestrator_wasted_requests_total", **labels) == requests
     assert value(found, "orchestrator_wasted_unknown_requests_total", **labels) == unknown
     share = status(db_url)["datasets"][0]["wasted"]["share"]
-    out = tmp_path / "report.html"
-    assert cli("report", str(out), "--db", db_url).returncode == 0
-    async with Browser() as browser:
-        await browser.open(out.as_uri())
-        await browser.wait_for("document.querySelectorAll('#datasets tbody tr').length >= 1")
-        rows = await browser.evaluate(ROWS)
-        assert browser.errors == []
+    rows = await report_rows(tmp_path / "report.html", db_url)
     assert rows["d"]["wasted"] == f"{100 * share:.1f}%"
 
 

@@ -168,38 +168,51 @@ window_option = click.option(
 )
 
 
+def _apply(command: Callable[..., Any], options: list[Callable[..., Any]]) -> Callable[..., Any]:
+    """``command`` with ``options`` in the order listed (as stacked decorators would be)."""
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+_PRICES = {
+    "--gpu-hour-cost": "Price of one server-hour (a GPU server's rent), for the run's cost.",
+    "--price-input": "Price per million prompt tokens (a hosted API's input price).",
+    "--price-output": "Price per million completion tokens (a hosted API's output price).",
+}
+
+
 def prices_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--gpu-hour-cost``, ``--price-input``, ``--price-output`` and ``--servers-file``:
     what the run costs (``orchestrator.settings.prices``), per server where the file says."""
     options = [
-        click.option(
-            "--gpu-hour-cost",
-            type=Checked(checks.PRICE),
-            metavar="USD",
-            help="Price of one server-hour (a GPU server's rent), for the run's cost.",
-        ),
-        click.option(
-            "--price-input",
-            type=Checked(checks.PRICE),
-            metavar="USD",
-            help="Price per million prompt tokens (a hosted API's input price).",
-        ),
-        click.option(
-            "--price-output",
-            type=Checked(checks.PRICE),
-            metavar="USD",
-            help="Price per million completion tokens (a hosted API's output price).",
-        ),
-        click.option(
-            "--servers-file",
-            type=click.Path(path_type=Path, dir_okay=False),
-            help="The run's servers file: its servers' own prices (gpu_hour_cost=, "
-            "price_input=, price_output=), the options above for the others.",
-        ),
+        click.option(name, type=Checked(checks.PRICE), metavar="USD", help=text)
+        for name, text in _PRICES.items()
     ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+    servers_file = click.option(
+        "--servers-file",
+        type=click.Path(path_type=Path, dir_okay=False),
+        help="The run's servers file: its servers' own prices (gpu_hour_cost=, "
+        "price_input=, price_output=), the options above for the others.",
+    )
+    return _apply(command, [*options, servers_file])
+
+
+def request_options(param_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--model``, ``--max-tokens``, ``--temperature``, ``--top-p`` and ``--param``: a
+    dataset's request body, as ``enqueue`` takes it and ``dataset set`` changes it."""
+    options = [
+        click.option("--model", help="Model name sent with every request of the dataset."),
+        click.option(
+            "--max-tokens", type=click.IntRange(min=1), help="max_tokens of each request."
+        ),
+        click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature."),
+        click.option(
+            "--top-p", type=click.FloatRange(min=0, max=1), help="Nucleus sampling top_p."
+        ),
+        click.option("--param", "params", multiple=True, metavar="KEY=JSON", help=param_help),
+    ]
+    return lambda command: _apply(command, options)
 
 
 def run_prices(

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import Checked, Commands, db_option, on_database
+from orchestrator.cli.common import Checked, Commands, db_option, on_database, request_options
 from orchestrator.settings.checks import DATASET
 from orchestrator.settings.dataset_options import ON_INVALID, ON_OVERFLOW, ON_TRUNCATED
 
@@ -19,17 +19,7 @@ def dataset() -> None:
 
 @dataset.command("set")
 @click.argument("name")
-@click.option("--model", help="Model name sent with every request of the dataset.")
-@click.option("--max-tokens", type=click.IntRange(min=1), help="max_tokens of each request.")
-@click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1), help="Nucleus sampling top_p.")
-@click.option(
-    "--param",
-    "params",
-    multiple=True,
-    metavar="KEY=JSON",
-    help="Any other request body field, as `enqueue --param`; repeatable.",
-)
+@request_options("Any other request body field, as `enqueue --param`; repeatable.")
 @click.option(
     "--unset",
     multiple=True,

@@ -16,6 +16,7 @@ from orchestrator.cli.common import (
     end_progress,
     on_database,
     progress_shown,
+    request_options,
     run_sync,
     tty_progress,
 )
@@ -108,18 +109,10 @@ _SAMPLING = (
 @click.option(
     "--dataset", "-d", type=Checked(DATASET["dataset"]), help="Dataset name (created on first use)."
 )
-@click.option("--model", help="Model name sent with every request of the dataset.")
-@click.option("--max-tokens", type=click.IntRange(min=1), help="max_tokens of each request.")
-@click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1), help="Nucleus sampling top_p.")
-@click.option(
-    "--param",
-    "params",
-    multiple=True,
-    metavar="KEY=JSON",
-    help="Any other request body field, e.g. thinking on: --param "
+@request_options(
+    "Any other request body field, e.g. thinking on: --param "
     "'chat_template_kwargs={\"enable_thinking\":true}' (Qwen3, DeepSeek) or "
-    "'chat_template_kwargs={\"thinking\":true}' (Kimi).",
+    "'chat_template_kwargs={\"thinking\":true}' (Kimi)."
 )
 @click.option(
     "--concurrency",

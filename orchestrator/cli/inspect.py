@@ -57,25 +57,14 @@ _STATES = ("pending", "running", "done", "failed")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per item (docs/API.md).")
 @click.option("--full", is_flag=True, help="Show long texts whole (else folded in the middle).")
 @db_option
-def inspect(
-    datasets: tuple[str, ...],
-    key: str | None,
-    sample: int | None,
-    seed: int | None,
-    flag_names: tuple[str, ...],
-    error_class: str | None,
-    state: str | None,
-    as_json: bool,
-    full: bool,
-    db: str | None,
-) -> None:
+def inspect(as_json: bool, full: bool, db: str | None, **chosen: Any) -> None:
     """Show items whole: the request as sent, the answer with its reasoning (every turn
     of a regenerate-all conversation), usage, finish reason, quality flags, every attempt
     with its error and server, requeues and the answers they set aside, the lease.
 
     Items come by dataset, then input order. Reads only.
     """
-    selection = _selection(datasets, key, sample, seed, flag_names, error_class, state)
+    selection = _selection(**chosen)
     show = _printer(as_json, full)
     matched: list[int] = []
     gone: list[bool] = []
@@ -101,15 +90,7 @@ def inspect(
     _say(selection, shown, matched[0] if matched else shown, as_json)
 
 
-def _selection(
-    datasets: tuple[str, ...],
-    key: str | None,
-    sample: int | None,
-    seed: int | None,
-    flag_names: tuple[str, ...],
-    error_class: str | None,
-    state: str | None,
-) -> Selection:
+def _selection(datasets: tuple[str, ...], flag_names: tuple[str, ...], **chosen: Any) -> Selection:
     """The options through the store's one check; what it refuses is a usage error."""
     from orchestrator.items.quality import parse_flags
     from orchestrator.store.item_detail import COMMAND, checked_selection
@@ -118,16 +99,7 @@ def _selection(
     for names in flag_names:
         flags |= run_sync(lambda names=names: parse_flags(names))
     try:
-        return checked_selection(
-            dataset_names=datasets,
-            key=key,
-            state=state,
-            error_class=error_class,
-            flags=flags,
-            sample=sample,
-            seed=seed,
-            spelling=COMMAND,
-        )
+        return checked_selection(dataset_names=datasets, flags=flags, spelling=COMMAND, **chosen)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
 

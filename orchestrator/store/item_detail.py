@@ -456,16 +456,24 @@ def _loads(text: str | None) -> Any:
     return orjson.loads(text) if text else None
 
 
+def _reply(columns: Sequence[Any]) -> dict[str, Any]:
+    """What an answer and a turn both hold, from their columns message to server."""
+    message, finish, usage, flags, model, server = columns
+    return {
+        "message": orjson.loads(message),
+        "finish_reason": finish,
+        "usage": _loads(usage),
+        "flags": flag_names(flags or 0),
+        "model": model,
+        "server": server,
+    }
+
+
 def _answer(row: Sequence[Any]) -> AnswerRecord:
     """An ``outputs`` (or ``superseded_outputs``) row, from its message column on."""
-    message, finish, usage, flags, model, server, response_id, attempt, latency, at, ph = row
+    *said, response_id, attempt, latency, at, ph = row
     return AnswerRecord(
-        message=orjson.loads(message),
-        finish_reason=finish,
-        usage=_loads(usage),
-        flags=flag_names(flags or 0),
-        model=model,
-        server=server,
+        **_reply(said),
         response_id=response_id,
         attempt=attempt,
         latency=latency,
@@ -476,15 +484,10 @@ def _answer(row: Sequence[Any]) -> AnswerRecord:
 
 
 def _turn(row: Sequence[Any]) -> TurnRecord:
-    turn, message, finish, usage, flags, model, server, latency, at = row
+    turn, *said, latency, at = row
     return TurnRecord(
         turn=turn,
-        message=orjson.loads(message),
-        finish_reason=finish,
-        usage=_loads(usage),
-        flags=flag_names(flags or 0),
-        model=model,
-        server=server,
+        **_reply(said),
         latency=latency,
         created_at=at,
     )
