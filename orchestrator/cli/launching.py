@@ -114,15 +114,19 @@ def launch_options(command: F) -> F:
 
 def launch_commands_options(command: F) -> F:
     """``--launch``, ``--startup-timeout`` and ``--launch-dir`` only."""
-    from dataclasses import fields
-
-    from orchestrator.inference.launch.plan import LaunchPlan
-
-    names = [f.name for f in fields(LaunchPlan)]  # the options' order
-    chosen = [_OPTIONS[names.index(key)] for key in COMMANDS_ONLY]
-    for option in reversed(chosen):
+    for option in reversed([o for o in _OPTIONS if _name(o) in COMMANDS_ONLY]):
         command = option(command)
     return command
+
+
+def _name(option: Callable[[Any], Any]) -> str:
+    """The parameter name an option decorator gives (read without loading ``LaunchPlan``:
+    the command line starts without the inference package)."""
+
+    def probe() -> None: ...
+
+    option(probe)
+    return str(probe.__click_params__[0].name)  # type: ignore[attr-defined]
 
 
 def take_launch_options(settings: dict[str, Any]) -> dict[str, Any]:
