@@ -13,6 +13,7 @@ import hashlib
 import os
 import pty
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -383,6 +384,9 @@ def test_a_running_item_shows_who_holds_it(db_url: str, tmp_path: Path) -> None:
             held = query(db_url, "SELECT key, lease_owner FROM items WHERE state = 'running'")
             time.sleep(0.1)
         assert held, "no item was claimed"
+        # The worker is frozen while inspect reads: its heartbeats would change the file,
+        # and what is checked is that inspect itself writes nothing.
+        worker.send_signal(signal.SIGSTOP)
         before = unchanged(db_url)
         [record] = inspect_json(db_url, "--state", "running")
         assert (record["key"], record["lease"]["worker"]) == held[0]
@@ -392,6 +396,7 @@ def test_a_running_item_shows_who_holds_it(db_url: str, tmp_path: Path) -> None:
         assert f"held by {held[0][1]}" in flat
         assert unchanged(db_url) == before
         worker.kill()
+        worker.send_signal(signal.SIGCONT)
         worker.communicate()
     finally:
         slow.stop()
