@@ -14,10 +14,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.helpers import cli, events, prompts, query, start_worker, write_jsonl
-from tests.test_hostile import Hostile, hostile, wait_for
-
-__all__ = ["hostile"]  # the fixture, shared with tests.test_hostile
+from tests.helpers import Hostile, cli, events, prompts, query, start_worker, write_jsonl
+from tests.test_hostile import wait_for
 
 
 def enqueue(db: str, n: int, tmp_path: Path) -> None:
