@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -22,7 +22,32 @@ from orchestrator.store import workers as worker_rows
 from orchestrator.worker.config import stats_fields
 
 if TYPE_CHECKING:
-    from orchestrator.worker.loop import Worker
+    from orchestrator.inference.pool import ServerPool
+    from orchestrator.store import Database, Queue
+    from orchestrator.worker.claim import Claims
+    from orchestrator.worker.config import Notifier, WorkerConfig, WorkerStats
+    from orchestrator.worker.metrics import WorkerMetrics
+
+
+class Worker(Protocol):
+    """What the keeper reads of the worker it keeps (``worker.loop.Worker``, which starts
+    the keeper's tasks: a protocol, so that the two modules do not import each other)."""
+
+    owner: str
+    config: WorkerConfig
+    database: Database
+    queue: Queue
+    pool: ServerPool
+    claims: Claims
+    stats: WorkerStats
+    metrics: WorkerMetrics | None
+    notifier: Notifier
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def file_gone(self, error: StorageError) -> None: ...
+
 
 log = structlog.get_logger("orchestrator.worker")
 

@@ -344,10 +344,10 @@ class ExportJob:
 
     def _drop_unlisted(self, card: Path | None) -> None:
         """After the commit, the files of the folder's earlier card that this export did
-        not write go (``writers.card.drop_unlisted``)."""
+        not write go (``writers.stale.drop_unlisted``)."""
         if card is None:
             return
-        from orchestrator.formats.writers.card import drop_unlisted, listed
+        from orchestrator.formats.writers.stale import drop_unlisted, listed
 
         before = listed(card)
 
