@@ -66,8 +66,13 @@ def test_each_turn_sees_the_generated_turns_before_it() -> None:
         result,
     ]
     third = turn_messages(AGENTIC, 2, new[:2])
-    # Earlier reasoning is not sent back; tool messages and user turns stay in place.
-    assert third[4] == {"role": "assistant", "content": "Twelve degrees."}
+    # Earlier reasoning goes back with its turn (the server's template decides what of it
+    # the model sees); tool messages and user turns stay in place.
+    assert third[4] == {
+        "role": "assistant",
+        "content": "Twelve degrees.",
+        "reasoning_content": "looked it up",
+    }
     assert [x["role"] for x in third] == [
         "system",
         "user",
@@ -194,14 +199,16 @@ def answer_to(draw: st.DrawFn, original: dict[str, object] | None, k: int) -> di
     message = m("assistant", None if names else f"new answer {k}")
     if names:
         message["tool_calls"] = [call(f"g{k}.{i}", str(n)) for i, n in enumerate(names)]
-    if draw(st.booleans()):
-        message["reasoning_content"] = f"thinking {k}"
+    field = draw(st.sampled_from([None, "reasoning_content", "reasoning"]))
+    if field is not None:
+        message[field] = f"thinking {k}"
     return message
 
 
 def context(message: dict[str, object]) -> dict[str, object]:
-    """What of a generated turn is sent back: no reasoning."""
-    return {k: v for k, v in message.items() if k != "reasoning_content"}
+    """What of a generated turn is sent back: all of it, its reasoning too, in the field
+    the server answered it in."""
+    return dict(message)
 
 
 def regenerate_in_order(

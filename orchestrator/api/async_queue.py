@@ -140,6 +140,7 @@ class Queue(DatasetCalls):
         on_truncated: str | None = None,
         on_invalid: str | None = None,
         on_overflow: str | None = None,
+        history_reasoning: str | None = None,
         json_schema: dict[str, Any] | None = None,
         passthrough: bool = False,
         samples: int | None = None,
@@ -180,7 +181,7 @@ class Queue(DatasetCalls):
         policies["sample_requests"], policies["seeds"] = sample_requests, seeds
         given = {**named, "params": params or None, "concurrency": concurrency, **policies}
         given |= {"regenerate": regenerate, "on_overflow": on_overflow, "json_schema": json_schema}
-        given |= {"logprobs": logprobs}
+        given |= {"logprobs": logprobs, "history_reasoning": history_reasoning}
         columns = Columns(
             prompt_column=prompt_column, messages_column=messages_column, template=template,
             template_file=template_file, system=system, id_column=id_column,
@@ -189,6 +190,7 @@ class Queue(DatasetCalls):
         options = EnqueueOptions(
             dataset=dataset, params=body, concurrency=concurrency, priority=priority,
             format=format, regenerate=regenerate, on_overflow=on_overflow, **policies,
+            history_reasoning=history_reasoning,
             passthrough=passthrough, update=update, columns=columns, split=split,
             config=config, endpoint=endpoint, logprobs=logprobs,
             sampling=tuple(name for name, value in given.items() if value is not None),

@@ -56,6 +56,7 @@ class DatasetCalls:
         on_truncated: str | None = None,
         on_invalid: str | None = None,
         on_overflow: str | None = None,
+        history_reasoning: str | None = None,
     ) -> SettingsReport:
         """Change the settings given of dataset ``name``, and only those, as ``orchestrator
         dataset set``: ``params`` are merged over the stored ones, ``unset`` keys
@@ -72,7 +73,7 @@ class DatasetCalls:
         check_body(body, {"model": model, **named})
         knobs = {"concurrency": concurrency, "priority": priority}
         knobs |= {"on_truncated": on_truncated, "on_invalid": on_invalid}
-        knobs["on_overflow"] = on_overflow
+        knobs |= {"on_overflow": on_overflow, "history_reasoning": history_reasoning}
         spec = DatasetSpec(name=name, params=body, **knobs)
         keys = (unset,) if isinstance(unset, str) else tuple(unset)
         return await change_settings(self.database, spec, unset=keys)

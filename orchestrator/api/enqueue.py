@@ -47,6 +47,8 @@ class EnqueueOptions:
     on_truncated: str | None = None
     on_invalid: str | None = None
     on_overflow: str | None = None
+    history_reasoning: str | None = None
+    """``keep`` (the default) or ``drop`` the reasoning of earlier turns in the history."""
     passthrough: bool = False
     update: bool = False
     sampling: tuple[str, ...] = ()
@@ -226,6 +228,7 @@ async def enqueue_source(
         on_truncated=options.on_truncated,
         on_invalid=options.on_invalid,
         on_overflow=options.on_overflow,
+        history_reasoning=options.history_reasoning,
         passthrough=passing,
         endpoint=options.endpoint,
         samples=options.samples,
@@ -351,6 +354,7 @@ def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
         on_truncated=plan.on_truncated,
         on_invalid=plan.on_invalid,
         on_overflow=plan.on_overflow,
+        history_reasoning=plan.history_reasoning,
         passthrough=plan.passthrough,
         endpoint=plan.endpoint,
         samples=plan.samples,

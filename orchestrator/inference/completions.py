@@ -91,6 +91,7 @@ def parse_answer(
             response_id=doc.get("id"),
             tokens=tokens_,
             raw=raw,
+            reasoning_key=reasoning_key(message),
         )
         for choice, message, tokens_, usage in zip(ordered, messages, tokens, usages, strict=True)
     ]
@@ -102,6 +103,14 @@ def reasoning_of(obj: dict[str, Any]) -> str | None:
     if value is None:
         value = obj.get("reasoning")
     return value if isinstance(value, str) else None
+
+
+def reasoning_key(obj: dict[str, Any]) -> str:
+    """The field a message or delta says its reasoning in: the stored answer keeps it
+    there, so that a later turn sends it back as this server reads it."""
+    if obj.get("reasoning_content") is None and isinstance(obj.get("reasoning"), str):
+        return "reasoning"
+    return "reasoning_content"
 
 
 def _check_finished(
@@ -182,6 +191,7 @@ def _completion(
     response_id: Any,
     tokens: Tokens | None = None,
     raw: bool = False,
+    reasoning_key: str = "reasoning_content",
 ) -> Completion:
     """Check a received answer and build its Completion, the same for both transports.
 
@@ -203,7 +213,7 @@ def _completion(
         content = None
     _check_finished(content, reasoning, tool_calls, finish_reason)
     return Completion(
-        message=_assistant_message(content, reasoning, tool_calls),
+        message=_assistant_message(content, reasoning, tool_calls, reasoning_key),
         content=content,
         reasoning=reasoning,
         finish_reason=finish_reason,
@@ -312,11 +322,11 @@ def _identifier(value: Any, name: str) -> str | None:
 
 
 def _assistant_message(
-    content: str | None, reasoning: str | None, tool_calls: Any
+    content: str | None, reasoning: str | None, tool_calls: Any, key: str
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning is not None:
-        message["reasoning_content"] = reasoning
+        message[key] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message

@@ -27,6 +27,7 @@ from orchestrator.inference.completions import (
     Completion,
     choice_index,
     counted,
+    reasoning_key,
     reasoning_of,
     text_size,
     tokens_of,
@@ -140,6 +141,7 @@ async def read_stream(
             response_id=got.response_id,
             tokens=tokens_,
             raw=raw,
+            reasoning_key=c.reasoning_key,
         )
         for c, tokens_, usage in zip(ordered, tokens, usages, strict=True)
     ]
@@ -182,6 +184,8 @@ class _StreamedChoice:
 
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
+    #: The field its reasoning came in (``completions.reasoning_key``).
+    reasoning_key: str = "reasoning_content"
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: Any = None
     #: Its chunks that carry logprobs or token ids, in order.
@@ -236,6 +240,7 @@ class _Streamed:
             piece = reasoning_of(delta)
             if piece:
                 got.reasoning.append(piece)
+                got.reasoning_key = reasoning_key(delta)
             for call in delta.get("tool_calls") or []:
                 _merge_tool_call(got.tool_calls, call)
             if choice.get("finish_reason"):

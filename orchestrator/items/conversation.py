@@ -28,11 +28,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from orchestrator.items.params import REASONING_KEYS
+
 Message = dict[str, Any]
 
-# What of a generated turn goes back to the server as context: the reasoning of earlier
-# turns is not sent (chat templates of reasoning models drop it anyway).
-_CONTEXT_KEYS = ("role", "content", "tool_calls")
+# What of a generated turn goes back to the server as context: its reasoning too, in the
+# field the server answered it in. Models that think in a tool loop (Kimi-K2, DeepSeek-V3.2,
+# GLM-4.5, MiniMax-M2, gpt-oss) render it; others' templates drop it by themselves. A
+# dataset that must not send it says so (``items.params.item_body``).
+_CONTEXT_KEYS = ("role", "content", "tool_calls", *REASONING_KEYS)
 
 
 def targets(messages: Sequence[Message]) -> list[int]:

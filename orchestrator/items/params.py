@@ -22,20 +22,52 @@ REFUSED: dict[str, str] = {
     "messages": "comes from the input rows",
     "stream": "decided by the worker (run --stream)",
     "stream_options": "decided by the worker (run --stream)",
+    "history_reasoning": "a dataset setting (--history-reasoning), not a body field",
 }
+
+#: Keys where an assistant message holds its reasoning: SGLang and older vLLM say
+#: ``reasoning_content``, newer vLLM ``reasoning``.
+REASONING_KEYS = ("reasoning_content", "reasoning")
+
+
+def request_settings(params: Mapping[str, Any], history_reasoning: str = "keep") -> dict[str, Any]:
+    """What decides a dataset's requests, as outputs name it (their ``params_hash``): the
+    body parameters, and ``history_reasoning`` where it is not the default (so that the
+    sets named before it existed keep their names). :func:`item_body` reads it back."""
+    if history_reasoning == "keep":
+        return dict(params)
+    return {**params, "history_reasoning": history_reasoning}
 
 
 def item_body(
     dataset_params: Mapping[str, Any], request: Mapping[str, Any], seed: int | None = None
 ) -> dict[str, Any]:
-    """The body an item is sent with: its dataset's parameters, the item's own fields over
-    them, and the sample's seed when the prompt has several (``orchestrator.items.samples``). The
-    worker sends it and ``inspect`` shows it; both build it here, so what is shown is what
-    goes out (the worker then sets ``stream``, and a multi-turn item's messages)."""
-    body = {**dataset_params, **request}
+    """The body an item is sent with: its dataset's settings (:func:`request_settings`),
+    the item's own fields over them, and the sample's seed when the prompt has several
+    (``orchestrator.items.samples``). The worker sends it and ``inspect`` shows it; both
+    build it here, so what is shown is what goes out (the worker then sets ``stream``).
+
+    The history goes with the reasoning of its assistant turns unless the dataset drops
+    it: models that think in a tool loop render it from the history, and their template,
+    not this code, decides what of it the model sees."""
+    settings = dict(dataset_params)
+    history = settings.pop("history_reasoning", "keep")
+    body = {**settings, **request}
+    if history == "drop" and isinstance(body.get("messages"), list):
+        body["messages"] = without_reasoning(body["messages"])
     if seed is not None:
         body["seed"] = seed
     return body
+
+
+def without_reasoning(messages: list[Any]) -> list[Any]:
+    """The messages with no assistant turn's reasoning: for a server that refuses it."""
+    return [
+        {k: v for k, v in m.items() if k not in REASONING_KEYS}
+        if isinstance(m, dict) and m.get("role") == "assistant"
+        else m
+        for m in messages
+    ]
 
 
 def _is_number(value: object) -> bool:

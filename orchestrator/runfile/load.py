@@ -12,6 +12,7 @@ Format::
     on_truncated = "keep"     # keep | retry | fail: what an answer cut at max_tokens does
     on_invalid = "keep"       # keep | retry | fail: structured output that is not the JSON asked
     on_overflow = "fail"      # fail | fit: a prompt and max_tokens longer than the context
+    history_reasoning = "keep"  # keep | drop: earlier turns' reasoning in the history sent
     samples = 1               # answers per prompt, each its own item (1 to 1024)
     # seeds = [1, 2, 3, 4]    # one per sample, all different (default: from each key)
     sample_requests = "n"     # n: one request with n choices | seeds: one per sample
@@ -63,6 +64,7 @@ from orchestrator.items.params import logprob_params
 from orchestrator.settings import checks
 from orchestrator.settings.dataset_options import (
     ENDPOINTS,
+    HISTORY_REASONING,
     ON_INVALID,
     ON_OVERFLOW,
     ON_TRUNCATED,
@@ -91,6 +93,7 @@ _REQUEST_KEYS = (
     "on_truncated",
     "on_invalid",
     "on_overflow",
+    "history_reasoning",
     "samples",
     "seeds",
     "sample_requests",
@@ -137,6 +140,8 @@ class DatasetPlan:
     on_overflow: str = "fail"
     """A prompt and ``max_tokens`` longer than the server's context: ``fail`` the item
     (``context_overflow``), or ``fit``: ask again with ``max_tokens`` lowered to fit."""
+    history_reasoning: str = "keep"
+    """Earlier assistant turns go back with their reasoning (``keep``) or without (``drop``)."""
     hf: str | None = None
     """A Hub dataset (``ORG/NAME``) read instead of a file."""
     split: str | None = None
@@ -390,6 +395,7 @@ _CHECKS: dict[str, Check] = {
     "on_truncated": _choice(ON_TRUNCATED),
     "on_invalid": _choice(ON_INVALID),
     "on_overflow": _choice(ON_OVERFLOW),
+    "history_reasoning": _choice(HISTORY_REASONING),
     "endpoint": _choice(ENDPOINTS),
     "logprobs": _by(checks.DATASET["logprobs"].expected),
     "samples": _by(checks.DATASET["samples"].expected),
@@ -420,6 +426,7 @@ _REQUEST_DEFAULTS = {
     "on_truncated": "keep",
     "on_invalid": "keep",
     "on_overflow": "fail",
+    "history_reasoning": "keep",
 }
 
 
@@ -708,6 +715,7 @@ def _plan(own: dict[str, Any], defaults: dict[str, Any], file: Path) -> DatasetP
         passthrough=False,
         on_invalid=value("on_invalid", _REQUEST_DEFAULTS["on_invalid"]),
         on_overflow=value("on_overflow", _REQUEST_DEFAULTS["on_overflow"]),
+        history_reasoning=value("history_reasoning", _REQUEST_DEFAULTS["history_reasoning"]),
         endpoint=endpoint,
         logprobs=value("logprobs"),
         samples=value("samples"),

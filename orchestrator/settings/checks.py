@@ -24,6 +24,7 @@ from orchestrator.items.tokens import MAX_TOP
 from orchestrator.settings.choices import EXPORT_FORMATS, INPUT_FORMATS, REASONING_MODES
 from orchestrator.settings.dataset_options import (
     ENDPOINTS,
+    HISTORY_REASONING,
     INT_MAX,
     ON_INVALID,
     ON_OVERFLOW,
@@ -289,6 +290,7 @@ DATASET: dict[str, Rule] = {
     "on_truncated": OrNone(Choice(ON_TRUNCATED)),
     "on_invalid": OrNone(Choice(ON_INVALID)),
     "on_overflow": OrNone(Choice(ON_OVERFLOW)),
+    "history_reasoning": OrNone(Choice(HISTORY_REASONING)),
     "passthrough": FLAG,
     "update": FLAG,
     "endpoint": OrNone(Choice(ENDPOINTS)),

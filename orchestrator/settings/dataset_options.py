@@ -15,6 +15,10 @@ ON_INVALID: tuple[str, ...] = ("keep", "retry", "fail")
 ON_OVERFLOW: tuple[str, ...] = ("fail", "fit")
 """What a request longer than the server's context does: the item fails
 (``context_overflow``), or it is asked again with ``max_tokens`` lowered to fit."""
+HISTORY_REASONING: tuple[str, ...] = ("keep", "drop")
+"""Whether earlier assistant turns go back to the server with their reasoning: ``keep``
+(the server's template decides what it renders; models that think in a tool loop need
+it) or ``drop`` (for a server that refuses reasoning in the history)."""
 INT_MAX = 2**31 - 1
 """The largest concurrency or priority: what a PostgreSQL INTEGER column holds."""
 ENDPOINTS: tuple[str, ...] = ("chat", "completions")

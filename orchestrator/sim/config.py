@@ -128,6 +128,9 @@ class SimConfig:
             answer to that request seeded ``s + i``.
         max_model_len: the context length (0: none): a request whose prompt and
             ``max_tokens`` exceed it gets vLLM's 400, which names its own lengths.
+        history_reasoning: one of ``sim.template.HISTORY_MODES``: what the chat template
+            makes of earlier turns' reasoning (rendered, ignored, required on a tool-call
+            turn while thinking, or refused).
         refusals: text -> message: a request whose messages contain the text gets a 400
             with that message, the same for every such request (a bad item among good
             ones: an image URL the server cannot fetch, roles that do not alternate).
@@ -162,6 +165,7 @@ class SimConfig:
     api_key: str | None = field(default=None, repr=False)
     reasoning: str = "none"
     reasoning_field: str = "reasoning_content"
+    history_reasoning: str = "render"
     tool_call_rate: float = 0.5
     json_invalid_rate: float = 0.0
     json_mismatch_rate: float = 0.0

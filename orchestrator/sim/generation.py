@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from orchestrator.items.quality import split_think
+from orchestrator.sim import template
 from orchestrator.sim.config import SimConfig
 from orchestrator.sim.length_model import dataset_of, quantile
 
@@ -36,7 +37,8 @@ def request_digest(messages: Any, seed: Any = None) -> str:
     """Digest of a request's messages; key order does not matter, content does. With a
     ``seed`` (a request's, or choice ``i`` of a request with ``n``: seed + i), another
     digest: the answer is another draw, the same for the same seed."""
-    digest = hashlib.sha256(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+    seen = template.seen(messages)
+    digest = hashlib.sha256(orjson.dumps(seen, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
     if seed is None:
         return digest
     return hashlib.sha256(f"{digest}:{seed}".encode()).hexdigest()[:16]
@@ -203,7 +205,7 @@ class SimAnswer:
         return self.tool is not None and bool(self.words)
 
 
-def _thinking_off(body: dict[str, Any]) -> bool:
+def thinking_off(body: dict[str, Any]) -> bool:
     kwargs = body.get("chat_template_kwargs") or {}
     return kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
 
@@ -227,7 +229,7 @@ def generate(
 ) -> SimAnswer:
     """The answer to ``body``: reasoning first, then content or a tool call, cut by the
     request's token limit wherever it falls. A raw completion (``plain``) is text only."""
-    thinking = config.reasoning != "none" and not _thinking_off(body) and not empty
+    thinking = config.reasoning != "none" and not thinking_off(body) and not empty
     thinking = thinking and not plain
     tool = None if empty or plain else _tool_to_call(body, digest, config)
     answer_length, reasoning_length = _lengths(body, digest, config, thinking=thinking)

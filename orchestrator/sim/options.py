@@ -26,6 +26,7 @@ from orchestrator.sim.config import (
     parse_outage,
     parse_refusal,
 )
+from orchestrator.sim.template import HISTORY_MODES
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -188,6 +189,13 @@ OPTIONS: tuple[SimOption, ...] = (
         "reasoning_field",
         REASONING_FIELDS,
         help="Field of --reasoning field: SGLang and older vLLM, or newer vLLM.",
+    ),
+    SimOption(
+        "--history-reasoning",
+        "history_reasoning",
+        HISTORY_MODES,
+        help="What the chat template makes of earlier turns' reasoning: renders it, ignores "
+        "it, requires it on a tool-call turn (while thinking), or refuses the field (400).",
     ),
     SimOption(
         "--tool-call-rate",

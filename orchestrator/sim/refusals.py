@@ -16,6 +16,8 @@ import orjson
 from aiohttp import web
 
 from orchestrator.sim import logprobs as sim_tokens
+from orchestrator.sim import template
+from orchestrator.sim.generation import thinking_off
 from orchestrator.sim.runtime import State
 
 _TOOL_CHOICES = ("none", "auto", "required")
@@ -86,6 +88,10 @@ def validate(state: State, raw: bytes, *, plain: bool = False) -> dict[str, Any]
     if kwargs is not None and not isinstance(kwargs, dict):
         return bad_request("'chat_template_kwargs' must be an object")
     problem = _check_tools(body.get("tools"), body.get("tool_choice"))
+    if problem:
+        return bad_request(problem)
+    thinking = state.config.reasoning != "none" and not thinking_off(body)
+    problem = template.refusal(messages, state.config.history_reasoning, thinking)
     if problem:
         return bad_request(problem)
     text = orjson.dumps(messages).decode()

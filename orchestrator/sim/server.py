@@ -33,6 +33,7 @@ import orjson
 from aiohttp import web
 
 from orchestrator.sim import logprobs as sim_tokens
+from orchestrator.sim import template
 from orchestrator.sim.config import SimConfig
 from orchestrator.sim.exposition import Figures, metrics_text
 from orchestrator.sim.faults import fault_response, outage_middleware
@@ -126,7 +127,7 @@ async def _answer_chat(
 
     messages: list[Any] = body["messages"]
     choices = 1 if config.ignore_n else body.get("n", 1)
-    asked = body["prompt"] if plain else messages
+    asked = body["prompt"] if plain else template.seen(messages, config.history_reasoning)
     answers = [
         generate(body, request_digest(asked, seed), config, empty=fault == "empty", plain=plain)
         for seed in choice_seeds(body, choices)

@@ -13,8 +13,10 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError
+from orchestrator.items.params import request_settings
 from orchestrator.settings.dataset_options import (
     ENDPOINTS,
+    HISTORY_REASONING,
     INT_MAX,
     ON_INVALID,
     ON_OVERFLOW,
@@ -50,6 +52,7 @@ class DatasetSpec:
     passthrough: bool = False
     on_invalid: str | None = None
     on_overflow: str | None = None
+    history_reasoning: str | None = None
     # chat | completions; None: keep the stored value (chat for a new dataset).
     endpoint: str | None = None
 
@@ -79,6 +82,7 @@ class DatasetSpec:
             ("on_truncated", self.on_truncated, ON_TRUNCATED),
             ("on_invalid", self.on_invalid, ON_INVALID),
             ("on_overflow", self.on_overflow, ON_OVERFLOW),
+            ("history_reasoning", self.history_reasoning, HISTORY_REASONING),
         ):
             if value not in (None, *valid):
                 raise ConfigError(f"dataset {self.name}: {key} must be one of {', '.join(valid)}")
@@ -101,12 +105,18 @@ class DatasetInfo:
     passthrough: bool = False
     on_invalid: str = "keep"
     on_overflow: str = "fail"
+    history_reasoning: str = "keep"
     updated_at: float = 0.0
     params_hash: str = ""
     endpoint: str = "chat"
     samples: int = 1
     draw_seeds: tuple[int, ...] | None = None
     draw_mode: str = "n"
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The request settings items are sent with (``items.params.item_body``)."""
+        return request_settings(self.params, self.history_reasoning)
 
 
 DRAW_MODES = ("n", "seeds")
@@ -146,7 +156,7 @@ def _info(row: sa.Row[Any]) -> DatasetInfo:
     params = orjson.loads(values["params"])
     values.update(
         params=params,
-        params_hash=params_hash(params),
+        params_hash=params_hash(request_settings(params, values["history_reasoning"])),
         paused=bool(values["paused"]),
         passthrough=bool(values["passthrough"]),
         draw_seeds=tuple(orjson.loads(values["draw_seeds"])) if values["draw_seeds"] else None,
@@ -181,7 +191,14 @@ class Change:
         return f"{self.setting} {shown(self.old)} → {shown(self.new)}"
 
 
-_KNOBS = ("concurrency", "priority", "on_truncated", "on_invalid", "on_overflow")
+_KNOBS = (
+    "concurrency",
+    "priority",
+    "on_truncated",
+    "on_invalid",
+    "on_overflow",
+    "history_reasoning",
+)
 """Operational settings that may change under enqueued items."""
 
 
@@ -204,8 +221,9 @@ async def declare(
     then the items not done yet are sent with the new value, and every output records
     the set it was made with. Whether a dataset regenerates its last turn or all of
     them, and whether it is pass-through, decide what its items are: they never change.
-    Concurrency, priority and the truncation, invalid-answer and overflow policies are
-    operational knobs and may. What changed is appended to ``changed``.
+    Concurrency, priority, the truncation, invalid-answer and overflow policies and
+    whether history keeps its reasoning are knobs and may (the last is named in the
+    hash outputs record, as parameters are). What changed is appended to ``changed``.
     """
     row = (await conn.execute(sa.select(datasets).where(datasets.c.name == spec.name))).first()
     source = {"source_path": source_path, "source_sha256": source_sha256}
@@ -274,7 +292,9 @@ async def _apply(
     values |= {key: value for key, value in knobs.items() if value is not None}
     if params != info.params:
         values["params"] = _dumps(params)
-        await _record_params(conn, params, now)
+    history = knobs.get("history_reasoning") or info.history_reasoning
+    if params != info.params or history != info.history_reasoning:
+        await _record_params(conn, request_settings(params, history), now)
     await conn.execute(datasets.update().where(datasets.c.id == info.id).values(**values))
     return found
 
@@ -343,6 +363,7 @@ async def _create(
         "on_truncated": spec.on_truncated or "keep",
         "on_invalid": spec.on_invalid or "keep",
         "on_overflow": spec.on_overflow or "fail",
+        "history_reasoning": spec.history_reasoning or "keep",
         "passthrough": spec.passthrough,
         "endpoint": spec.endpoint or "chat",
         **_draws(spec, None),
@@ -354,7 +375,7 @@ async def _create(
     new_id = (
         await conn.execute(datasets.insert().values(**values).returning(datasets.c.id))
     ).scalar_one()
-    await _record_params(conn, spec.params, now)
+    await _record_params(conn, request_settings(spec.params, values["history_reasoning"]), now)
     return await _read(conn, new_id)
 
 

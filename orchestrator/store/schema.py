@@ -43,6 +43,8 @@ datasets = sa.Table(
     sa.Column("on_invalid", sa.String(8), nullable=False, server_default="keep"),
     # A request longer than the server's context: fail, or fit (max_tokens lowered).
     sa.Column("on_overflow", sa.String(8), nullable=False, server_default="fail"),
+    # Earlier turns' reasoning in the history sent: keep | drop (for a server refusing it).
+    sa.Column("history_reasoning", sa.String(8), nullable=False, server_default="keep"),
     # Rows already in the target model's format, stored as done (nothing is generated).
     sa.Column("passthrough", sa.Boolean, nullable=False, server_default=sa.false()),
     # Where items go: chat (/v1/chat/completions) | completions (/v1/completions, a plain

@@ -685,11 +685,12 @@ _CARD: dict[str, str] = {
     "times": "SELECT min(created_at), max(created_at) FROM outputs WHERE dataset_id = :d",
     # The answers exported, by model and parameters, and of those the ones with
     # reasoning: one pass over the dataset's outputs. The stored message is orjson's
-    # encoding, so a "reasoning_content" key with a non-empty string value reads exactly
-    # so (quotes inside strings are escaped).
+    # encoding, so a "reasoning_content" (or newer vLLM's "reasoning") key with a non-empty
+    # string value reads exactly so (quotes inside strings are escaped).
     "answers": (
-        "SELECT model, params_hash, count(*), count(CASE WHEN message LIKE :has ESCAPE '!'"
-        " AND message NOT LIKE :empty ESCAPE '!' THEN 1 END)"
+        "SELECT model, params_hash, count(*), count(CASE WHEN (message LIKE :has ESCAPE '!'"
+        " AND message NOT LIKE :empty ESCAPE '!') OR (message LIKE :has2 ESCAPE '!'"
+        " AND message NOT LIKE :empty2 ESCAPE '!') THEN 1 END)"
         " FROM outputs WHERE dataset_id = :d{mask} GROUP BY model, params_hash"
     ),
     "prompt_tokens": (
@@ -704,6 +705,8 @@ _CARD: dict[str, str] = {
 _PARAMS = "SELECT hash, params FROM param_sets"
 _HAS_REASONING = '%"reasoning!_content":"%'
 _EMPTY_REASONING = '%"reasoning!_content":""%'
+_HAS_REASONING2 = '%"reasoning":"%'
+_EMPTY_REASONING2 = '%"reasoning":""%'
 
 
 def card_figures(rows: Rows, dataset_id: int, *, exclude_flags: int = 0) -> dict[str, Any]:
@@ -711,7 +714,7 @@ def card_figures(rows: Rows, dataset_id: int, *, exclude_flags: int = 0) -> dict
     by quality flag, the model and parameters of the answers, token percentiles and the
     share of answers with reasoning, the first and last answer's times."""
     params = {"d": dataset_id, "mask": exclude_flags, "has": _HAS_REASONING}
-    params["empty"] = _EMPTY_REASONING
+    params |= {"empty": _EMPTY_REASONING, "has2": _HAS_REASONING2, "empty2": _EMPTY_REASONING2}
     mask = _CARD_MASK if exclude_flags else ""
     found = {name: rows.fetch(sql.format(mask=mask), params) for name, sql in _CARD.items()}
     flags = dict.fromkeys(ALL_FLAGS, 0)

@@ -102,16 +102,16 @@ class Caller:
         """One request: its answer, or what should become of the item (``streamed``
         hears the tokens its stream says as they come; ``previous`` answered the turn
         before, in this lease: its cache holds the conversation so far)."""
-        body = item_body(info.params, lease.request, seed(lease, info))
+        request = lease.request
         if lease.turns > 1 or info.regenerate == "all":
             # Every turn of such an item, its only one too, is asked without its original
             # answer, which the stored conversation still holds.
             try:
-                body["messages"] = turn_messages(
-                    lease.request["messages"], lease.turn, lease.generated
-                )
+                turn = turn_messages(request["messages"], lease.turn, lease.generated)
             except ValueError as exc:
                 return Failed(lease, Failure(ec.CONVERSATION, where(lease) + str(exc)))
+            request = {**request, "messages": turn}
+        body = item_body(info.settings, request, seed(lease, info))
         # The prompt as text picks the server holding its prefix (the previous turn's,
         # a retry's, another item's with the same system prompt) in its cache.
         server = self.pool.pick(body.get("messages") or body.get("prompt"), previous)
@@ -193,7 +193,7 @@ class Caller:
         once. A server that answers fewer choices ignores ``n``: the dataset falls back
         to a request per sample (logged once), and the samples left are asked so now."""
         lease = leases[0]
-        body = item_body(info.params, lease.request, seed(lease, info))
+        body = item_body(info.settings, lease.request, seed(lease, info))
         body["n"] = len(leases)
         server = self.pool.pick(body.get("messages") or body.get("prompt"), width=len(leases))
         if server is None:

@@ -19,7 +19,7 @@ from orchestrator.formats.writers import specforge
 from orchestrator.formats.writers import turns as per_turn
 from orchestrator.items import structured
 from orchestrator.items.conversation import assemble, targets
-from orchestrator.items.params import item_body
+from orchestrator.items.params import REASONING_KEYS, item_body
 from orchestrator.items.quality import TOOL_MISMATCH, flag_names
 from orchestrator.settings.choices import (  # noqa: F401
     EXPORT_FORMATS,
@@ -37,10 +37,6 @@ from orchestrator.store.outputs import (
 
 if TYPE_CHECKING:
     pass
-
-# Where a generated message keeps its reasoning: the store writes reasoning_content; a
-# message from newer vLLM may say reasoning.
-_REASONING_KEYS = ("reasoning_content", "reasoning")
 
 
 # Request fields worth carrying into a training example next to the conversation.
@@ -125,8 +121,8 @@ def apply_reasoning(message: dict[str, Any], mode: str) -> dict[str, Any]:
     """
     if mode == "separate":
         return message
-    out = {k: v for k, v in message.items() if k not in _REASONING_KEYS}
-    reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k)), None)
+    out = {k: v for k, v in message.items() if k not in REASONING_KEYS}
+    reasoning = next((message[k] for k in REASONING_KEYS if message.get(k)), None)
     if mode == "inline" and reasoning:
         block = f"<think>\n{reasoning}\n</think>\n\n"
         content = message.get("content")

@@ -39,6 +39,7 @@ from orchestrator.errors import ConfigError, StorageError
 from orchestrator.formats.options import plain_rows
 from orchestrator.formats.writers.job import make_folder
 from orchestrator.formats.writers.lines import plain_record
+from orchestrator.items.params import REASONING_KEYS
 from orchestrator.items.quality import flag_names
 from orchestrator.store.outputs import flagged_rows, full_batches
 
@@ -291,9 +292,11 @@ def _message(message: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
         return {"content": _text(message)}
     calls = message.get("tool_calls")
-    out = {
-        k: _text(message.get(k)) for k in ("role", "content", "reasoning_content", "tool_call_id")
-    }
+    out = {k: _text(message.get(k)) for k in ("role", "content", "tool_call_id")}
+    # Newer vLLM's ``reasoning`` goes in the one column, as in every other format.
+    out["reasoning_content"] = _text(
+        next((message[k] for k in REASONING_KEYS if k in message), None)
+    )
     if calls is not None:
         out["tool_calls"] = [_call(c) for c in (calls if isinstance(calls, list) else [calls])]
     return out

@@ -19,10 +19,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from orchestrator.items.params import REASONING_KEYS
+
 SPECFORGE_COMMIT = "a6b6b0230009d15ec2a97a57384e6f53f0f96946"
 
-# Where a generated message keeps its reasoning (newer vLLM says ``reasoning``).
-_REASONING_KEYS = ("reasoning_content", "reasoning")
 _SYSTEM = ("system", "developer")
 
 #: Why rows are skipped, by the short name the export report counts them under.
@@ -52,7 +52,7 @@ def message(item: dict[str, Any]) -> dict[str, Any]:
     """
     role = item.get("role")
     if role == "assistant":
-        reasoning = next((item[k] for k in _REASONING_KEYS if item.get(k) is not None), None)
+        reasoning = next((item[k] for k in REASONING_KEYS if item.get(k) is not None), None)
         out = {"role": "assistant", "content": item.get("content"), "reasoning_content": reasoning}
         if item.get("tool_calls"):
             out["tool_calls"] = item["tool_calls"]

@@ -19,6 +19,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from orchestrator.items.params import REASONING_KEYS
+
 # The conversation's key and how an assistant message is told, by line format.
 _CONVERSATION = {
     "messages": ("messages", "role", "assistant"),
@@ -26,7 +28,6 @@ _CONVERSATION = {
     "specforge": ("conversations", "role", "assistant"),
     "parquet": ("messages", "role", "assistant"),  # the messages rows, as a table
 }
-_REASONING_KEYS = ("reasoning_content", "reasoning")
 # The block ``--reasoning inline`` puts before the content (export.apply_reasoning).
 _INLINE = re.compile(r"\A<think>\n.*?\n</think>\n\n", re.DOTALL)
 # Fields of the whole conversation's final answer: an earlier turn has none of its own.
@@ -39,7 +40,7 @@ def expandable(fmt: str) -> bool:
 
 def _visible(message: dict[str, Any], content_key: str, reasoning: str) -> dict[str, Any]:
     """An earlier turn as history: its reasoning taken out, wherever the mode put it."""
-    out = {k: v for k, v in message.items() if k not in _REASONING_KEYS}
+    out = {k: v for k, v in message.items() if k not in REASONING_KEYS}
     if reasoning == "inline":
         content = out.get(content_key)
         if isinstance(content, str):
