@@ -384,8 +384,9 @@ async def test_tool_results_follow_regenerated_calls_or_the_trace_stops_flagged(
 
 
 def first_context(message: dict[str, Any]) -> dict[str, Any]:
-    """A generated turn as it is sent back: role, content and calls, no reasoning."""
-    return {k: message[k] for k in ("role", "content", "tool_calls") if k in message}
+    """A generated turn as it is sent back: role, content, calls and reasoning."""
+    keys = ("role", "content", "tool_calls", "reasoning_content", "reasoning")
+    return {k: message[k] for k in keys if k in message}
 
 
 async def test_a_conversation_resumed_past_a_turn_that_went_another_way_fails(

@@ -9,7 +9,12 @@ import click
 
 from orchestrator.cli.common import Checked, Commands, db_option, on_database, request_options
 from orchestrator.settings.checks import DATASET
-from orchestrator.settings.dataset_options import ON_INVALID, ON_OVERFLOW, ON_TRUNCATED
+from orchestrator.settings.dataset_options import (
+    HISTORY_REASONING,
+    ON_INVALID,
+    ON_OVERFLOW,
+    ON_TRUNCATED,
+)
 
 
 @click.group(cls=Commands)
@@ -37,6 +42,7 @@ def dataset() -> None:
 @click.option("--on-truncated", type=click.Choice(ON_TRUNCATED), help="As `enqueue`.")
 @click.option("--on-invalid", type=click.Choice(ON_INVALID), help="As `enqueue`.")
 @click.option("--on-overflow", type=click.Choice(ON_OVERFLOW), help="As `enqueue`.")
+@click.option("--history-reasoning", type=click.Choice(HISTORY_REASONING), help="As `enqueue`.")
 @db_option
 @click.pass_context
 def set_settings(ctx: click.Context, name: str, db: str | None, **given: Any) -> None:

@@ -24,6 +24,7 @@ from orchestrator.settings.checks import COLUMNS, DATASET
 from orchestrator.settings.choices import INPUT_FORMATS
 from orchestrator.settings.dataset_options import (
     ENDPOINTS,
+    HISTORY_REASONING,
     ON_INVALID,
     ON_OVERFLOW,
     ON_TRUNCATED,
@@ -52,6 +53,7 @@ _SETTINGS = (
     ("--on-truncated", "on_truncated"),
     ("--on-invalid", "on_invalid"),
     ("--on-overflow", "on_overflow"),
+    ("--history-reasoning", "history_reasoning"),
     ("--json-schema", "json_schema"),
     ("--passthrough", "passthrough"),
     ("--endpoint", "endpoint"),
@@ -164,6 +166,14 @@ _SAMPLING = (
     help="A prompt and max_tokens longer than the server's context: fail the item "
     "(context_overflow), or fit: ask again at once with max_tokens lowered to what fits, "
     "flagged max_tokens_reduced (default: the dataset's, else fail).",
+)
+@click.option(
+    "--history-reasoning",
+    type=click.Choice(HISTORY_REASONING),
+    help="Earlier assistant turns go back to the server with their reasoning (keep: "
+    "models that think in a tool loop render it, and some APIs refuse a tool-call turn "
+    "without it) or without (drop: for a server that refuses it) (default: the "
+    "dataset's, else keep).",
 )
 @click.option(
     "--samples",
@@ -361,6 +371,7 @@ def _options(
         on_truncated=settings["on_truncated"],
         on_invalid=settings["on_invalid"],
         on_overflow=settings["on_overflow"],
+        history_reasoning=settings["history_reasoning"],
         passthrough=settings["passthrough"],
         endpoint=settings["endpoint"],
         logprobs=settings["logprobs"],
@@ -386,6 +397,7 @@ def settings_spec(name: str, given: dict[str, Any]) -> DatasetSpec:
     body = request_body(_parse_params(given["params"]), model=given["model"], **named)
     _check_params(body, {**named, "model": given["model"]})
     knobs = ("concurrency", "priority", "on_truncated", "on_invalid", "on_overflow")
+    knobs += ("history_reasoning",)
     return run_sync(lambda: DatasetSpec(name=name, params=body, **{k: given[k] for k in knobs}))
 
 

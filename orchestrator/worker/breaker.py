@@ -160,9 +160,19 @@ def _value_end(text: str, start: int) -> int:
     return at
 
 
+#: A refusal that names the history's reasoning: its field refused, or found missing.
+_REASONING = re.compile(r"reasoning(_content)?\b", re.IGNORECASE)
+_REASONING_ADVICE = (
+    "the server refuses the history's reasoning as sent: `orchestrator dataset set NAME "
+    "--history-reasoning drop` if it refuses the field, keep if it requires it"
+)
+
+
 def advice(error_class: str, message: str = "") -> str:
     if error_class in SAME_MESSAGE and _UNKNOWN_MODEL.search(message):
         return ADVICE["http_404"]
+    if error_class in SAME_MESSAGE and _REASONING.search(message):
+        return _REASONING_ADVICE
     return ADVICE.get(error_class, _PARAM_ADVICE)
 
 
