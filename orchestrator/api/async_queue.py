@@ -159,6 +159,7 @@ class Queue(DatasetCalls):
         config: str | None = None,
         endpoint: str | None = None,
         logprobs: int | None = None,
+        token_ids: bool = False,
     ) -> EnqueueReport:
         """Add records to ``dataset``: ``enqueue``'s options by their Python names
         (``--hf-config`` is ``config``). All or nothing, unless ``skip_invalid``.
@@ -170,7 +171,8 @@ class Queue(DatasetCalls):
 
         ``endpoint="completions"`` sends each row's plain prompt to ``/v1/completions``;
         ``logprobs=K`` keeps each answer's token logprobs with K alternatives per token
-        (and the token ids where the server gives them).
+        (and the token ids where the server gives them); ``token_ids=True`` keeps the
+        server's own prompt and generated ids of every turn (``export --format tokens``).
         """
         from orchestrator.formats.readers.columns import Columns
 
@@ -182,6 +184,7 @@ class Queue(DatasetCalls):
         given = {**named, "params": params or None, "concurrency": concurrency, **policies}
         given |= {"regenerate": regenerate, "on_overflow": on_overflow, "json_schema": json_schema}
         given |= {"logprobs": logprobs, "history_reasoning": history_reasoning}
+        given["token_ids"] = token_ids or None
         columns = Columns(
             prompt_column=prompt_column, messages_column=messages_column, template=template,
             template_file=template_file, system=system, id_column=id_column,
@@ -192,7 +195,7 @@ class Queue(DatasetCalls):
             format=format, regenerate=regenerate, on_overflow=on_overflow, **policies,
             history_reasoning=history_reasoning,
             passthrough=passthrough, update=update, columns=columns, split=split,
-            config=config, endpoint=endpoint, logprobs=logprobs,
+            config=config, endpoint=endpoint, logprobs=logprobs, token_ids=token_ids,
             sampling=tuple(name for name, value in given.items() if value is not None),
         )  # fmt: skip
         invalid: list[InputError] = []

@@ -67,6 +67,8 @@ class EnqueueOptions:
     chat. Fixed when the dataset is created."""
     logprobs: int | None = None
     """Keep each answer's token logprobs and this many top alternatives per token."""
+    token_ids: bool = False
+    """Keep the server's own prompt and generated token ids of every turn."""
     spelling: Mapping[str, str] = field(default_factory=dict)
     """Option names in the caller's words for messages (``prompt_column`` ->
     ``--prompt-column``); the key itself where absent."""
@@ -202,7 +204,7 @@ async def enqueue_source(
     progress: Callable[[int], None] | None = None,
 ) -> EnqueueReport:
     """Read ``source`` the way its dataset is made and add its items in one transaction."""
-    from orchestrator.items.params import logprob_params
+    from orchestrator.items.params import logprob_params, token_id_params
     from orchestrator.settings.checks import RECORDS, checked
     from orchestrator.store import DatasetSpec
     from orchestrator.store.datasets import get_dataset
@@ -221,7 +223,11 @@ async def enqueue_source(
     _check_endpoint(name, endpoint, mode, passing, options.logprobs)
     spec = DatasetSpec(
         name=name,
-        params={**options.params, **logprob_params(endpoint, options.logprobs)},
+        params={
+            **options.params,
+            **logprob_params(endpoint, options.logprobs),
+            **token_id_params(options.token_ids),
+        },
         concurrency=options.concurrency,
         priority=options.priority,
         regenerate=mode,

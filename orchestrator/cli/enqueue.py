@@ -58,6 +58,7 @@ _SETTINGS = (
     ("--passthrough", "passthrough"),
     ("--endpoint", "endpoint"),
     ("--logprobs", "logprobs"),
+    ("--token-ids", "token_ids"),
     ("--samples", "samples"),
     ("--seeds", "seeds"),
     ("--sample-requests", "sample_requests"),
@@ -94,6 +95,7 @@ _SAMPLING = (
     "--on-overflow",
     "--json-schema",
     "--logprobs",
+    "--token-ids",
     "--samples",
     "--seeds",
     "--sample-requests",
@@ -204,6 +206,13 @@ _SAMPLING = (
     help="chat: /v1/chat/completions; completions: /v1/completions with each row's plain "
     "prompt, no chat template (base models, few-shot prompts). Fixed when the dataset is "
     "created (default: the dataset's, else chat).",
+)
+@click.option(
+    "--token-ids",
+    is_flag=True,
+    help="Keep the server's own token ids of every generated turn: the prompt it evaluated "
+    "and the ids it generated (vLLM and SGLang say them with return_token_ids, llama.cpp is "
+    "asked its /apply-template and /tokenize); export --format tokens writes them.",
 )
 @click.option(
     "--logprobs",
@@ -330,7 +339,7 @@ def _config_alone(ctx: click.Context, file: str | None, settings: dict[str, Any]
 
 def _given(settings: dict[str, Any], among: tuple[str, ...] | None = None) -> list[str]:
     """The dataset settings given on the command line, by option name."""
-    unset = {"fmt": "auto", "params": (), "passthrough": False}
+    unset = {"fmt": "auto", "params": (), "passthrough": False, "token_ids": False}
     return [
         option
         for option, name in _SETTINGS
@@ -375,6 +384,7 @@ def _options(
         passthrough=settings["passthrough"],
         endpoint=settings["endpoint"],
         logprobs=settings["logprobs"],
+        token_ids=settings["token_ids"],
         update=update,
         sampling=tuple(sampling),
         samples=settings["samples"],

@@ -202,7 +202,7 @@ def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> Non
     piped = is_stdout(out)
     where = f"{len(report.files):,} files in {out}" if chosen.split else str(out)
     where = "standard output" if piped else where
-    if chosen.per_turn:
+    if chosen.per_turn or chosen.format == "tokens":
         click.echo(
             f"exported {report.lines:,} turns of {report.items:,} items to {where}", err=piped
         )

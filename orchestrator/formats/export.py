@@ -47,6 +47,7 @@ from orchestrator.store.outputs import (
     done_rows,
     failed_rows,
     full_batches,
+    token_batches,
 )
 
 if TYPE_CHECKING:
@@ -130,7 +131,11 @@ def _write_jsonl(job: ExportJob, rows: Rows) -> None:
         with job.output(target) as fh:
             for dataset in group:
                 before = job.counter.count
-                if job.fast(dataset):
+                if job.options.format == "tokens":
+                    tokens = job.token_lines(dataset)
+                    for part in token_batches(rows, dataset):
+                        job.counter.add(tokens.write(fh.write, part))
+                elif job.fast(dataset):
                     for part in done_rows(rows, dataset.id):
                         write_lines(fh.write, dataset.name, part)
                         job.counter.add(len(part))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from orchestrator.errors import ConfigError
 from orchestrator.formats import support
-from orchestrator.formats.writers import specforge
+from orchestrator.formats.writers import specforge, tokens
 from orchestrator.settings.choices import (  # noqa: F401
     EXPORT_FORMATS,
     REASONING_MODES,
@@ -88,11 +88,14 @@ class ExportReport:
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_files: list[Path] = field(default_factory=list)
     items: int = 0  # done items the lines came from (fewer than lines with per_turn)
+    # tokens: generated turns left out of the token rows, by reason (writers.tokens.REASONS).
+    left_out: dict[str, int] = field(default_factory=dict)
 
     @property
     def summary(self) -> str | None:
-        """The line naming the skipped rows by reason, or None when none were."""
-        return specforge.summary(self.skipped, self.skipped_files)
+        """The lines naming the rows skipped or left out, by reason; None: none were."""
+        said = [specforge.summary(self.skipped, self.skipped_files), tokens.summary(self.left_out)]
+        return "\n".join(s for s in said if s) or None
 
 
 def plain_rows(options: ExportOptions, dataset: DatasetRef) -> bool:

@@ -22,18 +22,19 @@ _TOKENS = frozenset({"messages", "sharegpt", "completions", "parquet"})
 # Option (or option=value) -> (the formats that honour it, why the others cannot).
 SUPPORT: dict[str, tuple[frozenset[str], str]] = {
     "reasoning=inline": (
-        _ALL - {"specforge", "completions"},
+        _ALL - {"specforge", "completions", "tokens"},
         "specforge keeps reasoning in reasoning_content (its validator refuses <think> "
-        "markers in content), and completions writes the text as generated, its reasoning "
-        "never split out",
+        "markers in content), completions writes the text as generated, its reasoning "
+        "never split out, and tokens writes the ids the server generated, reasoning's too",
     ),
     "reasoning=drop": (
-        _ALL - {"completions"},
-        "completions writes the text as generated, its reasoning never split out",
+        _ALL - {"completions", "tokens"},
+        "completions writes the text as generated, its reasoning never split out, and "
+        "tokens the ids the server generated, reasoning's too",
     ),
     "exclude_flags": (_ALL, ""),
     "provenance": (_ALL, ""),
-    "parsed": (_ALL, ""),
+    "parsed": (_ALL - {"tokens"}, "tokens rows hold ids, not the answer's text"),
     "group_samples": (
         frozenset({"messages", "sharegpt", "openai-batch", "completions"}),
         "it puts a prompt's answers as a list in one line: specforge writes one "

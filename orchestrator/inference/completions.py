@@ -24,6 +24,7 @@ from orchestrator.items import error_classes as ec
 from orchestrator.items.answer import Answer
 from orchestrator.items.quality import UNCLOSED_THINK, flags_of, split_think
 from orchestrator.items.samples import choice_usages
+from orchestrator.items.token_ids import BadIds, TokenIds, generated_ids_of, prompt_ids_of
 from orchestrator.items.tokens import BadTokens, Collector, Tokens
 
 
@@ -72,6 +73,13 @@ def parse_answer(
             raise TransientError("the answer's choice has no message", error_class=ec.BAD_RESPONSE)
         messages.append(message)
     tokens = [tokens_of([choice]) for choice in ordered]
+    alone = len(ordered) == 1  # llama.cpp's ids are the answer's, not a choice's
+    ids = [
+        answer_ids(
+            read_ids(prompt_ids_of, doc, c), read_ids(generated_ids_of, doc if alone else {}, c)
+        )
+        for c in ordered
+    ]
     usages = choice_usages(
         with_cached(doc.get("usage"), doc.get("timings")),
         [len(t) if t else None for t in tokens],
@@ -92,9 +100,28 @@ def parse_answer(
             tokens=tokens_,
             raw=raw,
             reasoning_key=reasoning_key(message),
+            ids=ids_,
         )
-        for choice, message, tokens_, usage in zip(ordered, messages, tokens, usages, strict=True)
+        for choice, message, tokens_, usage, ids_ in zip(
+            ordered, messages, tokens, usages, ids, strict=True
+        )
     ]
+
+
+def read_ids(read: Any, doc: dict[str, Any], choice: dict[str, Any]) -> tuple[int, ...] | None:
+    """``read`` (``prompt_ids_of`` or ``generated_ids_of``), its refusal a ``bad_response``."""
+    try:
+        return read(doc, choice)
+    except BadIds as exc:
+        raise _bad(str(exc)) from exc
+
+
+def answer_ids(prompt: Any, generated: Any) -> TokenIds | None:
+    """The ids an answer came with (None: it said none)."""
+    if prompt is None and generated is None:
+        return None
+    source = "response" if prompt is not None else "none"
+    return TokenIds(prompt, tuple(generated) if generated is not None else None, source)
 
 
 def reasoning_of(obj: dict[str, Any]) -> str | None:
@@ -192,6 +219,7 @@ def _completion(
     tokens: Tokens | None = None,
     raw: bool = False,
     reasoning_key: str = "reasoning_content",
+    ids: TokenIds | None = None,
 ) -> Completion:
     """Check a received answer and build its Completion, the same for both transports.
 
@@ -230,6 +258,7 @@ def _completion(
             unclosed_think=unclosed,
         ),
         tokens=tokens,
+        ids=ids,
     )
 
 

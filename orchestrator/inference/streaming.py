@@ -25,8 +25,10 @@ from orchestrator.inference.completions import (
     MAX_TOKENS,
     TOKEN_IDS,
     Completion,
+    answer_ids,
     choice_index,
     counted,
+    read_ids,
     reasoning_key,
     reasoning_of,
     text_size,
@@ -36,6 +38,7 @@ from orchestrator.inference.completions import (
 from orchestrator.inference.failures import too_large
 from orchestrator.items import error_classes as ec
 from orchestrator.items.samples import choice_usages
+from orchestrator.items.token_ids import generated_ids_of, prompt_ids_of
 
 log = structlog.get_logger(__name__)
 
@@ -142,6 +145,7 @@ async def read_stream(
             tokens=tokens_,
             raw=raw,
             reasoning_key=c.reasoning_key,
+            ids=answer_ids(got.prompt_ids, c.generated_ids),
         )
         for c, tokens_, usage in zip(ordered, tokens, usages, strict=True)
     ]
@@ -184,6 +188,8 @@ class _StreamedChoice:
 
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
+    #: The generated ids its chunks said in the server's own field (None: none).
+    generated_ids: list[int] | None = None
     #: The field its reasoning came in (``completions.reasoning_key``).
     reasoning_key: str = "reasoning_content"
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -206,6 +212,8 @@ class _Streamed:
     response_id: Any = None
     #: A raw completion's stream (``text`` in each choice, not a ``delta``).
     raw: bool = False
+    #: The prompt's ids, as vLLM's first chunk says them.
+    prompt_ids: tuple[int, ...] | None = None
 
     def add(self, data: bytes) -> None:
         """One ``data:`` payload: a chunk object, or ``bad_response``."""
@@ -224,6 +232,7 @@ class _Streamed:
         if isinstance(chunk.get("timings"), dict):
             self.timings = chunk["timings"]
         alone = isinstance(chunk.get("usage"), dict) and len(chunk.get("choices") or ()) == 1
+        self.prompt_ids = read_ids(prompt_ids_of, chunk, {}) or self.prompt_ids
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict):
                 raise TransientError(
@@ -232,6 +241,10 @@ class _Streamed:
             got = self.choices.setdefault(choice_index(choice), _StreamedChoice())
             if alone:
                 got.said = chunk["usage"].get("completion_tokens")
+            self.prompt_ids = read_ids(prompt_ids_of, {}, choice) or self.prompt_ids
+            generated = read_ids(generated_ids_of, chunk, choice)
+            if generated is not None:
+                got.generated_ids = [*(got.generated_ids or ()), *generated]
             if choice.get("logprobs") or TOKEN_IDS.intersection(choice):
                 got.token_parts.append(choice)
             delta = {"content": choice.get("text")} if self.raw else choice.get("delta") or {}

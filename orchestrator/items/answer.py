@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from orchestrator.items.token_ids import TokenIds
+
 
 @dataclass(frozen=True, slots=True)
 class Answer:
@@ -26,6 +28,8 @@ class Answer:
     model: str | None
     response_id: str | None
     flags: int = 0
+    #: The server's own prompt and generated token ids, where asked for and given.
+    ids: TokenIds | None = None
 
 
 ANSWER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Answer))

@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from orchestrator.items import token_ids
+
 #: Most ``max_tokens`` a request may ask for: the token columns are 32-bit.
 MAX_TOKENS = 2**31 - 1
 
@@ -55,6 +57,9 @@ def item_body(
     body = {**settings, **request}
     if history == "drop" and isinstance(body.get("messages"), list):
         body["messages"] = without_reasoning(body["messages"])
+    if token_ids.asked(body):
+        # One switch asks every server for its ids, each in the fields it reads.
+        body = {**token_ids.REQUEST_FIELDS, **body}
     if seed is not None:
         body["seed"] = seed
     return body
@@ -162,6 +167,12 @@ def unusable(name: str, value: object) -> str:
     from orchestrator.items.structured import format_problem  # jsonschema: only when asked
 
     return format_problem(value)
+
+
+def token_id_params(wanted: bool | None) -> dict[str, Any]:
+    """The request field that asks for the server's own prompt and generated token ids
+    (``items.token_ids``); ``item_body`` adds what llama.cpp reads beside it."""
+    return {"return_token_ids": True} if wanted else {}
 
 
 def logprob_params(endpoint: str, logprobs: int | None) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def _f32(value: float) -> float:
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
-def _shuffled(arr: array) -> bytes:
+def shuffled(arr: array) -> bytes:
     """The array's bytes, byte planes together (the high bytes of small ids, the
     exponents of logprobs): deflate then finds the runs."""
     if sys.byteorder == "big":
@@ -84,7 +84,7 @@ def _shuffled(arr: array) -> bytes:
     return b"".join(raw[i::size] for i in range(size))
 
 
-def _unshuffled(data: memoryview, typecode: str, count: int) -> array:
+def unshuffled(data: memoryview, typecode: str, count: int) -> array:
     size = array(typecode).itemsize
     raw = bytearray(count * size)
     for i in range(size):
@@ -99,7 +99,7 @@ def _unshuffled(data: memoryview, typecode: str, count: int) -> array:
 def _texts_bytes(texts: Sequence[str]) -> bytes:
     encoded = [t.encode("utf-8", "surrogatepass") for t in texts]
     lengths = array("I", [len(e) for e in encoded])
-    return _shuffled(lengths) + b"".join(encoded)
+    return shuffled(lengths) + b"".join(encoded)
 
 
 def pack(tokens: Tokens) -> bytes:
@@ -109,24 +109,24 @@ def pack(tokens: Tokens) -> bytes:
     body: list[bytes] = []
     if tokens.ids is not None:
         which |= _IDS
-        body.append(_shuffled(array("i", tokens.ids)))
+        body.append(shuffled(array("i", tokens.ids)))
     elif tokens.texts is not None:
         which |= _TEXTS
         body.append(_texts_bytes(tokens.texts))
     if tokens.logprobs is not None:
         which |= _LOGPROBS
-        body.append(_shuffled(array("f", tokens.logprobs)))
+        body.append(shuffled(array("f", tokens.logprobs)))
     tops = tokens.top_logprobs
     if tops is not None:
         which |= _TOP
-        body.append(_shuffled(array("H", [len(t) for t in tops])))
+        body.append(shuffled(array("H", [len(t) for t in tops])))
         if tokens.top_ids is not None:
             which |= _TOP_IDS
-            body.append(_shuffled(array("i", [i for t in tokens.top_ids for i in t])))
+            body.append(shuffled(array("i", [i for t in tokens.top_ids for i in t])))
         elif tokens.top_texts is not None:
             which |= _TOP_TEXTS
             body.append(_texts_bytes([s for t in tokens.top_texts for s in t]))
-        body.append(_shuffled(array("f", [v for t in tops for v in t])))
+        body.append(shuffled(array("f", [v for t in tops for v in t])))
     return _HEADER.pack(_MAGIC, which, n) + zlib.compress(b"".join(body), 6)
 
 
@@ -141,7 +141,7 @@ class _Reader:
         if len(part) != size:
             raise ValueError("packed tokens are cut short")
         self.at += size
-        return _unshuffled(part, typecode, count)
+        return unshuffled(part, typecode, count)
 
     def texts(self, count: int) -> list[str]:
         lengths = self.numbers("I", count)

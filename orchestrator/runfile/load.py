@@ -13,6 +13,7 @@ Format::
     on_invalid = "keep"       # keep | retry | fail: structured output that is not the JSON asked
     on_overflow = "fail"      # fail | fit: a prompt and max_tokens longer than the context
     history_reasoning = "keep"  # keep | drop: earlier turns' reasoning in the history sent
+    token_ids = false         # true: keep the server's own prompt and generated token ids
     samples = 1               # answers per prompt, each its own item (1 to 1024)
     # seeds = [1, 2, 3, 4]    # one per sample, all different (default: from each key)
     sample_requests = "n"     # n: one request with n choices | seeds: one per sample
@@ -60,7 +61,7 @@ from orchestrator.formats.readers import columns as row_columns
 from orchestrator.formats.readers.rows import INPUT_FORMATS, PASSTHROUGH_FORMATS
 from orchestrator.formats.readers.source import open_source
 from orchestrator.items import params
-from orchestrator.items.params import logprob_params
+from orchestrator.items.params import logprob_params, token_id_params
 from orchestrator.settings import checks
 from orchestrator.settings.dataset_options import (
     ENDPOINTS,
@@ -86,6 +87,7 @@ _SAMPLING_KEYS = (
     "chat_template_kwargs",
     "extra_body",
     "logprobs",
+    "token_ids",
 )
 _REQUEST_KEYS = (
     "concurrency",
@@ -398,6 +400,7 @@ _CHECKS: dict[str, Check] = {
     "history_reasoning": _choice(HISTORY_REASONING),
     "endpoint": _choice(ENDPOINTS),
     "logprobs": _by(checks.DATASET["logprobs"].expected),
+    "token_ids": _boolean,
     "samples": _by(checks.DATASET["samples"].expected),
     "seeds": _seeds,
     "sample_requests": _choice(("n", "seeds")),
@@ -703,6 +706,7 @@ def _plan(own: dict[str, Any], defaults: dict[str, Any], file: Path) -> DatasetP
     params.update({k: v for k, v in extra.items() if v is not None})
     endpoint = value("endpoint", "chat")
     params.update(logprob_params(endpoint, value("logprobs")))
+    params.update(token_id_params(value("token_ids")))
     return DatasetPlan(
         name=own["name"],
         file=file,

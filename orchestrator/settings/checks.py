@@ -295,6 +295,7 @@ DATASET: dict[str, Rule] = {
     "update": FLAG,
     "endpoint": OrNone(Choice(ENDPOINTS)),
     "logprobs": OrNone(Integer(0, MAX_TOP)),
+    "token_ids": FLAG,
     "samples": OrNone(Integer(1, 1024)),
     "sample_requests": OrNone(Choice(("n", "seeds"))),
     "split": PART_NAME,

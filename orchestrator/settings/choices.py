@@ -19,10 +19,13 @@ EXPORT_FORMATS: tuple[str, ...] = (
     "specforge",
     "completions",
     "parquet",
+    "tokens",
 )
 """The export's formats: OpenAI messages, ShareGPT, OpenAI Batch API output, SpecForge's
 regenerated data, ``prompt``/``completion`` pairs (the datasets enqueued with
-``--endpoint completions``), all JSONL lines, and Parquet (the messages rows as a table)."""
+``--endpoint completions``) and the server's own token ids of each generated turn
+(``tokens``: ``input_ids`` and ``loss_mask``), all JSONL lines, and Parquet (the messages
+rows as a table)."""
 TABLE_FORMATS: tuple[str, ...] = ("parquet",)
 """The export formats written as tables (``formats.writers``) rather than lines."""
 REASONING_MODES: tuple[str, ...] = ("separate", "inline", "drop")

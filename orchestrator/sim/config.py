@@ -34,6 +34,10 @@ FAULT_KINDS: tuple[str, ...] = (
 #: templates that open the block in the prompt.
 REASONING_MODES: tuple[str, ...] = ("none", "field", "think", "think-end")
 
+#: Where the prompt's ids are said: in the answer (vLLM, SGLang) and /tokenize, only from
+#: /tokenize, or nowhere.
+PROMPT_IDS: tuple[str, ...] = ("response", "tokenize", "none")
+
 #: Names of the separate reasoning field: SGLang and older vLLM, newer vLLM.
 REASONING_FIELDS: tuple[str, ...] = ("reasoning_content", "reasoning")
 
@@ -131,6 +135,9 @@ class SimConfig:
         history_reasoning: one of ``sim.template.HISTORY_MODES``: what the chat template
             makes of earlier turns' reasoning (rendered, ignored, required on a tool-call
             turn while thinking, or refused).
+        prompt_ids: one of ``PROMPT_IDS``: where a request asking ``return_token_ids``
+            finds its prompt's ids: in the answer (and ``/tokenize``), only from
+            ``/tokenize`` (as llama.cpp, whose answers carry none), or nowhere.
         refusals: text -> message: a request whose messages contain the text gets a 400
             with that message, the same for every such request (a bad item among good
             ones: an image URL the server cannot fetch, roles that do not alternate).
@@ -166,6 +173,7 @@ class SimConfig:
     reasoning: str = "none"
     reasoning_field: str = "reasoning_content"
     history_reasoning: str = "render"
+    prompt_ids: str = "response"
     tool_call_rate: float = 0.5
     json_invalid_rate: float = 0.0
     json_mismatch_rate: float = 0.0

@@ -30,6 +30,15 @@ def token(digest: str, i: int) -> tuple[int, float]:
     return int.from_bytes(h[:4], "little") % VOCAB, -(int.from_bytes(h[4:6], "little") % 512) / 64
 
 
+def prompt_ids(words: list[str]) -> list[int]:
+    """The ids of a prompt's words (``sim.prefix.prompt_words``): one token a word, its id
+    a function of the word alone, so the same text has the same ids in any prompt."""
+    return [
+        int.from_bytes(hashlib.sha256(f"word:{w}".encode()).digest()[:4], "little") % VOCAB
+        for w in words
+    ]
+
+
 def top(digest: str, i: int, k: int) -> list[tuple[int, float]]:
     """The ``k`` most likely tokens at position ``i``, the generated one first."""
     ident, logprob = token(digest, i)

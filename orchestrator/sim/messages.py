@@ -133,6 +133,8 @@ class Shape:
     digest: str
     plain: bool
     texts: list[str]
+    #: The prompt's ids, said with the first tokens (None: not asked, or not said).
+    prompt_ids: list[int] | None = None
 
     def choice(
         self,
@@ -152,6 +154,8 @@ class Shape:
         if count:
             texts = self.texts[start : start + count]
             choice |= sim_tokens.choice_fields(self.body, self.digest, texts, start, raw=self.plain)
+        if self.prompt_ids is not None and start == 0 and (count or not streamed):
+            choice["prompt_token_ids"] = self.prompt_ids
         return choice
 
 

@@ -18,6 +18,7 @@ import click
 from orchestrator.sim.config import (
     ADMISSIONS,
     METRIC_NAMES,
+    PROMPT_IDS,
     REASONING_FIELDS,
     REASONING_MODES,
     RETRACTIONS,
@@ -196,6 +197,13 @@ OPTIONS: tuple[SimOption, ...] = (
         HISTORY_MODES,
         help="What the chat template makes of earlier turns' reasoning: renders it, ignores "
         "it, requires it on a tool-call turn (while thinking), or refuses the field (400).",
+    ),
+    SimOption(
+        "--prompt-ids",
+        "prompt_ids",
+        PROMPT_IDS,
+        help="Where a request with return_token_ids finds its prompt's ids: in the answer "
+        "and /tokenize, only /tokenize (as llama.cpp), or nowhere.",
     ),
     SimOption(
         "--tool-call-rate",

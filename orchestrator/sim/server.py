@@ -147,8 +147,11 @@ async def _answer_chat(
     cached = state.prefix.serve(prompt_words(messages), answer.words) if state.prefix else None
     state.next_id += 1
     completion_id = f"{'cmpl' if plain else 'chatcmpl'}-{digest}{state.next_id:08x}"
+    said = body.get("return_token_ids") is True and config.prompt_ids == "response"
+    ids = sim_tokens.prompt_ids(prompt_words(messages)) if said else None
     shapes = [
-        Shape(body, a.digest, plain, sim_tokens.texts_of([a.reasoning, a.words])) for a in answers
+        Shape(body, a.digest, plain, sim_tokens.texts_of([a.reasoning, a.words]), ids)
+        for a in answers
     ]
 
     response: web.StreamResponse
@@ -174,6 +177,25 @@ async def _answer_chat(
     if fault is None and response.status != 499:  # 499: the client left before the answer
         stats.record_completion(prompt_tokens, n, time.monotonic() - begun)
     return response
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize``: a prompt's or a chat's messages' ids, as the answers count them."""
+    state = request.app[STATE]
+    if state.config.prompt_ids == "none":
+        return error_response(404, "Not Found", "NotFoundError")
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        return error_response(400, f"request body is not valid JSON: {exc}", "BadRequestError")
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if isinstance(body, dict) and isinstance(body.get("prompt"), str):
+        messages = [{"role": "user", "content": body["prompt"]}]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return error_response(400, "'messages' or 'prompt' is required", "BadRequestError")
+    ids = sim_tokens.prompt_ids(prompt_words(messages))
+    doc = {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids}
+    return web.Response(body=orjson.dumps(doc), content_type=JSON_TYPE)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -268,6 +290,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.on_cleanup.append(on_cleanup)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/health", _health)
     app.router.add_get("/health_generate", _health)
     app.router.add_get("/v1/models", _models)

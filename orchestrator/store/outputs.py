@@ -89,6 +89,18 @@ _DONE_FULL = (
 _DONE_SAMPLES = _DONE_FULL.replace("ORDER BY items.id", "ORDER BY items.position, items.sample")
 # The generated turns of a batch of multi-turn items: primary-key lookups.
 _TURNS = "SELECT item_id, message FROM item_turns WHERE item_id IN {ids} ORDER BY item_id, turn"
+# The token rows' walk: each done answer's ids and what the server counted, and, for a
+# multi-turn dataset, each turn's (primary-key lookups).
+_TOKEN_ROWS = (
+    "SELECT items.id, items.key, items.sample, outputs.usage, outputs.ids, outputs.flags,"
+    " outputs.model, outputs.params_hash, outputs.server, outputs.created_at"
+    " FROM items JOIN outputs ON outputs.item_id = items.id"
+    " WHERE items.dataset_id = :dataset_id AND items.state = 'done' ORDER BY items.id"
+)
+_TOKEN_TURNS = (
+    "SELECT item_id, usage, ids, flags, model, params_hash, server, created_at FROM item_turns"
+    " WHERE item_id IN {ids} ORDER BY item_id, turn"
+)
 # What the latest answers take in the database, for doctor's disk estimate.
 _BYTES = (
     "SELECT avg(n) FROM (SELECT coalesce(length(content), 0) + coalesce(length(reasoning), 0)"
@@ -122,6 +134,23 @@ class DatasetRef:
     passthrough: bool
     endpoint: str = "chat"  # chat | completions
     samples: int = 1  # per prompt (orchestrator.formats.writers.sample_groups)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRow:
+    """A done answer's (or one turn's) ids and what the server counted; ``turns``: a
+    multi-turn item's turns in order (``ids`` and the rest the last turn's, then)."""
+
+    key: str
+    sample: int
+    usage: str | None
+    ids: bytes | None
+    flags: int
+    model: str | None
+    params_hash: str | None
+    server: str | None
+    created_at: float
+    turns: list[TokenRow] | None = None
 
 
 # A batch of full rows and, for multi-turn datasets, each item's turn messages in order.
@@ -214,6 +243,30 @@ def full_batches(
             sql = _TURNS.format(ids="(" + ", ".join(f":{k}" for k in ids) + ")")
             by_item = _group_turns(rows.fetch(sql, ids))
         yield part, by_item  # type: ignore[misc]
+
+
+def token_batches(
+    rows: Rows, dataset: DatasetRef, *, batch: int = BATCH
+) -> Iterator[list[TokenRow]]:
+    """A dataset's done answers with their token ids, in input order, ``batch`` at a time;
+    a multi-turn dataset's with each turn's."""
+    for part in rows.stream(_TOKEN_ROWS, {"dataset_id": dataset.id}, batch):
+        turns: dict[int, list[TokenRow]] = {}
+        if dataset.regenerate == "all":
+            ids = {f"i{n}": row[0] for n, row in enumerate(part)}
+            sql = _TOKEN_TURNS.format(ids="(" + ", ".join(f":{k}" for k in ids) + ")")
+            for item_id, usage, blob, *rest in rows.fetch(sql, ids):
+                turn = TokenRow("", 0, usage, _bytes(blob), *rest)
+                turns.setdefault(item_id, []).append(turn)
+        yield [
+            TokenRow(key, sample, usage, _bytes(blob), flags, *more, turns=turns.get(item_id))
+            for item_id, key, sample, usage, blob, flags, *more in part
+        ]
+
+
+def _bytes(value: Any) -> bytes | None:
+    """A BLOB as bytes: sqlite3 and psycopg give bytes, memoryview or bytearray."""
+    return bytes(value) if value is not None else None
 
 
 def failed_rows(rows: Rows, dataset_id: int) -> list[FailedRow]:

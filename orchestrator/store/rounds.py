@@ -16,6 +16,7 @@ import orjson
 import sqlalchemy as sa
 import structlog
 
+from orchestrator.items.token_ids import pack_ids
 from orchestrator.items.tokens import pack
 from orchestrator.store import waste as wasted
 from orchestrator.store.engine import insert_rows
@@ -72,6 +73,7 @@ _OUTPUT_COLUMNS = (
     "flags",
     "params_hash",
     "tokens",
+    "ids",
 )
 
 _TURN_COLUMNS = (
@@ -86,6 +88,7 @@ _TURN_COLUMNS = (
     "model",
     "params_hash",
     "created_at",
+    "ids",
 )
 
 
@@ -134,6 +137,7 @@ def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
         out.flags | lease.generated_flags,
         out.params_hash,
         pack(out.tokens) if out.tokens is not None else None,
+        pack_ids(out.ids) if out.ids is not None else None,
     )
 
 
@@ -151,6 +155,7 @@ def _turn_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
         storable(out.model),
         out.params_hash,
         now,
+        pack_ids(out.ids) if out.ids is not None else None,
     )
 
 

@@ -182,6 +182,9 @@ outputs = sa.Table(
     # The answer's token ids, logprobs and top-k as the server gave them, packed
     # (orchestrator.items.tokens); NULL when it gave none.
     sa.Column("tokens", sa.LargeBinary, nullable=True),
+    # The server's own prompt and generated token ids, packed (orchestrator.items.token_ids);
+    # NULL when none were asked for or given.
+    sa.Column("ids", sa.LargeBinary, nullable=True),
 )
 # Status reads outputs through these two narrow indexes, never the wide rows (answer
 # text, message JSON): per-dataset count and tokens, the recent window (a range) and the
@@ -226,6 +229,8 @@ item_turns = sa.Table(
     sa.Column("model", sa.Text, nullable=True),
     sa.Column("params_hash", sa.String(64), nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
+    # As ``outputs.ids``: this turn's prompt and generated token ids.
+    sa.Column("ids", sa.LargeBinary, nullable=True),
 )
 
 # Request parameters by hash: every output names the set it was made with.

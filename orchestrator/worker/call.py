@@ -21,6 +21,7 @@ from orchestrator.inference.completions import Completion
 from orchestrator.inference.pacing import request_tokens
 from orchestrator.inference.pool import ServerPool
 from orchestrator.inference.streaming import Streamed
+from orchestrator.inference.token_ids import PromptTokenizer
 from orchestrator.items import error_classes as ec
 from orchestrator.items.conversation import stops_after, turn_messages
 from orchestrator.items.params import item_body
@@ -59,6 +60,14 @@ class Caller:
     #: dataset's samples are asked for one request each from then on.
     ignores_n: Callable[[int], Awaitable[None]] | None = None
     _fell_back: set[int] = field(default_factory=set)
+    _tokenizer: PromptTokenizer | None = None
+
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        """Asks a server for the prompt ids its answer left out (``--token-ids``)."""
+        if self._tokenizer is None:
+            self._tokenizer = PromptTokenizer(self.client)
+        return self._tokenizer
 
     async def item(self, held: Claimed, info: DatasetInfo) -> Outcome | None:
         """Call a server for one item (each of its turns, for a multi-turn item); say
@@ -183,7 +192,7 @@ class Caller:
                 self.pool.paced(server, ticket, exc)
                 raise
             self.pool.paced(server, ticket, completion[0])
-            return completion
+            return await self.tokenizer.completed(server, body, completion)
         finally:
             self.pool.request_ended(server, sequences)
 

@@ -31,6 +31,7 @@ from orchestrator.formats.writers.lines import (
     failed_line,
     line_id,
 )
+from orchestrator.formats.writers.tokens import TokenWriter
 from orchestrator.settings.choices import (  # noqa: F401
     EXPORT_FORMATS,
     REASONING_MODES,
@@ -374,6 +375,15 @@ class ExportJob:
     def fast(self, dataset: DatasetRef) -> bool:
         return fast_rows(self.options, dataset)
 
+    def token_lines(self, dataset: DatasetRef) -> TokenWriter:
+        """The writer of a dataset's rows in ``--format tokens``."""
+        options = self.options
+        lines = TokenWriter(
+            dataset, provenance=options.provenance, exclude_flags=options.exclude_flags
+        )
+        self._lines.append(lines)
+        return lines
+
     def lines(self, dataset: DatasetRef) -> LineWriter:
         shared = dataset.id in self._shared
         lines = LineWriter(dataset, self.options, shared=shared, index=self._index, skip=self._skip)
@@ -441,6 +451,7 @@ class ExportJob:
             card=self.card,
             skipped=_merged(lines.skipped for lines in self._lines),
             skipped_files=list(self.skips.values()),
+            left_out=_merged(w.left_out for w in self._lines if isinstance(w, TokenWriter)),
             items=self.counter.count - sum(lines.extra for lines in self._lines),
         )
 

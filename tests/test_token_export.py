@@ -1,0 +1,128 @@
+"""``--token-ids`` and ``export --format tokens``: every row's ``input_ids`` are, id for
+id, the prompt the server evaluated and the ids it generated. The simulated server's
+ids are a function of what it received (``orchestrator.sim.logprobs``: a prompt word's
+id is its own, an answer token's follows from the request's digest), so the oracle
+recomputes every row from the exported conversation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from orchestrator.items.conversation import targets
+from orchestrator.sim import logprobs as sim_tokens
+from orchestrator.sim import request_digest
+from orchestrator.sim.prefix import prompt_words
+from tests.helpers import (
+    SimProcess,
+    cli,
+    dialogue,
+    kill_worker_once,
+    query,
+    start_worker,
+    write_jsonl,
+)
+from tests.test_training_data import tool_trace
+
+
+def rows(n: int) -> list[dict[str, Any]]:
+    """Chats, multi-turn dialogues and tool-calling traces, in turn."""
+    out: list[dict[str, Any]] = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append({"id": f"c{i:03d}", "messages": dialogue(f"Name river {i}.")})
+        elif i % 3 == 1:
+            turns = dialogue(f"Count to {i}.", "one two", "Go on.", "three", "More.")
+            out.append({"id": f"d{i:03d}", "messages": turns})
+        else:
+            out.append({**tool_trace(i, "open_box"), "id": f"t{i:03d}"})
+    return out
+
+
+def export(db: Path, fmt: str, *extra: str) -> tuple[list[dict[str, Any]], str]:
+    out = db.parent / f"out-{fmt}.jsonl"
+    result = cli("export", str(out), "--db", str(db), "--format", fmt, *extra)
+    assert result.returncode == 0, result.stderr
+    return [orjson.loads(line) for line in out.read_bytes().splitlines()], result.stderr
+
+
+def expected(context: list[dict[str, Any]], answer_tokens: int) -> list[int]:
+    """What the simulated server saw and generated for a turn asked with ``context``."""
+    digest = request_digest(context)
+    generated = [sim_tokens.token(digest, i)[0] for i in range(answer_tokens)]
+    return sim_tokens.prompt_ids(prompt_words(context)) + generated
+
+
+def check_rows(db: Path, source: list[dict[str, Any]], prompt_from: str) -> int:
+    """Every token row against the oracle, from the exported conversations; the rows."""
+    conversations = {line["id"]: line for line in export(db, "messages", "--provenance")[0]}
+    token_rows, said = export(db, "tokens", "--provenance")
+    assert "left out" not in said, said
+    by_id = {row["id"]: row for row in token_rows}
+    assert len(by_id) == len(token_rows)  # no row twice
+    seen = 0
+    for original in source:
+        messages = conversations[original["id"]]["messages"]
+        answered = [p for p in targets(messages) if p < len(messages)]
+        for k, position in enumerate(answered):
+            row = by_id[f"{original['id']}#turn{k}"]
+            n = sum(row["loss_mask"])
+            assert row["input_ids"] == expected(messages[:position], n), row["id"]
+            prompt = len(sim_tokens.prompt_ids(prompt_words(messages[:position])))
+            assert row["loss_mask"] == [0] * prompt + [1] * n
+            assert row["prompt_ids_from"] == prompt_from and row["dataset"] == "mixed"
+            seen += 1
+    assert seen == len(token_rows)
+    return seen
+
+
+@pytest.mark.parametrize("prompt_from", ["response", "tokenize"])
+def test_token_rows_are_what_the_server_saw_and_generated_after_a_kill(
+    sim_process: Callable[..., SimProcess], tmp_path: Path, prompt_from: str
+) -> None:
+    """Chats, dialogues and tool-calling traces, the worker SIGKILLed mid-run: each
+    generated turn is one row, its ids exactly the server's, prompt ids from the answer
+    or, where the answer carries none, from the server's ``/tokenize``."""
+    server = sim_process("--prompt-ids", prompt_from, "--reasoning", "field", "--latency", "0.02")
+    db = tmp_path / "q.db"
+    source = rows(90)
+    data = write_jsonl(tmp_path / "in.jsonl", source)
+    made = cli(
+        "enqueue", str(data), "-d", "mixed", "--db", str(db), "--regenerate", "all",
+        "--token-ids", "--max-tokens", "24",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    worker = start_worker(db, server.url, "--concurrency", "8")
+    kill_worker_once(worker, lambda: query(db, "SELECT count(*) FROM item_turns")[0][0] >= 40)
+    assert query(db, "SELECT count(*) FROM items WHERE state = 'done'")[0][0] < len(source)
+    result = cli("run", "--server", server.url, "--db", str(db), "--exit-when-done")
+    assert result.returncode == 0, result.stderr
+    assert check_rows(db, source, prompt_from) > len(source)
+
+
+def test_turns_without_prompt_ids_are_left_out_and_counted(
+    sim_process: Callable[..., SimProcess], tmp_path: Path
+) -> None:
+    """A server that says no prompt ids and serves no ``/tokenize``: no row is written
+    with half its ids; the export says how many turns were left out and why."""
+    server = sim_process("--prompt-ids", "none")
+    db = tmp_path / "q.db"
+    source = [{"id": f"c{i}", "messages": dialogue(f"Name stone {i}.")} for i in range(5)]
+    data = write_jsonl(tmp_path / "in.jsonl", source)
+    made = cli("enqueue", str(data), "-d", "plain", "--db", str(db), "--token-ids")
+    assert made.returncode == 0, made.stderr
+    result = cli("run", "--server", server.url, "--db", str(db), "--exit-when-done")
+    assert result.returncode == 0, result.stderr
+    token_rows, said = export(db, "tokens")
+    assert token_rows == []
+    assert "5 generated turns left out of the token rows: 5 no prompt ids" in said, said
+    # Enqueued without --token-ids, the reason says what to do.
+    data = write_jsonl(tmp_path / "more.jsonl", [{"id": "x", "messages": dialogue("Hi.")}])
+    assert cli("enqueue", str(data), "-d", "other", "--db", str(db)).returncode == 0
+    assert cli("run", "--server", server.url, "--db", str(db), "--exit-when-done").returncode == 0
+    _, said = export(db, "tokens")
+    assert "enqueue the dataset with --token-ids" in said, said
