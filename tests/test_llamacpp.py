@@ -479,3 +479,104 @@ def test_llamacpp_more_samples_than_slots_are_asked_in_requests_it_takes(
     ]
     sizes = [n for _, n in query(db, "SELECT response_id, count(*) FROM outputs GROUP BY 1")]
     assert max(sizes) == 4 and sum(sizes) == 30, sizes
+
+
+def server_prompt_ids(url: str, messages: list[dict[str, Any]]) -> list[int]:
+    """The ids the server makes of a chat's prompt: its template, then its tokenizer."""
+    prompt = post(url, "/apply-template", {"messages": messages})["prompt"]
+    return post(url, "/tokenize", {"content": prompt, "add_special": True})["tokens"]
+
+
+def test_token_rows_are_the_ids_llamacpp_evaluated_and_generated(
+    llama: str, tmp_path: Path
+) -> None:
+    """``--token-ids`` against llama.cpp, whose answers carry no prompt ids: each turn's
+    prompt ids are its own template's and tokenizer's for exactly the turn's context,
+    its generated ids are as many as it counted (``__verbose.tokens``), and its own
+    ``/detokenize`` spells the stored answer from them where the text is whole."""
+    db = tmp_path / "q.db"
+    rows = [{"id": f"c{i}", "messages": m} for i, m in enumerate(CONVERSATIONS)]
+    rows += [{"id": f"s{i}", "messages": [{"role": "user", "content": f"Stone {i}?"}]}
+             for i in range(12)]  # fmt: skip
+    enqueue(db, rows, "ids", "--regenerate", "all", "--max-tokens", "10", "--token-ids")
+    result = cli("run", "--server", llama, "--db", str(db), "--exit-when-done")
+    assert result.returncode == 0, result.stderr
+    conversations = {line["id"]: line["messages"] for line in export(db)}
+    out = tmp_path / "tokens.jsonl"
+    made = cli("export", str(out), "--db", str(db), "--format", "tokens", "--provenance")
+    assert made.returncode == 0, made.stderr
+    assert "left out" not in made.stderr, made.stderr
+    token_rows = {r["id"]: r for r in map(orjson.loads, out.read_bytes().splitlines())}
+    spelled = 0
+    for key, messages in conversations.items():
+        answered = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+        for k, position in enumerate(answered):
+            row = token_rows.pop(f"{key}#turn{k}")
+            prompt = server_prompt_ids(llama, messages[:position])
+            n = sum(row["loss_mask"])
+            assert row["input_ids"][: len(prompt)] == prompt, (key, k)
+            assert len(row["input_ids"]) == len(prompt) + n and n > 0
+            assert row["prompt_ids_from"] == "tokenize"
+            text = messages[position]["content"] or ""
+            generated = row["input_ids"][len(prompt) :]
+            if "\ufffd" not in text:
+                said = post(llama, "/detokenize", {"tokens": generated})["content"]
+                assert said.startswith(text), (key, k, said, text)
+                spelled += 1
+    assert token_rows == {}  # no row that is not a generated turn
+    assert spelled > 0
+
+
+HISTORY_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message.get('reasoning_content') %}"
+    "{{ '<think>' + message['reasoning_content'] + '</think>' }}{% endif %}"
+    "{{ (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("history", ["keep", "drop"])
+def test_llamacpp_renders_the_history_reasoning_it_is_sent(tmp_path: Path, history: str) -> None:
+    """A real server whose template renders the reasoning of earlier turns: its prompt,
+    counted by itself, is the history with that reasoning (kept) or without (dropped),
+    so what the model saw depends on it and each exported row names the right one."""
+    require_llama_server()
+    template = tmp_path / "template.jinja"
+    template.write_text(HISTORY_TEMPLATE)
+    server = llama_server.LlamaServer("--jinja", "--chat-template-file", str(template), slots=2)
+    url = server.start()
+    try:
+        db = tmp_path / "q.db"
+        rows = []
+        for i, messages in enumerate(CONVERSATIONS):
+            thought = [
+                {**m, "reasoning_content": f"thinking about turn {j} of {i} first"}
+                if m["role"] == "assistant" else m
+                for j, m in enumerate(messages)
+            ]  # fmt: skip
+            rows.append(
+                {"id": f"h{i}", "messages": [*thought, {"role": "user", "content": "And?"}]}
+            )
+        enqueue(db, rows, "h", "--max-tokens", "6", "--token-ids", "--history-reasoning", history)
+        result = cli("run", "--server", url, "--db", str(db), "--exit-when-done")
+        assert result.returncode == 0, result.stderr
+        out = tmp_path / "tokens.jsonl"
+        made = cli("export", str(out), "--db", str(db), "--format", "tokens")
+        assert made.returncode == 0, made.stderr
+        token_rows = {r["id"]: r for r in map(orjson.loads, out.read_bytes().splitlines())}
+        for row in rows:
+            sent = row["messages"] if history == "keep" else [
+                {k: v for k, v in m.items() if k != "reasoning_content"} for m in row["messages"]
+            ]  # fmt: skip
+            prompt = server_prompt_ids(url, sent)
+            other = server_prompt_ids(url, [{"role": m["role"], "content": m["content"]}
+                                            for m in row["messages"]])  # fmt: skip
+            assert (prompt != other) == (history == "keep")
+            tokens = token_rows[row["id"]]
+            assert tokens["input_ids"][: len(prompt)] == prompt
+            assert tokens["loss_mask"][: len(prompt)] == [0] * len(prompt)
+    finally:
+        server.stop()
