@@ -12,8 +12,12 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from orchestrator.formats.writers.tokens import merged
 from orchestrator.items.conversation import targets
+from orchestrator.items.token_ids import TokenIds
 from orchestrator.sim import logprobs as sim_tokens
 from orchestrator.sim import request_digest
 from orchestrator.sim.prefix import prompt_words
@@ -126,3 +130,61 @@ def test_turns_without_prompt_ids_are_left_out_and_counted(
     assert cli("run", "--server", server.url, "--db", str(db), "--exit-when-done").returncode == 0
     _, said = export(db, "tokens")
     assert "enqueue the dataset with --token-ids" in said, said
+
+
+@st.composite
+def chains(draw: st.DrawFn) -> list[TokenIds]:
+    """A conversation's turns whose prompts each begin with the turn before it."""
+    ids = st.lists(st.integers(0, 2**31 - 1), max_size=6)
+    before: list[int] = []
+    turns = []
+    for _ in range(draw(st.integers(1, 5))):
+        prompt = before + draw(ids)
+        generated = draw(ids)
+        turns.append(TokenIds(tuple(prompt), tuple(generated), "response"))
+        before = prompt + generated
+    return turns
+
+
+@given(chains(), st.data())
+def test_merged_turns_mask_every_generated_span_and_refuse_a_broken_chain(
+    turns: list[TokenIds], data: st.DataObject
+) -> None:
+    found = merged(turns)
+    assert found is not None
+    input_ids, mask = found
+    assert input_ids == turns[-1].input_ids() and len(mask) == len(input_ids)
+    # The ids under the mask are each turn's generated ids, in order, and nothing else.
+    assert [i for i, m in zip(input_ids, mask, strict=True) if m] == [
+        i for t in turns for i in t.generated or ()
+    ]
+    # A later prompt that does not begin with what came before: no merged row.
+    later = [t for t in turns[1:] if t.prompt]
+    if later:
+        broken = data.draw(st.sampled_from(later))
+        at = turns.index(broken)
+        changed = TokenIds((broken.prompt[0] ^ 1, *broken.prompt[1:]), broken.generated)
+        if turns[at - 1].input_ids():
+            assert merged([*turns[:at], changed, *turns[at + 1 :]]) is None
+
+
+def test_merge_turns_keeps_a_row_per_turn_where_the_ids_do_not_chain(
+    sim_process: Callable[..., SimProcess], tmp_path: Path
+) -> None:
+    """The simulated server tokenizes an earlier answer's words otherwise than it
+    generated them (as a template may): no conversation chains, each stays a row per
+    turn, and the export says how many."""
+    server = sim_process()
+    db = tmp_path / "q.db"
+    source = [r for r in rows(12) if r["id"].startswith("d")]
+    data = write_jsonl(tmp_path / "in.jsonl", source)
+    made = cli(
+        "enqueue", str(data), "-d", "mixed", "--db", str(db), "--regenerate", "all",
+        "--token-ids", "--max-tokens", "8",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert cli("run", "--server", server.url, "--db", str(db), "--exit-when-done").returncode == 0
+    per_turn, _ = export(db, "tokens")
+    kept, said = export(db, "tokens", "--merge-turns")
+    assert kept == per_turn and len(kept) == 3 * len(source)
+    assert f"{len(source)} conversations stay a row per turn" in said, said

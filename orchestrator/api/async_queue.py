@@ -418,12 +418,15 @@ class Queue(DatasetCalls):
         logprobs: bool = False,
         token_ids: bool = False,
         group_samples: bool = False,
+        merge_turns: bool = False,
     ) -> ExportReport:
         """Write done items to ``out`` as ``orchestrator export`` does (all files, or none).
         ``report.summary`` names the rows ``format="specforge"`` skipped, by reason;
         ``parsed``: each line gets its structured answer's JSON value (``export --parsed``);
         ``logprobs`` and ``token_ids`` add each answer's token columns
-        (``orchestrator.items.tokens.row_fields``)."""
+        (``orchestrator.items.tokens.row_fields``); ``format="tokens"`` writes each
+        generated turn's ``input_ids`` and ``loss_mask`` (``merge_turns``: a conversation
+        in one row where its ids chain)."""
         from orchestrator.formats.export import export_database
 
         checked("out", out, PATH)
@@ -432,7 +435,7 @@ class Queue(DatasetCalls):
         more["parsed"] = parsed
         more |= {"shard_rows": shard_rows, "card": card}
         more |= {"logprobs": logprobs, "token_ids": token_ids}
-        more["group_samples"] = group_samples
+        more |= {"group_samples": group_samples, "merge_turns": merge_turns}
         chosen = export_options(format, reasoning, exclude_flags, provenance, **more)
         return await export_database(self.database, Path(out), dataset_names=names, options=chosen)
 

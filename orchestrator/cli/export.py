@@ -96,6 +96,13 @@ if TYPE_CHECKING:
     "it, earlier turns without their reasoning: SpecForge's per-turn rows.",
 )
 @click.option(
+    "--merge-turns",
+    is_flag=True,
+    help="With --format tokens: a conversation in one row (loss_mask 1 on every generated "
+    "turn) where each turn's prompt ids begin with the ids of the turn before; the others "
+    "stay a row per turn, counted.",
+)
+@click.option(
     "--parsed",
     is_flag=True,
     help="Add parsed: the answer's JSON value, for datasets asking for structured output "
@@ -131,6 +138,7 @@ def export(
     include_failed: Path | None,
     provenance: bool,
     per_turn: bool,
+    merge_turns: bool,
     parsed: bool,
     logprobs: bool,
     token_ids: bool,
@@ -144,7 +152,7 @@ def export(
     written under a temporary name and renamed once all are complete: never half a file.
     """
     files = {"split": split, "include_failed": include_failed, "shard_rows": shard_rows}
-    files |= {"card": card, "per_turn": per_turn, "parsed": parsed}
+    files |= {"card": card, "per_turn": per_turn, "parsed": parsed, "merge_turns": merge_turns}
     files |= {"logprobs": logprobs, "token_ids": token_ids}
     files["group_samples"] = group_samples
     chosen = run_sync(lambda: _options(fmt, reasoning, exclude_flags, provenance, **files))

@@ -36,6 +36,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.formats.options import ExportOptions, ExportReport, Progress, fast_rows
 from orchestrator.formats.writers.job import ExportJob
 from orchestrator.formats.writers.lines import LineIndex, LineWriter, write_lines
+from orchestrator.formats.writers.tokens import TokenWriter
 from orchestrator.settings.choices import (  # noqa: F401
     EXPORT_FORMATS,
     REASONING_MODES,
@@ -172,7 +173,16 @@ def _line_batches(
     index = LineIndex()
     for dataset in datasets:
         out: list[bytes] = []
-        # Both writers put a line, then its newline: every other entry is a line.
+        # Every writer puts a line, then its newline: every other entry is a line.
+        if options.format == "tokens":
+            tokens = TokenWriter(
+                dataset, options.provenance, options.exclude_flags, options.merge_turns
+            )
+            for part in token_batches(rows, dataset):
+                tokens.write(out.append, part)
+                yield out[::2]
+                out.clear()
+            continue
         if fast_rows(options, dataset):
             for part in done_rows(rows, dataset.id):
                 write_lines(out.append, dataset.name, part)

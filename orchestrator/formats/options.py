@@ -46,6 +46,8 @@ class ExportOptions:
     token_ids: bool = False
     # One line per generated assistant turn (writers.turns).
     per_turn: bool = False
+    # tokens: a conversation in one row where each turn's prompt ids extend the last row's.
+    merge_turns: bool = False
     # A table format's --split: at most this many rows per shard (None: SHARD_ROWS).
     shard_rows: int | None = None
     # The dataset card (README.md in the Hub's format); a table format's --split writes
@@ -90,11 +92,14 @@ class ExportReport:
     items: int = 0  # done items the lines came from (fewer than lines with per_turn)
     # tokens: generated turns left out of the token rows, by reason (writers.tokens.REASONS).
     left_out: dict[str, int] = field(default_factory=dict)
+    # tokens --merge-turns: conversations left a row per turn, their ids not a prefix chain.
+    unmerged: int = 0
 
     @property
     def summary(self) -> str | None:
         """The lines naming the rows skipped or left out, by reason; None: none were."""
-        said = [specforge.summary(self.skipped, self.skipped_files), tokens.summary(self.left_out)]
+        said = [specforge.summary(self.skipped, self.skipped_files)]
+        said += [tokens.summary(self.left_out), tokens.unmerged_summary(self.unmerged)]
         return "\n".join(s for s in said if s) or None
 
 

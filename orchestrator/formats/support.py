@@ -50,6 +50,7 @@ SUPPORT: dict[str, tuple[frozenset[str], str]] = {
         "it splits conversations; openai-batch and completions lines hold none",
     ),
     "shard_rows": (_ALL & {"parquet"}, "shards are a table format's files"),
+    "merge_turns": (frozenset({"tokens"}), "only token rows are merged by their ids"),
     "card": (_ALL, ""),
 }
 

@@ -332,4 +332,5 @@ EXPORT: dict[str, Rule] = {
     "logprobs": FLAG,
     "token_ids": FLAG,
     "per_turn": FLAG,
+    "merge_turns": FLAG,
 }

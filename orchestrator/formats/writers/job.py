@@ -378,11 +378,12 @@ class ExportJob:
     def token_lines(self, dataset: DatasetRef) -> TokenWriter:
         """The writer of a dataset's rows in ``--format tokens``."""
         options = self.options
-        lines = TokenWriter(
-            dataset, provenance=options.provenance, exclude_flags=options.exclude_flags
-        )
+        lines = TokenWriter(dataset, options.provenance, options.exclude_flags, options.merge_turns)
         self._lines.append(lines)
         return lines
+
+    def _tokens(self) -> list[TokenWriter]:
+        return [w for w in self._lines if isinstance(w, TokenWriter)]
 
     def lines(self, dataset: DatasetRef) -> LineWriter:
         shared = dataset.id in self._shared
@@ -451,7 +452,8 @@ class ExportJob:
             card=self.card,
             skipped=_merged(lines.skipped for lines in self._lines),
             skipped_files=list(self.skips.values()),
-            left_out=_merged(w.left_out for w in self._lines if isinstance(w, TokenWriter)),
+            left_out=_merged(w.left_out for w in self._tokens()),
+            unmerged=sum(w.unmerged for w in self._tokens()),
             items=self.counter.count - sum(lines.extra for lines in self._lines),
         )
 

@@ -43,7 +43,10 @@ class TokenWriter:
     dataset: DatasetRef
     provenance: bool = False
     exclude_flags: int = 0
+    merge_turns: bool = False
     excluded: int = 0
+    #: Conversations left a row per turn by ``merge_turns`` (their ids are no chain).
+    unmerged: int = 0
     left_out: dict[str, int] = field(default_factory=dict)
     #: Rows written beyond one per item (a multi-turn item's further turns).
     extra: int = 0
@@ -56,6 +59,12 @@ class TokenWriter:
         """Each item's rows (its turns in order); the lines written."""
         lines = 0
         for row in batch:
+            whole = self._whole(row)
+            if whole is not None:
+                write(whole)
+                write(b"\n")
+                lines += 1
+                continue
             written = 0
             for name, turn in self._turns(row):
                 if turn.flags & self.exclude_flags:
@@ -79,17 +88,41 @@ class TokenWriter:
         turns = row.turns or [row]
         return [(f"{base}#turn{k}", turn) for k, turn in enumerate(turns)]
 
+    def _whole(self, row: TokenRow) -> bytes | None:
+        """With ``merge_turns``, a conversation of several turns in one row, when every
+        turn's ids are whole and each prompt begins with the row before it; else None."""
+        if not self.merge_turns or self.dataset.regenerate != "all" or len(row.turns or ()) < 2:
+            return None
+        turns = row.turns or []
+        if any(t.flags & self.exclude_flags for t in turns):
+            return None
+        found = [checked(t)[0] for t in turns]
+        if any(ids is None for ids in found):
+            return None
+        chain = merged([ids for ids in found if ids is not None])
+        if chain is None:
+            self.unmerged += 1
+            return None
+        base = row.key if self.dataset.samples <= 1 else f"{row.key}#sample{row.sample}"
+        return self._record(base, turns[-1], found[-1], *chain)  # type: ignore[arg-type]
+
     def _line(self, name: str, turn: TokenRow) -> bytes | None:
         ids, reason = checked(turn)
         if ids is None:
             self.left_out[reason] = self.left_out.get(reason, 0) + 1
             return None
         prompt, generated = ids.prompt or (), ids.generated or ()
+        mask = [0] * len(prompt) + [1] * len(generated)
+        return self._record(name, turn, ids, [*prompt, *generated], mask)
+
+    def _record(
+        self, name: str, turn: TokenRow, ids: TokenIds, input_ids: list[int], mask: list[int]
+    ) -> bytes:
         record: dict[str, Any] = {
             "id": name,
             "dataset": self.dataset.name,
-            "input_ids": [*prompt, *generated],
-            "loss_mask": [0] * len(prompt) + [1] * len(generated),
+            "input_ids": input_ids,
+            "loss_mask": mask,
         }
         if self.provenance:
             record |= {
@@ -101,6 +134,24 @@ class TokenWriter:
                 "prompt_ids_from": ids.prompt_from,
             }
         return orjson.dumps(record)
+
+
+def merged(turns: list[TokenIds]) -> tuple[list[int], list[int]] | None:
+    """One conversation's turns as one row: the last turn's ``input_ids``, and a mask of
+    1 on every turn's generated ids; None when a turn's prompt does not begin with the
+    ids of the turn before it (its prompt, then what it generated)."""
+    before: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for ids in turns:
+        prompt, generated = list(ids.prompt or ()), list(ids.generated or ())
+        if prompt[: len(before)] != before:
+            return None
+        spans.append((len(prompt), len(prompt) + len(generated)))
+        before = prompt + generated
+    mask = [0] * len(before)
+    for start, end in spans:
+        mask[start:end] = [1] * (end - start)
+    return before, mask
 
 
 def checked(turn: TokenRow) -> tuple[TokenIds | None, str]:
@@ -123,6 +174,17 @@ def checked(turn: TokenRow) -> tuple[TokenIds | None, str]:
     if type(said) is int and said != len(ids.prompt):
         return None, "prompt_count"
     return ids, ""
+
+
+def unmerged_summary(unmerged: int) -> str | None:
+    """The line saying how many conversations stayed a row per turn (``--merge-turns``)."""
+    if not unmerged:
+        return None
+    return (
+        f"{unmerged} conversations stay a row per turn: a later turn's prompt ids do not "
+        "begin with the ids of the turn before (the template renders earlier turns "
+        "otherwise than they were generated)"
+    )
 
 
 def summary(left_out: dict[str, int]) -> str | None:
