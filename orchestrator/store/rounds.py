@@ -137,7 +137,8 @@ def _output_row(lease: Lease, out: Output, now: float) -> tuple[Any, ...]:
         out.flags | lease.generated_flags,
         out.params_hash,
         pack(out.tokens) if out.tokens is not None else None,
-        pack_ids(out.ids) if out.ids is not None else None,
+        # A multi-turn item's ids are each turn's, in item_turns: not stored twice.
+        pack_ids(out.ids) if out.ids is not None and lease.turns <= 1 else None,
     )
 
 
