@@ -125,19 +125,16 @@ def report(url: str, db: Path, work: Path, said: str) -> None:
         for _, text in found
         for u in [orjson.loads(text or "{}")]
     )
+    share = f"{differs:,} of {turns:,} ({100 * differs / max(turns, 1):.1f} %)"
+    per_thousand = f"{1000 * stored / max(counted, 1):,.0f}"
+    left = said.strip().splitlines()[-1] if "left out" in said else "none"
     print_table(
         ["figure", "value"],
         [
             ["generated turns exported as token rows", f"{len(tokens):,}"],
-            [
-                "re-tokenized text differs from the server's ids",
-                f"{differs:,} of {turns:,} ({100 * differs / max(turns, 1):.1f} %)",
-            ],  # fmt: skip
-            [
-                "bytes of ids per 1,000 tokens (prompt + generated)",
-                f"{1000 * (stored or 0) / max(counted, 1):,.0f}",
-            ],  # fmt: skip
-            ["left out", said.strip().splitlines()[-1] if "left out" in said else "none"],
+            ["re-tokenized text differs from the server's ids", share],
+            ["bytes of ids per 1,000 tokens (prompt + generated)", per_thousand],
+            ["left out", left],
         ],
     )
 
