@@ -34,6 +34,7 @@ def test_bits_are_stable_and_distinct():
         "invalid_json": 64,
         "schema_mismatch": 128,
         "max_tokens_reduced": 256,
+        "token_mismatch": 512,
     }
     assert (TRUNCATED, EMPTY_CONTENT, UNCLOSED_THINK, REASONING_ONLY) == (1, 2, 4, 8)
     assert TOOL_MISMATCH == 32

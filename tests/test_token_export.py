@@ -188,3 +188,29 @@ def test_merge_turns_keeps_a_row_per_turn_where_the_ids_do_not_chain(
     kept, said = export(db, "tokens", "--merge-turns")
     assert kept == per_turn and len(kept) == 3 * len(source)
     assert f"{len(source)} conversations stay a row per turn" in said, said
+
+
+def test_ids_the_server_spells_otherwise_than_the_text_are_flagged(
+    sim_process: Callable[..., SimProcess], tmp_path: Path
+) -> None:
+    """A server that sometimes says another answer's ids (``bad_ids``): exactly the turns
+    whose ids are not the oracle's are flagged ``token_mismatch``, by the server's own
+    ``/detokenize``; ``--exclude-flag token_mismatch`` leaves exactly those out."""
+    server = sim_process("--fault", "bad_ids=0.3", "--reasoning", "field")
+    db = tmp_path / "q.db"
+    source = [{"id": f"c{i:02d}", "messages": dialogue(f"Name stone {i}.")} for i in range(40)]
+    data = write_jsonl(tmp_path / "in.jsonl", source)
+    made = cli("enqueue", str(data), "-d", "flags", "--db", str(db), "--token-ids")
+    assert made.returncode == 0, made.stderr
+    assert cli("run", "--server", server.url, "--db", str(db), "--exit-when-done").returncode == 0
+    conversations = {line["id"]: line["messages"] for line in export(db, "messages")[0]}
+    token_rows, _ = export(db, "tokens", "--provenance")
+    wrong = set()
+    for row in token_rows:
+        context = conversations[row["id"]][:-1]
+        right = row["input_ids"] == expected(context, sum(row["loss_mask"]))
+        assert ("token_mismatch" in row["flags"]) == (not right), row["id"]
+        wrong |= set() if right else {row["id"]}
+    assert 0 < len(wrong) < len(source)
+    kept, _ = export(db, "tokens", "--exclude-flag", "token_mismatch")
+    assert {row["id"] for row in kept} == {row["id"] for row in token_rows} - wrong

@@ -1,4 +1,5 @@
-"""A turn's prompt ids from the server that answered it, when its answer carried none.
+"""A turn's prompt ids from the server that answered it, when its answer carried none,
+and whether its generated ids spell its text.
 
 vLLM says them in the answer, SGLang on a chat choice; llama.cpp never does. Then the
 same server is asked, never a local tokenizer: llama.cpp's ``/apply-template`` renders
@@ -6,6 +7,10 @@ the messages with its own template and ``/tokenize`` makes them ids as a complet
 prompt is made (special tokens added and parsed); vLLM's ``/tokenize`` takes the messages
 and applies its template itself. Which way a server takes is found once, by the one it
 serves. A failure leaves the turn without prompt ids, which the token export counts.
+
+The generated ids are then spelled by the same server's ``/detokenize`` (llama.cpp says
+``content``, vLLM ``prompt``): an answer whose reasoning or content is not in that text
+is flagged ``token_mismatch`` (the ids are not what the text says the model emitted).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import structlog
 
 from orchestrator.inference.client import InferenceClient, base_url
 from orchestrator.inference.completions import Completion
+from orchestrator.items.quality import TOKEN_MISMATCH
 from orchestrator.items.token_ids import TokenIds, asked
 
 log = structlog.get_logger("orchestrator.inference")
@@ -45,12 +51,29 @@ class PromptTokenizer:
         self, server: str, body: dict[str, Any], answers: list[Completion]
     ) -> list[Completion]:
         """``answers`` with the prompt ids they lack, where ``body`` asked for ids."""
-        if not asked(body) or all(a.ids is not None and a.ids.prompt is not None for a in answers):
+        if not asked(body):
             return answers
-        prompt = await self.prompt_ids(server, body)
-        if prompt is None:
-            return answers
-        return [_with_prompt(a, prompt) for a in answers]
+        if not all(a.ids is not None and a.ids.prompt is not None for a in answers):
+            prompt = await self.prompt_ids(server, body)
+            if prompt is not None:
+                answers = [_with_prompt(a, prompt) for a in answers]
+        return [await self._spelled(server, body.get("model"), a) for a in answers]
+
+    async def _spelled(self, server: str, model: Any, answer: Completion) -> Completion:
+        """The answer, flagged ``token_mismatch`` where the server spells its generated
+        ids otherwise than its text (unflagged where it cannot spell them)."""
+        generated = answer.ids.generated if answer.ids is not None else None
+        if not generated:
+            return answer
+        try:
+            said = await self._post(server, "/detokenize", {"model": model, "tokens": generated})
+        except (_NotServed, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("detokenize_failed", server=server, error=str(exc)[:200])
+            return answer
+        text = said.get("content", said.get("prompt"))
+        if not isinstance(text, str) or spells(text, answer):
+            return answer
+        return dataclasses.replace(answer, flags=answer.flags | TOKEN_MISMATCH)
 
     async def prompt_ids(self, server: str, body: dict[str, Any]) -> tuple[int, ...] | None:
         """The server's own ids of ``body``'s prompt, or None (logged) when it gives none."""
@@ -100,6 +123,21 @@ class PromptTokenizer:
         if not isinstance(found, dict):
             raise ValueError(f"{path} answered no object")
         return found
+
+
+def spells(text: str, answer: Completion) -> bool:
+    """Whether ``text`` (the generated ids, detokenized) holds the answer's reasoning and
+    content, in that order: the markup a server's parser took out around them (think
+    tags, tool-call syntax) may lie between."""
+    at = 0
+    for part in (answer.reasoning, answer.content):
+        if not part or not part.strip():
+            continue
+        found = text.find(part.strip(), at)
+        if found < 0:
+            return False
+        at = found + len(part.strip())
+    return True
 
 
 def _ids(value: Any) -> tuple[int, ...]:

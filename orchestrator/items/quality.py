@@ -28,6 +28,7 @@ __all__ = [
     "NUL_CHAR",
     "REASONING_ONLY",
     "SCHEMA_MISMATCH",
+    "TOKEN_MISMATCH",
     "TOOL_MISMATCH",
     "TRUNCATED",
     "UNCLOSED_THINK",
@@ -61,6 +62,9 @@ SCHEMA_MISMATCH = 128
 #: ``on_overflow = "fit"``: the prompt and ``max_tokens`` overflowed the server's context,
 #: and the answer was asked again with ``max_tokens`` lowered to what fits.
 MAX_TOKENS_REDUCED = 256
+#: ``--token-ids``: the generated ids, spelled by the server's own ``/detokenize``, do not
+#: hold the stored text (orchestrator.inference.token_ids): ids and text disagree.
+TOKEN_MISMATCH = 512
 
 #: Every flag by the name users type, in bit order.
 ALL_FLAGS: Mapping[str, int] = MappingProxyType(
@@ -74,6 +78,7 @@ ALL_FLAGS: Mapping[str, int] = MappingProxyType(
         "invalid_json": INVALID_JSON,
         "schema_mismatch": SCHEMA_MISMATCH,
         "max_tokens_reduced": MAX_TOKENS_REDUCED,
+        "token_mismatch": TOKEN_MISMATCH,
     }
 )
 

@@ -27,6 +27,7 @@ FAULT_KINDS: tuple[str, ...] = (
     "empty",
     "nochoices",
     "html",
+    "bad_ids",
 )
 
 #: How reasoning is answered: not at all; in a separate message field; in the content

@@ -30,6 +30,11 @@ def token(digest: str, i: int) -> tuple[int, float]:
     return int.from_bytes(h[:4], "little") % VOCAB, -(int.from_bytes(h[4:6], "little") % 512) / 64
 
 
+def answer_ids(digest: str, n: int) -> list[int]:
+    """The ids of an answer's ``n`` tokens, reasoning first."""
+    return [token(digest, i)[0] for i in range(n)]
+
+
 def prompt_ids(words: list[str]) -> list[int]:
     """The ids of a prompt's words (``sim.prefix.prompt_words``): one token a word, its id
     a function of the word alone, so the same text has the same ids in any prompt."""

@@ -70,6 +70,15 @@ def whole_message(answer: SimAnswer, config: SimConfig) -> dict[str, Any]:
     return message
 
 
+def spelling(answer: SimAnswer, config: SimConfig) -> str:
+    """The answer's text as its ids spell it: reasoning, content, then each call's
+    arguments, as a model writes them before a parser takes them apart."""
+    message = whole_message(answer, config)
+    parts = [message.get(config.reasoning_field), message.get("content")]
+    parts += [c["function"]["arguments"] for c in message.get("tool_calls") or ()]
+    return "\n".join(p for p in parts if isinstance(p, str) and p)
+
+
 def stream_deltas(answer: SimAnswer, config: SimConfig) -> list[tuple[dict[str, Any], int]]:
     """The streamed deltas of an answer, after the role chunk, with the tokens each holds."""
     deltas: list[tuple[dict[str, Any], int]] = []

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import IO, Any
 
 import orjson
@@ -213,6 +213,8 @@ class State:
         self.started = time.monotonic()
         self.closing = asyncio.Event()
         self.next_id = 0
+        #: The text of each recent answer asked with its ids, by its ids: /detokenize.
+        self.spelled: OrderedDict[tuple[int, ...], str] = OrderedDict()
         # Cumulative upper bounds of each fault kind's slice of [0, 1).
         self.fault_table: list[tuple[float, str]] = []
         edge = 0.0
@@ -221,6 +223,12 @@ class State:
             if rate > 0:
                 edge += rate
                 self.fault_table.append((edge, kind))
+
+    def remember_spelling(self, ids: list[int], text: str) -> None:
+        """What ``/detokenize`` says of ``ids``: the last 4,096 answers are kept."""
+        self.spelled[tuple(ids)] = text
+        while len(self.spelled) > 4096:
+            self.spelled.popitem(last=False)
 
     def uptime(self) -> float:
         return time.monotonic() - self.started

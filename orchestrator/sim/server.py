@@ -38,7 +38,7 @@ from orchestrator.sim.config import SimConfig
 from orchestrator.sim.exposition import Figures, metrics_text
 from orchestrator.sim.faults import fault_response, outage_middleware
 from orchestrator.sim.generation import choice_seeds, count_prompt_tokens, generate, request_digest
-from orchestrator.sim.messages import Shape, served_model
+from orchestrator.sim.messages import Shape, served_model, spelling
 from orchestrator.sim.options import sim_config, sim_options
 from orchestrator.sim.prefix import prompt_words
 from orchestrator.sim.refusals import JSON_TYPE, error_response, rate_limited, refusal, validate
@@ -149,8 +149,13 @@ async def _answer_chat(
     completion_id = f"{'cmpl' if plain else 'chatcmpl'}-{digest}{state.next_id:08x}"
     said = body.get("return_token_ids") is True and config.prompt_ids == "response"
     ids = sim_tokens.prompt_ids(prompt_words(messages)) if said else None
+    if body.get("return_token_ids") is True:
+        for a in answers:
+            state.remember_spelling(sim_tokens.answer_ids(a.digest, a.tokens), spelling(a, config))
+    # A bad_ids fault: the ids said are another answer's, the text this one's.
+    bad = ":bad-ids" if fault == "bad_ids" else ""
     shapes = [
-        Shape(body, a.digest, plain, sim_tokens.texts_of([a.reasoning, a.words]), ids)
+        Shape(body, a.digest + bad, plain, sim_tokens.texts_of([a.reasoning, a.words]), ids)
         for a in answers
     ]
 
@@ -196,6 +201,25 @@ async def _tokenize(request: web.Request) -> web.Response:
     ids = sim_tokens.prompt_ids(prompt_words(messages))
     doc = {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids}
     return web.Response(body=orjson.dumps(doc), content_type=JSON_TYPE)
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    """``/detokenize``: the text of an answer the server gave with these ids (llama.cpp's
+    ``content`` and vLLM's ``prompt``); ids of no recent answer spell ``" t<id>"`` each."""
+    state = request.app[STATE]
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        return error_response(400, f"request body is not valid JSON: {exc}", "BadRequestError")
+    ids = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        return error_response(400, "'tokens' must be a list of token ids", "BadRequestError")
+    text = state.spelled.get(tuple(ids))
+    if text is None:
+        text = "".join(f" t{i}" for i in ids)
+    return web.Response(
+        body=orjson.dumps({"content": text, "prompt": text}), content_type=JSON_TYPE
+    )
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -291,6 +315,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/health", _health)
     app.router.add_get("/health_generate", _health)
     app.router.add_get("/v1/models", _models)
