@@ -160,12 +160,8 @@ def _launch_line(line: str, where: str) -> LaunchLine:
     one word."""
 
     rest = _LAUNCH.sub("", line, count=1).strip()
-    try:
-        words = shlex.split(rest)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc} (quote the launch command as one word)") from None
-    if not words:
-        raise ConfigError(f'{where}: launch = "COMMAND --port {{port}}" expected')
+    hint = ' (launch = "COMMAND --port {port}", the command quoted as one word)'
+    words = _shell_words(rest, where, "the launch line", hint)
     options, port = [], None
     for option in words[1:]:
         key, _, value = option.partition("=")
@@ -295,15 +291,22 @@ def _same(url: str) -> str:
     return url.strip().rstrip("/").removesuffix("/v1").lower()
 
 
-def check_command(command: str, source: str) -> str:
-    """A launch command as given, refused naming ``source`` when it cannot work."""
-    text = command.strip()
+def _shell_words(text: str, where: str, what: str, hint: str = "") -> list[str]:
+    """``text`` split as a shell would split it, or a ``ConfigError`` naming ``where``: a
+    command a shell cannot split, or an empty one, cannot be started."""
     try:
         words = shlex.split(text)
     except ValueError as exc:
-        raise ConfigError(f"{source}: cannot split the launch command {text!r}: {exc}") from None
+        raise ConfigError(f"{where}: cannot split {what} {text!r}: {exc}{hint}") from None
     if not words:
-        raise ConfigError(f"{source}: the launch command is empty")
+        raise ConfigError(f"{where}: {what} is empty{hint}")
+    return words
+
+
+def check_command(command: str, source: str) -> str:
+    """A launch command as given, refused naming ``source`` when it cannot work."""
+    text = command.strip()
+    _shell_words(text, source, "the launch command")
     if PORT not in text:
         raise ConfigError(
             f"{source}: the launch command {text!r} has no {PORT}: the server must listen on "

@@ -271,18 +271,17 @@ def servers_down(w: dict[str, Any], now: float) -> str:
 def _worker_lines(snap: dict[str, Any]) -> list[str]:
     """The workers not stopped: their work, and what is wrong with any (dead, silent,
     waiting for a server); a line above them when the whole run waits for one."""
-    listed = [w for w in snap["workers"] if not w["stopped"]]
-    if not listed:
-        return []
-    lines = ["", "workers:"]
     now = snap.get("generated_at", 0.0)
-    for w in listed:
+    rows = []
+    for w in snap["workers"]:
+        if w["stopped"]:
+            continue
         note = worker_note(w, now)
-        lines.append(
+        rows.append(
             f"  {w['id']}  in flight {w['in_flight']}, done {w['completed']:,},"
             f" last heartbeat {duration(w['heartbeat_age_s'])} ago" + (f"  {note}" if note else "")
         )
-    return lines
+    return _section("workers:", rows)
 
 
 def _crash_lines(after: dict[str, int] | None) -> list[str]:
@@ -303,27 +302,24 @@ def _crash_lines(after: dict[str, int] | None) -> list[str]:
 
 def _launched_lines(launched: list[dict[str, Any]]) -> list[str]:
     """The servers the running workers launched: where each stands, and its log."""
-    if not launched:
-        return []
-    lines = ["", "launched servers:"]
+    rows = []
     for s in launched:
         pid = f" pid {s['pid']}," if s.get("pid") else ""
         last = f", last exit: {s['last_exit']}" if s.get("last_exit") else ""
-        lines.append(f"  {s['name']} {s['url']}  {s['state']},{pid} restarts {s['restarts']}{last}")
-        lines.append(f"    log: {s['log']}")
-    return lines
+        rows.append(f"  {s['name']} {s['url']}  {s['state']},{pid} restarts {s['restarts']}{last}")
+        rows.append(f"    log: {s['log']}")
+    return _section("launched servers:", rows)
 
 
 def _limited_lines(limited: list[dict[str, Any]]) -> list[str]:
     """Servers that answer nothing but 429: the run waits on them, and says so."""
-    lines = []
-    for s in limited:
-        lines.append(
-            f"RATE LIMITED: {s['server']} has answered only HTTP 429 for "
-            f"{duration(s['limited_for_s'])} (latest {duration(s['last_429_age_s'])} ago): "
-            "check the key's quota and --rpm/--tpm"
-        )
-    return ["", *lines] if lines else []
+    rows = [
+        f"RATE LIMITED: {s['server']} has answered only HTTP 429 for "
+        f"{duration(s['limited_for_s'])} (latest {duration(s['last_429_age_s'])} ago): "
+        "check the key's quota and --rpm/--tpm"
+        for s in limited
+    ]
+    return _section(None, rows)
 
 
 def _message_lines(entry: dict[str, Any] | None, now: float) -> list[str]:
@@ -340,25 +336,30 @@ def _message_lines(entry: dict[str, Any] | None, now: float) -> list[str]:
 
 def _server_lines(servers: list[dict[str, Any]]) -> list[str]:
     """The servers' own view (their /metrics), beside the orchestrator's figures above."""
-    if not servers:
+    return _section("servers (their own /metrics):", [_server_line(s) for s in servers])
+
+
+def _server_line(s: dict[str, Any]) -> str:
+    if s.get("error"):
+        return f"  {s['server']}  unreachable: {s['error']}"
+    if s.get("kind") is None:
+        return f"  {s['server']}  no SGLang, vLLM or llama.cpp metrics at {s['url']}"
+    usage = s.get("kv_cache_usage")
+    speed = s.get("gen_throughput")
+    return (
+        f"  {s['server']}  ({s['kind']})  running {_num(s.get('running'))},"
+        f" queued {_num(s.get('queued'))},"
+        f" KV cache {'-' if usage is None else f'{usage:.0%}'},"
+        f" generating {'-' if speed is None else f'{speed:,.0f}'} tok/s"
+    )
+
+
+def _section(title: str | None, rows: list[str]) -> list[str]:
+    """``rows`` under ``title`` after a blank line; nothing at all when there are none, so
+    a quiet run's status stays short."""
+    if not rows:
         return []
-    lines = ["", "servers (their own /metrics):"]
-    for s in servers:
-        if s.get("error"):
-            lines.append(f"  {s['server']}  unreachable: {s['error']}")
-            continue
-        if s.get("kind") is None:
-            lines.append(f"  {s['server']}  no SGLang, vLLM or llama.cpp metrics at {s['url']}")
-            continue
-        usage = s.get("kv_cache_usage")
-        speed = s.get("gen_throughput")
-        lines.append(
-            f"  {s['server']}  ({s['kind']})  running {_num(s.get('running'))},"
-            f" queued {_num(s.get('queued'))},"
-            f" KV cache {'-' if usage is None else f'{usage:.0%}'},"
-            f" generating {'-' if speed is None else f'{speed:,.0f}'} tok/s"
-        )
-    return lines
+    return ["", *([title] if title else []), *rows]
 
 
 def _num(value: float | None) -> str:

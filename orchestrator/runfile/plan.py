@@ -104,6 +104,16 @@ class DatasetEstimate:
         return self.request_bytes + self.output_bytes + self.overhead_bytes
 
 
+class _Total:
+    """A run's figure: its datasets' own, added up (the name says which)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, plan: RunPlan, owner: type | None = None) -> int:
+        return sum(getattr(d, self.name) for d in plan.datasets)
+
+
 @dataclass(frozen=True, slots=True)
 class RunPlan:
     """Every dataset's estimate, the totals, and the assumptions behind them."""
@@ -118,34 +128,17 @@ class RunPlan:
     context: int | None = None
     """The server's context length, when known (``plan --server``, ``--max-model-len``)."""
 
-    @property
-    def rows(self) -> int:
-        return sum(d.rows for d in self.datasets)
-
-    @property
-    def requests(self) -> int:
-        return sum(d.requests for d in self.datasets)
-
-    @property
-    def done(self) -> int:
-        return sum(d.done for d in self.datasets)
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(d.generated_tokens for d in self.datasets)
-
-    @property
-    def remaining_tokens(self) -> int:
-        return sum(d.remaining_tokens for d in self.datasets)
+    rows = _Total()
+    requests = _Total()
+    done = _Total()
+    generated_tokens = _Total()
+    remaining_tokens = _Total()
+    db_bytes = _Total()
 
     @property
     def duration_seconds(self) -> float:
         """The datasets share the server, so their times add up."""
         return self.remaining_tokens / self.tokens_per_second
-
-    @property
-    def db_bytes(self) -> int:
-        return sum(d.db_bytes for d in self.datasets)
 
 
 def plan_run(

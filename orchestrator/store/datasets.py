@@ -14,15 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError
 from orchestrator.items.params import request_settings
-from orchestrator.settings.dataset_options import (
-    ENDPOINTS,
-    HISTORY_REASONING,
-    INT_MAX,
-    ON_INVALID,
-    ON_OVERFLOW,
-    ON_TRUNCATED,
-    REGENERATE,
-)
+from orchestrator.settings import dataset_options as allowed
 from orchestrator.store.engine import Database
 from orchestrator.store.schema import datasets, items, param_sets
 
@@ -63,26 +55,28 @@ class DatasetSpec:
     draw_mode: str | None = None
 
     def __post_init__(self) -> None:
-        if self.endpoint not in (None, *ENDPOINTS):
+        if self.endpoint not in (None, *allowed.ENDPOINTS):
             raise ConfigError(
-                f"dataset {self.name}: endpoint must be one of {', '.join(ENDPOINTS)}"
+                f"dataset {self.name}: endpoint must be one of {', '.join(allowed.ENDPOINTS)}"
             )
         _check_draws(self)
         if not self.name or len(self.name) > 200:
             raise ConfigError("dataset name must be 1 to 200 characters")
-        if self.concurrency is not None and not 1 <= self.concurrency <= INT_MAX:
-            raise ConfigError(f"dataset {self.name}: concurrency must be 1 to {INT_MAX}")
-        if self.priority is not None and not -INT_MAX <= self.priority <= INT_MAX:
-            raise ConfigError(f"dataset {self.name}: priority must be -{INT_MAX} to {INT_MAX}")
-        if self.regenerate not in (None, *REGENERATE):
+        if self.concurrency is not None and not 1 <= self.concurrency <= allowed.INT_MAX:
+            raise ConfigError(f"dataset {self.name}: concurrency must be 1 to {allowed.INT_MAX}")
+        if self.priority is not None and not -allowed.INT_MAX <= self.priority <= allowed.INT_MAX:
             raise ConfigError(
-                f"dataset {self.name}: regenerate must be one of {', '.join(REGENERATE)}"
+                f"dataset {self.name}: priority must be -{allowed.INT_MAX} to {allowed.INT_MAX}"
+            )
+        if self.regenerate not in (None, *allowed.REGENERATE):
+            raise ConfigError(
+                f"dataset {self.name}: regenerate must be one of {', '.join(allowed.REGENERATE)}"
             )
         for key, value, valid in (
-            ("on_truncated", self.on_truncated, ON_TRUNCATED),
-            ("on_invalid", self.on_invalid, ON_INVALID),
-            ("on_overflow", self.on_overflow, ON_OVERFLOW),
-            ("history_reasoning", self.history_reasoning, HISTORY_REASONING),
+            ("on_truncated", self.on_truncated, allowed.ON_TRUNCATED),
+            ("on_invalid", self.on_invalid, allowed.ON_INVALID),
+            ("on_overflow", self.on_overflow, allowed.ON_OVERFLOW),
+            ("history_reasoning", self.history_reasoning, allowed.HISTORY_REASONING),
         ):
             if value not in (None, *valid):
                 raise ConfigError(f"dataset {self.name}: {key} must be one of {', '.join(valid)}")
@@ -136,9 +130,10 @@ def _check_draws(spec: DatasetSpec) -> None:
     if spec.seeds is None:
         return
     if any(
-        not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= INT_MAX for s in spec.seeds
+        not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= allowed.INT_MAX
+        for s in spec.seeds
     ):
-        raise ConfigError(f"{where}: seeds must be integers from 0 to {INT_MAX}")
+        raise ConfigError(f"{where}: seeds must be integers from 0 to {allowed.INT_MAX}")
     repeated = sorted({s for s in spec.seeds if spec.seeds.count(s) > 1})
     if repeated:
         raise ConfigError(

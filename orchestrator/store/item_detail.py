@@ -124,31 +124,31 @@ class AttemptRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class TurnRecord:
-    """One generated turn of a ``regenerate = "all"`` conversation (0-based ``turn``)."""
+class Reply:
+    """What an answer and a generated turn both hold: the assistant message as the server
+    sent it (``content``, ``reasoning_content``, ``tool_calls``), and what came with it."""
 
-    turn: int
     message: Json
     finish_reason: str | None
     usage: Json | None
     flags: list[str]
     model: str | None
     server: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord(Reply):
+    """One generated turn of a ``regenerate = "all"`` conversation (0-based ``turn``)."""
+
+    turn: int
     latency: float
     created_at: float
 
 
 @dataclass(frozen=True, slots=True)
-class AnswerRecord:
-    """An answer as stored: the assistant message as the server sent it (``content``,
-    ``reasoning_content``, ``tool_calls``), and what came with it."""
+class AnswerRecord(Reply):
+    """An answer as stored, with the attempt and the parameters it was made with."""
 
-    message: Json
-    finish_reason: str | None
-    usage: Json | None
-    flags: list[str]
-    model: str | None
-    server: str | None
     response_id: str | None
     attempt: int
     latency: float

@@ -135,10 +135,7 @@ class Queue:
         A result whose lease was lost is dropped here: its row is not running under that
         token any more, so neither the state nor an output is written.
         """
-        if not results:
-            return set()
-        result = await self.write_round(Round(complete=list(results)), now=now)
-        return result.accepted["complete"]
+        return await self._settle("complete", results, now)
 
     async def retry(
         self,
@@ -147,28 +144,27 @@ class Queue:
         now: float | None = None,
     ) -> set[int]:
         """Back to pending until ``not_before``; the attempt stays counted."""
-        if not outcomes:
-            return set()
-        result = await self.write_round(Round(retry=list(outcomes)), now=now)
-        return result.accepted["retry"]
+        return await self._settle("retry", outcomes, now)
 
     async def release(
         self, outcomes: Sequence[tuple[Lease, Failure, float]], *, now: float | None = None
     ) -> set[int]:
         """Back to pending with the attempt given back: the item was not at fault."""
-        if not outcomes:
-            return set()
-        result = await self.write_round(Round(release=list(outcomes)), now=now)
-        return result.accepted["release"]
+        return await self._settle("release", outcomes, now)
 
     async def fail(
         self, outcomes: Sequence[tuple[Lease, Failure]], *, now: float | None = None
     ) -> set[int]:
         """Failed for good, with the reason kept."""
+        return await self._settle("fail", outcomes, now)
+
+    async def _settle(self, kind: str, outcomes: Sequence[Any], now: float | None) -> set[int]:
+        """Write outcomes of one ``kind`` (a field of :class:`Round`) as a round of their
+        own; the ids whose lease still held."""
         if not outcomes:
             return set()
-        result = await self.write_round(Round(fail=list(outcomes)), now=now)
-        return result.accepted["fail"]
+        result = await self.write_round(Round(**{kind: list(outcomes)}), now=now)
+        return result.accepted[kind]
 
     # ---------------------------------------------------------------- recovery
 

@@ -21,6 +21,17 @@ metadata = sa.MetaData(
 
 STATES = ("pending", "running", "done", "failed")
 
+
+def _cascading(name: str, parent: str, **keys: bool) -> sa.Column:
+    """A reference to ``parent``'s id: a row goes when the row it belongs to does."""
+    return sa.Column(name, sa.Integer, sa.ForeignKey(f"{parent}.id", ondelete="CASCADE"), **keys)
+
+
+def _partial_index(name: str, *columns: object, where: sa.ColumnElement[bool]) -> sa.Index:
+    """An index of the rows ``where`` holds for, the same on SQLite and PostgreSQL."""
+    return sa.Index(name, *columns, sqlite_where=where, postgresql_where=where)
+
+
 datasets = sa.Table(
     "datasets",
     metadata,
@@ -64,12 +75,7 @@ items = sa.Table(
     "items",
     metadata,
     sa.Column("id", sa.Integer, primary_key=True),
-    sa.Column(
-        "dataset_id",
-        sa.Integer,
-        sa.ForeignKey("datasets.id", ondelete="CASCADE"),
-        nullable=False,
-    ),
+    _cascading("dataset_id", "datasets", nullable=False),
     sa.Column("key", sa.Text, nullable=False),
     sa.Column("position", sa.Integer, nullable=False),
     sa.Column("request", sa.Text, nullable=False),
@@ -109,53 +115,44 @@ items = sa.Table(
 
 # "Next pending, longest first" stays an index range scan however many rows are done
 # (migration 0009); a dataset of prompts (all 0) is read in input order.
-sa.Index(
+_partial_index(
     "ix_items_longest",
     items.c.dataset_id,
     items.c.predicted_tokens.desc(),
     items.c.position,
     items.c.sample,
-    sqlite_where=items.c.state == "pending",
-    postgresql_where=items.c.state == "pending",
+    where=items.c.state == "pending",
 )
 # Pending items that were in flight when a worker died: those that died twice or more
 # are claimed in groups of one level (``store.crashes``), found without scanning every
 # pending row; ``status`` counts them all from here.
-sa.Index(
+_partial_index(
     "ix_items_suspect",
     items.c.dataset_id,
     items.c.deaths,
     items.c.position,
-    sqlite_where=sa.and_(items.c.state == "pending", items.c.deaths > 0),
-    postgresql_where=sa.and_(items.c.state == "pending", items.c.deaths > 0),
+    where=sa.and_(items.c.state == "pending", items.c.deaths > 0),
 )
 # The reaper and the per-dataset running counts only look at running rows.
-sa.Index(
+_partial_index(
     "ix_items_running",
     items.c.lease_expires_at,
-    sqlite_where=items.c.state == "running",
-    postgresql_where=items.c.state == "running",
+    where=items.c.state == "running",
 )
 sa.Index("ix_items_dataset_state", items.c.dataset_id, items.c.state)
 # Status counts failed items by class, and requeue picks them by class: both read only
 # this small index. Enqueue never writes a failed row, so inserts do not maintain it.
-sa.Index(
+_partial_index(
     "ix_items_failed",
     items.c.dataset_id,
     items.c.error_class,
-    sqlite_where=items.c.state == "failed",
-    postgresql_where=items.c.state == "failed",
+    where=items.c.state == "failed",
 )
 
 outputs = sa.Table(
     "outputs",
     metadata,
-    sa.Column(
-        "item_id",
-        sa.Integer,
-        sa.ForeignKey("items.id", ondelete="CASCADE"),
-        primary_key=True,
-    ),
+    _cascading("item_id", "items", primary_key=True),
     sa.Column("dataset_id", sa.Integer, nullable=False),
     # Left empty since answers are stored once, in ``message``; rows written before keep
     # a copy of the text here.
@@ -201,24 +198,18 @@ sa.Index("ix_outputs_cache", outputs.c.dataset_id, outputs.c.prompt_tokens, outp
 sa.Index("ix_outputs_started", outputs.c.dataset_id, outputs.c.created_at - outputs.c.latency)
 # Flagged answers only (truncated, empty, ...): status counts them from here, and an
 # unflagged answer, the usual kind, writes nothing to it.
-sa.Index(
+_partial_index(
     "ix_outputs_flagged",
     outputs.c.dataset_id,
     outputs.c.flags,
-    sqlite_where=outputs.c.flags != 0,
-    postgresql_where=outputs.c.flags != 0,
+    where=outputs.c.flags != 0,
 )
 
 # Each turn of a multi-turn regeneration, written as it is generated (the last one too).
 item_turns = sa.Table(
     "item_turns",
     metadata,
-    sa.Column(
-        "item_id",
-        sa.Integer,
-        sa.ForeignKey("items.id", ondelete="CASCADE"),
-        primary_key=True,
-    ),
+    _cascading("item_id", "items", primary_key=True),
     sa.Column("turn", sa.Integer, primary_key=True),
     sa.Column("message", sa.Text, nullable=False),
     sa.Column("finish_reason", sa.Text, nullable=True),
@@ -312,12 +303,7 @@ requeued_items = sa.Table(
     "requeued_items",
     metadata,
     sa.Column("requeue_id", sa.Integer, primary_key=True),
-    sa.Column(
-        "item_id",
-        sa.Integer,
-        sa.ForeignKey("items.id", ondelete="CASCADE"),
-        primary_key=True,
-    ),
+    _cascading("item_id", "items", primary_key=True),
     sa.Column("state", sa.String(16), nullable=False),
     sa.Column("attempts", sa.Integer, nullable=False),
     sa.Column("error_class", sa.String(64), nullable=True),
@@ -354,12 +340,7 @@ superseded_turns = sa.Table(
 wasted_tokens = sa.Table(
     "wasted_tokens",
     metadata,
-    sa.Column(
-        "dataset_id",
-        sa.Integer,
-        sa.ForeignKey("datasets.id", ondelete="CASCADE"),
-        primary_key=True,
-    ),
+    _cascading("dataset_id", "datasets", primary_key=True),
     sa.Column("cause", sa.String(32), primary_key=True),
     # Attempts thrown away; of them, those whose token count nobody knows (``unknown``,
     # counted in ``requests`` but not in ``tokens``).

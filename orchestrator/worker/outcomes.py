@@ -51,21 +51,25 @@ class Advance(Outcome):
 
 
 @dataclass(slots=True)
-class Retry(Outcome):
-    """Back to pending after a backoff; the attempt stays counted."""
+class BackToPending(Outcome):
+    """Back to pending until ``not_before``, for the reason ``failure`` gives."""
 
-    kind: ClassVar[str] = "retry"
     failure: Failure
     not_before: float
 
 
 @dataclass(slots=True)
-class Release(Outcome):
+class Retry(BackToPending):
+    """Back to pending after a backoff; the attempt stays counted."""
+
+    kind: ClassVar[str] = "retry"
+
+
+@dataclass(slots=True)
+class Release(BackToPending):
     """Back to pending with the attempt given back: the item was not at fault."""
 
     kind: ClassVar[str] = "release"
-    failure: Failure
-    not_before: float
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypedDict, TypeVar, Unpack
 
 import orjson
 
@@ -149,19 +149,22 @@ Say = Callable[[str], str]
 """How messages spell an option's name (``--prompt-column`` or ``prompt_column``)."""
 
 
-def iter_records(
-    source: object,
-    *,
-    on_invalid: Callable[[InputError], None] | None = None,
-    fmt: str = "auto",
-    regenerate: str = "last",
-    passthrough: bool = False,
-    columns: Columns | None = None,
-    split: str | None = None,
-    config: str | None = None,
-    say: Say | None = None,
-    endpoint: str = "chat",
-) -> Reading[Record]:
+class ReadOptions(TypedDict, total=False):
+    """How a source is read: the keyword options of every reader, their defaults in
+    :func:`_reading`, so that the readers take the same options under the same names."""
+
+    on_invalid: Callable[[InputError], None] | None
+    fmt: str
+    regenerate: str
+    passthrough: bool
+    columns: Columns | None
+    split: str | None
+    config: str | None
+    say: Say | None
+    endpoint: str
+
+
+def iter_records(source: object, **options: Unpack[ReadOptions]) -> Reading[Record]:
     """Yield one ``Record`` per row of ``source`` (``formats.source.open_source``: a
     path, a folder, a glob, ``-``, ``hf://``, a table or rows in memory).
 
@@ -178,50 +181,16 @@ def iter_records(
     ``ConfigError`` here. ``endpoint="completions"`` takes plain prompts only, each as
     ``{"prompt": ...}`` (:func:`prompt_request`).
     """
-    return _reading(
-        "record",
-        source,
-        on_invalid,
-        fmt,
-        regenerate,
-        passthrough,
-        columns,
-        split,
-        config,
-        say,
-        endpoint,
-    )
+    return _reading("record", source, **options)
 
 
 def iter_prepared(
-    source: object,
-    *,
-    on_invalid: Callable[[InputError], None] | None = None,
-    fmt: str = "auto",
-    regenerate: str = "last",
-    passthrough: bool = False,
-    columns: Columns | None = None,
-    split: str | None = None,
-    config: str | None = None,
-    say: Say | None = None,
-    endpoint: str = "chat",
+    source: object, **options: Unpack[ReadOptions]
 ) -> Reading[Prepared] | Reading[PreparedItem]:
     """``iter_records`` for bulk loading: the same rows, checks and errors, as ``Prepared``
     (``PreparedItem`` when read for ``regenerate="all"`` or pass-through). For the
     ``completions`` endpoint each row must be a plain prompt, stored as ``{"prompt"}``."""
-    return _reading(
-        "prepared",
-        source,
-        on_invalid,
-        fmt,
-        regenerate,
-        passthrough,
-        columns,
-        split,
-        config,
-        say,
-        endpoint,
-    )
+    return _reading("prepared", source, **options)
 
 
 def iter_prepared_rows(
@@ -241,16 +210,24 @@ def iter_prepared_rows(
     from orchestrator.formats.readers.jsonl import RecordsSource
 
     records = RecordsSource(rows, name=source)
-    return _reading("prepared", records, on_invalid, fmt, regenerate, passthrough)
+    return _reading(
+        "prepared",
+        records,
+        on_invalid=on_invalid,
+        fmt=fmt,
+        regenerate=regenerate,
+        passthrough=passthrough,
+    )
 
 
 def _reading(
     kind: str,
     spec: object,
-    on_invalid: Callable[[InputError], None] | None,
-    fmt: str,
-    regenerate: str,
-    passthrough: bool,
+    *,
+    on_invalid: Callable[[InputError], None] | None = None,
+    fmt: str = "auto",
+    regenerate: str = "last",
+    passthrough: bool = False,
     columns: Columns | None = None,
     split: str | None = None,
     config: str | None = None,
