@@ -11,7 +11,7 @@ rules as users read them (docs/INPUTS-AND-EXPORTS.md, "Kinds of dataset"), not f
   changes.
 * ``all``: every assistant message after the first user message is the model's, and so
   is one more after a final user or tool message. Each was asked with everything before
-  it, the earlier answers without their reasoning, and never with its own original.
+  it, the earlier answers with their reasoning, and never with its own original.
   Tool results keep their place and content, and answer a call of the assistant turn
   before them. A turn whose calls differ from the original's in number or functions ends
   the conversation when more would follow (flagged ``tool_mismatch``); one that matches
@@ -68,17 +68,21 @@ def call_functions(message: Mapping[str, Any]) -> list[str]:
     return [c["function"]["name"] for c in message.get("tool_calls") or []]
 
 
-def _sent_back(message: Message, reasoning: str) -> Message:
-    """An exported answer as it was sent back as context: role, content, tool calls."""
-    content = message.get("content")
+def _sent_back(message: Message, reasoning: str) -> Message | None:
+    """An exported answer as it was sent back as context: role, content, tool calls and
+    its reasoning; None where the export dropped the reasoning (``--reasoning drop``), so
+    that what was sent cannot be known from the line."""
+    content, thought = message.get("content"), message.get("reasoning_content")
     if reasoning == "inline" and isinstance(content, str):
-        _, content, _ = split_think(content)
+        thought, content, _ = split_think(content)
     if message.get("tool_calls") and content == "":
         content = None  # a call's empty content is null (ShareGPT writes it as "")
     sent: Message = {"role": "assistant", "content": content}
+    if thought:
+        sent["reasoning_content"] = thought
     if message.get("tool_calls"):
         sent["tool_calls"] = message["tool_calls"]
-    return sent
+    return None if reasoning == "drop" else sent
 
 
 def _same_original(exported: Message, original: Message, fmt: str) -> bool:
@@ -133,7 +137,7 @@ def check_all(
     if not 0 < len(exported) <= full:
         v.fault(key, f"{len(exported)} messages exported of {full}")
         return
-    asked: list[Message] = []
+    asked: list[Message] | None = []
     offered: list[str] = []
     for i, message in enumerate(exported):
         generated = i == len(original) or (i > first_user and original[i]["role"] == "assistant")
@@ -145,13 +149,16 @@ def check_all(
                     v.fault(key, f"tool result {i} answers no call: {message.get('tool_call_id')}")
                 elif message.get("tool_call_id") != original[i].get("tool_call_id"):
                     v.renamed += 1
-                asked.append({**original[i], "tool_call_id": message.get("tool_call_id")})
+                renamed = {**original[i], "tool_call_id": message.get("tool_call_id")}
+                asked = None if asked is None else [*asked, renamed]
             else:
                 offered = [c["id"] for c in message.get("tool_calls") or []]
-                asked.append(dict(original[i]))
+                asked = None if asked is None else [*asked, dict(original[i])]
             continue
         v.answers += 1
-        if message["role"] != "assistant" or not answer_matches(asked, message):
+        # (With the reasoning dropped from the line, the context cannot be recomputed.)
+        sent = message["role"] == "assistant" and (asked is None or answer_matches(asked, message))
+        if not sent:
             v.fault(key, f"answer {i} was not asked with the conversation before it")
         check_reasoning(key, message, sim_reasoning, reasoning, v)
         offered = [c["id"] for c in message.get("tool_calls") or []]
@@ -164,7 +171,8 @@ def check_all(
             if not differs:
                 v.fault(key, f"ended at {i} of {full}, though its calls matched")
             v.stopped += 1
-        asked.append(_sent_back(message, reasoning))
+        back = _sent_back(message, reasoning)
+        asked = None if asked is None or back is None else [*asked, back]
 
 
 def check_export(
