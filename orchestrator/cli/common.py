@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
+from orchestrator.cli.options import stacked
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.settings import checks
 
@@ -168,13 +169,6 @@ window_option = click.option(
 )
 
 
-def _apply(command: Callable[..., Any], options: list[Callable[..., Any]]) -> Callable[..., Any]:
-    """``command`` with ``options`` in the order listed (as stacked decorators would be)."""
-    for option in reversed(options):
-        command = option(command)
-    return command
-
-
 _PRICES = {
     "--gpu-hour-cost": "Price of one server-hour (a GPU server's rent), for the run's cost.",
     "--price-input": "Price per million prompt tokens (a hosted API's input price).",
@@ -195,7 +189,7 @@ def prices_options(command: Callable[..., Any]) -> Callable[..., Any]:
         help="The run's servers file: its servers' own prices (gpu_hour_cost=, "
         "price_input=, price_output=), the options above for the others.",
     )
-    return _apply(command, [*options, servers_file])
+    return stacked(command, [*options, servers_file])
 
 
 def request_options(param_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -212,7 +206,7 @@ def request_options(param_help: str) -> Callable[[Callable[..., Any]], Callable[
         ),
         click.option("--param", "params", multiple=True, metavar="KEY=JSON", help=param_help),
     ]
-    return lambda command: _apply(command, options)
+    return lambda command: stacked(command, options)
 
 
 def run_prices(
