@@ -287,6 +287,27 @@ def run_sync(fn: Callable[[], T]) -> T:
         fail(f"{where}{exc.strerror or exc}", ConfigError.exit_code)
 
 
+@contextlib.contextmanager
+def usage_errors() -> Iterator[None]:
+    """The library's refusal of what the options asked for (ConfigError), as click's usage
+    error: the same words, with the command's usage, exit 2."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def flag_mask(given: tuple[str, ...]) -> int:
+    """Quality flags named by a repeated option (each a name, or names comma-separated),
+    as one mask; an unknown name stops the command."""
+    from orchestrator.items.quality import parse_flags
+
+    mask = 0
+    for names in given:
+        mask |= run_sync(lambda names=names: parse_flags(names))
+    return mask
+
+
 # What a shell reports for a writer that SIGPIPE ended (`seq 1000000 | head -1`).
 BROKEN_PIPE_EXIT = 128 + 13
 

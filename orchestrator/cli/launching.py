@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from orchestrator.cli.common import run_sync
+from orchestrator.cli.common import run_sync, usage_errors
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -145,15 +145,12 @@ def supervisor(
 ) -> Any:
     """The supervisor of what the options (and a servers file's ``launch`` lines) say
     to launch; None when there is nothing to launch."""
-    from orchestrator.errors import ConfigError
     from orchestrator.inference.launch.plan import LaunchPlan
     from orchestrator.inference.launch.plan import supervisor as build
     from orchestrator.store.reader import sqlite_path
 
-    try:
+    with usage_errors():
         plan = LaunchPlan(**options, file_launches=tuple(file_launches or ()))
         plan.preset()
         plan.supervise()
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
     return run_sync(lambda: build(plan, sqlite_path(db)))
