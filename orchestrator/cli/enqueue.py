@@ -20,7 +20,7 @@ from orchestrator.cli.common import (
     run_sync,
     tty_progress,
 )
-from orchestrator.cli.options import FLAG, Row, table
+from orchestrator.cli.options import FLAG, Row, shown, table
 from orchestrator.settings.checks import COLUMNS, DATASET
 from orchestrator.settings.choices import INPUT_FORMATS
 from orchestrator.settings.dataset_options import (
@@ -128,7 +128,7 @@ _DATASET_OPTIONS: tuple[Row, ...] = (
         ("--format", "fmt"),
         "Every line must be in this format (auto: any mix). tokens: pre-tokenised "
         "input_ids/loss_mask rows, with --passthrough only.",
-        {"type": click.Choice(INPUT_FORMATS), "default": "auto", "show_default": True},
+        shown("auto", click.Choice(INPUT_FORMATS)),
     ),
     (
         "--regenerate",

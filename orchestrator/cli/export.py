@@ -21,7 +21,7 @@ from orchestrator.cli.common import (
     progress_shown,
     run_sync,
 )
-from orchestrator.cli.options import FLAG, Row, datasets_option, table
+from orchestrator.cli.options import FLAG, Row, datasets_option, shown, table
 from orchestrator.settings.choices import EXPORT_FORMATS, REASONING_MODES
 
 if TYPE_CHECKING:
@@ -38,13 +38,13 @@ _OPTIONS: tuple[Row, ...] = (
         "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl), "
         "completions: prompt and completion (datasets enqueued with --endpoint completions); "
         "or parquet: the messages rows as a Parquet table.",
-        {"type": click.Choice(EXPORT_FORMATS), "default": "messages", "show_default": True},
+        shown("messages", click.Choice(EXPORT_FORMATS)),
     ),
     (
         "--reasoning",
         "Generated reasoning: in reasoning_content, inline in the content as "
         "<think>...</think>, or dropped.",
-        {"type": click.Choice(REASONING_MODES), "default": "separate", "show_default": True},
+        shown("separate", click.Choice(REASONING_MODES)),
     ),
     (
         "--split",

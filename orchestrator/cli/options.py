@@ -55,3 +55,10 @@ def datasets_option(text: str) -> Callable[[F], F]:
 def json_option(text: str) -> Callable[[F], F]:
     """``--json``: the command's answer for programs rather than people."""
     return click.option("--json", "as_json", is_flag=True, help=text)
+
+
+def shown(default: Any, kind: Any = None, **more: Any) -> dict[str, Any]:
+    """The keywords of an option whose default ``--help`` shows (``[default: 5]``), of
+    type ``kind`` when given."""
+    keywords = {"default": default, "show_default": True, **more}
+    return keywords if kind is None else {"type": kind, **keywords}

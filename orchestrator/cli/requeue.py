@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from orchestrator.cli.common import db_option, fail, flag_mask, on_database, usage_errors
-from orchestrator.cli.options import FLAG, Row, datasets_option, table
+from orchestrator.cli.options import FLAG, Row, datasets_option, shown, table
 from orchestrator.errors import ConfigError
 from orchestrator.items.error_classes import ERROR_CLASSES
 
@@ -15,7 +15,7 @@ _OPTIONS: tuple[Row, ...] = (
     (
         "--state",
         "Which items go back (done items' answers are kept aside: see --undo).",
-        {"type": click.Choice(["failed", "done"]), "default": "failed", "show_default": True},
+        shown("failed", click.Choice(["failed", "done"])),
     ),
     (
         "--error-class",
