@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
-from orchestrator.cli.options import stacked
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.settings import checks
 
@@ -66,16 +65,6 @@ def close_names(name: str, names: list[str]) -> list[str]:
     return [repr(n) for n in dict.fromkeys(begun + alike)][:3]
 
 
-db_option = click.option(
-    "--db",
-    envvar="ORCHESTRATOR_DB",
-    default=None,
-    metavar="PATH|URL",
-    help="Database: a SQLite file path or an SQLAlchemy URL "
-    "(env ORCHESTRATOR_DB; default ./orchestrator.db).",
-)
-
-
 def split_servers(
     ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
 ) -> tuple[str, ...]:
@@ -115,18 +104,6 @@ def _checked_servers(values: tuple[str, ...], source: str) -> tuple[str, ...]:
     return tuple(checked)
 
 
-servers_option = click.option(
-    "--server",
-    "servers",
-    multiple=True,
-    envvar="ORCHESTRATOR_SERVERS",
-    metavar="URL",
-    callback=split_servers,
-    help="OpenAI-compatible server base URL; repeat for several "
-    "(env ORCHESTRATOR_SERVERS, space-separated).",
-)
-
-
 def _cap(text: str) -> int | str:
     """A concurrency as typed: ``auto`` (any case) or a number."""
     return "auto" if text.lower() == "auto" else int(text)
@@ -160,55 +137,6 @@ class Checked(click.ParamType):
         return parsed
 
 
-window_option = click.option(
-    "--window",
-    type=Checked(checks.WINDOW),
-    default=300.0,
-    show_default=True,
-    help="Seconds of recent history for the recent rates (at least 1).",
-)
-
-
-_PRICES = {
-    "--gpu-hour-cost": "Price of one server-hour (a GPU server's rent), for the run's cost.",
-    "--price-input": "Price per million prompt tokens (a hosted API's input price).",
-    "--price-output": "Price per million completion tokens (a hosted API's output price).",
-}
-
-
-def prices_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--gpu-hour-cost``, ``--price-input``, ``--price-output`` and ``--servers-file``:
-    what the run costs (``orchestrator.settings.prices``), per server where the file says."""
-    options = [
-        click.option(name, type=Checked(checks.PRICE), metavar="USD", help=text)
-        for name, text in _PRICES.items()
-    ]
-    servers_file = click.option(
-        "--servers-file",
-        type=click.Path(path_type=Path, dir_okay=False),
-        help="The run's servers file: its servers' own prices (gpu_hour_cost=, "
-        "price_input=, price_output=), the options above for the others.",
-    )
-    return stacked(command, [*options, servers_file])
-
-
-def request_options(param_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``--model``, ``--max-tokens``, ``--temperature``, ``--top-p`` and ``--param``: a
-    dataset's request body, as ``enqueue`` takes it and ``dataset set`` changes it."""
-    options = [
-        click.option("--model", help="Model name sent with every request of the dataset."),
-        click.option(
-            "--max-tokens", type=click.IntRange(min=1), help="max_tokens of each request."
-        ),
-        click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature."),
-        click.option(
-            "--top-p", type=click.FloatRange(min=0, max=1), help="Nucleus sampling top_p."
-        ),
-        click.option("--param", "params", multiple=True, metavar="KEY=JSON", help=param_help),
-    ]
-    return lambda command: stacked(command, options)
-
-
 def run_prices(
     gpu_hour_cost: float | None,
     price_input: float | None,
@@ -231,21 +159,6 @@ def run_prices(
     seen = {spec.url for spec in listed}
     own = [spec.prices for spec in listed] + [Prices() for url in servers if url not in seen]
     return run_prices(default, own)
-
-
-api_key_file_option = click.option(
-    "--api-key-file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="File holding the server's API key (else env ORCHESTRATOR_API_KEY).",
-)
-
-basic_auth_file_option = click.option(
-    "--basic-auth-file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    envvar="ORCHESTRATOR_BASIC_AUTH_FILE",
-    help="File holding USER:PASSWORD for the servers' HTTP Basic auth: kept out of the "
-    "process arguments, unlike http://USER:PASSWORD@HOST (env ORCHESTRATOR_BASIC_AUTH_FILE).",
-)
 
 
 def defer_logs(level: str, json: bool | None) -> None:

@@ -12,15 +12,21 @@ import click
 
 from orchestrator.cli.common import (
     Checked,
-    db_option,
     end_progress,
     on_database,
     progress_shown,
-    request_options,
     run_sync,
     tty_progress,
 )
-from orchestrator.cli.options import FLAG, Row, shown, table
+from orchestrator.cli.options import (
+    FLAG,
+    Row,
+    db_option,
+    request_options,
+    run_file_option,
+    shown,
+    table,
+)
 from orchestrator.settings.checks import COLUMNS, DATASET
 from orchestrator.settings.choices import INPUT_FORMATS
 from orchestrator.settings.dataset_options import (
@@ -80,6 +86,22 @@ _COLUMN_OPTIONS = (
     "system",
     "id_column",
     "tools_column",
+)
+# The settings ``EnqueueOptions`` takes as the options give them, under the same names.
+_AS_GIVEN = (
+    "dataset",
+    "concurrency",
+    "priority",
+    "regenerate",
+    "on_truncated",
+    "on_invalid",
+    "on_overflow",
+    "passthrough",
+    "endpoint",
+    "logprobs",
+    "samples",
+    "sample_requests",
+    "split",
 )
 _SAMPLING = (
     "--max-tokens",
@@ -252,11 +274,9 @@ _DATASET_OPTIONS: tuple[Row, ...] = (
 
 @click.command()
 @click.argument("source", metavar="SOURCE", required=False)
-@click.option(
-    "--config",
-    type=click.Path(path_type=Path),
-    help="Enqueue every dataset of a run file (docs/CONFIG.md) instead of one SOURCE; the "
-    "file is checked as a whole first.",
+@run_file_option(
+    "Enqueue every dataset of a run file (docs/CONFIG.md) instead of one SOURCE; the "
+    "file is checked as a whole first."
 )
 @click.option(
     "--dataset", "-d", type=Checked(DATASET["dataset"]), help="Dataset name (created on first use)."
@@ -347,25 +367,13 @@ def _options(
             ctx,
         )
     return EnqueueOptions(
-        dataset=settings["dataset"],
+        **{name: settings[name] for name in _AS_GIVEN},
         params=body,
-        concurrency=settings["concurrency"],
-        priority=settings["priority"],
         format=settings["fmt"],
-        regenerate=settings["regenerate"],
-        on_truncated=settings["on_truncated"],
-        on_invalid=settings["on_invalid"],
-        on_overflow=settings["on_overflow"],
-        passthrough=settings["passthrough"],
-        endpoint=settings["endpoint"],
-        logprobs=settings["logprobs"],
         update=update,
         sampling=tuple(sampling),
-        samples=settings["samples"],
         seeds=_parse_seeds(settings["seeds"]),
-        sample_requests=settings["sample_requests"],
         columns=Columns(**{name: _unescaped(name, settings[name]) for name in _COLUMN_OPTIONS}),
-        split=settings["split"],
         config=settings["hf_config"],
         spelling=_SPELLING,
     )

@@ -13,15 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orchestrator.cli.common import (
-    configure_logs,
-    db_option,
-    flag_mask,
-    on_database,
-    progress_shown,
-    run_sync,
-)
-from orchestrator.cli.options import FLAG, Row, datasets_option, shown, table
+from orchestrator.cli.common import configure_logs, flag_mask, on_database, progress_shown, run_sync
+from orchestrator.cli.options import FLAG, Row, datasets_option, db_option, shown, table
 from orchestrator.settings.choices import EXPORT_FORMATS, REASONING_MODES
 
 if TYPE_CHECKING:

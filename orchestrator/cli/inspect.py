@@ -14,15 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orchestrator.cli.common import (
-    configure_logs,
-    db_option,
-    flag_mask,
-    on_database,
-    run_sync,
-    usage_errors,
-)
-from orchestrator.cli.options import Row, datasets_option, json_option, table
+from orchestrator.cli.common import configure_logs, flag_mask, on_database, run_sync, usage_errors
+from orchestrator.cli.options import Row, datasets_option, db_option, json_option, table
 from orchestrator.items.error_classes import ERROR_CLASSES
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import db_option, fail, flag_mask, on_database, usage_errors
-from orchestrator.cli.options import FLAG, Row, datasets_option, shown, table
+from orchestrator.cli.common import fail, flag_mask, on_database, usage_errors
+from orchestrator.cli.options import FLAG, Row, datasets_option, db_option, shown, table
 from orchestrator.errors import ConfigError
 from orchestrator.items.error_classes import ERROR_CLASSES
 
