@@ -25,9 +25,6 @@ Row = tuple[str | tuple[str, ...], str | None, Mapping[str, Any]]
 #: The keywords of an on/off option.
 FLAG: Mapping[str, Any] = {"is_flag": True}
 
-#: The keywords of an option that repeats.
-MANY: Mapping[str, Any] = {"multiple": True}
-
 
 def stacked(command: F, options: list[Callable[..., Any]]) -> F:
     """``command`` with ``options`` in the order listed (as stacked decorators would be)."""
@@ -36,18 +33,12 @@ def stacked(command: F, options: list[Callable[..., Any]]) -> F:
     return command
 
 
-def row_options(rows: tuple[Row, ...]) -> list[Callable[..., Any]]:
-    """The rows as click options, in their order."""
-    options = []
-    for names, text, keywords in rows:
-        declared = (names,) if isinstance(names, str) else names
-        options.append(click.option(*declared, help=text, **keywords))
-    return options
-
-
 def table(*rows: Row) -> Callable[[F], F]:
     """A decorator adding the rows' options, the first one first in ``--help``."""
-    options = row_options(rows)
+    options = [
+        click.option(*((names,) if isinstance(names, str) else names), help=text, **keywords)
+        for names, text, keywords in rows
+    ]
     return lambda command: stacked(command, options)
 
 

@@ -10,7 +10,7 @@ import click
 
 from orchestrator.cli.common import echo_json, on_database, run_async, run_prices, run_sync
 from orchestrator.cli.launching import launch_options, supervisor, take_launch_options
-from orchestrator.cli.options import db_option, prices_options, run_file_option
+from orchestrator.cli.options import db_option, json_option, prices_options, run_file_option
 
 DEFAULT_TOKENS_PER_SECOND = 850.0
 """``plan``'s default rate: the total tokens per second of a typical single-GPU reasoning
@@ -44,7 +44,7 @@ run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md.
     type=click.IntRange(min=1),
     help="The server's context length in tokens, for the same warning.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable.")
+@json_option("Machine-readable.")
 @launch_options
 @prices_options
 @db_option

@@ -20,20 +20,25 @@ from orchestrator.cli.common import (
     run_prices,
     run_sync,
 )
-from orchestrator.cli.options import db_option, prices_options, servers_option, window_option
+from orchestrator.cli.options import (
+    datasets_option,
+    db_option,
+    json_option,
+    prices_options,
+    servers_option,
+    window_option,
+)
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable (docs/STATUS.md).")
+@json_option("Machine-readable (docs/STATUS.md).")
 @click.option(
     "--items-left",
     is_flag=True,
     help="Print only the count of items pending or running in datasets not paused (what "
     "a Slurm task reads to requeue itself).",
 )
-@click.option(
-    "--dataset", "datasets", multiple=True, help="With --items-left: only these datasets."
-)
+@datasets_option("With --items-left: only these datasets.")
 @window_option
 @servers_option
 @prices_options
