@@ -65,16 +65,6 @@ def close_names(name: str, names: list[str]) -> list[str]:
     return [repr(n) for n in dict.fromkeys(begun + alike)][:3]
 
 
-db_option = click.option(
-    "--db",
-    envvar="ORCHESTRATOR_DB",
-    default=None,
-    metavar="PATH|URL",
-    help="Database: a SQLite file path or an SQLAlchemy URL "
-    "(env ORCHESTRATOR_DB; default ./orchestrator.db).",
-)
-
-
 def split_servers(
     ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
 ) -> tuple[str, ...]:
@@ -114,18 +104,6 @@ def _checked_servers(values: tuple[str, ...], source: str) -> tuple[str, ...]:
     return tuple(checked)
 
 
-servers_option = click.option(
-    "--server",
-    "servers",
-    multiple=True,
-    envvar="ORCHESTRATOR_SERVERS",
-    metavar="URL",
-    callback=split_servers,
-    help="OpenAI-compatible server base URL; repeat for several "
-    "(env ORCHESTRATOR_SERVERS, space-separated).",
-)
-
-
 def _cap(text: str) -> int | str:
     """A concurrency as typed: ``auto`` (any case) or a number."""
     return "auto" if text.lower() == "auto" else int(text)
@@ -159,62 +137,6 @@ class Checked(click.ParamType):
         return parsed
 
 
-window_option = click.option(
-    "--window",
-    type=Checked(checks.WINDOW),
-    default=300.0,
-    show_default=True,
-    help="Seconds of recent history for the recent rates (at least 1).",
-)
-
-
-def _apply(command: Callable[..., Any], options: list[Callable[..., Any]]) -> Callable[..., Any]:
-    """``command`` with ``options`` in the order listed (as stacked decorators would be)."""
-    for option in reversed(options):
-        command = option(command)
-    return command
-
-
-_PRICES = {
-    "--gpu-hour-cost": "Price of one server-hour (a GPU server's rent), for the run's cost.",
-    "--price-input": "Price per million prompt tokens (a hosted API's input price).",
-    "--price-output": "Price per million completion tokens (a hosted API's output price).",
-}
-
-
-def prices_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--gpu-hour-cost``, ``--price-input``, ``--price-output`` and ``--servers-file``:
-    what the run costs (``orchestrator.settings.prices``), per server where the file says."""
-    options = [
-        click.option(name, type=Checked(checks.PRICE), metavar="USD", help=text)
-        for name, text in _PRICES.items()
-    ]
-    servers_file = click.option(
-        "--servers-file",
-        type=click.Path(path_type=Path, dir_okay=False),
-        help="The run's servers file: its servers' own prices (gpu_hour_cost=, "
-        "price_input=, price_output=), the options above for the others.",
-    )
-    return _apply(command, [*options, servers_file])
-
-
-def request_options(param_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``--model``, ``--max-tokens``, ``--temperature``, ``--top-p`` and ``--param``: a
-    dataset's request body, as ``enqueue`` takes it and ``dataset set`` changes it."""
-    options = [
-        click.option("--model", help="Model name sent with every request of the dataset."),
-        click.option(
-            "--max-tokens", type=click.IntRange(min=1), help="max_tokens of each request."
-        ),
-        click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature."),
-        click.option(
-            "--top-p", type=click.FloatRange(min=0, max=1), help="Nucleus sampling top_p."
-        ),
-        click.option("--param", "params", multiple=True, metavar="KEY=JSON", help=param_help),
-    ]
-    return lambda command: _apply(command, options)
-
-
 def run_prices(
     gpu_hour_cost: float | None,
     price_input: float | None,
@@ -237,21 +159,6 @@ def run_prices(
     seen = {spec.url for spec in listed}
     own = [spec.prices for spec in listed] + [Prices() for url in servers if url not in seen]
     return run_prices(default, own)
-
-
-api_key_file_option = click.option(
-    "--api-key-file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="File holding the server's API key (else env ORCHESTRATOR_API_KEY).",
-)
-
-basic_auth_file_option = click.option(
-    "--basic-auth-file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    envvar="ORCHESTRATOR_BASIC_AUTH_FILE",
-    help="File holding USER:PASSWORD for the servers' HTTP Basic auth: kept out of the "
-    "process arguments, unlike http://USER:PASSWORD@HOST (env ORCHESTRATOR_BASIC_AUTH_FILE).",
-)
 
 
 def defer_logs(level: str, json: bool | None) -> None:
@@ -291,6 +198,27 @@ def run_sync(fn: Callable[[], T]) -> T:
         # A file the command had to read or write, and the system's reason, in one line.
         where = f"{exc.filename}: " if exc.filename else ""
         fail(f"{where}{exc.strerror or exc}", ConfigError.exit_code)
+
+
+@contextlib.contextmanager
+def usage_errors() -> Iterator[None]:
+    """The library's refusal of what the options asked for (ConfigError), as click's usage
+    error: the same words, with the command's usage, exit 2."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def flag_mask(given: tuple[str, ...]) -> int:
+    """Quality flags named by a repeated option (each a name, or names comma-separated),
+    as one mask; an unknown name stops the command."""
+    from orchestrator.items.quality import parse_flags
+
+    mask = 0
+    for names in given:
+        mask |= run_sync(lambda names=names: parse_flags(names))
+    return mask
 
 
 # What a shell reports for a writer that SIGPIPE ended (`seq 1000000 | head -1`).

@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import Checked, Commands, db_option, on_database, request_options
+from orchestrator.cli.common import Checked, Commands, on_database
+from orchestrator.cli.options import db_option, request_options
 from orchestrator.settings.checks import DATASET
 from orchestrator.settings.dataset_options import (
     HISTORY_REASONING,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.common import Commands, db_option, run_async, tty_progress
+from orchestrator.cli.common import Commands, run_async, tty_progress
+from orchestrator.cli.options import db_option
 
 
 @click.group(cls=Commands)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator.cli.common import Commands, run_sync, split_servers
+from orchestrator.cli.options import Row, shown, table
 
 
 @click.group(cls=Commands)
@@ -56,84 +57,73 @@ def deploy_systemd(
     click.echo(run_sync(lambda: render_unit(spec)), nl=False)
 
 
+_POSITIVE = {"type": click.IntRange(min=1)}
+_SLURM: tuple[Row, ...] = (
+    (
+        "--db",
+        "The PostgreSQL queue every task shares (no password: use ~/.pgpass).",
+        {"required": True, "metavar": "URL"},
+    ),
+    (
+        "--launch",
+        "A server each task starts, with {port} in it (as `run --launch`); repeatable.",
+        {"multiple": True, "metavar": "CMD"},
+    ),
+    (
+        ("--server", "servers"),
+        "A server already running, for every task; repeatable.",
+        {"multiple": True, "metavar": "URL", "callback": split_servers},
+    ),
+    (("--dataset", "datasets"), "Only these datasets; repeatable.", {"multiple": True}),
+    (
+        "--run-args",
+        "More `orchestrator run` options, as typed.",
+        {"default": "", "metavar": "ARGS"},
+    ),
+    (
+        "--array",
+        "Tasks of an array job, one node and one worker each.",
+        shown(1, click.IntRange(min=1)),
+    ),
+    ("--nodes", "One job over N nodes instead, one worker per node under srun.", _POSITIVE),
+    ("--time", "The time limit, as sbatch takes it (30:00:00).", {"metavar": "LIMIT"}),
+    ("--partition", "The partition to run in.", {}),
+    ("--gpus-per-node", "GPUs each node needs.", _POSITIVE),
+    ("--cpus-per-task", "CPUs each task needs.", _POSITIVE),
+    ("--mem", "Memory per node, as sbatch takes it (e.g. 200G).", {"metavar": "SIZE"}),
+    ("--job-name", "The job's name.", shown("orchestrator")),
+    (
+        "--output",
+        "Each task's log, in sbatch's filename pattern (default: "
+        "orchestrator-%x-%A_%a.log for an array, orchestrator-%x-%j.log for --nodes).",
+        {"metavar": "PATTERN"},
+    ),
+    (
+        "--grace",
+        "Seconds in-flight answers get to finish after the stop signal.",
+        shown(120.0, click.FloatRange(min=0)),
+    ),
+    (
+        "--signal-lead",
+        "Seconds before the time limit that the worker is told to stop.",
+        shown(300, click.IntRange(min=1)),
+    ),
+    (
+        "--max-restarts",
+        "Times a task requeues itself while work is left.",
+        shown(20, click.IntRange(min=0)),
+    ),
+    (
+        ("--sbatch-arg", "sbatch_args"),
+        "Another #SBATCH line, such as --account=X; repeatable.",
+        {"multiple": True, "metavar": "OPTION"},
+    ),
+    ("--executable", "The orchestrator script the nodes run.", {"metavar": "PATH"}),
+)
+
+
 @deploy.command("slurm")
-@click.option(
-    "--db",
-    required=True,
-    metavar="URL",
-    help="The PostgreSQL queue every task shares (no password: use ~/.pgpass).",
-)
-@click.option(
-    "--launch",
-    multiple=True,
-    metavar="CMD",
-    help="A server each task starts, with {port} in it (as `run --launch`); repeatable.",
-)
-@click.option(
-    "--server",
-    "servers",
-    multiple=True,
-    metavar="URL",
-    callback=split_servers,
-    help="A server already running, for every task; repeatable.",
-)
-@click.option("--dataset", "datasets", multiple=True, help="Only these datasets; repeatable.")
-@click.option(
-    "--run-args", default="", metavar="ARGS", help="More `orchestrator run` options, as typed."
-)
-@click.option(
-    "--array",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Tasks of an array job, one node and one worker each.",
-)
-@click.option(
-    "--nodes",
-    type=click.IntRange(min=1),
-    help="One job over N nodes instead, one worker per node under srun.",
-)
-@click.option("--time", metavar="LIMIT", help="The time limit, as sbatch takes it (30:00:00).")
-@click.option("--partition", help="The partition to run in.")
-@click.option("--gpus-per-node", type=click.IntRange(min=1), help="GPUs each node needs.")
-@click.option("--cpus-per-task", type=click.IntRange(min=1), help="CPUs each task needs.")
-@click.option("--mem", metavar="SIZE", help="Memory per node, as sbatch takes it (e.g. 200G).")
-@click.option("--job-name", default="orchestrator", show_default=True, help="The job's name.")
-@click.option(
-    "--output",
-    metavar="PATTERN",
-    help="Each task's log, in sbatch's filename pattern (default: "
-    "orchestrator-%x-%A_%a.log for an array, orchestrator-%x-%j.log for --nodes).",
-)
-@click.option(
-    "--grace",
-    type=click.FloatRange(min=0),
-    default=120.0,
-    show_default=True,
-    help="Seconds in-flight answers get to finish after the stop signal.",
-)
-@click.option(
-    "--signal-lead",
-    type=click.IntRange(min=1),
-    default=300,
-    show_default=True,
-    help="Seconds before the time limit that the worker is told to stop.",
-)
-@click.option(
-    "--max-restarts",
-    type=click.IntRange(min=0),
-    default=20,
-    show_default=True,
-    help="Times a task requeues itself while work is left.",
-)
-@click.option(
-    "--sbatch-arg",
-    "sbatch_args",
-    multiple=True,
-    metavar="OPTION",
-    help="Another #SBATCH line, such as --account=X; repeatable.",
-)
-@click.option("--executable", metavar="PATH", help="The orchestrator script the nodes run.")
+@table(*_SLURM)
 def deploy_slurm(executable: str | None, **options: object) -> None:
     """Print an sbatch script: workers on Slurm nodes sharing one PostgreSQL queue.
 

@@ -8,17 +8,14 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import (
+from orchestrator.cli.common import read_api_key, read_basic_auth, run_async, run_sync
+from orchestrator.cli.launching import launch_commands_options, supervisor, take_launch_options
+from orchestrator.cli.options import (
     api_key_file_option,
     basic_auth_file_option,
     db_option,
-    read_api_key,
-    read_basic_auth,
-    run_async,
-    run_sync,
     servers_option,
 )
-from orchestrator.cli.launching import launch_commands_options, supervisor, take_launch_options
 
 
 @click.command()

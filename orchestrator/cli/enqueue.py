@@ -12,13 +12,20 @@ import click
 
 from orchestrator.cli.common import (
     Checked,
-    db_option,
     end_progress,
     on_database,
     progress_shown,
-    request_options,
     run_sync,
     tty_progress,
+)
+from orchestrator.cli.options import (
+    FLAG,
+    Row,
+    db_option,
+    request_options,
+    run_file_option,
+    shown,
+    table,
 )
 from orchestrator.settings.checks import COLUMNS, DATASET
 from orchestrator.settings.choices import INPUT_FORMATS
@@ -83,6 +90,24 @@ _COLUMN_OPTIONS = (
     "id_column",
     "tools_column",
 )
+# The settings ``EnqueueOptions`` takes as the options give them, under the same names.
+_AS_GIVEN = (
+    "dataset",
+    "concurrency",
+    "priority",
+    "regenerate",
+    "on_truncated",
+    "on_invalid",
+    "on_overflow",
+    "history_reasoning",
+    "passthrough",
+    "endpoint",
+    "logprobs",
+    "token_ids",
+    "samples",
+    "sample_requests",
+    "split",
+)
 _SAMPLING = (
     "--max-tokens",
     "--temperature",
@@ -102,191 +127,183 @@ _SAMPLING = (
 )
 
 
-@click.command()
-@click.argument("source", metavar="SOURCE", required=False)
-@click.option(
-    "--config",
-    type=click.Path(path_type=Path),
-    help="Enqueue every dataset of a run file (docs/CONFIG.md) instead of one SOURCE; the "
-    "file is checked as a whole first.",
-)
-@click.option(
-    "--dataset", "-d", type=Checked(DATASET["dataset"]), help="Dataset name (created on first use)."
-)
-@request_options(
+_PARAM_HELP = (
     "Any other request body field, e.g. thinking on: --param "
     "'chat_template_kwargs={\"enable_thinking\":true}' (Qwen3, DeepSeek) or "
     "'chat_template_kwargs={\"thinking\":true}' (Kimi)."
 )
-@click.option(
-    "--concurrency",
-    type=Checked(DATASET["concurrency"]),
-    help="Most requests of this dataset in flight at once, across all workers.",
+
+
+def _column(name: str, metavar: str = "COL") -> dict[str, Any]:
+    """A column option's keywords: checked by the rule a run file's column is checked by."""
+    return {"metavar": metavar, "type": Checked(COLUMNS[name])}
+
+
+_FILE = {"type": click.Path(path_type=Path)}
+# The options after the request body's, in the order --help lists them.
+_DATASET_OPTIONS: tuple[Row, ...] = (
+    (
+        "--concurrency",
+        "Most requests of this dataset in flight at once, across all workers.",
+        {"type": Checked(DATASET["concurrency"])},
+    ),
+    (
+        "--priority",
+        "Higher priority datasets are worked on first.",
+        {"type": Checked(DATASET["priority"])},
+    ),
+    (
+        ("--format", "fmt"),
+        "Every line must be in this format (auto: any mix). tokens: pre-tokenised "
+        "input_ids/loss_mask rows, with --passthrough only.",
+        shown("auto", click.Choice(INPUT_FORMATS)),
+    ),
+    (
+        "--regenerate",
+        "last: generate each conversation's final answer; all: every assistant turn, in "
+        "order. Fixed when the dataset is created (default: the dataset's, else last).",
+        {"type": click.Choice(REGENERATE)},
+    ),
+    (
+        "--on-truncated",
+        "What an answer cut at max_tokens does: keep it, retry it, or fail the item "
+        "(default: the dataset's, else keep).",
+        {"type": click.Choice(ON_TRUNCATED)},
+    ),
+    (
+        "--json-schema",
+        "A JSON schema file: each request asks for an answer that satisfies it "
+        "(response_format json_schema), and each answer is checked against it.",
+        _FILE,
+    ),
+    (
+        "--on-invalid",
+        "What structured output (response_format) that does not parse or match its "
+        "schema does: keep it flagged, retry it, or fail the item (default: the dataset's, "
+        "else keep).",
+        {"type": click.Choice(ON_INVALID)},
+    ),
+    (
+        "--on-overflow",
+        "A prompt and max_tokens longer than the server's context: fail the item "
+        "(context_overflow), or fit: ask again at once with max_tokens lowered to what fits, "
+        "flagged max_tokens_reduced (default: the dataset's, else fail).",
+        {"type": click.Choice(ON_OVERFLOW)},
+    ),
+    (
+        "--history-reasoning",
+        "Earlier assistant turns go back to the server with their reasoning (keep: "
+        "models that think in a tool loop render it, and some APIs refuse a tool-call turn "
+        "without it) or without (drop: for a server that refuses it) (default: the "
+        "dataset's, else keep).",
+        {"type": click.Choice(HISTORY_REASONING)},
+    ),
+    (
+        "--samples",
+        "Answers per prompt, each its own item with its own seed (default: the "
+        "dataset's, else 1). Raising it later adds only the missing samples.",
+        {"type": Checked(DATASET["samples"])},
+    ),
+    (
+        "--seeds",
+        "One seed per sample, all different (default: derived from each prompt's key).",
+        {"metavar": "S1,S2,..."},
+    ),
+    (
+        "--sample-requests",
+        "How samples are asked for: n: one request with n choices (a server that "
+        "ignores n is detected and the dataset falls back); seeds: one request per sample.",
+        {"type": click.Choice(("n", "seeds"))},
+    ),
+    (
+        "--passthrough",
+        "The rows already hold the answer (conversations ending with it, or tokens rows): "
+        "stored as done, no request sent. Fixed when the dataset is created.",
+        FLAG,
+    ),
+    (
+        "--endpoint",
+        "chat: /v1/chat/completions; completions: /v1/completions with each row's plain "
+        "prompt, no chat template (base models, few-shot prompts). Fixed when the dataset is "
+        "created (default: the dataset's, else chat).",
+        {"type": click.Choice(ENDPOINTS)},
+    ),
+    (
+        "--logprobs",
+        "Keep each answer's token logprobs and the K most likely alternatives per token "
+        "(and the token ids where the server gives them); export --logprobs writes them.",
+        {"metavar": "K", "type": Checked(DATASET["logprobs"])},
+    ),
+    (
+        "--token-ids",
+        "Keep the server's own token ids of every generated turn: the prompt it evaluated "
+        "and the ids it generated (vLLM and SGLang say them with return_token_ids, llama.cpp "
+        "is asked its /apply-template and /tokenize); export --format tokens writes them.",
+        FLAG,
+    ),
+    (
+        "--update",
+        "Accept new values of the request parameters given for an existing dataset: its "
+        "items not done yet are sent with them (each output records the parameters it was "
+        "made with). Parameters not given keep their values; `orchestrator dataset set` "
+        "changes one setting without a SOURCE.",
+        FLAG,
+    ),
+    (
+        "--prompt-column",
+        "Read each row's user message from this text column (any table or JSONL source).",
+        _column("prompt_column"),
+    ),
+    (
+        "--messages-column",
+        "Read each row's conversation from this column: a list of messages with OpenAI "
+        "(role/content) or ShareGPT (from/value) keys, or its JSON text.",
+        _column("messages_column"),
+    ),
+    (
+        "--template",
+        "Build the user message from the row's columns: 'Solve this.\\n\\n{problem}'; "
+        "{a.b} is field b of struct column a, {{ and }} are braces, \\n a newline.",
+        _column("template", "TEXT"),
+    ),
+    (
+        "--template-file",
+        "A TOML file of templates: system and user, or [[messages]] with role and content.",
+        _FILE,
+    ),
+    (
+        "--system",
+        "A system message put first in every row built by the options above (not a "
+        "template; \\n a newline).",
+        _column("system", "TEXT"),
+    ),
+    ("--id-column", "The item key's column (else id, else place).", _column("id_column")),
+    ("--tools-column", "The request's tools: a list, or its JSON text.", _column("tools_column")),
+    (
+        "--split",
+        "The split of a DatasetDict folder or a Hub dataset (hf://) to read.",
+        {"type": Checked(DATASET["split"])},
+    ),
+    (
+        "--hf-config",
+        "The configuration (subset) of a Hub dataset (hf://ORG/NAME).",
+        {"metavar": "NAME", "type": Checked(DATASET["config"])},
+    ),
+    ("--skip-invalid", "Skip bad rows (listed and counted) instead of failing.", FLAG),
+)
+
+
+@click.command()
+@click.argument("source", metavar="SOURCE", required=False)
+@run_file_option(
+    "Enqueue every dataset of a run file (docs/CONFIG.md) instead of one SOURCE; the "
+    "file is checked as a whole first."
 )
 @click.option(
-    "--priority",
-    type=Checked(DATASET["priority"]),
-    help="Higher priority datasets are worked on first.",
+    "--dataset", "-d", type=Checked(DATASET["dataset"]), help="Dataset name (created on first use)."
 )
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(INPUT_FORMATS),
-    default="auto",
-    show_default=True,
-    help="Every line must be in this format (auto: any mix). tokens: pre-tokenised "
-    "input_ids/loss_mask rows, with --passthrough only.",
-)
-@click.option(
-    "--regenerate",
-    type=click.Choice(REGENERATE),
-    help="last: generate each conversation's final answer; all: every assistant turn, in "
-    "order. Fixed when the dataset is created (default: the dataset's, else last).",
-)
-@click.option(
-    "--on-truncated",
-    type=click.Choice(ON_TRUNCATED),
-    help="What an answer cut at max_tokens does: keep it, retry it, or fail the item "
-    "(default: the dataset's, else keep).",
-)
-@click.option(
-    "--json-schema",
-    type=click.Path(path_type=Path),
-    help="A JSON schema file: each request asks for an answer that satisfies it "
-    "(response_format json_schema), and each answer is checked against it.",
-)
-@click.option(
-    "--on-invalid",
-    type=click.Choice(ON_INVALID),
-    help="What structured output (response_format) that does not parse or match its "
-    "schema does: keep it flagged, retry it, or fail the item (default: the dataset's, "
-    "else keep).",
-)
-@click.option(
-    "--on-overflow",
-    type=click.Choice(ON_OVERFLOW),
-    help="A prompt and max_tokens longer than the server's context: fail the item "
-    "(context_overflow), or fit: ask again at once with max_tokens lowered to what fits, "
-    "flagged max_tokens_reduced (default: the dataset's, else fail).",
-)
-@click.option(
-    "--history-reasoning",
-    type=click.Choice(HISTORY_REASONING),
-    help="Earlier assistant turns go back to the server with their reasoning (keep: "
-    "models that think in a tool loop render it, and some APIs refuse a tool-call turn "
-    "without it) or without (drop: for a server that refuses it) (default: the "
-    "dataset's, else keep).",
-)
-@click.option(
-    "--samples",
-    type=Checked(DATASET["samples"]),
-    help="Answers per prompt, each its own item with its own seed (default: the "
-    "dataset's, else 1). Raising it later adds only the missing samples.",
-)
-@click.option(
-    "--seeds",
-    metavar="S1,S2,...",
-    help="One seed per sample, all different (default: derived from each prompt's key).",
-)
-@click.option(
-    "--sample-requests",
-    type=click.Choice(("n", "seeds")),
-    help="How samples are asked for: n: one request with n choices (a server that "
-    "ignores n is detected and the dataset falls back); seeds: one request per sample.",
-)
-@click.option(
-    "--passthrough",
-    is_flag=True,
-    help="The rows already hold the answer (conversations ending with it, or tokens rows): "
-    "stored as done, no request sent. Fixed when the dataset is created.",
-)
-@click.option(
-    "--endpoint",
-    type=click.Choice(ENDPOINTS),
-    help="chat: /v1/chat/completions; completions: /v1/completions with each row's plain "
-    "prompt, no chat template (base models, few-shot prompts). Fixed when the dataset is "
-    "created (default: the dataset's, else chat).",
-)
-@click.option(
-    "--token-ids",
-    is_flag=True,
-    help="Keep the server's own token ids of every generated turn: the prompt it evaluated "
-    "and the ids it generated (vLLM and SGLang say them with return_token_ids, llama.cpp is "
-    "asked its /apply-template and /tokenize); export --format tokens writes them.",
-)
-@click.option(
-    "--logprobs",
-    metavar="K",
-    type=Checked(DATASET["logprobs"]),
-    help="Keep each answer's token logprobs and the K most likely alternatives per token "
-    "(and the token ids where the server gives them); export --logprobs writes them.",
-)
-@click.option(
-    "--update",
-    is_flag=True,
-    help="Accept new values of the request parameters given for an existing dataset: its "
-    "items not done yet are sent with them (each output records the parameters it was "
-    "made with). Parameters not given keep their values; `orchestrator dataset set` "
-    "changes one setting without a SOURCE.",
-)
-@click.option(
-    "--prompt-column",
-    metavar="COL",
-    type=Checked(COLUMNS["prompt_column"]),
-    help="Read each row's user message from this text column (any table or JSONL source).",
-)
-@click.option(
-    "--messages-column",
-    metavar="COL",
-    type=Checked(COLUMNS["messages_column"]),
-    help="Read each row's conversation from this column: a list of messages with OpenAI "
-    "(role/content) or ShareGPT (from/value) keys, or its JSON text.",
-)
-@click.option(
-    "--template",
-    metavar="TEXT",
-    type=Checked(COLUMNS["template"]),
-    help="Build the user message from the row's columns: 'Solve this.\\n\\n{problem}'; "
-    "{a.b} is field b of struct column a, {{ and }} are braces, \\n a newline.",
-)
-@click.option(
-    "--template-file",
-    type=click.Path(path_type=Path),
-    help="A TOML file of templates: system and user, or [[messages]] with role and content.",
-)
-@click.option(
-    "--system",
-    metavar="TEXT",
-    type=Checked(COLUMNS["system"]),
-    help="A system message put first in every row built by the options above (not a "
-    "template; \\n a newline).",
-)
-@click.option(
-    "--id-column",
-    metavar="COL",
-    type=Checked(COLUMNS["id_column"]),
-    help="The item key's column (else id, else place).",
-)
-@click.option(
-    "--tools-column",
-    metavar="COL",
-    type=Checked(COLUMNS["tools_column"]),
-    help="The request's tools: a list, or its JSON text.",
-)
-@click.option(
-    "--split",
-    type=Checked(DATASET["split"]),
-    help="The split of a DatasetDict folder or a Hub dataset (hf://) to read.",
-)
-@click.option(
-    "--hf-config",
-    metavar="NAME",
-    type=Checked(DATASET["config"]),
-    help="The configuration (subset) of a Hub dataset (hf://ORG/NAME).",
-)
-@click.option(
-    "--skip-invalid", is_flag=True, help="Skip bad rows (listed and counted) instead of failing."
-)
+@request_options(_PARAM_HELP)
+@table(*_DATASET_OPTIONS)
 @db_option
 @click.pass_context
 def enqueue(ctx: click.Context, source: str | None, config: Path | None, **options: Any) -> None:
@@ -371,27 +388,13 @@ def _options(
             ctx,
         )
     return EnqueueOptions(
-        dataset=settings["dataset"],
+        **{name: settings[name] for name in _AS_GIVEN},
         params=body,
-        concurrency=settings["concurrency"],
-        priority=settings["priority"],
         format=settings["fmt"],
-        regenerate=settings["regenerate"],
-        on_truncated=settings["on_truncated"],
-        on_invalid=settings["on_invalid"],
-        on_overflow=settings["on_overflow"],
-        history_reasoning=settings["history_reasoning"],
-        passthrough=settings["passthrough"],
-        endpoint=settings["endpoint"],
-        logprobs=settings["logprobs"],
-        token_ids=settings["token_ids"],
         update=update,
         sampling=tuple(sampling),
-        samples=settings["samples"],
         seeds=_parse_seeds(settings["seeds"]),
-        sample_requests=settings["sample_requests"],
         columns=Columns(**{name: _unescaped(name, settings[name]) for name in _COLUMN_OPTIONS}),
-        split=settings["split"],
         config=settings["hf_config"],
         spelling=_SPELLING,
     )

@@ -13,118 +13,111 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orchestrator.cli.common import (
-    configure_logs,
-    db_option,
-    on_database,
-    progress_shown,
-    run_sync,
-)
+from orchestrator.cli.common import configure_logs, flag_mask, on_database, progress_shown, run_sync
+from orchestrator.cli.options import FLAG, Row, datasets_option, db_option, shown, table
+from orchestrator.items.quality import ALL_FLAGS
 from orchestrator.settings.choices import EXPORT_FORMATS, REASONING_MODES
 
 if TYPE_CHECKING:
     from orchestrator.formats.options import ExportOptions, ExportReport
 
 
+_FILE = {"type": click.Path(path_type=Path, dir_okay=False), "metavar": "FILE"}
+# The options after --dataset, in the order --help lists them.
+_OPTIONS: tuple[Row, ...] = (
+    (
+        ("--format", "fmt"),
+        "Line format: OpenAI messages, ShareGPT (EAGLE-3 trainers), the OpenAI Batch API "
+        "output (failed items in OUT.errors.jsonl), SpecForge's regenerated data (rows its "
+        "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl), "
+        "completions: prompt and completion (datasets enqueued with --endpoint completions); "
+        "parquet: the messages rows as a Parquet table; or tokens: each generated turn's "
+        "input_ids and loss_mask, the server's own ids (enqueue --token-ids).",
+        shown("messages", click.Choice(EXPORT_FORMATS)),
+    ),
+    (
+        "--reasoning",
+        "Generated reasoning: in reasoning_content, inline in the content as "
+        "<think>...</think>, or dropped.",
+        shown("separate", click.Choice(REASONING_MODES)),
+    ),
+    (
+        "--split",
+        "OUT is a directory: one OUT/<dataset>.jsonl per dataset; with --format parquet "
+        "one folder of shards per dataset, OUT/<dataset>/train-00000-of-00001.parquet, and the "
+        "dataset card OUT/README.md.",
+        FLAG,
+    ),
+    (
+        "--shard-rows",
+        "With --format parquet --split: at most N rows per shard  [default: 100,000].",
+        {"type": click.IntRange(min=1), "metavar": "N"},
+    ),
+    (
+        "--card",
+        "Also write the dataset card (the Hugging Face Hub's README.md: configs naming "
+        "the files, then each dataset's counts, model, tokens, flags and failures) to FILE.",
+        _FILE,
+    ),
+    (
+        ("--exclude-flag", "exclude_flags"),
+        f"Leave out answers with this quality flag: {', '.join(ALL_FLAGS)}. "
+        "Repeat or comma-separate.",
+        {"multiple": True, "metavar": "FLAG[,FLAG]"},
+    ),
+    (
+        "--include-failed",
+        "Also write the failed items (key, dataset, error, attempts) to FILE as JSONL.",
+        _FILE,
+    ),
+    (
+        "--provenance",
+        "Add model, params, params_hash, server, created_at, started_at and flags.",
+        FLAG,
+    ),
+    (
+        "--per-turn",
+        "One line per generated assistant turn (id <id>#turn<k>), the conversation up to "
+        "it, earlier turns without their reasoning: SpecForge's per-turn rows.",
+        FLAG,
+    ),
+    (
+        "--merge-turns",
+        "With --format tokens: a conversation in one row (loss_mask 1 on every generated "
+        "turn) where each turn's prompt ids begin with the ids of the turn before; the "
+        "others stay a row per turn, counted.",
+        FLAG,
+    ),
+    (
+        "--parsed",
+        "Add parsed: the answer's JSON value, for datasets asking for structured output "
+        "(response_format, --json-schema); null where the answer is not the JSON asked for.",
+        FLAG,
+    ),
+    (
+        "--logprobs",
+        "Add each answer's token logprobs: token_logprobs, top_token_ids (top_tokens when "
+        "the server gave no ids) and top_logprobs, per token (enqueue --logprobs K).",
+        FLAG,
+    ),
+    (
+        "--token-ids",
+        "Add token_ids: the ids of the tokens the model produced, where the server gave them.",
+        FLAG,
+    ),
+    (
+        "--group-samples",
+        'A prompt\'s samples (enqueue --samples) in one line, its answers in "answers" '
+        '(openai-batch: one choice each); without it, a line per sample with its "sample".',
+        FLAG,
+    ),
+)
+
+
 @click.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--dataset", "datasets", multiple=True, help="Only these datasets.")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(EXPORT_FORMATS),
-    default="messages",
-    show_default=True,
-    help="Line format: OpenAI messages, ShareGPT (EAGLE-3 trainers), the OpenAI Batch API "
-    "output (failed items in OUT.errors.jsonl), SpecForge's regenerated data (rows its "
-    "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl), "
-    "completions: prompt and completion (datasets enqueued with --endpoint completions); "
-    "or parquet: the messages rows as a Parquet table.",
-)
-@click.option(
-    "--reasoning",
-    type=click.Choice(REASONING_MODES),
-    default="separate",
-    show_default=True,
-    help="Generated reasoning: in reasoning_content, inline in the content as "
-    "<think>...</think>, or dropped.",
-)
-@click.option(
-    "--split",
-    is_flag=True,
-    help="OUT is a directory: one OUT/<dataset>.jsonl per dataset; with --format parquet "
-    "one folder of shards per dataset, OUT/<dataset>/train-00000-of-00001.parquet, and the "
-    "dataset card OUT/README.md.",
-)
-@click.option(
-    "--shard-rows",
-    type=click.IntRange(min=1),
-    metavar="N",
-    help="With --format parquet --split: at most N rows per shard  [default: 100,000].",
-)
-@click.option(
-    "--card",
-    type=click.Path(path_type=Path, dir_okay=False),
-    metavar="FILE",
-    help="Also write the dataset card (the Hugging Face Hub's README.md: configs naming "
-    "the files, then each dataset's counts, model, tokens, flags and failures) to FILE.",
-)
-@click.option(
-    "--exclude-flag",
-    "exclude_flags",
-    multiple=True,
-    metavar="FLAG[,FLAG]",
-    help="Leave out answers with this quality flag: truncated, empty, unclosed_think, "
-    "reasoning_only, tool_mismatch, nul, invalid_json, schema_mismatch, max_tokens_reduced. "
-    "Repeat or comma-separate.",
-)
-@click.option(
-    "--include-failed",
-    type=click.Path(path_type=Path, dir_okay=False),
-    metavar="FILE",
-    help="Also write the failed items (key, dataset, error, attempts) to FILE as JSONL.",
-)
-@click.option(
-    "--provenance",
-    is_flag=True,
-    help="Add model, params, params_hash, server, created_at, started_at and flags.",
-)
-@click.option(
-    "--per-turn",
-    is_flag=True,
-    help="One line per generated assistant turn (id <id>#turn<k>), the conversation up to "
-    "it, earlier turns without their reasoning: SpecForge's per-turn rows.",
-)
-@click.option(
-    "--merge-turns",
-    is_flag=True,
-    help="With --format tokens: a conversation in one row (loss_mask 1 on every generated "
-    "turn) where each turn's prompt ids begin with the ids of the turn before; the others "
-    "stay a row per turn, counted.",
-)
-@click.option(
-    "--parsed",
-    is_flag=True,
-    help="Add parsed: the answer's JSON value, for datasets asking for structured output "
-    "(response_format, --json-schema); null where the answer is not the JSON asked for.",
-)
-@click.option(
-    "--logprobs",
-    is_flag=True,
-    help="Add each answer's token logprobs: token_logprobs, top_token_ids (top_tokens when "
-    "the server gave no ids) and top_logprobs, per token (enqueue --logprobs K).",
-)
-@click.option(
-    "--token-ids",
-    is_flag=True,
-    help="Add token_ids: the ids of the tokens the model produced, where the server gave them.",
-)
-@click.option(
-    "--group-samples",
-    is_flag=True,
-    help='A prompt\'s samples (enqueue --samples) in one line, its answers in "answers" '
-    '(openai-batch: one choice each); without it, a line per sample with its "sample".',
-)
+@datasets_option("Only these datasets.")
+@table(*_OPTIONS)
 @db_option
 def export(
     out: Path,
@@ -167,15 +160,11 @@ def _options(
     fmt: str, reasoning: str, exclude_flags: tuple[str, ...], provenance: bool, **files: Any
 ) -> ExportOptions:
     from orchestrator.formats.options import ExportOptions
-    from orchestrator.items.quality import parse_flags
 
-    mask = 0
-    for spec in exclude_flags:
-        mask |= parse_flags(spec)
     return ExportOptions(
         format=fmt,
         reasoning=reasoning,
-        exclude_flags=mask,
+        exclude_flags=flag_mask(exclude_flags),
         provenance=provenance,
         **files,
     )

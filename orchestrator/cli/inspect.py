@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orchestrator.cli.common import configure_logs, db_option, on_database, run_sync
-from orchestrator.errors import ConfigError
+from orchestrator.cli.common import configure_logs, flag_mask, on_database, run_sync, usage_errors
+from orchestrator.cli.options import Row, datasets_option, db_option, json_option, table
 from orchestrator.items.error_classes import ERROR_CLASSES
+from orchestrator.items.quality import ALL_FLAGS
 
 if TYPE_CHECKING:
     from orchestrator.store.item_detail import ItemRecord, Selection
@@ -25,36 +26,35 @@ if TYPE_CHECKING:
 _STATES = ("pending", "running", "done", "failed")
 
 
+_OPTIONS: tuple[Row, ...] = (
+    (("--id", "key"), "The item with this key (its input id).", {"metavar": "KEY"}),
+    (
+        "--sample",
+        "N items at random among those the other options match.",
+        {"type": click.IntRange(min=1), "metavar": "N"},
+    ),
+    ("--seed", "The seed of --sample: the same seed shows the same items again.", {"type": int}),
+    (
+        ("--flag", "flag_names"),
+        "Only items with an answer (current, or set aside by a requeue) carrying this quality "
+        f"flag: {', '.join(ALL_FLAGS)}. Repeatable.",
+        {"multiple": True, "metavar": "FLAG[,FLAG]"},
+    ),
+    (
+        "--error-class",
+        "Only items with an attempt that failed with this class, whatever they became: "
+        + ", ".join(ERROR_CLASSES)
+        + ".",
+        {"metavar": "CLASS"},
+    ),
+    ("--state", "Only items in this state.", {"type": click.Choice(_STATES)}),
+)
+
+
 @click.command("inspect")
-@click.option("--dataset", "datasets", multiple=True, help="Only these datasets.")
-@click.option("--id", "key", metavar="KEY", help="The item with this key (its input id).")
-@click.option(
-    "--sample",
-    type=click.IntRange(min=1),
-    metavar="N",
-    help="N items at random among those the other options match.",
-)
-@click.option(
-    "--seed", type=int, help="The seed of --sample: the same seed shows the same items again."
-)
-@click.option(
-    "--flag",
-    "flag_names",
-    multiple=True,
-    metavar="FLAG[,FLAG]",
-    help="Only items with an answer (current, or set aside by a requeue) carrying this quality "
-    "flag: truncated, empty, unclosed_think, reasoning_only, tool_mismatch, nul, invalid_json, "
-    "schema_mismatch, max_tokens_reduced. Repeatable.",
-)
-@click.option(
-    "--error-class",
-    metavar="CLASS",
-    help="Only items with an attempt that failed with this class, whatever they became: "
-    + ", ".join(ERROR_CLASSES)
-    + ".",
-)
-@click.option("--state", type=click.Choice(_STATES), help="Only items in this state.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per item (docs/API.md).")
+@datasets_option("Only these datasets.")
+@table(*_OPTIONS)
+@json_option("One JSON object per item (docs/API.md).")
 @click.option("--full", is_flag=True, help="Show long texts whole (else folded in the middle).")
 @db_option
 def inspect(as_json: bool, full: bool, db: str | None, **chosen: Any) -> None:
@@ -92,16 +92,11 @@ def inspect(as_json: bool, full: bool, db: str | None, **chosen: Any) -> None:
 
 def _selection(datasets: tuple[str, ...], flag_names: tuple[str, ...], **chosen: Any) -> Selection:
     """The options through the store's one check; what it refuses is a usage error."""
-    from orchestrator.items.quality import parse_flags
     from orchestrator.store.item_detail import COMMAND, checked_selection
 
-    flags = 0
-    for names in flag_names:
-        flags |= run_sync(lambda names=names: parse_flags(names))
-    try:
+    flags = flag_mask(flag_names)
+    with usage_errors():
         return checked_selection(dataset_names=datasets, flags=flags, spelling=COMMAND, **chosen)
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
 
 
 def _read(db: str | None, read: Callable[[Rows], int]) -> int:

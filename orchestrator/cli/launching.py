@@ -3,130 +3,94 @@ made into launch specs and a supervisor by ``orchestrator.inference.launch``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
-from orchestrator.cli.common import run_sync
+from orchestrator.cli.common import run_sync, usage_errors
+from orchestrator.cli.options import Row, shown, table
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-_OPTIONS = [
-    click.option(
+_POSITIVE = {"type": click.IntRange(min=1)}
+_OPTIONS: tuple[Row, ...] = (
+    (
         "--launch",
-        "launch",
-        multiple=True,
-        metavar="'CMD ... --port {port}'",
-        help="Start this server and supervise it (repeatable): on a free port put for "
+        "Start this server and supervise it (repeatable): on a free port put for "
         "{port}, ready once /health and /v1/models answer, restarted when it dies.",
+        {"multiple": True, "metavar": "'CMD ... --port {port}'"},
     ),
-    click.option(
+    (
         "--engine",
-        type=click.Choice(["sglang", "vllm", "llama.cpp"]),
-        help="Launch this engine's server for --model, its command line built with "
+        "Launch this engine's server for --model, its command line built with "
         "metrics on (SGLang's launch_server, vllm serve, llama-server).",
+        {"type": click.Choice(["sglang", "vllm", "llama.cpp"])},
     ),
-    click.option("--model", "engine_model", metavar="PATH", help="The model --engine serves."),
-    click.option(
+    (("--model", "engine_model"), "The model --engine serves.", {"metavar": "PATH"}),
+    (
         "--tp",
-        type=click.IntRange(min=1),
-        default=1,
-        show_default=True,
-        help="Tensor-parallel GPUs per --engine server.",
+        "Tensor-parallel GPUs per --engine server.",
+        shown(1, click.IntRange(min=1)),
     ),
-    click.option(
+    (
         "--engine-args",
-        default="",
-        metavar="'ARGS'",
-        help="More arguments for the --engine server, as one quoted string.",
+        "More arguments for the --engine server, as one quoted string.",
+        {"default": "", "metavar": "'ARGS'"},
     ),
-    click.option(
+    (
         "--engine-bin",
-        metavar="PATH",
-        help="The engine's executable (python for SGLang), if not the one on PATH.",
+        "The engine's executable (python for SGLang), if not the one on PATH.",
+        {"metavar": "PATH"},
     ),
-    click.option(
+    (
         "--served-model-name",
-        metavar="NAME",
-        help="The name the --engine server serves the model under.",
+        "The name the --engine server serves the model under.",
+        {"metavar": "NAME"},
     ),
-    click.option(
+    (
         "--gpus-per-server",
-        type=click.IntRange(min=1),
-        help="One replica of each launched server per this many GPUs (from "
+        "One replica of each launched server per this many GPUs (from "
         "CUDA_VISIBLE_DEVICES, else nvidia-smi -L), each with its own CUDA_VISIBLE_DEVICES.",
+        _POSITIVE,
     ),
-    click.option(
-        "--replicas",
-        type=click.IntRange(min=1),
-        help="Copies of each launched server, for CPU engines (llama.cpp).",
-    ),
-    click.option(
+    ("--replicas", "Copies of each launched server, for CPU engines (llama.cpp).", _POSITIVE),
+    (
         "--startup-timeout",
-        type=click.FloatRange(min=0, min_open=True),
-        default=1800.0,
-        show_default=True,
-        help="Seconds a launched server may take to load and answer (a 600 GB model "
+        "Seconds a launched server may take to load and answer (a 600 GB model "
         "takes minutes); progress is logged meanwhile.",
+        shown(1800.0, click.FloatRange(min=0, min_open=True)),
     ),
-    click.option(
+    (
         "--restart-backoff",
-        type=click.FloatRange(min=0),
-        default=5.0,
-        show_default=True,
-        help="Seconds before a dead server's first restart; doubles per death.",
+        "Seconds before a dead server's first restart; doubles per death.",
+        shown(5.0, click.FloatRange(min=0)),
     ),
-    click.option(
+    (
         "--max-server-deaths",
-        type=click.IntRange(min=1),
-        default=5,
-        show_default=True,
-        help="Deaths within --server-death-window after which a server is given up on.",
+        "Deaths within --server-death-window after which a server is given up on.",
+        shown(5, click.IntRange(min=1)),
     ),
-    click.option(
+    (
         "--server-death-window",
-        type=click.FloatRange(min=0, min_open=True),
-        default=3600.0,
-        show_default=True,
-        metavar="SECONDS",
+        None,
+        shown(3600.0, click.FloatRange(min=0, min_open=True), metavar="SECONDS"),
     ),
-    click.option(
+    (
         "--launch-dir",
-        type=click.Path(path_type=Path, file_okay=False),
-        help="Where launched servers' logs go (env ORCHESTRATOR_LAUNCH_DIR; default: "
+        "Where launched servers' logs go (env ORCHESTRATOR_LAUNCH_DIR; default: "
         "DB.servers/ beside an SQLite database, else ~/.local/state/orchestrator/servers).",
+        {"type": click.Path(path_type=Path, file_okay=False)},
     ),
-]
+)
 
 
 #: What ``doctor`` takes: commands only (its --model is the model servers must serve).
-COMMANDS_ONLY = ("launch", "startup_timeout", "launch_dir")
+COMMANDS_ONLY = ("--launch", "--startup-timeout", "--launch-dir")
 
+#: Every launch option (``run``, ``plan``).
+launch_options = table(*_OPTIONS)
 
-def launch_options(command: F) -> F:
-    """Every launch option (``run``, ``plan``)."""
-    for option in reversed(_OPTIONS):
-        command = option(command)
-    return command
-
-
-def launch_commands_options(command: F) -> F:
-    """``--launch``, ``--startup-timeout`` and ``--launch-dir`` only."""
-    for option in reversed([o for o in _OPTIONS if _name(o) in COMMANDS_ONLY]):
-        command = option(command)
-    return command
-
-
-def _name(option: Callable[[Any], Any]) -> str:
-    """The parameter name an option decorator gives (read without loading ``LaunchPlan``:
-    the command line starts without the inference package)."""
-
-    def probe() -> None: ...
-
-    option(probe)
-    return str(probe.__click_params__[0].name)  # type: ignore[attr-defined]
+#: ``--launch``, ``--startup-timeout`` and ``--launch-dir`` only (``doctor``).
+launch_commands_options = table(*(row for row in _OPTIONS if row[0] in COMMANDS_ONLY))
 
 
 def take_launch_options(settings: dict[str, Any]) -> dict[str, Any]:
@@ -145,15 +109,12 @@ def supervisor(
 ) -> Any:
     """The supervisor of what the options (and a servers file's ``launch`` lines) say
     to launch; None when there is nothing to launch."""
-    from orchestrator.errors import ConfigError
     from orchestrator.inference.launch.plan import LaunchPlan
     from orchestrator.inference.launch.plan import supervisor as build
     from orchestrator.store.reader import sqlite_path
 
-    try:
+    with usage_errors():
         plan = LaunchPlan(**options, file_launches=tuple(file_launches or ()))
         plan.preset()
         plan.supervise()
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
     return run_sync(lambda: build(plan, sqlite_path(db)))

@@ -8,16 +8,9 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import (
-    db_option,
-    echo_json,
-    on_database,
-    prices_options,
-    run_async,
-    run_prices,
-    run_sync,
-)
+from orchestrator.cli.common import echo_json, on_database, run_async, run_prices, run_sync
 from orchestrator.cli.launching import launch_options, supervisor, take_launch_options
+from orchestrator.cli.options import db_option, json_option, prices_options, run_file_option
 
 DEFAULT_TOKENS_PER_SECOND = 850.0
 """``plan``'s default rate: the total tokens per second of a typical single-GPU reasoning
@@ -25,11 +18,9 @@ run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md.
 
 
 @click.command()
-@click.option(
-    "--config",
-    type=click.Path(path_type=Path),
-    help="Plan the datasets of a run file (docs/CONFIG.md), counting the answers the "
-    "database already holds; without it, plan what the database holds.",
+@run_file_option(
+    "Plan the datasets of a run file (docs/CONFIG.md), counting the answers the "
+    "database already holds; without it, plan what the database holds."
 )
 @click.option(
     "--tokens-per-second",
@@ -53,7 +44,7 @@ run (an 8B model answering a few hundred long requests at once); docs/CONFIG.md.
     type=click.IntRange(min=1),
     help="The server's context length in tokens, for the same warning.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable.")
+@json_option("Machine-readable.")
 @launch_options
 @prices_options
 @db_option
@@ -63,12 +54,8 @@ def plan(
     servers: tuple[str, ...],
     max_model_len: int | None,
     as_json: bool,
-    gpu_hour_cost: float | None,
-    price_input: float | None,
-    price_output: float | None,
-    servers_file: Path | None,
     db: str | None,
-    **launch: Any,
+    **options: Any,
 ) -> None:
     """Requests, tokens to generate, time left and database size, per dataset and in total;
     with a price (--gpu-hour-cost, or --price-input/--price-output), what it costs.
@@ -81,13 +68,12 @@ def plan(
     from orchestrator import runfile
     from orchestrator.store.reader import sqlite_path
 
+    launch = take_launch_options(options)  # what is left: the price options
     if config is not None:
         # The run file's [prices], where the options give none.
         given = run_sync(lambda: runfile.load_prices(config))
-        gpu_hour_cost = given.get("gpu_hour_cost") if gpu_hour_cost is None else gpu_hour_cost
-        price_input = given.get("price_input") if price_input is None else price_input
-        price_output = given.get("price_output") if price_output is None else price_output
-    prices = run_prices(gpu_hour_cost, price_input, price_output, servers_file, servers)
+        options |= {key: value for key, value in given.items() if options[key] is None}
+    prices = run_prices(**options, servers=servers)
     looked = _look(launch, db)
     if looked is not None and not as_json:
         click.echo(_looked_line(looked))
@@ -191,7 +177,7 @@ def _stored(db: str | None) -> list[Any]:
 
 def _look(launch: dict[str, Any], db: str | None) -> dict[str, Any] | None:
     """The first launched server, started and stopped again (None: none to launch)."""
-    launched = supervisor(take_launch_options(launch), db)
+    launched = supervisor(launch, db)
     if launched is None:
         return None
     from orchestrator.inference.launch.supervisor import look_briefly

@@ -6,80 +6,74 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.common import db_option, fail, on_database, run_sync
+from orchestrator.cli.common import fail, flag_mask, on_database, usage_errors
+from orchestrator.cli.options import FLAG, Row, datasets_option, db_option, shown, table
 from orchestrator.errors import ConfigError
 from orchestrator.items.error_classes import ERROR_CLASSES
+from orchestrator.items.quality import ALL_FLAGS
+
+_OPTIONS: tuple[Row, ...] = (
+    (
+        "--state",
+        "Which items go back (done items' answers are kept aside: see --undo).",
+        shown("failed", click.Choice(["failed", "done"])),
+    ),
+    (
+        "--error-class",
+        "Only items that failed with this error class: "
+        + ", ".join(ERROR_CLASSES)
+        + " (docs/OPERATIONS.md says what each means).",
+        {"metavar": "CLASS"},
+    ),
+    (
+        ("--flag", "flag_names"),
+        f"Only done items whose output has this quality flag ({', '.join(ALL_FLAGS)}); "
+        "implies --state done. Repeatable.",
+        {"multiple": True, "metavar": "FLAG"},
+    ),
+    (
+        ("--key", "keys"),
+        "Only the items of this key. Repeatable.",
+        {"multiple": True, "metavar": "KEY"},
+    ),
+    (
+        ("--sample", "samples"),
+        "Only this sample of each prompt (enqueue --samples; 0 is the first). Repeatable.",
+        {"multiple": True, "type": click.IntRange(min=0)},
+    ),
+    (
+        "--max-tokens",
+        "Give the requeued items this max_tokens (e.g. more room for truncated answers).",
+        {"type": int},
+    ),
+    (
+        ("--all", "everything"),
+        "Requeue every done item (with --state done and no other filter).",
+        FLAG,
+    ),
+    ("--dry-run", "Print what would move, per dataset and state.", FLAG),
+    (
+        "--undo",
+        "Take back the latest requeue (with --dataset: the latest that moved items of "
+        "those datasets, and only those): its items not claimed since, or failed since, get "
+        "their state and answers back.",
+        FLAG,
+    ),
+)
 
 
 @click.command()
-@click.option("--dataset", "datasets", multiple=True, help="Only these datasets.")
-@click.option(
-    "--state",
-    type=click.Choice(["failed", "done"]),
-    default="failed",
-    show_default=True,
-    help="Which items go back (done items' answers are kept aside: see --undo).",
-)
-@click.option(
-    "--error-class",
-    metavar="CLASS",
-    help="Only items that failed with this error class: "
-    + ", ".join(ERROR_CLASSES)
-    + " (docs/OPERATIONS.md says what each means).",
-)
-@click.option(
-    "--flag",
-    "flag_names",
-    multiple=True,
-    metavar="FLAG",
-    help="Only done items whose output has this quality flag (truncated, empty, "
-    "unclosed_think, reasoning_only, tool_mismatch, nul, invalid_json, schema_mismatch, "
-    "max_tokens_reduced); implies --state done. Repeatable.",
-)
-@click.option(
-    "--key", "keys", multiple=True, metavar="KEY", help="Only the items of this key. Repeatable."
-)
-@click.option(
-    "--sample",
-    "samples",
-    multiple=True,
-    type=click.IntRange(min=0),
-    help="Only this sample of each prompt (enqueue --samples; 0 is the first). Repeatable.",
-)
-@click.option(
-    "--max-tokens",
-    type=int,
-    help="Give the requeued items this max_tokens (e.g. more room for truncated answers).",
-)
-@click.option(
-    "--all",
-    "everything",
-    is_flag=True,
-    help="Requeue every done item (with --state done and no other filter).",
-)
-@click.option("--dry-run", is_flag=True, help="Print what would move, per dataset and state.")
-@click.option(
-    "--undo",
-    is_flag=True,
-    help="Take back the latest requeue (with --dataset: the latest that moved items of "
-    "those datasets, and only those): its items not claimed since, or failed since, get "
-    "their state and answers back.",
-)
+@datasets_option("Only these datasets.")
+@table(*_OPTIONS)
 @db_option
 @click.pass_context
 def requeue(
     ctx: click.Context,
     datasets: tuple[str, ...],
-    state: str,
-    error_class: str | None,
-    flag_names: tuple[str, ...],
-    keys: tuple[str, ...],
-    samples: tuple[int, ...],
-    max_tokens: int | None,
-    everything: bool,
     dry_run: bool,
     undo: bool,
     db: str | None,
+    **chosen: Any,
 ) -> None:
     """Send items back to pending with their attempts reset.
 
@@ -91,9 +85,8 @@ def requeue(
         _refuse_with_undo(ctx)
         _undo(db, datasets, dry_run=dry_run)
         return
-    selection = _selection(
-        state, datasets, error_class, flag_names, everything, max_tokens, keys, samples
-    )
+    selection = _selection(datasets, **chosen)
+    max_tokens = chosen["max_tokens"]
     result = on_database(
         db, lambda d: _requeue(d, selection, dry_run, max_tokens), "read" if dry_run else "write"
     )
@@ -135,37 +128,15 @@ async def _requeue(
     return await requeues.requeue(database, selection, max_tokens=max_tokens)
 
 
-def _selection(
-    state: str,
-    datasets: tuple[str, ...],
-    error_class: str | None,
-    flag_names: tuple[str, ...],
-    everything: bool,
-    max_tokens: int | None,
-    keys: tuple[str, ...] = (),
-    samples: tuple[int, ...] = (),
-) -> Any:
+def _selection(datasets: tuple[str, ...], flag_names: tuple[str, ...], **chosen: Any) -> Any:
     """The options through the library's guard; what it refuses is a usage error."""
-    from orchestrator.items.quality import parse_flags
     from orchestrator.store import requeue as requeues
 
-    flags = 0
-    for names in flag_names:
-        flags |= run_sync(lambda names=names: parse_flags(names))
-    try:
+    flags = flag_mask(flag_names)
+    with usage_errors():
         return requeues.checked_selection(
-            state,
-            dataset_names=datasets,
-            error_class=error_class,
-            flags=flags,
-            everything=everything,
-            max_tokens=max_tokens,
-            spelling=requeues.COMMAND,
-            keys=keys,
-            samples=samples,
+            dataset_names=datasets, flags=flags, spelling=requeues.COMMAND, **chosen
         )
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
 
 
 def _say_requeued(result: int | dict[tuple[str, str], int], state: str) -> None:

@@ -9,19 +9,15 @@ from typing import Any
 import click
 
 from orchestrator._util import stopsignals
-from orchestrator.cli.common import (
-    Checked,
+from orchestrator.cli.common import Checked, on_database, read_api_key, read_basic_auth, run_sync
+from orchestrator.cli.launching import launch_options, take_launch_options
+from orchestrator.cli.launching import supervisor as launched_servers
+from orchestrator.cli.options import (
     api_key_file_option,
     basic_auth_file_option,
     db_option,
-    on_database,
-    read_api_key,
-    read_basic_auth,
-    run_sync,
     servers_option,
 )
-from orchestrator.cli.launching import launch_options, take_launch_options
-from orchestrator.cli.launching import supervisor as launched_servers
 from orchestrator.errors import StorageError
 from orchestrator.settings.run import _KEEP
 

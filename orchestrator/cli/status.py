@@ -14,29 +14,31 @@ import click
 
 from orchestrator.cli.common import (
     configure_logs,
-    db_option,
     echo_json,
     on_database,
-    prices_options,
     run_async,
     run_prices,
     run_sync,
+)
+from orchestrator.cli.options import (
+    datasets_option,
+    db_option,
+    json_option,
+    prices_options,
     servers_option,
     window_option,
 )
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable (docs/STATUS.md).")
+@json_option("Machine-readable (docs/STATUS.md).")
 @click.option(
     "--items-left",
     is_flag=True,
     help="Print only the count of items pending or running in datasets not paused (what "
     "a Slurm task reads to requeue itself).",
 )
-@click.option(
-    "--dataset", "datasets", multiple=True, help="With --items-left: only these datasets."
-)
+@datasets_option("With --items-left: only these datasets.")
 @window_option
 @servers_option
 @prices_options
@@ -49,11 +51,8 @@ def status(
     datasets: tuple[str, ...],
     window: float,
     servers: tuple[str, ...],
-    gpu_hour_cost: float | None,
-    price_input: float | None,
-    price_output: float | None,
-    servers_file: Path | None,
     db: str | None,
+    **prices: Any,
 ) -> None:
     """Progress, rates, errors, tokens thrown away and ETA per dataset and in total.
 
@@ -69,9 +68,9 @@ def status(
     if items_left:
         click.echo(_items_left(_status_snapshot(db, window, ()), datasets))
         return
-    prices = run_prices(gpu_hour_cost, price_input, price_output, servers_file, servers)
+    pooled = run_prices(**prices, servers=servers)
     snap = _status_snapshot(db, window, servers)
-    cost = status_cost(snap, prices)
+    cost = status_cost(snap, pooled)
     if cost is not None:
         snap["cost"] = cost
     if as_json:
@@ -173,14 +172,7 @@ def watch(
 @window_option
 @servers_option
 @db_option
-def dashboard(
-    port: int,
-    host: str,
-    allow_hosts: tuple[str, ...],
-    window: float,
-    servers: tuple[str, ...],
-    db: str | None,
-) -> None:
+def dashboard(db: str | None, **served: Any) -> None:
     """A web page of the run that updates itself: progress, throughput and errors over
     the whole run, completion lengths, servers, ETA. Only reads the database."""
     configure_logs()
@@ -190,17 +182,7 @@ def dashboard(
         click.echo(f"dashboard on {url} (Ctrl-C stops it)", err=True)
 
     with contextlib.suppress(KeyboardInterrupt):
-        run_async(
-            serve(
-                db,
-                host=host,
-                port=port,
-                servers=servers,
-                window=window,
-                ready=ready,
-                allow_hosts=allow_hosts,
-            )
-        )
+        run_async(serve(db, ready=ready, **served))
 
 
 @click.command()

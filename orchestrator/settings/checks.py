@@ -21,16 +21,9 @@ from typing import Any, Protocol
 from orchestrator._util.tables import is_table
 from orchestrator.errors import ConfigError
 from orchestrator.items.tokens import MAX_TOP
+from orchestrator.settings import dataset_options
 from orchestrator.settings.choices import EXPORT_FORMATS, INPUT_FORMATS, REASONING_MODES
-from orchestrator.settings.dataset_options import (
-    ENDPOINTS,
-    HISTORY_REASONING,
-    INT_MAX,
-    ON_INVALID,
-    ON_OVERFLOW,
-    ON_TRUNCATED,
-    REGENERATE,
-)
+from orchestrator.settings.dataset_options import INT_MAX
 
 
 class Rule(Protocol):
@@ -286,14 +279,14 @@ DATASET: dict[str, Rule] = {
     "concurrency": OrNone(Integer(1, INT_MAX)),
     "priority": OrNone(Integer(-INT_MAX, INT_MAX)),
     "format": Choice(INPUT_FORMATS),
-    "regenerate": OrNone(Choice(REGENERATE)),
-    "on_truncated": OrNone(Choice(ON_TRUNCATED)),
-    "on_invalid": OrNone(Choice(ON_INVALID)),
-    "on_overflow": OrNone(Choice(ON_OVERFLOW)),
-    "history_reasoning": OrNone(Choice(HISTORY_REASONING)),
+    "regenerate": OrNone(Choice(dataset_options.REGENERATE)),
+    "on_truncated": OrNone(Choice(dataset_options.ON_TRUNCATED)),
+    "on_invalid": OrNone(Choice(dataset_options.ON_INVALID)),
+    "on_overflow": OrNone(Choice(dataset_options.ON_OVERFLOW)),
+    "history_reasoning": OrNone(Choice(dataset_options.HISTORY_REASONING)),
     "passthrough": FLAG,
     "update": FLAG,
-    "endpoint": OrNone(Choice(ENDPOINTS)),
+    "endpoint": OrNone(Choice(dataset_options.ENDPOINTS)),
     "logprobs": OrNone(Integer(0, MAX_TOP)),
     "token_ids": FLAG,
     "samples": OrNone(Integer(1, 1024)),

@@ -44,11 +44,45 @@ class Setting:
         return self.rule is FLAG
 
 
-def _setting(default: Any, rule: Rule, help: str, **shape: Any) -> Any:
-    return field(default=default, metadata={"setting": Setting(rule, help, **shape)})
+def _setting(default: Any, rule: Rule, **shape: Any) -> Any:
+    """A field of the settings: its default, its rule and the option's shape (the help is
+    in ``_HELP``, where the texts read as one list)."""
+    return field(default=default, metadata={"rule": rule, "shape": shape})
 
 
 _SECONDS = "SECONDS"
+
+# Each setting's help, shown by ``orchestrator run --help`` and documented for ``Queue.run``.
+_HELP = {
+    "concurrency": "Most requests in flight per server (the worker's total is the sum over the "
+    "healthy servers); 'auto' adapts each server's to what it takes, from its /metrics.",
+    "datasets": "Only work on these datasets.",
+    "exit_when_done": "Exit once no item is pending or running: 0 when every item is done, 6 when "
+    "some failed, 7 when items of paused datasets are left pending (8: launched servers would not "
+    "stay up).",
+    "give_up_after": "Stop (exit 4) when no server has answered for this long; by default a "
+    "worker waits for its servers as long as it takes.",
+    "rpm": "Most requests a minute sent to each server (a hosted API's limit; per server: rpm=N "
+    "in --servers-file). Without it a server's x-ratelimit-* headers set the pace.",
+    "tpm": "Most tokens a minute sent to each server (prompt estimate plus max_tokens, corrected "
+    "by each answer's usage; per server: tpm=N in --servers-file).",
+    "rate_limited_warn_after": "Warn (log and status) when a server has answered nothing but HTTP "
+    "429 this long.",
+    "request_timeout": "Seconds a whole request may take, streamed or not (long reasoning answers "
+    "need long).",
+    "lease_seconds": "Lease length; renewed every quarter of it while a request is in flight.",
+    "max_attempts": "Attempts at an item before it fails (docs/OPERATIONS.md says which count).",
+    "retry_backoff": "First retry delay in seconds; doubles per attempt (±25 %), capped at 300.",
+    "grace": "Seconds in-flight requests get to finish after SIGTERM/SIGINT.",
+    "stream": "Stream answers (then --stream-idle-timeout also bounds silence).",
+    "stream_usage": "Ask streams for usage in every chunk (vLLM's and SGLang's "
+    "continuous_usage_stats): a request cut by a stop then counts the tokens it had generated "
+    "(status, wasted).",
+    "stream_idle_timeout": "Seconds a stream may go without a data event (SSE comments do not "
+    "count).",
+    "max_response_mb": "Most MiB of one answer's body; a larger one fails the item "
+    "(response_too_large) before it fills memory and the database.",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,75 +90,26 @@ class RunSettings:
     """What ``orchestrator run`` and ``Queue.run`` take beyond the servers; made into the
     worker's and the client's configuration by ``orchestrator.api.running.configs``."""
 
-    concurrency: int | str = _setting(
-        64, Cap(), "Most requests in flight per server (the worker's total is the sum over "
-        "the healthy servers); 'auto' adapts each server's to what it takes, from its "
-        "/metrics.", metavar="N|auto",
-    )  # fmt: skip
-    datasets: tuple[str, ...] = _setting(
-        (), Names("a dataset name"), "Only work on these datasets.", option="--dataset"
-    )
-    exit_when_done: bool = _setting(
-        True, FLAG, "Exit once no item is pending or running: 0 when every item is done, 6 "
-        "when some failed, 7 when items of paused datasets are left pending (8: launched "
-        "servers would not stay up).", cli_default=False,
-    )  # fmt: skip
+    concurrency: int | str = _setting(64, Cap(), metavar="N|auto")
+    datasets: tuple[str, ...] = _setting((), Names("a dataset name"), option="--dataset")
+    exit_when_done: bool = _setting(True, FLAG, cli_default=False)
     give_up_after: float | None = _setting(
-        None, OrNone(Number(minimum=0, above=True)), "Stop (exit 4) when no server has "
-        "answered for this long; by default a worker waits for its servers as long as it "
-        "takes.", metavar=_SECONDS,
-    )  # fmt: skip
-    rpm: int | None = _setting(
-        None, OrNone(Integer(1, INT_MAX)), "Most requests a minute sent to each server (a "
-        "hosted API's limit; per server: rpm=N in --servers-file). Without it a server's "
-        "x-ratelimit-* headers set the pace.", metavar="N",
-    )  # fmt: skip
-    tpm: int | None = _setting(
-        None, OrNone(Integer(1, INT_MAX)), "Most tokens a minute sent to each server "
-        "(prompt estimate plus max_tokens, corrected by each answer's usage; per server: "
-        "tpm=N in --servers-file).", metavar="N",
-    )  # fmt: skip
+        None, OrNone(Number(minimum=0, above=True)), metavar=_SECONDS
+    )
+    rpm: int | None = _setting(None, OrNone(Integer(1, INT_MAX)), metavar="N")
+    tpm: int | None = _setting(None, OrNone(Integer(1, INT_MAX)), metavar="N")
     rate_limited_warn_after: float = _setting(
-        600.0, Number(minimum=0, above=True), "Warn (log and status) when a server has "
-        "answered nothing but HTTP 429 this long.", metavar=_SECONDS,
-    )  # fmt: skip
-    request_timeout: float = _setting(
-        3600.0, Number(minimum=1), "Seconds a whole request may take, streamed or not "
-        "(long reasoning answers need long).",
-    )  # fmt: skip
-    lease_seconds: float = _setting(
-        120.0, Number(minimum=2), "Lease length; renewed every quarter of it while a "
-        "request is in flight.",
-    )  # fmt: skip
-    max_attempts: int = _setting(
-        8, Integer(minimum=1), "Attempts at an item before it fails (docs/OPERATIONS.md "
-        "says which count).",
-    )  # fmt: skip
-    retry_backoff: float = _setting(
-        2.0, Number(minimum=0.01), "First retry delay in seconds; doubles per attempt "
-        "(±25 %), capped at 300.",
-    )  # fmt: skip
-    grace: float = _setting(
-        30.0, Number(minimum=0), "Seconds in-flight requests get to finish after "
-        "SIGTERM/SIGINT.",
-    )  # fmt: skip
-    stream: bool = _setting(
-        False, FLAG, "Stream answers (then --stream-idle-timeout also bounds silence).",
-        negatable=True,
-    )  # fmt: skip
-    stream_usage: bool = _setting(
-        False, FLAG, "Ask streams for usage in every chunk (vLLM's and SGLang's "
-        "continuous_usage_stats): a request cut by a stop then counts the tokens it had "
-        "generated (status, wasted).",
-    )  # fmt: skip
-    stream_idle_timeout: float = _setting(
-        120.0, Number(minimum=1), "Seconds a stream may go without a data event (SSE "
-        "comments do not count).",
-    )  # fmt: skip
-    max_response_mb: float = _setting(
-        64.0, Number(minimum=0.001), "Most MiB of one answer's body; a larger one fails "
-        "the item (response_too_large) before it fills memory and the database.",
-    )  # fmt: skip
+        600.0, Number(minimum=0, above=True), metavar=_SECONDS
+    )
+    request_timeout: float = _setting(3600.0, Number(minimum=1))
+    lease_seconds: float = _setting(120.0, Number(minimum=2))
+    max_attempts: int = _setting(8, Integer(minimum=1))
+    retry_backoff: float = _setting(2.0, Number(minimum=0.01))
+    grace: float = _setting(30.0, Number(minimum=0))
+    stream: bool = _setting(False, FLAG, negatable=True)
+    stream_usage: bool = _setting(False, FLAG)
+    stream_idle_timeout: float = _setting(120.0, Number(minimum=1))
+    max_response_mb: float = _setting(64.0, Number(minimum=0.001))
 
     def __post_init__(self) -> None:
         check_all({name: getattr(self, name) for name in RUN}, RUN)
@@ -137,7 +122,10 @@ class RunSettings:
 
 def settings() -> list[tuple[dataclasses.Field[Any], Setting]]:
     """Each setting's field (name, default) and how it is given, in the list's order."""
-    return [(f, f.metadata["setting"]) for f in dataclasses.fields(RunSettings)]
+    return [
+        (f, Setting(f.metadata["rule"], _HELP[f.name], **f.metadata["shape"]))
+        for f in dataclasses.fields(RunSettings)
+    ]
 
 
 #: Each setting's rule by name: what every way of giving it is checked by.
