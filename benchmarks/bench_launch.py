@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from common import print_machine, print_table, verdict
+from common import print_against, print_machine, print_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -105,12 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     extra = ready - direct
-    print(f"ready, supervised - by hand: {extra:+.2f} s (target <= {TARGET_EXTRA_S}: "
-          f"{verdict(extra, TARGET_EXTRA_S)})")  # fmt: skip
-    print(f"watchdog resident: {memory:.1f} MB (target <= {TARGET_RSS_MB:g}: "
-          f"{verdict(memory, TARGET_RSS_MB)})")  # fmt: skip
-    print(f"restart after SIGKILL: {restart:.2f} s (target <= {TARGET_RESTART_S:g}: "
-          f"{verdict(restart, TARGET_RESTART_S)})")  # fmt: skip
+    line = f"ready, supervised - by hand: {extra:+.2f} s"
+    print_against(line, extra, TARGET_EXTRA_S, f"{TARGET_EXTRA_S}")
+    line = f"watchdog resident: {memory:.1f} MB"
+    print_against(line, memory, TARGET_RSS_MB, f"{TARGET_RSS_MB:g}")
+    line = f"restart after SIGKILL: {restart:.2f} s"
+    print_against(line, restart, TARGET_RESTART_S, f"{TARGET_RESTART_S:g}")
     return 0
 
 

@@ -30,10 +30,10 @@ from common import (
     ORCH,
     PYTHON,
     add_common_args,
+    print_against,
     print_machine,
     print_table,
     run_measured,
-    verdict,
     workdir,
     write_prompts,
 )
@@ -197,10 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ratio = worker.rps / fresh.rps if fresh.rps else 0.0
     share = worker.disconnects / args.items
     print()
-    print(f"worker --stream / fresh loop: {ratio:.2f} (target >= {TARGET_RATIO}: "
-          f"{verdict(ratio, TARGET_RATIO, higher_is_better=True)})")  # fmt: skip
-    print(f"disconnect retries: {share:.2%} of requests (target <= {TARGET_RETRIES:.0%}: "
-          f"{verdict(share, TARGET_RETRIES)})")  # fmt: skip
+    line = f"worker --stream / fresh loop: {ratio:.2f}"
+    print_against(line, ratio, TARGET_RATIO, f"{TARGET_RATIO}", higher_is_better=True)
+    line = f"disconnect retries: {share:.2%} of requests"
+    print_against(line, share, TARGET_RETRIES, f"{TARGET_RETRIES:.0%}")
     return 0
 
 

@@ -593,6 +593,15 @@ def verdict(value: float, target: float, *, higher_is_better: bool = False) -> s
     return "met" if ok else "MISSED"
 
 
+def print_against(
+    line: str, value: float, target: float, shown: str, *, higher_is_better: bool = False
+) -> None:
+    """``line``, then the target (written ``shown``) and whether ``value`` met it."""
+    sign = ">=" if higher_is_better else "<="
+    met = verdict(value, target, higher_is_better=higher_is_better)
+    print(f"{line} (target {sign} {shown}: {met})")
+
+
 def print_profile(path: Path | None, note: str = "", *, what: str = "collapsed stacks") -> None:
     """Where the py-spy stacks went, when ``--profile`` asked for them."""
     if path:

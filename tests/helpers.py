@@ -141,6 +141,14 @@ def kill_worker_once(
     worker.communicate()
 
 
+def kill_worker_after(db: Path | str, url: str, done: int, *extra: str, pause: float = 0.05) -> int:
+    """A worker started on ``url`` and SIGKILLed once ``done`` items are (see
+    :func:`kill_worker_once`); how many items were done then."""
+    worker = start_worker(db, url, *extra)
+    kill_worker_once(worker, lambda: done_count(db) >= done, pause=pause)
+    return done_count(db)
+
+
 def export_caught(proc: subprocess.Popen[Any], out: Path, seconds: float) -> Path:
     """The temporary file of the export ``proc`` writes to ``out``, once it holds bytes."""
     tmp = out.with_name(f".{out.name}.{proc.pid}.tmp")
@@ -232,6 +240,18 @@ def cli(
     )
 
 
+def enqueue_prompts(
+    db: Path | str, path: Path, n: int, *extra: str, dataset: str = "d", prefix: str = "p"
+) -> list[str]:
+    """``n`` prompts written to ``path`` and enqueued into ``dataset`` with
+    ``--max-tokens 16`` by the command; their keys."""
+    rows = prompts(n, prefix)
+    write_jsonl(path, rows)
+    result = cli("enqueue", str(path), "-d", dataset, "--db", str(db), "--max-tokens", "16", *extra)
+    assert result.returncode == 0, result.stderr
+    return [row["id"] for row in rows]
+
+
 # Every worker process a test starts, so that a failing test leaves none behind.
 STARTED: list[subprocess.Popen[str]] = []
 
@@ -244,9 +264,15 @@ def start_worker(
     log_level: str = "info",
 ) -> subprocess.Popen[str]:
     """``orchestrator run`` as a subprocess with JSON logs on stderr."""
-    cmd = [sys.executable, "-m", "orchestrator", "--log-json", "--log-level", log_level, "run"]
+    args = ("--log-level", log_level, "run", "--server", url, "--db", str(db), *extra)
+    return start_cli(*args, env=env)
+
+
+def start_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """The command with ``args`` as a subprocess with JSON logs on stderr, stopped at the
+    test's end if it has not ended."""
     proc = subprocess.Popen(
-        [*cmd, "--server", url, "--db", str(db), *extra],
+        [sys.executable, "-m", "orchestrator", "--log-json", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -288,6 +314,14 @@ class Heard:
         return "".join(self.lines)
 
 
+def read_terminal(leader: int) -> bytes:
+    """What the process wrote next on the pty ``leader``; ``b""`` once it closed it."""
+    try:
+        return os.read(leader, 4096)
+    except OSError:  # the process closed the terminal
+        return b""
+
+
 def run_on_a_terminal(
     argv: list[str], env: dict[str, str], *, timeout: float = 120, columns: int | None = None
 ) -> tuple[int, str]:
@@ -306,13 +340,7 @@ def run_on_a_terminal(
     )
     os.close(follower)
     chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the child closed the terminal
-            break
-        if not chunk:
-            break
+    while chunk := read_terminal(leader):
         chunks.append(chunk)
     os.close(leader)
     return proc.wait(timeout), b"".join(chunks).decode(errors="replace")
@@ -371,12 +399,28 @@ def item_rows(db: Path | str) -> list[tuple[Any, ...]]:
     return query(db, "SELECT key, state, attempts FROM items ORDER BY position")
 
 
+def export_lines(db: Path | str, out: Path, *args: str) -> list[dict[str, Any]]:
+    """The lines ``export`` with ``args`` writes to ``out``, parsed; it must succeed."""
+    result = cli("export", str(out), "--db", str(db), *args)
+    assert result.returncode == 0, result.stderr
+    return [orjson.loads(raw) for raw in out.read_bytes().splitlines()]
+
+
+def exported(db: Path | str, out: Path, expected_keys: list[str]) -> list[dict[str, Any]]:
+    """The lines of the export to ``out``, checked to hold each key once, in input order."""
+    lines = export_lines(db, out)
+    assert [line["id"] for line in lines] == expected_keys
+    return lines
+
+
+def done_count(db: Path | str) -> int:
+    """How many items are done."""
+    return int(query(db, "SELECT count(*) FROM items WHERE state = 'done'")[0][0])
+
+
 def check_export(db: Path | str, out: Path, expected_keys: list[str]) -> list[dict[str, Any]]:
     """Export, and check: each key once, in input order, each answer made for its prompt."""
-    result = cli("export", str(out), "--db", str(db))
-    assert result.returncode == 0, result.stderr
-    lines = [orjson.loads(raw) for raw in out.read_bytes().splitlines()]
-    assert [line["id"] for line in lines] == expected_keys
+    lines = exported(db, out, expected_keys)
     for line in lines:
         *prompt, answer = line["messages"]
         assert answer["role"] == "assistant"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from orchestrator.formats import iter_records
 from orchestrator.inference.autoconcurrency import Controller, Limits, Sample
 from orchestrator.inference.client import ClientConfig, InferenceClient
 from orchestrator.store import Database, DatasetSpec, enqueue
-from orchestrator.worker import Worker, WorkerConfig
+from orchestrator.worker import Worker, WorkerConfig, WorkerStats
 from orchestrator.worker.metrics import WorkerMetrics
 from tests.conftest import StartSim
 from tests.helpers import prompts, write_jsonl
@@ -144,17 +145,15 @@ def test_without_metrics_climbs_while_throughput_rises_then_steps_back() -> None
 # ---------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.sqlite_only
-async def test_auto_converges_near_the_knee_of_a_batching_server(
-    database: Database, tmp_path: Path, sim: StartSim
-) -> None:
-    # Answers of 50-150 tokens and a 5000-token cache: about 60 requests fit at once.
-    url = await sim(mean_tokens=100, kv_tokens=5000, step_time=0.002, step_per_request=0.00002)
-    path = write_jsonl(tmp_path / "in.jsonl", prompts(1000))
+async def run_auto(
+    database: Database, tmp_path: Path, url: str, n: int, metrics: WorkerMetrics | None = None
+) -> tuple[WorkerStats, list[MutableMapping[str, Any]]]:
+    """``n`` prompts (``max_tokens`` 200) answered by ``url`` with auto concurrency, within
+    90 s: the worker's stats and what it logged."""
+    path = write_jsonl(tmp_path / "in.jsonl", prompts(n))
     await enqueue(
         database, DatasetSpec("ds", {"max_tokens": 200}), iter_records(path), path=str(path)
     )
-    metrics = WorkerMetrics()
     cfg = WorkerConfig(
         servers=(url,),
         concurrency="auto",
@@ -167,6 +166,16 @@ async def test_auto_converges_near_the_knee_of_a_batching_server(
         async with InferenceClient(ClientConfig(request_timeout=30)) as client:
             worker = Worker(database, client, cfg, metrics=metrics)
             stats = await asyncio.wait_for(worker.run(), 90)
+    return stats, logs
+
+
+@pytest.mark.sqlite_only
+async def test_auto_converges_near_the_knee_of_a_batching_server(
+    database: Database, tmp_path: Path, sim: StartSim
+) -> None:
+    # Answers of 50-150 tokens and a 5000-token cache: about 60 requests fit at once.
+    url = await sim(mean_tokens=100, kv_tokens=5000, step_time=0.002, step_per_request=0.00002)
+    stats, logs = await run_auto(database, tmp_path, url, 1000, WorkerMetrics())
     assert stats.completed == 1000
     batch = (await sim_stats(url))["batch"]
     changes = [e for e in logs if e["event"] == "concurrency_changed"]
@@ -197,21 +206,7 @@ async def test_auto_reads_a_vllm_server_and_keeps_its_batch_full(
         step_time=0.002,
         step_per_request=0.00002,
     )
-    path = write_jsonl(tmp_path / "in.jsonl", prompts(600))
-    await enqueue(
-        database, DatasetSpec("ds", {"max_tokens": 200}), iter_records(path), path=str(path)
-    )
-    cfg = WorkerConfig(
-        servers=(url,),
-        concurrency="auto",
-        auto_interval=0.25,
-        exit_when_done=True,
-        poll_interval=0.05,
-        probe_min=0.05,
-    )
-    with capture_logs() as logs:
-        async with InferenceClient(ClientConfig(request_timeout=30)) as client:
-            stats = await asyncio.wait_for(Worker(database, client, cfg).run(), 90)
+    stats, logs = await run_auto(database, tmp_path, url, 600)
     assert stats.completed == 600
     batch = (await sim_stats(url))["batch"]
     changes = [(e["new"], e["reason"]) for e in logs if e["event"] == "concurrency_changed"]

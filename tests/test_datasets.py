@@ -126,16 +126,9 @@ def test_the_api_changes_one_setting_and_its_update_merges(db_url: str, tmp_path
 
 
 MOVED = (
-    "datasets",
-    "items",
-    "outputs",
-    "item_turns",
-    "attempt_errors",
-    "requeued_items",
-    "superseded_outputs",
-    "superseded_turns",
-    "wasted_tokens",
-)
+    "datasets", "items", "outputs", "item_turns", "attempt_errors", "requeued_items",
+    "superseded_outputs", "superseded_turns", "wasted_tokens",
+)  # fmt: skip
 
 
 def rows(db: str) -> dict[str, list[tuple[Any, ...]]]:

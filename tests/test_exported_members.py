@@ -9,26 +9,10 @@ import sys
 import orchestrator
 
 EXPORTED = {
-    "ConfigError",
-    "EnqueueReport",
-    "ExportReport",
-    "InputError",
-    "ItemRecord",
-    "ItemsFailed",
-    "ItemsLeftPending",
-    "OrchestratorError",
-    "Queue",
-    "RunOutcome",
-    "RunStopped",
-    "Status",
-    "StorageError",
-    "SyncQueue",
-    "UndoReport",
-    "WorkerStats",
-    "__version__",
-    "open",
-    "open_sync",
-}
+    "ConfigError", "EnqueueReport", "ExportReport", "InputError", "ItemRecord", "ItemsFailed",
+    "ItemsLeftPending", "OrchestratorError", "Queue", "RunOutcome", "RunStopped", "Status",
+    "StorageError", "SyncQueue", "UndoReport", "WorkerStats", "__version__", "open", "open_sync",
+}  # fmt: skip
 
 
 def test_all_is_the_pinned_surface() -> None:

@@ -31,6 +31,7 @@ from tests.helpers import (
     SimProcess,
     cli,
     db_snapshot,
+    enqueue_prompts,
     events,
     prompts,
     query,
@@ -42,11 +43,7 @@ SECRET = "s3cret-Pa55"
 
 
 def enqueue(db: Path, n: int, *extra: str, prefix: str = "p") -> None:
-    src = write_jsonl(db.parent / f"in-{prefix}.jsonl", prompts(n, prefix))
-    result = cli(
-        "enqueue", str(src), "--dataset", "d", "--max-tokens", "16", "--db", str(db), *extra
-    )
-    assert result.returncode == 0, result.stderr
+    enqueue_prompts(db, db.parent / f"in-{prefix}.jsonl", n, *extra, prefix=prefix)
 
 
 def wait_for(check: Callable[[], bool], timeout: float = 60) -> None:

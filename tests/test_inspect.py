@@ -109,9 +109,17 @@ def stored_errors(db: str, dataset: str) -> dict[str, list[tuple[Any, ...]]]:
     return found
 
 
-def enqueue(db: str, path: Path, dataset: str, *extra: str) -> None:
+def enqueue(db: str, folder: Path, dataset: str, rows: list[Any], *extra: str) -> None:
+    """``rows`` written to ``<dataset>.jsonl`` in ``folder`` and enqueued into ``dataset``."""
+    path = write_jsonl(folder / f"{dataset}.jsonl", rows)
     result = cli("enqueue", str(path), "--dataset", dataset, "--model", "m", "--db", db, *extra)
     assert result.returncode == 0, result.stderr
+
+
+def answered(db: str, folder: Path, dataset: str, rows: list[Any], url: str, *extra: str) -> None:
+    """``rows`` enqueued into ``dataset`` and answered by the server at ``url``."""
+    enqueue(db, folder, dataset, rows, *extra)
+    run(db, url)
 
 
 def test_inspect_shows_why_items_were_retried_and_what_truncated_answers_look_like(
@@ -119,9 +127,8 @@ def test_inspect_shows_why_items_were_retried_and_what_truncated_answers_look_li
 ) -> None:
     faulty, sound = servers
     rows = prompts(40, "c")
-    source = write_jsonl(tmp_path / "chat.jsonl", rows)
-    enqueue(db_url, source, "chat", "--max-tokens", str(MAX_TOKENS), "--temperature", "0.5")
-    enqueue(db_url, write_jsonl(tmp_path / "other.jsonl", rows[:3]), "other")
+    enqueue(db_url, tmp_path, "chat", rows, "--max-tokens", str(MAX_TOKENS), "--temperature", "0.5")
+    enqueue(db_url, tmp_path, "other", rows[:3])
     run(db_url, faulty.url, sound.url)
     before = unchanged(db_url)
 
@@ -251,8 +258,7 @@ def test_a_sample_is_drawn_again_by_its_seed(
 ) -> None:
     faulty, _ = servers
     rows = prompts(30, "s")
-    enqueue(db_url, write_jsonl(tmp_path / "s.jsonl", rows), "s", "--max-tokens", "8")
-    run(db_url, faulty.url)
+    answered(db_url, tmp_path, "s", rows, faulty.url, "--max-tokens", "8")
     before = unchanged(db_url)
 
     drawn = cli("inspect", "--sample", "5", "--json", "--db", db_url)
@@ -282,8 +288,7 @@ def test_inspect_shows_every_turn_of_a_regenerated_conversation(
         {"id": f"conv-{i}", "messages": dialogue(f"q{i}", "old a", f"more {i}", "old b", "end")}
         for i in range(6)
     ]
-    enqueue(db_url, write_jsonl(tmp_path / "conv.jsonl", rows), "conv", "--regenerate", "all")
-    run(db_url, faulty.url)
+    answered(db_url, tmp_path, "conv", rows, faulty.url, "--regenerate", "all")
     before = unchanged(db_url)
 
     out = tmp_path / "conv.export.jsonl"
@@ -331,9 +336,7 @@ def test_a_requeued_item_shows_the_answer_it_set_aside(
     db_url: str, tmp_path: Path, servers: list[SimProcess]
 ) -> None:
     _, sound = servers
-    rows = prompts(6, "r")
-    enqueue(db_url, write_jsonl(tmp_path / "r.jsonl", rows), "r", "--max-tokens", "4")
-    run(db_url, sound.url)
+    answered(db_url, tmp_path, "r", prompts(6, "r"), sound.url, "--max-tokens", "4")
     first = {r["key"]: r["answer"] for r in inspect_json(db_url)}
     requeued = cli("requeue", "--flag", "truncated", "--max-tokens", "400", "--db", db_url)
     assert requeued.returncode == 0, requeued.stderr
@@ -376,7 +379,7 @@ def test_a_running_item_shows_who_holds_it(db_url: str, tmp_path: Path) -> None:
     slow = SimProcess("--latency", "600")
     slow.start()
     try:
-        enqueue(db_url, write_jsonl(tmp_path / "w.jsonl", prompts(1, "w")), "w")
+        enqueue(db_url, tmp_path, "w", prompts(1, "w"))
         worker = start_worker(db_url, slow.url, "--concurrency", "1")
         deadline = time.monotonic() + 120
         held: list[tuple[Any, ...]] = []
@@ -432,8 +435,7 @@ def test_a_terminal_gets_colour_and_folded_texts_escaped_controls(
     long.start()
     try:
         hostile = [{"id": "x", "prompt": "clear \x1b[2J the screen \u202e and [bold]turn[/bold]"}]
-        enqueue(db_url, write_jsonl(tmp_path / "x.jsonl", hostile), "x", "--max-tokens", "8000")
-        run(db_url, long.url)
+        answered(db_url, tmp_path, "x", hostile, long.url, "--max-tokens", "8000")
     finally:
         long.stop()
     before = unchanged(db_url)
@@ -463,7 +465,7 @@ def test_a_reader_that_stops_reading_ends_it_quietly(
 ) -> None:
     """``inspect | head``: the read ends when the pipe closes, exit 0, nothing on stderr."""
     rows = [{"id": f"h{i}", "prompt": "many words " * 50} for i in range(400)]
-    enqueue(db_url, write_jsonl(tmp_path / "h.jsonl", rows), "h")
+    enqueue(db_url, tmp_path, "h", rows)
     before = unchanged(db_url)
     argv = [sys.executable, "-m", "orchestrator", "inspect", *mode, "--db", db_url]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)

@@ -30,7 +30,17 @@ from orchestrator.inference.launch.spec import (
     replicate,
 )
 from orchestrator.inference.servers_file import read_servers_file
-from tests.helpers import REPO, STARTED, cli, events, prompts, query, write_jsonl
+from tests.helpers import (
+    REPO,
+    cli,
+    done_count,
+    events,
+    exported,
+    prompts,
+    query,
+    start_cli,
+    write_jsonl,
+)
 
 FAKE = REPO / "tests" / "fixtures" / "fake_engine.py"
 SIM = f"{shlex.quote(sys.executable)} -m orchestrator.sim.server --port {{port}}"
@@ -120,17 +130,7 @@ def states(db: Path) -> list[dict[str, Any]]:
 
 
 def start_run(db: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "orchestrator", "--log-json", "run", "--db", str(db), *args]
-    proc = subprocess.Popen(
-        cmd,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-    )
-    STARTED.append(proc)
-    return proc
+    return start_cli("run", "--db", str(db), *args, env=env)
 
 
 def alive(pid: int) -> bool:
@@ -151,19 +151,29 @@ def wait_for(check: Any, what: str, seconds: float = 60.0) -> Any:
     raise AssertionError(f"never happened: {what}")
 
 
-def done_count(db: Path) -> int:
-    return int(query(db, "SELECT count(*) FROM items WHERE state = 'done'")[0][0])
-
-
 def check_done_once(db: Path, rows: list[dict[str, Any]]) -> None:
     """Every item done with one output, and no attempt charged to any of them."""
-    out = db.parent / "out.jsonl"
-    result = cli("export", str(out), "--db", str(db))
-    assert result.returncode == 0, result.stderr
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [line["id"] for line in lines] == [row["id"] for row in rows]
+    exported(db, db.parent / "out.jsonl", [row["id"] for row in rows])
     assert query(db, "SELECT count(*) FROM outputs")[0][0] == len(rows)
     assert query(db, "SELECT max(attempts) FROM items")[0][0] == 1
+
+
+def run_engine(
+    db: Path,
+    rows: list[dict[str, Any]],
+    engine: str,
+    model: str,
+    program: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """``run --exit-when-done`` on servers it launches with ``program``: it succeeds and
+    answers every item once. The launched servers' states."""
+    cli_args = ["--engine", engine, "--model", model, "--engine-bin", str(program), *extra]
+    result = cli("run", "--db", str(db), "--exit-when-done", *cli_args, env=env)
+    assert result.returncode == 0, result.stderr
+    check_done_once(db, rows)
+    return states(db)
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
@@ -171,25 +181,8 @@ def test_an_engine_preset_is_launched_supervised_and_stopped(tmp_path: Path, eng
     db = tmp_path / "q.db"
     rows = enqueue(db, 40)
     program = wrapper(tmp_path, "python" if engine == "sglang" else "vllm")
-    result = cli(
-        "run",
-        "--db",
-        str(db),
-        "--exit-when-done",
-        "--engine",
-        engine,
-        "--model",
-        "/models/m",
-        "--engine-bin",
-        str(program),
-        "--served-model-name",
-        "m",
-        "--replicas",
-        "2",
-    )
-    assert result.returncode == 0, result.stderr
-    check_done_once(db, rows)
-    launched = states(db)
+    extra = ("--served-model-name", "m", "--replicas", "2")
+    launched = run_engine(db, rows, engine, "/models/m", program, *extra)
     assert [s["state"] for s in launched] == ["stopped", "stopped"]
     for server in launched:
         log = Path(server["log"]).read_text()
@@ -202,24 +195,9 @@ def test_an_engine_preset_is_launched_supervised_and_stopped(tmp_path: Path, eng
 def test_gpus_per_server_gives_each_replica_its_devices(tmp_path: Path) -> None:
     db = tmp_path / "q.db"
     rows = enqueue(db, 10)
-    result = cli(
-        "run",
-        "--db",
-        str(db),
-        "--exit-when-done",
-        "--engine",
-        "vllm",
-        "--model",
-        "m",
-        "--engine-bin",
-        str(wrapper(tmp_path, "vllm")),
-        "--gpus-per-server",
-        "2",
-        env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"},
-    )
-    assert result.returncode == 0, result.stderr
-    check_done_once(db, rows)
-    launched = states(db)
+    program = wrapper(tmp_path, "vllm")
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"}
+    launched = run_engine(db, rows, "vllm", "m", program, "--gpus-per-server", "2", env=env)
     assert [s["env"] for s in launched] == [
         {"CUDA_VISIBLE_DEVICES": "0,1"},
         {"CUDA_VISIBLE_DEVICES": "2,3"},

@@ -16,8 +16,8 @@ import orjson
 import pytest
 
 from scripts import llama_server
-from tests.helpers import cli, events, query, write_jsonl
-from tests.test_launch import alive, done_count, start_run, states, wait_for
+from tests.helpers import cli, done_count, events, exported, query, write_jsonl
+from tests.test_launch import alive, start_run, states, wait_for
 from tests.test_llamacpp import require_llama_server
 
 pytestmark = pytest.mark.llamacpp
@@ -60,11 +60,7 @@ def enqueue(db: Path, n: int = N, max_tokens: int = MAX_TOKENS) -> list[dict[str
 
 def check_exported_once(db: Path, rows: list[dict[str, Any]]) -> None:
     """Every item exported once, with the usage llama-server itself reported."""
-    out = db.parent / "out.jsonl"
-    result = cli("export", str(out), "--db", str(db))
-    assert result.returncode == 0, result.stderr
-    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
-    assert [line["id"] for line in lines] == [row["id"] for row in rows]
+    lines = exported(db, db.parent / "out.jsonl", [row["id"] for row in rows])
     for line in lines:
         usage = line["usage"]
         assert 0 < usage["completion_tokens"] <= MAX_TOKENS and usage["prompt_tokens"] > 5, line
@@ -224,8 +220,5 @@ def test_the_llama_cpp_preset_launches_the_real_server(command: str, tmp_path: P
     assert "--metrics" in looked["command"] and f"--alias {MODEL}" in looked["command"]
     result = cli("run", "--db", str(db), "--exit-when-done", *preset)
     assert result.returncode == 0, result.stderr
-    out = db.parent / "out.jsonl"
-    assert cli("export", str(out), "--db", str(db)).returncode == 0
-    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
-    assert [line["id"] for line in lines] == [row["id"] for row in rows]
+    lines = exported(db, db.parent / "out.jsonl", [row["id"] for row in rows])
     assert all(line["usage"]["prompt_tokens"] > 5 for line in lines)

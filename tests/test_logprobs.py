@@ -26,9 +26,9 @@ from tests.helpers import (
     SimProcess,
     cli,
     db_snapshot,
-    kill_worker_once,
+    export_lines,
+    kill_worker_after,
     query,
-    start_worker,
     write_jsonl,
 )
 from tests.oracle import Verdict, check_tokens
@@ -235,13 +235,7 @@ def _enqueue(db: str, *args: str) -> None:
 
 
 def _export(db: str, out: Path, *args: str) -> list[dict[str, Any]]:
-    result = cli("export", str(out), "--db", db, "--logprobs", "--token-ids", *args)
-    assert result.returncode == 0, result.stderr
-    return [orjson.loads(line) for line in out.read_bytes().splitlines()]
-
-
-def _done(db: str) -> int:
-    return query(db, "SELECT count(*) FROM items WHERE state = 'done'")[0][0]
+    return export_lines(db, out, "--logprobs", "--token-ids", *args)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -267,9 +261,7 @@ def test_killed_run_keeps_every_answers_tokens_once(
             "return_token_ids=true",
         )
         flags = ["--concurrency", "8", *(["--stream"] if stream else [])]
-        worker = start_worker(db_url, url, *flags)
-        kill_worker_once(worker, lambda: _done(db_url) >= N // 2, pause=0.02)
-        killed_at = _done(db_url)
+        killed_at = kill_worker_after(db_url, url, N // 2, *flags, pause=0.02)
         assert 0 < killed_at < 2 * N, "the kill must land mid-run"
         result = cli("run", "--server", url, "--db", db_url, "--exit-when-done", *flags)
         assert result.returncode == 0, result.stderr

@@ -26,8 +26,8 @@ from tests.helpers import (
     SimProcess,
     cli,
     db_snapshot,
+    enqueue_prompts,
     events,
-    prompts,
     query,
     start_worker,
     write_jsonl,
@@ -71,11 +71,8 @@ class Worker:
 
 
 def enqueue(tmp_path: Path, db: str, n: int, *extra: str, dataset: str = "d") -> list[str]:
-    rows = prompts(n, prefix=f"{dataset}-")
-    data = write_jsonl(tmp_path / f"{dataset}.jsonl", rows)
-    result = cli("enqueue", str(data), "-d", dataset, "--db", db, "--max-tokens", "16", *extra)
-    assert result.returncode == 0, result.stderr
-    return [row["id"] for row in rows]
+    path = tmp_path / f"{dataset}.jsonl"
+    return enqueue_prompts(db, path, n, *extra, dataset=dataset, prefix=f"{dataset}-")
 
 
 def run_to_end(db: str, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -400,19 +397,14 @@ def requeue_and_undo_under_a_worker(
     return check_whole(db, tmp_path, keys)
 
 
+@pytest.mark.parametrize(
+    ("items", "rounds"),
+    [(1500, 2), pytest.param(3000, 10, marks=pytest.mark.slow, id="at-length")],
+)
 def test_requeue_and_undo_racing_a_worker_keep_every_answer_once(
-    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess], items: int, rounds: int
 ) -> None:
     # One request in twenty fails at once (a 400): failed re-runs are undone too.
     server = sim_process("--latency", "0.05", "--fault", "400=0.05")
-    final = requeue_and_undo_under_a_worker(tmp_path, db_url, server, items=1500, rounds=2)
-    assert sum(final.values()) == 1500
-
-
-@pytest.mark.slow
-def test_requeue_and_undo_racing_a_worker_at_length(
-    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
-) -> None:
-    server = sim_process("--latency", "0.05", "--fault", "400=0.05")
-    final = requeue_and_undo_under_a_worker(tmp_path, db_url, server, items=3000, rounds=10)
-    assert sum(final.values()) == 3000
+    final = requeue_and_undo_under_a_worker(tmp_path, db_url, server, items=items, rounds=rounds)
+    assert sum(final.values()) == items

@@ -36,6 +36,7 @@ from tests.helpers import (
     is_postgres,
     planned,
     query,
+    read_terminal,
     write_jsonl,
 )
 
@@ -634,10 +635,7 @@ def _rows_written(leader: int, deadline: float) -> Iterator[int]:
         ready, _, _ = select.select([leader], [], [], 1.0)
         if not ready:
             continue
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the process closed its terminal
-            return
+        chunk = read_terminal(leader)
         if not chunk:
             return
         seen = (seen + chunk)[-200:]

@@ -22,10 +22,10 @@ from tests.helpers import (
     SimProcess,
     cli,
     db_snapshot,
-    kill_worker_once,
+    export_lines,
+    kill_worker_after,
     prompts,
     query,
-    start_worker,
     write_jsonl,
 )
 
@@ -45,13 +45,7 @@ def kind_of(messages: list[dict[str, Any]]) -> str:
 
 
 def export(db: str, out: Path, *extra: str) -> list[dict[str, Any]]:
-    result = cli("export", str(out), "--db", db, "--parsed", "--provenance", *extra)
-    assert result.returncode == 0, result.stderr
-    return [orjson.loads(raw) for raw in out.read_bytes().splitlines()]
-
-
-def done(db: str) -> int:
-    return query(db, "SELECT count(*) FROM items WHERE state = 'done'")[0][0]
+    return export_lines(db, out, "--parsed", "--provenance", *extra)
 
 
 def test_each_answer_is_flagged_once_across_a_sigkill(
@@ -75,9 +69,8 @@ def test_each_answer_is_flagged_once_across_a_sigkill(
     fmt = ("--param", 'response_format={"type": "json_object"}')
     assert cli("enqueue", str(objects), "-d", "objects", *fmt, *common).returncode == 0
 
-    worker = start_worker(db_url, server.url, "--concurrency", "4")
-    kill_worker_once(worker, lambda: done(db_url) >= 40)
-    assert 0 < done(db_url) < 200, "the kill must land mid-run"
+    killed_at = kill_worker_after(db_url, server.url, 40, "--concurrency", "4")
+    assert 0 < killed_at < 200, "the kill must land mid-run"
     # Resumed streaming: a streamed JSON answer is checked as a whole one is.
     result = cli("run", "--server", server.url, "--db", db_url, "--exit-when-done", "--stream")
     assert result.returncode == 0, result.stderr

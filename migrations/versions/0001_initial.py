@@ -1,7 +1,5 @@
 """The durable queue: datasets, items, outputs, attempt errors, workers.
 
-Revision ID: 0001
-Revises:
 Create Date: 2026-11-29
 """
 
@@ -10,10 +8,10 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from orchestrator.migrations.ops import partial_index
+
 revision = "0001"
 down_revision = None
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -67,27 +65,14 @@ def upgrade() -> None:
             "(state = 'running') = (lease_token IS NOT NULL)", name="ck_items_lease_iff_running"
         ),
     )
-    op.create_index(
-        "ix_items_claimable",
-        "items",
-        ["dataset_id", "position"],
-        sqlite_where=sa.text("state = 'pending'"),
-        postgresql_where=sa.text("state = 'pending'"),
-    )
-    op.create_index(
+    partial_index("ix_items_claimable", "items", ["dataset_id", "position"], "state = 'pending'")
+    partial_index(
         "ix_items_suspect",
         "items",
         ["dataset_id", "position"],
-        sqlite_where=sa.text("state = 'pending' AND error_class = 'lease_lost'"),
-        postgresql_where=sa.text("state = 'pending' AND error_class = 'lease_lost'"),
+        "state = 'pending' AND error_class = 'lease_lost'",
     )
-    op.create_index(
-        "ix_items_running",
-        "items",
-        ["lease_expires_at"],
-        sqlite_where=sa.text("state = 'running'"),
-        postgresql_where=sa.text("state = 'running'"),
-    )
+    partial_index("ix_items_running", "items", ["lease_expires_at"], "state = 'running'")
     op.create_index("ix_items_dataset_state", "items", ["dataset_id", "state"])
     op.create_table(
         "outputs",

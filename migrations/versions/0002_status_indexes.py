@@ -5,8 +5,6 @@ entry; these narrow indexes let its aggregates read index entries only, and its 
 and last answer times one index seek each. None of them is written by enqueue:
 ``ix_items_failed`` only holds failed rows.
 
-Revision ID: 0002
-Revises: 0001
 Create Date: 2026-11-30
 """
 
@@ -15,20 +13,14 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from orchestrator.migrations.ops import partial_index
+
 revision = "0002"
 down_revision = "0001"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
-    op.create_index(
-        "ix_items_failed",
-        "items",
-        ["dataset_id", "error_class"],
-        sqlite_where=sa.text("state = 'failed'"),
-        postgresql_where=sa.text("state = 'failed'"),
-    )
+    partial_index("ix_items_failed", "items", ["dataset_id", "error_class"], "state = 'failed'")
     op.create_index(
         "ix_outputs_totals", "outputs", ["dataset_id", "created_at", "completion_tokens"]
     )

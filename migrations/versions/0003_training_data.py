@@ -4,8 +4,6 @@ per-turn progress of multi-turn regeneration, quality flags and parameter proven
 ``ix_outputs_created_at`` goes: status reads recent answers through ``ix_outputs_totals``
 (dataset, created_at, ...), so the older index only cost a write per answer.
 
-Revision ID: 0003
-Revises: 0002
 Create Date: 2026-11-30
 """
 
@@ -14,28 +12,21 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from orchestrator.migrations.ops import add_columns, counter, drop_columns, setting
+
 revision = "0003"
 down_revision = "0002"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column(
-        "datasets", sa.Column("regenerate", sa.String(8), nullable=False, server_default="last")
-    )
-    op.add_column(
+    add_columns(
         "datasets",
-        sa.Column("on_truncated", sa.String(8), nullable=False, server_default="keep"),
-    )
-    op.add_column(
-        "datasets",
+        setting("regenerate", "last"),
+        setting("on_truncated", "keep"),
         sa.Column("passthrough", sa.Boolean, nullable=False, server_default=sa.false()),
     )
-    op.add_column("items", sa.Column("turn", sa.Integer, nullable=False, server_default="0"))
-    op.add_column("items", sa.Column("turns", sa.Integer, nullable=False, server_default="1"))
-    op.add_column("outputs", sa.Column("flags", sa.Integer, nullable=False, server_default="0"))
-    op.add_column("outputs", sa.Column("params_hash", sa.String(64), nullable=True))
+    add_columns("items", counter("turn"), counter("turns", "1"))
+    add_columns("outputs", counter("flags"), sa.Column("params_hash", sa.String(64), nullable=True))
     op.drop_index("ix_outputs_created_at", table_name="outputs")
     op.create_table(
         "item_turns",
@@ -70,15 +61,6 @@ def downgrade() -> None:
     op.drop_table("param_sets")
     op.drop_table("item_turns")
     op.create_index("ix_outputs_created_at", "outputs", ["created_at"])
-    # Native DROP COLUMN (SQLite 3.35+): a batch copy of the table would lose the
-    # expression index ix_outputs_started, which SQLAlchemy cannot reflect.
-    for table, column in (
-        ("outputs", "params_hash"),
-        ("outputs", "flags"),
-        ("items", "turns"),
-        ("items", "turn"),
-        ("datasets", "passthrough"),
-        ("datasets", "on_truncated"),
-        ("datasets", "regenerate"),
-    ):
-        op.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+    drop_columns("outputs", "params_hash", "flags")
+    drop_columns("items", "turns", "turn")
+    drop_columns("datasets", "passthrough", "on_truncated", "regenerate")

@@ -5,30 +5,21 @@ answer's text. This partial index holds just the flagged answers (dataset, mask)
 count reads a few index entries, and an unflagged answer, the usual kind, writes nothing
 to it.
 
-Revision ID: 0004
-Revises: 0003
 Create Date: 2026-11-30
 """
 
 from __future__ import annotations
 
-import sqlalchemy as sa
 from alembic import op
+
+from orchestrator.migrations.ops import partial_index
 
 revision = "0004"
 down_revision = "0003"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
-    op.create_index(
-        "ix_outputs_flagged",
-        "outputs",
-        ["dataset_id", "flags"],
-        sqlite_where=sa.text("flags != 0"),
-        postgresql_where=sa.text("flags != 0"),
-    )
+    partial_index("ix_outputs_flagged", "outputs", ["dataset_id", "flags"], "flags != 0")
 
 
 def downgrade() -> None:

@@ -1,7 +1,5 @@
 """When each worker last made progress, so status can tell a stalled worker.
 
-Revision ID: 0005
-Revises: 0004
 Create Date: 2026-11-30
 """
 
@@ -10,10 +8,10 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from orchestrator.migrations.ops import drop_columns
+
 revision = "0005"
 down_revision = "0004"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -21,5 +19,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    # Native DROP COLUMN (SQLite 3.35+), as in 0003.
-    op.execute("ALTER TABLE workers DROP COLUMN progress_at")
+    drop_columns("workers", "progress_at")

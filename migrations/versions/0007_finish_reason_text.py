@@ -3,8 +3,6 @@
 A longer one used to fail the write of the whole round it was in. SQLite never enforced
 the length, so only PostgreSQL's columns change (a catalogue change, no table rewrite).
 
-Revision ID: 0007
-Revises: 0006
 Create Date: 2026-12-01
 """
 
@@ -15,8 +13,6 @@ from alembic import op
 
 revision = "0007"
 down_revision = "0006"
-branch_labels = None
-depends_on = None
 
 _TABLES = ("outputs", "item_turns")
 

@@ -5,57 +5,60 @@ item it moved keeps its former state in ``requeued_items``, and the answers (and
 of done items move to ``superseded_outputs`` / ``superseded_turns``, from which
 ``requeue --undo`` puts them back. Nothing on the hot paths reads or writes these tables.
 
-Revision ID: 0008
-Revises: 0007
 Create Date: 2026-12-01
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0008"
 down_revision = "0007"
-branch_labels = None
-depends_on = None
 
 
-def _output_columns() -> list[sa.Column]:
+# The columns of outputs and item_turns, by name: (type, nullable). flags defaults to 0.
+_KINDS: dict[str, tuple[Any, bool]] = {
+    "item_id": (sa.Integer, False),
+    "dataset_id": (sa.Integer, False),
+    "turn": (sa.Integer, False),
+    "content": (sa.Text, True),
+    "reasoning": (sa.Text, True),
+    "finish_reason": (sa.Text, True),
+    "prompt_tokens": (sa.Integer, True),
+    "completion_tokens": (sa.Integer, True),
+    "message": (sa.Text, False),
+    "usage": (sa.Text, True),
+    "latency": (sa.Float, False),
+    "server": (sa.Text, True),
+    "model": (sa.Text, True),
+    "response_id": (sa.Text, True),
+    "attempt": (sa.Integer, False),
+    "created_at": (sa.Float, False),
+    "flags": (sa.Integer, False),
+    "params_hash": (sa.String(64), True),
+}
+_OUTPUT_COLUMNS = (
+    "item_id dataset_id content reasoning finish_reason prompt_tokens completion_tokens"
+    " message usage latency server model response_id attempt created_at flags params_hash"
+)
+_TURN_COLUMNS = (
+    "item_id turn message finish_reason usage flags latency server model params_hash created_at"
+)
+
+
+def _columns(names: str) -> list[sa.Column[Any]]:
+    """The columns ``names`` (space-separated), in that order."""
     return [
-        sa.Column("item_id", sa.Integer, nullable=False),
-        sa.Column("dataset_id", sa.Integer, nullable=False),
-        sa.Column("content", sa.Text, nullable=True),
-        sa.Column("reasoning", sa.Text, nullable=True),
-        sa.Column("finish_reason", sa.Text, nullable=True),
-        sa.Column("prompt_tokens", sa.Integer, nullable=True),
-        sa.Column("completion_tokens", sa.Integer, nullable=True),
-        sa.Column("message", sa.Text, nullable=False),
-        sa.Column("usage", sa.Text, nullable=True),
-        sa.Column("latency", sa.Float, nullable=False),
-        sa.Column("server", sa.Text, nullable=True),
-        sa.Column("model", sa.Text, nullable=True),
-        sa.Column("response_id", sa.Text, nullable=True),
-        sa.Column("attempt", sa.Integer, nullable=False),
-        sa.Column("created_at", sa.Float, nullable=False),
-        sa.Column("flags", sa.Integer, nullable=False, server_default="0"),
-        sa.Column("params_hash", sa.String(64), nullable=True),
-    ]
-
-
-def _turn_columns() -> list[sa.Column]:
-    return [
-        sa.Column("item_id", sa.Integer, nullable=False),
-        sa.Column("turn", sa.Integer, nullable=False),
-        sa.Column("message", sa.Text, nullable=False),
-        sa.Column("finish_reason", sa.Text, nullable=True),
-        sa.Column("usage", sa.Text, nullable=True),
-        sa.Column("flags", sa.Integer, nullable=False, server_default="0"),
-        sa.Column("latency", sa.Float, nullable=False),
-        sa.Column("server", sa.Text, nullable=True),
-        sa.Column("model", sa.Text, nullable=True),
-        sa.Column("params_hash", sa.String(64), nullable=True),
-        sa.Column("created_at", sa.Float, nullable=False),
+        sa.Column(
+            name,
+            _KINDS[name][0],
+            nullable=_KINDS[name][1],
+            server_default="0" if name == "flags" else None,
+        )
+        for name in names.split()
     ]
 
 
@@ -93,13 +96,13 @@ def upgrade() -> None:
     op.create_table(
         "superseded_outputs",
         sa.Column("requeue_id", sa.Integer, nullable=False, autoincrement=False),
-        *_output_columns(),
+        *_columns(_OUTPUT_COLUMNS),
         sa.PrimaryKeyConstraint("requeue_id", "item_id", name="pk_superseded_outputs"),
     )
     op.create_table(
         "superseded_turns",
         sa.Column("requeue_id", sa.Integer, nullable=False, autoincrement=False),
-        *_turn_columns(),
+        *_columns(_TURN_COLUMNS),
         sa.PrimaryKeyConstraint("requeue_id", "item_id", "turn", name="pk_superseded_turns"),
     )
 

@@ -4,8 +4,6 @@
 sent to (with several servers, the one giving the 500s is the question), and reading
 them for one item must not scan every attempt of the run.
 
-Revision ID: 0010
-Revises: 0009
 Create Date: 2026-12-02
 """
 
@@ -14,10 +12,10 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from orchestrator.migrations.ops import drop_columns
+
 revision = "0010"
 down_revision = "0009"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -27,5 +25,4 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_index("ix_attempt_errors_item_id", table_name="attempt_errors")
-    # Native DROP COLUMN (SQLite 3.35+), as in 0003.
-    op.execute("ALTER TABLE attempt_errors DROP COLUMN server")
+    drop_columns("attempt_errors", "server")

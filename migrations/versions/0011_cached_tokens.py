@@ -4,8 +4,6 @@ Routing a conversation's turns and items sharing a prompt prefix to the server h
 it is worth what it saves: ``status`` shows the cached share of the prompt tokens, which
 needs the count kept beside ``prompt_tokens`` rather than read out of every usage JSON.
 
-Revision ID: 0011
-Revises: 0010
 Create Date: 2026-12-02
 """
 
@@ -14,10 +12,10 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from orchestrator.migrations.ops import drop_columns
+
 revision = "0011"
 down_revision = "0010"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -29,6 +27,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_index("ix_outputs_cache", table_name="outputs")
-    # Native DROP COLUMN (SQLite 3.35+), as in 0003.
     for table in ("outputs", "superseded_outputs"):
-        op.execute(f"ALTER TABLE {table} DROP COLUMN cached_tokens")
+        drop_columns(table, "cached_tokens")

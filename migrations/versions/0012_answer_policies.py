@@ -5,32 +5,20 @@ Both are per-dataset operational settings beside ``on_truncated``: ``on_invalid`
 retry, fail) for structured output that does not parse or match its schema, and
 ``on_overflow`` (fail, fit) for a prompt and ``max_tokens`` longer than the context.
 
-Revision ID: 0012
-Revises: 0011
 Create Date: 2026-12-02
 """
 
 from __future__ import annotations
 
-import sqlalchemy as sa
-from alembic import op
+from orchestrator.migrations.ops import add_columns, drop_columns, setting
 
 revision = "0012"
 down_revision = "0011"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column(
-        "datasets", sa.Column("on_invalid", sa.String(8), nullable=False, server_default="keep")
-    )
-    op.add_column(
-        "datasets", sa.Column("on_overflow", sa.String(8), nullable=False, server_default="fail")
-    )
+    add_columns("datasets", setting("on_invalid", "keep"), setting("on_overflow", "fail"))
 
 
 def downgrade() -> None:
-    # Native DROP COLUMN (SQLite 3.35+), as in 0003.
-    for column in ("on_invalid", "on_overflow"):
-        op.execute(f"ALTER TABLE datasets DROP COLUMN {column}")
+    drop_columns("datasets", "on_invalid", "on_overflow")

@@ -6,8 +6,6 @@ store adds each such attempt here, in the transaction of the transition that thr
 away: a small table (a row per dataset and cause) that ``status`` reads whole, however
 many items the run holds.
 
-Revision ID: 0013
-Revises: 0012
 Create Date: 2026-12-02
 """
 
@@ -18,8 +16,6 @@ from alembic import op
 
 revision = "0013"
 down_revision = "0012"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -32,9 +28,10 @@ def upgrade() -> None:
             primary_key=True,
         ),
         sa.Column("cause", sa.String(32), primary_key=True),
-        sa.Column("requests", sa.BigInteger, nullable=False, server_default="0"),
-        sa.Column("tokens", sa.BigInteger, nullable=False, server_default="0"),
-        sa.Column("unknown", sa.BigInteger, nullable=False, server_default="0"),
+        *(
+            sa.Column(count, sa.BigInteger, nullable=False, server_default="0")
+            for count in ("requests", "tokens", "unknown")
+        ),
         sa.Column("updated_at", sa.Float, nullable=False),
     )
 

@@ -13,8 +13,6 @@ tables' foreign keys are pointed at the new table (a text edit of their definiti
 which the SQLite documentation allows for constraints that change nothing on disk)
 before the old one is dropped, so that dropping it cascades to none of their rows.
 
-Revision ID: 0015
-Revises: 0014
 Create Date: 2026-12-02
 """
 
@@ -23,25 +21,25 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from orchestrator.migrations.ops import add_columns, counter, drop_columns, partial_index, setting
+
 revision = "0015"
 down_revision = "0014"
-branch_labels = None
-depends_on = None
 
 _CHILDREN = ("outputs", "item_turns", "requeued_items")
-_PENDING = sa.text("state = 'pending'")
 
 
 def upgrade() -> None:
-    op.add_column("datasets", sa.Column("samples", sa.Integer, nullable=False, server_default="1"))
-    op.add_column("datasets", sa.Column("draw_seeds", sa.Text, nullable=True))
-    op.add_column(
-        "datasets", sa.Column("draw_mode", sa.String(8), nullable=False, server_default="n")
+    add_columns(
+        "datasets",
+        counter("samples", "1"),
+        sa.Column("draw_seeds", sa.Text, nullable=True),
+        setting("draw_mode", "n"),
     )
     if op.get_bind().dialect.name == "sqlite":
         _rebuild_sqlite(with_sample=True)
     else:
-        op.add_column("items", sa.Column("sample", sa.Integer, nullable=False, server_default="0"))
+        op.add_column("items", counter("sample"))
         op.drop_constraint("uq_items_dataset_id_key", "items", type_="unique")
         op.create_unique_constraint(
             "uq_items_dataset_id_key_sample", "items", ["dataset_id", "key", "sample"]
@@ -60,21 +58,16 @@ def downgrade() -> None:
         op.drop_constraint("uq_items_dataset_id_key_sample", "items", type_="unique")
         op.create_unique_constraint("uq_items_dataset_id_key", "items", ["dataset_id", "key"])
         op.drop_index("ix_items_longest", table_name="items")
-        op.execute("ALTER TABLE items DROP COLUMN sample")
+        drop_columns("items", "sample")
         _longest_index(with_sample=False)
-    for column in ("draw_mode", "draw_seeds", "samples"):
-        op.execute(f"ALTER TABLE datasets DROP COLUMN {column}")
+    drop_columns("datasets", "draw_mode", "draw_seeds", "samples")
 
 
 def _longest_index(*, with_sample: bool) -> None:
     columns = ["dataset_id", sa.text("predicted_tokens DESC"), "position"]
-    op.create_index(
-        "ix_items_longest",
-        "items",
-        [*columns, *(["sample"] if with_sample else [])],
-        sqlite_where=_PENDING,
-        postgresql_where=_PENDING,
-    )
+    if with_sample:
+        columns.append("sample")
+    partial_index("ix_items_longest", "items", columns, "state = 'pending'")
 
 
 _COLUMNS = (
@@ -148,20 +141,9 @@ def _rebuild_sqlite(*, with_sample: bool) -> None:
     for table, count in kept.items():
         if bind.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one() != count:
             raise RuntimeError(f"rebuilding items would have lost rows of {table}")
-    op.create_index(
-        "ix_items_suspect",
-        "items",
-        ["dataset_id", "position"],
-        sqlite_where=sa.text("state = 'pending' AND error_class = 'lease_lost'"),
-    )
-    op.create_index(
-        "ix_items_running", "items", ["lease_expires_at"], sqlite_where=sa.text("state = 'running'")
-    )
+    lost = "state = 'pending' AND error_class = 'lease_lost'"
+    partial_index("ix_items_suspect", "items", ["dataset_id", "position"], lost)
+    partial_index("ix_items_running", "items", ["lease_expires_at"], "state = 'running'")
     op.create_index("ix_items_dataset_state", "items", ["dataset_id", "state"])
-    op.create_index(
-        "ix_items_failed",
-        "items",
-        ["dataset_id", "error_class"],
-        sqlite_where=sa.text("state = 'failed'"),
-    )
+    partial_index("ix_items_failed", "items", ["dataset_id", "error_class"], "state = 'failed'")
     _longest_index(with_sample=with_sample)

@@ -7,8 +7,6 @@ undo moves them back as they were, and ``dataset purge`` drops them for good. Th
 copies have the columns of their tables as they are at this revision, and no keys: a
 later migration that adds a column to one of these tables adds it to its copy too.
 
-Revision ID: 0016
-Revises: 0015
 Create Date: 2026-12-03
 """
 
@@ -19,8 +17,6 @@ from alembic import op
 
 revision = "0016"
 down_revision = "0015"
-branch_labels = None
-depends_on = None
 
 _MOVED = (
     "datasets",

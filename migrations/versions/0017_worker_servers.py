@@ -4,36 +4,32 @@ A worker writes with its heartbeat how many servers it has and how many it reach
 each one down with why and since when, and since when it reaches none; and, at its
 start, its lease, after which a worker not heard from is presumed dead.
 
-Revision ID: 0017
-Revises: 0016
 Create Date: 2026-12-07
 """
 
 from __future__ import annotations
 
 import sqlalchemy as sa
-from alembic import op
+
+from orchestrator.migrations.ops import add_columns, drop_columns
 
 revision = "0017"
 down_revision = "0016"
-branch_labels = None
-depends_on = None
 
-_COLUMNS = (
-    ("lease_seconds", sa.Float),
-    ("servers", sa.Integer),
-    ("servers_up", sa.Integer),
-    ("servers_down", sa.Text),
-    ("unreachable_since", sa.Float),
-)
+_COLUMNS = {
+    "lease_seconds": sa.Float,
+    "servers": sa.Integer,
+    "servers_up": sa.Integer,
+    "servers_down": sa.Text,
+    "unreachable_since": sa.Float,
+}
 
 
 def upgrade() -> None:
-    for name, kind in _COLUMNS:
-        op.add_column("workers", sa.Column(name, kind, nullable=True))
+    add_columns(
+        "workers", *(sa.Column(name, kind, nullable=True) for name, kind in _COLUMNS.items())
+    )
 
 
 def downgrade() -> None:
-    # Native DROP COLUMN (SQLite 3.35+), as in 0005.
-    for name, _ in reversed(_COLUMNS):
-        op.execute(f"ALTER TABLE workers DROP COLUMN {name}")
+    drop_columns("workers", *reversed(_COLUMNS))

@@ -11,49 +11,40 @@ that died alone twice is failed as poison.
 a reaper had taken back before this version (``error_class = 'lease_lost'``, pending)
 count one death.
 
-Revision ID: 0018
-Revises: 0017
 Create Date: 2026-12-08
 """
 
 from __future__ import annotations
 
-import sqlalchemy as sa
 from alembic import op
+
+from orchestrator.migrations.ops import add_columns, counter, drop_columns, partial_index
 
 revision = "0018"
 down_revision = "0017"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
     # A deleted dataset's items keep the columns of ``items`` (migration 0016).
     for table in ("items", "deleted_items"):
-        for column in ("deaths", "deaths_alone"):
-            op.add_column(table, sa.Column(column, sa.Integer, nullable=False, server_default="0"))
+        add_columns(table, counter("deaths"), counter("deaths_alone"))
     op.execute("UPDATE items SET deaths = 1 WHERE state = 'pending' AND error_class = 'lease_lost'")
     op.drop_index("ix_items_suspect", table_name="items")
-    died = sa.text("state = 'pending' AND deaths > 0")
-    op.create_index(
+    partial_index(
         "ix_items_suspect",
         "items",
         ["dataset_id", "deaths", "position"],
-        sqlite_where=died,
-        postgresql_where=died,
+        "state = 'pending' AND deaths > 0",
     )
 
 
 def downgrade() -> None:
     op.drop_index("ix_items_suspect", table_name="items")
-    lost = sa.text("state = 'pending' AND error_class = 'lease_lost'")
-    op.create_index(
+    partial_index(
         "ix_items_suspect",
         "items",
         ["dataset_id", "position"],
-        sqlite_where=lost,
-        postgresql_where=lost,
+        "state = 'pending' AND error_class = 'lease_lost'",
     )
     for table in ("deleted_items", "items"):
-        for column in ("deaths_alone", "deaths"):
-            op.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        drop_columns(table, "deaths_alone", "deaths")
