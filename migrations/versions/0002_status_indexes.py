@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
-
 from orchestrator.migrations.ops import partial_index
 
 revision = "0002"

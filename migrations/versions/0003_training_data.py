@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
-
 from orchestrator.migrations.ops import add_columns, counter, drop_columns, setting
 
 revision = "0003"

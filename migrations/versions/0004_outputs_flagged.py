@@ -11,7 +11,6 @@ Create Date: 2026-11-30
 from __future__ import annotations
 
 from alembic import op
-
 from orchestrator.migrations.ops import partial_index
 
 revision = "0004"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
-
 from orchestrator.migrations.ops import counter, drop_columns, partial_index
 
 revision = "0009"

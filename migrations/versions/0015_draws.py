@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
-
 from orchestrator.migrations.ops import add_columns, counter, drop_columns, partial_index, setting
 
 revision = "0015"

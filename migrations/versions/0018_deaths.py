@@ -17,7 +17,6 @@ Create Date: 2026-12-08
 from __future__ import annotations
 
 from alembic import op
-
 from orchestrator.migrations.ops import add_columns, counter, drop_columns, partial_index
 
 revision = "0018"

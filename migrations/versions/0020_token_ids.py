@@ -8,7 +8,6 @@ Create Date: 2026-12-07
 from __future__ import annotations
 
 import sqlalchemy as sa
-
 from orchestrator.migrations.ops import add_columns, drop_columns
 
 revision = "0020"
