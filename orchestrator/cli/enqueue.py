@@ -27,16 +27,9 @@ from orchestrator.cli.options import (
     shown,
     table,
 )
+from orchestrator.settings import dataset_options as allowed
 from orchestrator.settings.checks import COLUMNS, DATASET
 from orchestrator.settings.choices import INPUT_FORMATS
-from orchestrator.settings.dataset_options import (
-    ENDPOINTS,
-    HISTORY_REASONING,
-    ON_INVALID,
-    ON_OVERFLOW,
-    ON_TRUNCATED,
-    REGENERATE,
-)
 
 if TYPE_CHECKING:
     from orchestrator.api.enqueue import Enqueued, EnqueueOptions, PlanFailed
@@ -162,13 +155,13 @@ _DATASET_OPTIONS: tuple[Row, ...] = (
         "--regenerate",
         "last: generate each conversation's final answer; all: every assistant turn, in "
         "order. Fixed when the dataset is created (default: the dataset's, else last).",
-        {"type": click.Choice(REGENERATE)},
+        {"type": click.Choice(allowed.REGENERATE)},
     ),
     (
         "--on-truncated",
         "What an answer cut at max_tokens does: keep it, retry it, or fail the item "
         "(default: the dataset's, else keep).",
-        {"type": click.Choice(ON_TRUNCATED)},
+        {"type": click.Choice(allowed.ON_TRUNCATED)},
     ),
     (
         "--json-schema",
@@ -181,14 +174,14 @@ _DATASET_OPTIONS: tuple[Row, ...] = (
         "What structured output (response_format) that does not parse or match its "
         "schema does: keep it flagged, retry it, or fail the item (default: the dataset's, "
         "else keep).",
-        {"type": click.Choice(ON_INVALID)},
+        {"type": click.Choice(allowed.ON_INVALID)},
     ),
     (
         "--on-overflow",
         "A prompt and max_tokens longer than the server's context: fail the item "
         "(context_overflow), or fit: ask again at once with max_tokens lowered to what fits, "
         "flagged max_tokens_reduced (default: the dataset's, else fail).",
-        {"type": click.Choice(ON_OVERFLOW)},
+        {"type": click.Choice(allowed.ON_OVERFLOW)},
     ),
     (
         "--history-reasoning",
@@ -196,7 +189,7 @@ _DATASET_OPTIONS: tuple[Row, ...] = (
         "models that think in a tool loop render it, and some APIs refuse a tool-call turn "
         "without it) or without (drop: for a server that refuses it) (default: the "
         "dataset's, else keep).",
-        {"type": click.Choice(HISTORY_REASONING)},
+        {"type": click.Choice(allowed.HISTORY_REASONING)},
     ),
     (
         "--samples",
@@ -226,7 +219,7 @@ _DATASET_OPTIONS: tuple[Row, ...] = (
         "chat: /v1/chat/completions; completions: /v1/completions with each row's plain "
         "prompt, no chat template (base models, few-shot prompts). Fixed when the dataset is "
         "created (default: the dataset's, else chat).",
-        {"type": click.Choice(ENDPOINTS)},
+        {"type": click.Choice(allowed.ENDPOINTS)},
     ),
     (
         "--logprobs",
