@@ -11,7 +11,7 @@ rules as users read them (docs/INPUTS-AND-EXPORTS.md, "Kinds of dataset"), not f
   changes.
 * ``all``: every assistant message after the first user message is the model's, and so
   is one more after a final user or tool message. Each was asked with everything before
-  it, the earlier answers without their reasoning, and never with its own original.
+  it, the earlier answers with their reasoning, and never with its own original.
   Tool results keep their place and content, and answer a call of the assistant turn
   before them. A turn whose calls differ from the original's in number or functions ends
   the conversation when more would follow (flagged ``tool_mismatch``); one that matches
@@ -69,15 +69,19 @@ def call_functions(message: Mapping[str, Any]) -> list[str]:
 
 
 def _sent_back(message: Message, reasoning: str) -> Message:
-    """An exported answer as it was sent back as context: role, content, tool calls."""
+    """An exported answer as it was sent back as context: role, content, tool calls, and
+    its reasoning (in ``reasoning_content``, the simulated server's field)."""
     content = message.get("content")
+    thought = message.get("reasoning_content")
     if reasoning == "inline" and isinstance(content, str):
-        _, content, _ = split_think(content)
+        thought, content, _ = split_think(content)
     if message.get("tool_calls") and content == "":
         content = None  # a call's empty content is null (ShareGPT writes it as "")
     sent: Message = {"role": "assistant", "content": content}
     if message.get("tool_calls"):
         sent["tool_calls"] = message["tool_calls"]
+    if thought is not None:
+        sent["reasoning_content"] = thought
     return sent
 
 
