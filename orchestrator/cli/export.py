@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     default="messages",
     show_default=True,
     help="Line format: OpenAI messages, ShareGPT (EAGLE-3 trainers), the OpenAI Batch API "
-    "output (failed items in OUT.errors.jsonl), SpecForge's regenerated data (rows its "
-    "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl), "
+    "output (failed items in OUT.errors.jsonl), SpecForge's training data (rows it "
+    "cannot take in OUT_skipped.jsonl, failed items in OUT_error.jsonl), "
     "completions: prompt and completion (datasets enqueued with --endpoint completions); "
     "or parquet: the messages rows as a Parquet table.",
 )
@@ -153,6 +153,9 @@ def export(
     _say_exported(report, out, chosen)
     if report.mixed:
         _warn_mixed(report, fmt)
+    # Last, where it is seen: rows SpecForge cannot take, and the formats that carry them.
+    if report.summary:
+        click.echo(f"warning: {report.summary}", err=True)
 
 
 def _options(
@@ -208,8 +211,6 @@ def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> Non
         )
     else:
         click.echo(f"exported {report.lines:,} items to {where}", err=piped)
-    if report.summary:
-        click.echo(report.summary, err=True)
     if chosen.exclude_flags:
         names = ", ".join(flag_names(chosen.exclude_flags))
         click.echo(f"left out {report.excluded:,} answers flagged {names}", err=piped)

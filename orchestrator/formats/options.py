@@ -84,14 +84,15 @@ class ExportReport:
     # (file, pre-tokenised rows, other lines) for each file that mixes the two kinds.
     mixed: list[tuple[Path, int, int]] = field(default_factory=list)
     card: Path | None = None  # the dataset card written beside the files, if any
-    # specforge: rows its validator refuses, by reason (writers.specforge.REASONS).
+    # specforge: rows SpecForge cannot take, by reason (writers.specforge.REASONS).
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_files: list[Path] = field(default_factory=list)
     items: int = 0  # done items the lines came from (fewer than lines with per_turn)
 
     @property
     def summary(self) -> str | None:
-        """The line naming the skipped rows by reason, or None when none were."""
+        """The line naming the skipped rows by reason, their file and the formats that
+        carry them whole, or None when none were."""
         return specforge.summary(self.skipped, self.skipped_files)
 
 

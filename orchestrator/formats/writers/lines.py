@@ -301,7 +301,7 @@ class LineWriter:
         self.extra += count - 1
 
     def _refused(self, line: dict[str, Any]) -> bool:
-        """A SpecForge row its validator would refuse: counted, and sent to the skipped file."""
+        """A row SpecForge cannot take as written: counted, and sent to the skipped file."""
         if self.options.format != "specforge":
             return False
         found = specforge.problem(line)
