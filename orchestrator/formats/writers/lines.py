@@ -229,7 +229,7 @@ class LineWriter:
         # The file holds other datasets' lines too: ids must say whose each line is.
         self.shared = shared
         self.index = index or LineIndex()
-        # Where rows SpecForge's validator refuses go (None: counted only).
+        # Where rows SpecForge cannot take go (None: counted only).
         self.skip = skip
         self.skipped: dict[str, int] = {}
         self.excluded = 0
