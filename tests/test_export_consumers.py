@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,14 @@ from typing import Any
 import orjson
 import pytest
 
+from orchestrator.formats.writers import specforge
 from orchestrator.store import Queue, open_database
+from tests import specforge_parser
+from tests.conftest import StartSim
 from tests.helpers import cli, events, write_jsonl
 from tests.test_queue import answer
+from tests.test_runfile import load_make_data
+from tests.test_training_data import config, run_worker, tool_trace
 
 datasets = pytest.importorskip("datasets")
 
@@ -199,3 +206,71 @@ def test_token_rows_among_conversations_are_announced(tmp_path: Path) -> None:
     # Each dataset in its own file: nothing mixed, nothing said.
     split = _export(db, tmp_path / "split", "--split")
     assert "pre-tokenised" not in split.stderr and "export_mixed" not in split.stderr
+
+
+# ------------------------------------------- tool-call rows through SpecForge's parser
+
+
+async def tool_call_run(db_url: str, tmp_path: Path, sim: StartSim) -> None:
+    """Function-calling chats (examples/eagle3/make_data.py) answered once; agentic
+    trajectories whose last answer is asked again after their calls and results; tool
+    traces regenerated turn by turn, their results following the server's own calls. The
+    server calls the first tool offered on half the requests offering tools, and reasons."""
+    make_data = load_make_data()
+    rng = random.Random(7)
+    sets = {
+        "toolcalls": (list(make_data.toolcalls(rng, 60)), []),
+        "agentic": (list(make_data.agentic(rng, 30)), []),
+        "traces": ([tool_trace(i, "open_box") for i in range(20)], ["--regenerate", "all"]),
+    }
+    for name, (rows, how) in sets.items():
+        path = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        done = cli("enqueue", str(path), "-d", name, *how, "--max-tokens", "4096",
+                   "--db", db_url)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    url = await sim(reasoning="field", tool_call_rate=0.5)
+    database = await open_database(db_url)
+    try:
+        await run_worker(database, config(url, max_attempts=1))
+    finally:
+        await database.close()
+
+
+def _has_calls(line: dict[str, Any]) -> bool:
+    return any(m.get("tool_calls") for m in line["conversations"])
+
+
+async def test_tool_call_rows_reach_specforges_parser(
+    db_url: str, tmp_path: Path, sim: StartSim
+) -> None:
+    """Every tool-calling conversation is written, none set aside, and SpecForge's loaders
+    and parsers hand the chat template each of its messages as written, with its tools."""
+    await tool_call_run(db_url, tmp_path, sim)
+    out = tmp_path / "train.jsonl"
+    result = cli("export", str(out), "--format", "specforge", "--db", db_url)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(raw) for raw in out.read_text().splitlines()]
+    skipped = [json.loads(raw) for raw in (tmp_path / "train_skipped.jsonl").open()]
+    by_set = Counter(row["id"].split("/")[0] for row in skipped)
+    assert skipped == [], (by_set, [row["error"] for row in skipped][:5])
+    assert "skipped" not in result.stderr
+    calls = [line for line in lines if _has_calls(line)]
+    traces = [line for line in calls if any(m["role"] == "tool" for m in line["conversations"])]
+    assert len(calls) > 30 and len(traces) > 10, (len(calls), len(traces))
+    assert all(specforge.problem(line) is None for line in lines)
+
+    # The offline path: Dataset.from_generator over safe_conversations_generator's rows.
+    offline = datasets.Dataset.from_generator(
+        lambda: (specforge_parser.offline_row(line) for line in lines),
+        cache_dir=str(tmp_path / "hf"),
+        keep_in_memory=True,
+    )
+    # The online path: load_dataset("json") on the file.
+    online = datasets.load_dataset(
+        "json", data_files=str(out), split="train", cache_dir=str(tmp_path / "hf-json")
+    )
+    assert len(offline) == len(online) == len(lines)
+    for line, by_generator, by_json in zip(lines, offline, online, strict=True):
+        for loaded in (by_generator, by_json):
+            lost = specforge_parser.losses(line, loaded)
+            assert not lost, (line["id"], lost)

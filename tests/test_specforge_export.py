@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import orchestrator as orc
 from orchestrator.formats.writers import specforge, turns
-from tests import oracle
+from tests import oracle, specforge_parser
 from tests.conftest import StartSim
 from tests.helpers import REPO, SimProcess, cli, export_caught, write_jsonl
 from tests.test_llamacpp import CONVERSATIONS as LLAMA_CONVERSATIONS
@@ -55,6 +55,10 @@ def validator_says(row: dict[str, Any]) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _tools(row: dict[str, Any]) -> bool:
+    return specforge.uses_tools(row.get("conversations"))
 
 
 def run_script(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -162,31 +166,41 @@ async def test_specforge_export_meets_specforge_rules(
     skipped = read_jsonl(tmp_path / "train_skipped.jsonl")
     errors = read_jsonl(tmp_path / "train_error.jsonl")
 
-    # SpecForge's validator, as its users run it, takes every line of OUT.
-    checked = run_script("validate_regenerated_data.py", "--data-path", str(out),
+    # SpecForge's validator, as its users run it, takes every line of OUT without tool
+    # turns; SpecForge's parser hands the chat template every message of those with them.
+    plain = write_jsonl(tmp_path / "plain.jsonl", [x for x in lines if not _tools(x)])
+    checked = run_script("validate_regenerated_data.py", "--data-path", str(plain),
                          "--strict-think-markers", cwd=tmp_path)  # fmt: skip
     assert checked.returncode == 0, checked.stderr
-    assert f"rows: {len(lines)}\n" in checked.stdout and "validation passed" in checked.stdout
+    assert "validation passed" in checked.stdout
+    called = [line for line in lines if _tools(line)]
+    assert len(called) >= 6
+    for line in called:
+        loaded = specforge_parser.offline_row(line)
+        assert not specforge_parser.losses(line, loaded), line["id"]
     assert all(line["status"] == "success" for line in lines)
     for line in lines:
         for message in line["conversations"]:
             if message["role"] == "assistant":
                 assert isinstance(message["reasoning_content"], str | None)
 
-    # Each skipped row names the reason SpecForge's validator gives for it.
+    # Each skipped row names the reason SpecForge gives for it: its validator's, or for
+    # a row with tool turns what its parser would do to it.
     for row in skipped:
         assert row["status"] == "skipped"
-        assert validator_says(row) == row["error"], row["id"]
+        if _tools(row):
+            assert row["error"] == specforge.problem(row)[1], row["id"]
+        else:
+            assert validator_says(row) == row["error"], row["id"]
     reasons = Counter(specforge.problem({**row, "status": "success"})[0] for row in skipped)
-    assert {"no_conversation", "think_marker", "unsupported_role", "empty_content",
-            "tool_message"} <= set(reasons)  # fmt: skip
+    assert {"no_conversation", "think_marker", "unsupported_role", "empty_content"} <= set(reasons)
     assert reasons["no_conversation"] == 2  # the pre-tokenised rows
     summary = specforge.summary(dict(reasons), [tmp_path / "train_skipped.jsonl"])
-    assert summary is not None and summary in result.stderr
+    assert summary is not None and result.stderr.rstrip().endswith(summary)
     by_id = {row["id"].split("/", 1)[-1]: row for row in skipped}
     assert by_id["final-001"]["error"] == "assistant message 1 contains a thinking marker"
     assert by_id["final-002"]["error"] == "message 2 has unsupported role 'system'"
-    assert by_id["final-004"]["error"] == "message 2 has unsupported role 'tool'"
+    assert "final-004" not in by_id  # a tool call, its result and the answer
 
     # Failed items, as SpecForge's script writes its errors.
     assert sorted(e["id"] for e in errors) == ["prompts/prompts-001", "prompts/prompts-003"]
@@ -208,7 +222,7 @@ async def test_specforge_export_meets_specforge_rules(
 
 
 async def test_per_turn_rows_are_specforge_expansions(
-    db_url: str, tmp_path: Path, sim: StartSim
+    db_url: str, tmp_path: Path, sim: StartSim, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await _run(db_url, tmp_path, sim)
     full, rows = tmp_path / "full.jsonl", tmp_path / "turns.jsonl"
@@ -236,13 +250,22 @@ async def test_per_turn_rows_are_specforge_expansions(
         # SpecForge's row exactly.
         assert {k: v for k, v in mine.items() if k != "tools"} == event
         assert mine.get("tools") == source[event["source_row_index"]].get("tools")
-    # Rows SpecForge's expansion leaves out are only those without reasoning: the
-    # finished conversations, stored as they were read.
+    # Rows SpecForge's expansion leaves out are those without reasoning (the finished
+    # conversations, stored as they were read) and those with tool turns, which its
+    # checks refuse; those are expanded all the same, turn for turn as it would.
     left_out = read_jsonl(tmp_path / "sf_turns_skipped.jsonl")
-    assert all("reasoning_content" in row["error"] for row in left_out)
+    called = [row for row in left_out if _tools(row)]
+    assert called and all("reasoning_content" in row["error"] for row in left_out
+                          if not _tools(row))  # fmt: skip
     extra = {k for k in ours if k not in {e["id"] for e in theirs}}
     assert {ours[k]["source_id"] for k in extra} == {row["id"] for row in left_out}
-    assert all(k.startswith("final/final-") for k in extra)
+    assert all(k.startswith(("final/final-", "tools/")) for k in extra)
+    monkeypatch.setattr(sf_expand, "validate_conversation", lambda messages: None)
+    for row in called:
+        index = next(i for i, x in enumerate(source) if x["id"] == row["id"])
+        for event in sf_expand.expand_row(source[index], index):
+            mine = ours[event["id"]]
+            assert {k: v for k, v in mine.items() if k != "tools"} == event
 
     # The Python API writes the same bytes and reports what the command says.
     async with orc.open(db_url) as q:
@@ -335,6 +358,58 @@ def test_a_killed_specforge_export_leaves_no_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
+def _trace(i: int, arguments: str, *, answered_twice: bool = False) -> dict[str, Any]:
+    """A finished tool-calling conversation: a call, its result, the answer."""
+    call = {"id": f"c{i}", "type": "function",
+            "function": {"name": "weather", "arguments": arguments}}  # fmt: skip
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": f"weather in town {i}?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"c{i}", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+    if answered_twice:  # an answer after an answer: SpecForge's parser cuts it off
+        messages.append({"role": "assistant", "content": "Anything else?"})
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    return {"id": f"trace-{i}", "messages": messages, "tools": tools}
+
+
+async def test_rows_specforge_cannot_take_are_named_last(tmp_path: Path) -> None:
+    """Tool-calling rows SpecForge takes are written; one whose call is cut off (its
+    parser would train ``{}`` for the arguments) or whose turns it would cut short is set
+    aside, and the export ends saying how many, why, where, and which formats carry them."""
+    db = tmp_path / "q.db"
+    rows = [_trace(0, '{"city": "Paris"}'), _trace(1, '{"city": "Par'), _trace(2, "{}"),
+            _trace(3, "{}", answered_twice=True)]  # fmt: skip
+    data = write_jsonl(tmp_path / "done.jsonl", rows)
+    assert cli("enqueue", str(data), "-d", "d", "--passthrough", "--db", str(db)).returncode == 0
+    out = tmp_path / "train.jsonl"
+    result = cli("export", str(out), "--format", "specforge", "--db", str(db))
+    assert result.returncode == 0, result.stderr
+    assert [line["id"] for line in read_jsonl(out)] == ["trace-0", "trace-2"]
+    skipped = {row["id"]: row for row in read_jsonl(tmp_path / "train_skipped.jsonl")}
+    assert sorted(skipped) == ["trace-1", "trace-3"]
+    assert "arguments are not JSON" in skipped["trace-1"]["error"]
+    assert skipped["trace-1"]["conversations"][1]["tool_calls"][0]["function"]["arguments"] == (
+        '{"city": "Par'
+    )
+    assert "cuts the conversation" in skipped["trace-3"]["error"]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("warning: skipped 2 rows SpecForge cannot take"), result.stderr
+    assert "1 tool-call arguments that are not JSON" in last and "1 turns out of order" in last
+    assert str(tmp_path / "train_skipped.jsonl") in last
+    assert "`--format messages` (OpenAI messages with tool_calls)" in last
+    # The report says it too, and the messages format carries the two whole.
+    async with orc.open(str(db)) as q:
+        report = await q.export(tmp_path / "api.jsonl", format="specforge")
+    assert report.skipped == {"tool_arguments": 1, "role_order": 1}
+    assert report.summary is not None and "--format messages" in report.summary
+    whole = tmp_path / "whole.jsonl"
+    assert cli("export", str(whole), "--db", str(db)).returncode == 0
+    carried = {line["id"]: line["messages"] for line in read_jsonl(whole)}
+    assert carried["trace-1"] == rows[1]["messages"] and carried["trace-3"] == rows[3]["messages"]
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
@@ -398,10 +473,101 @@ def _valid_rows(draw: st.DrawFn) -> dict[str, Any]:
 @settings(max_examples=400, deadline=None)
 @given(_rows())
 def test_problem_is_the_validators_verdict(row: dict[str, Any]) -> None:
+    """A row without tool turns: the validator's verdict, word for word."""
     found = specforge.problem(row)
-    assert (found[1] if found else None) == validator_says(row)
     if found:
         assert found[0] in specforge.REASONS
+    if not _tools(row):
+        assert (found[1] if found else None) == validator_says(row)
+
+
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+_GOOD_CALLS = [
+    _CALL,
+    {**_CALL, "id": "c2", "function": {"name": "g", "arguments": "{}"}},
+    {"id": "c3", "function": {"name": "h", "arguments": {"b": [1]}}},
+]
+_CALLS = st.sampled_from(
+    [
+        *_GOOD_CALLS,
+        {**_CALL, "function": {"name": "f", "arguments": '{"a": '}},  # cut off
+        {**_CALL, "function": {"arguments": "{}"}},
+        "not a call",
+    ]
+)
+
+
+def _call_rounds(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Assistant turns that call tools, each followed by its results."""
+    messages: list[dict[str, Any]] = []
+    for _ in range(draw(st.integers(0, 2))):
+        messages.append(
+            {
+                "role": "assistant",
+                "content": draw(st.sampled_from([None, "", "calling"])),
+                "reasoning_content": draw(st.sampled_from([None, "why"])),
+                "tool_calls": draw(st.lists(_CALLS, min_size=1, max_size=2)),
+            }
+        )
+        for _ in range(draw(st.integers(1, 2))):
+            content = draw(st.sampled_from(["result", "", None]))
+            messages.append({"role": "tool", "tool_call_id": "c1", "content": content})
+    return messages
+
+
+@st.composite
+def _tool_rows(draw: st.DrawFn) -> tuple[dict[str, Any], bool]:
+    """Tool-calling conversations, some then broken (a turn dropped, a role or a content
+    changed, something not a message put in), and whether it is still whole: every call
+    well formed, nothing broken."""
+    messages: list[Any] = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": "sys"})
+    for t in range(draw(st.integers(1, 3))):
+        messages += [{"role": "user", "content": f"u{t}"}, *_call_rounds(draw)]
+        reasoning = draw(st.sampled_from([None, "why"]))
+        messages.append({"role": "assistant", "content": f"a{t}", "reasoning_content": reasoning})
+    whole = all(call in _GOOD_CALLS for m in messages for call in m.get("tool_calls") or [])
+    for _ in range(draw(st.integers(0, 2))):
+        whole = False
+        i = draw(st.integers(0, len(messages) - 1))
+        kind = draw(st.sampled_from(["drop", "role", "content", "object"]))
+        if kind == "drop" and len(messages) > 1:
+            del messages[i]
+        elif kind == "role" and isinstance(messages[i], dict):
+            role = draw(st.sampled_from(["system", "user", "assistant", "tool", None]))
+            messages[i] = {**messages[i], "role": role}
+        elif kind == "content" and isinstance(messages[i], dict):
+            content = draw(st.sampled_from(["", None, ["a part"], "<think>x"]))
+            messages[i] = {**messages[i], "content": content}
+        elif kind == "object":
+            messages.insert(i, "not a message")
+    tools = draw(st.sampled_from([[], [{"type": "function", "function": {"name": "f"}}]]))
+    row = {"id": "r1", "conversations": messages, "tools": tools, "status": "success"}
+    return row, whole
+
+
+#: Reasons that are SpecForge's parser's own doing: a turn dropped, a conversation cut, a
+#: call or a content rendered other than written.
+_PARSER_LOSSES = {"not_object", "role_order", "tool_call", "tool_arguments", "content_type"}
+
+
+@settings(max_examples=400, deadline=None)
+@given(_tool_rows())
+def test_problem_is_what_specforges_parser_does(drawn: tuple[dict[str, Any], bool]) -> None:
+    """A row with tool turns is taken whole, and refused for a loss only if SpecForge's
+    parser would hand the chat template its messages other than written."""
+    row, whole = drawn
+    if not _tools(row):
+        return
+    found = specforge.problem(row)
+    lost = specforge_parser.losses(row, specforge_parser.offline_row(row))
+    if whole:
+        assert found is None and not lost, (found, lost)
+    if found is None:
+        assert not lost, lost
+    elif found[0] in _PARSER_LOSSES:
+        assert lost, found
 
 
 @settings(max_examples=200, deadline=None)
@@ -441,7 +607,8 @@ def test_the_bundled_eagle3_run_for_specforge(
     tmp_path: Path, sim_process: Callable[..., SimProcess]
 ) -> None:
     """The example run, answered by a reasoning server and exported one file per dataset:
-    each file is one SpecForge's validator passes, and nothing is lost between them."""
+    each file's rows without tool calls pass SpecForge's validator, those with them reach
+    its parser whole, and nothing is lost between the files."""
     db = tmp_path / "run.db"
     enqueued = cli("enqueue", "--config", str(REPO / "examples/eagle3/run.toml"), "--db", str(db))
     assert enqueued.returncode == 0, enqueued.stderr
@@ -451,24 +618,33 @@ def test_the_bundled_eagle3_run_for_specforge(
     out = tmp_path / "eagle"
     done = cli("export", str(out), "--split", "--format", "specforge", "--db", str(db))
     assert done.returncode == 0, done.stderr
-    written = skipped = failed = 0
+    written = skipped = failed = called = 0
     for path in sorted(out.glob("*.jsonl")):
         if path.stem.endswith(("_skipped", "_error")):
             continue
         rows = read_jsonl(path)
-        if rows:
-            checked = run_script("validate_regenerated_data.py", "--data-path", str(path),
+        plain = [row for row in rows if not _tools(row)]
+        if plain:
+            checked = run_script("validate_regenerated_data.py", "--data-path",
+                                 str(write_jsonl(tmp_path / path.name, plain)),
                                  "--strict-think-markers", cwd=tmp_path)  # fmt: skip
             assert checked.returncode == 0 and "validation passed" in checked.stdout, path
+        for row in rows:
+            if _tools(row):
+                called += 1
+                lost = specforge_parser.losses(row, specforge_parser.offline_row(row))
+                assert not lost, (row["id"], lost)
         refused = read_jsonl(path.with_name(f"{path.stem}_skipped.jsonl"))
-        assert all(validator_says(row) == row["error"] for row in refused), path
+        assert all(specforge.problem(row)[1] == row["error"] for row in refused), path
+        assert all(validator_says(row) == row["error"] for row in refused if not _tools(row))
         if path.stem == "pretokenised":
             assert (len(rows), len(refused)) == (0, 20)
         written, skipped = written + len(rows), skipped + len(refused)
         failed += len(read_jsonl(path.with_name(f"{path.stem}_error.jsonl")))
     status = orjson.loads(cli("status", "--json", "--db", str(db)).stdout)
     assert written + skipped + failed == status["totals"]["counts"]["total"] == 324
-    assert f"skipped {skipped:,} rows" in done.stderr and written > skipped > 20
+    # Only the pre-tokenised set is set aside; the tool-call answers are written.
+    assert f"skipped {skipped:,} rows" in done.stderr and skipped == 20 and called > 10
 
 
 @pytest.mark.llamacpp

@@ -28,8 +28,8 @@ _OPTIONS: tuple[Row, ...] = (
     (
         ("--format", "fmt"),
         "Line format: OpenAI messages, ShareGPT (EAGLE-3 trainers), the OpenAI Batch API "
-        "output (failed items in OUT.errors.jsonl), SpecForge's regenerated data (rows its "
-        "validator refuses in OUT_skipped.jsonl, failed items in OUT_error.jsonl), "
+        "output (failed items in OUT.errors.jsonl), SpecForge's training data (rows it "
+        "cannot take in OUT_skipped.jsonl, failed items in OUT_error.jsonl), "
         "completions: prompt and completion (datasets enqueued with --endpoint completions); "
         "parquet: the messages rows as a Parquet table; or tokens: each generated turn's "
         "input_ids and loss_mask, the server's own ids (enqueue --token-ids).",
@@ -154,6 +154,9 @@ def export(
     _say_exported(report, out, chosen)
     if report.mixed:
         _warn_mixed(report, fmt)
+    # Last, where it is seen: rows SpecForge cannot take, and the formats that carry them.
+    if report.summary:
+        click.echo(f"warning: {report.summary}", err=True)
 
 
 def _options(
@@ -205,8 +208,6 @@ def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> Non
         )
     else:
         click.echo(f"exported {report.lines:,} items to {where}", err=piped)
-    if report.summary:
-        click.echo(report.summary, err=True)
     if chosen.exclude_flags:
         names = ", ".join(flag_names(chosen.exclude_flags))
         click.echo(f"left out {report.excluded:,} answers flagged {names}", err=piped)

@@ -17,8 +17,8 @@ change.
 Four line formats (docs/INPUTS-AND-EXPORTS.md): ``messages`` (the default), ``sharegpt``
 (``from``/``value`` turns, as SpecForge and other EAGLE-3 trainers read them),
 ``openai-batch`` (the OpenAI Batch API / ``vllm run-batch`` output line, failed items in
-an error file beside it) and ``specforge`` (SpecForge's regenerated data, rows its
-validator refuses and failed items in files beside it: ``writers.specforge``). Any
+an error file beside it) and ``specforge`` (SpecForge's training data, rows it
+cannot take and failed items in files beside it: ``writers.specforge``). Any
 conversation format can be written a row per generated turn (``writers.turns``).
 The table formats (``parquet``) encode the ``messages`` rows in ``formats.writers``,
 and so does the dataset card (``writers.card``); every row of every format is made

@@ -86,7 +86,7 @@ class ExportReport:
     # (file, pre-tokenised rows, other lines) for each file that mixes the two kinds.
     mixed: list[tuple[Path, int, int]] = field(default_factory=list)
     card: Path | None = None  # the dataset card written beside the files, if any
-    # specforge: rows its validator refuses, by reason (writers.specforge.REASONS).
+    # specforge: rows SpecForge cannot take, by reason (writers.specforge.REASONS).
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_files: list[Path] = field(default_factory=list)
     items: int = 0  # done items the lines came from (fewer than lines with per_turn)
@@ -97,7 +97,8 @@ class ExportReport:
 
     @property
     def summary(self) -> str | None:
-        """The lines naming the rows skipped or left out, by reason; None: none were."""
+        """The lines naming the rows skipped or left out, by reason, where they are and
+        the formats that carry them whole; None: none were."""
         said = [specforge.summary(self.skipped, self.skipped_files)]
         said += [tokens.summary(self.left_out), tokens.unmerged_summary(self.unmerged)]
         return "\n".join(s for s in said if s) or None

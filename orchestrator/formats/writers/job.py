@@ -310,7 +310,7 @@ class ExportJob:
         if options.include_failed is not None:
             self.failures = [(Path(options.include_failed), datasets)]
         self.card = _card_path(target, options, stream)
-        # Each output's file of rows SpecForge's validator would refuse.
+        # Each output's file of rows SpecForge cannot take.
         self.skips = {p: specforge.beside(p, "skipped") for p, _ in self.outputs if sides}
         self._skip: Callable[[bytes], object] | None = None
         self._index = LineIndex()

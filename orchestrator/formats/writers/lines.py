@@ -229,7 +229,7 @@ class LineWriter:
         # The file holds other datasets' lines too: ids must say whose each line is.
         self.shared = shared
         self.index = index or LineIndex()
-        # Where rows SpecForge's validator refuses go (None: counted only).
+        # Where rows SpecForge cannot take go (None: counted only).
         self.skip = skip
         self.skipped: dict[str, int] = {}
         self.excluded = 0
@@ -301,7 +301,7 @@ class LineWriter:
         self.extra += count - 1
 
     def _refused(self, line: dict[str, Any]) -> bool:
-        """A SpecForge row its validator would refuse: counted, and sent to the skipped file."""
+        """A row SpecForge cannot take as written: counted, and sent to the skipped file."""
         if self.options.format != "specforge":
             return False
         found = specforge.problem(line)
