@@ -60,7 +60,8 @@ REASONS: dict[str, str] = {
 
 #: The formats that carry a skipped row whole, named at the end of the export.
 CARRIED_BY = (
-    "`--format messages` (OpenAI messages with tool_calls) and `--format sharegpt` carry them whole"
+    "`--format messages` (OpenAI messages with tool_calls) and `--format sharegpt` carry them "
+    "whole, and `--format tokens` as the server's own ids (enqueue --token-ids)"
 )
 
 
