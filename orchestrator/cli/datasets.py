@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from orchestrator.cli.common import Checked, Commands, db_option, on_database, request_options
+from orchestrator.cli.enqueue import changed_line, settings_spec
 from orchestrator.settings.checks import DATASET
 from orchestrator.settings.dataset_options import ON_INVALID, ON_OVERFLOW, ON_TRUNCATED
 
@@ -46,8 +47,6 @@ def set_settings(ctx: click.Context, name: str, db: str | None, **given: Any) ->
 
     orchestrator dataset set NAME --max-tokens 4096
     """
-    from orchestrator.cli.enqueue import changed_line, settings_spec
-
     unset = given.pop("unset")
     if not unset and all(value in (None, ()) for value in given.values()):
         raise click.UsageError("name a setting to change (e.g. --max-tokens 4096)", ctx)

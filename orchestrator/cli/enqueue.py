@@ -4,6 +4,7 @@ glob, standard input, a Hub dataset), or every dataset of a run file, into the q
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -20,6 +21,7 @@ from orchestrator.cli.common import (
     run_sync,
     tty_progress,
 )
+from orchestrator.errors import ConfigError
 from orchestrator.settings.checks import COLUMNS, DATASET
 from orchestrator.settings.choices import INPUT_FORMATS
 from orchestrator.settings.dataset_options import (
@@ -394,7 +396,6 @@ def _schema_format(path: Path) -> dict[str, Any]:
     read, is not JSON or is no JSON schema stops here, naming it (exit 2)."""
     import orjson
 
-    from orchestrator.errors import ConfigError
     from orchestrator.items.structured import response_format_for
 
     try:
@@ -554,8 +555,6 @@ def _enqueue_config(config: Path, *, update: bool, skip_invalid: bool, db: str |
 
 def _stopped(result: PlanFailed, planned: int) -> NoReturn:
     """Where a run file's enqueue stopped, and what stays; exits with the error's code."""
-    import sys
-
     click.echo(f"error: {result.error}", err=True)
     kept = ", ".join(repr(e.report.dataset) for e in result.done) or "none"
     click.echo(

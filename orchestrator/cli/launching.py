@@ -4,12 +4,14 @@ made into launch specs and a supervisor by ``orchestrator.inference.launch``."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
 from orchestrator.cli.common import run_sync
+from orchestrator.errors import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -132,8 +134,6 @@ def _name(option: Callable[[Any], Any]) -> str:
 def take_launch_options(settings: dict[str, Any]) -> dict[str, Any]:
     """The launch options, taken out of a command's keyword arguments (those a command
     does not have, or left unset, keep ``LaunchPlan``'s defaults)."""
-    from dataclasses import fields
-
     from orchestrator.inference.launch.plan import LaunchPlan
 
     taken = {f.name: settings.pop(f.name, None) for f in fields(LaunchPlan)}
@@ -145,7 +145,6 @@ def supervisor(
 ) -> Any:
     """The supervisor of what the options (and a servers file's ``launch`` lines) say
     to launch; None when there is nothing to launch."""
-    from orchestrator.errors import ConfigError
     from orchestrator.inference.launch.plan import LaunchPlan
     from orchestrator.inference.launch.plan import supervisor as build
     from orchestrator.store.reader import sqlite_path

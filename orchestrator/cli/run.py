@@ -22,8 +22,8 @@ from orchestrator.cli.common import (
 )
 from orchestrator.cli.launching import launch_options, take_launch_options
 from orchestrator.cli.launching import supervisor as launched_servers
-from orchestrator.errors import StorageError
-from orchestrator.settings.run import _KEEP
+from orchestrator.errors import ItemsFailed, ItemsLeftPending, StorageError
+from orchestrator.settings.run import _KEEP, RunSettings, settings
 
 
 def _servers(
@@ -61,8 +61,6 @@ def settings_options(command: Any) -> Any:
     """The run's settings as options, made from their one list
     (``orchestrator.settings.run``): names, defaults, rules and help as ``Queue.run`` has
     them, but for ``--exit-when-done`` (a service runs until it is stopped)."""
-    from orchestrator.settings.run import settings
-
     for spec, setting in reversed(settings()):
         name = setting.option or "--" + spec.name.replace("_", "-")
         default = spec.default if setting.cli_default is _KEEP else setting.cli_default
@@ -124,7 +122,6 @@ def run(
     the last answer; if none of them will stay up it exits 8.
     """
     from orchestrator.api.running import configs, run_worker
-    from orchestrator.settings.run import RunSettings
 
     launch = take_launch_options(settings)
     files = (servers_file, api_key_file, basic_auth_file)
@@ -143,7 +140,6 @@ def run(
 def _say_how_run_ended(stats: Any, stopped: list[Any]) -> None:
     """The worker's last line for a person, and the exit code of how it ended."""
     from orchestrator import logs
-    from orchestrator.errors import ItemsFailed, ItemsLeftPending
 
     if not logs.json_lines():  # else the worker_stopped event says it, as JSON
         click.echo(
