@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from orchestrator._util.atomicfile import is_stdout
 from orchestrator.cli.common import (
     configure_logs,
     db_option,
@@ -20,6 +21,7 @@ from orchestrator.cli.common import (
     progress_shown,
     run_sync,
 )
+from orchestrator.items.quality import flag_names, parse_flags
 from orchestrator.settings.choices import EXPORT_FORMATS, REASONING_MODES
 
 if TYPE_CHECKING:
@@ -159,7 +161,6 @@ def _options(
     fmt: str, reasoning: str, exclude_flags: tuple[str, ...], provenance: bool, **files: Any
 ) -> ExportOptions:
     from orchestrator.formats.options import ExportOptions
-    from orchestrator.items.quality import parse_flags
 
     mask = 0
     for spec in exclude_flags:
@@ -195,9 +196,6 @@ def _export_any(
 
 
 def _say_exported(report: ExportReport, out: Path, chosen: ExportOptions) -> None:
-    from orchestrator._util.atomicfile import is_stdout
-    from orchestrator.items.quality import flag_names
-
     # `export -`, /dev/stdout: the lines are standard output, so the summary goes to stderr.
     piped = is_stdout(out)
     where = f"{len(report.files):,} files in {out}" if chosen.split else str(out)

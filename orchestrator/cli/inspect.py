@@ -17,6 +17,7 @@ import click
 from orchestrator.cli.common import configure_logs, db_option, on_database, run_sync
 from orchestrator.errors import ConfigError
 from orchestrator.items.error_classes import ERROR_CLASSES
+from orchestrator.items.quality import flag_names, parse_flags
 
 if TYPE_CHECKING:
     from orchestrator.store.item_detail import ItemRecord, Selection
@@ -92,7 +93,6 @@ def inspect(as_json: bool, full: bool, db: str | None, **chosen: Any) -> None:
 
 def _selection(datasets: tuple[str, ...], flag_names: tuple[str, ...], **chosen: Any) -> Selection:
     """The options through the store's one check; what it refuses is a usage error."""
-    from orchestrator.items.quality import parse_flags
     from orchestrator.store.item_detail import COMMAND, checked_selection
 
     flags = 0
@@ -150,8 +150,6 @@ def _say(selection: Selection, shown: int, matched: int, as_json: bool) -> None:
 
 
 def _described(selection: Selection) -> str:
-    from orchestrator.items.quality import flag_names
-
     parts: list[tuple[str, Any]] = [
         *(("--dataset", name) for name in selection.dataset_names),
         ("--id", selection.key),

@@ -9,6 +9,7 @@ import click
 from orchestrator.cli.common import db_option, fail, on_database, run_sync
 from orchestrator.errors import ConfigError
 from orchestrator.items.error_classes import ERROR_CLASSES
+from orchestrator.items.quality import parse_flags
 
 
 @click.command()
@@ -146,7 +147,6 @@ def _selection(
     samples: tuple[int, ...] = (),
 ) -> Any:
     """The options through the library's guard; what it refuses is a usage error."""
-    from orchestrator.items.quality import parse_flags
     from orchestrator.store import requeue as requeues
 
     flags = 0
