@@ -61,16 +61,16 @@ def cli(*args: str) -> str:
     return done.stderr
 
 
-def retokenized_differs(url: str, context: list[dict[str, Any]], row: dict[str, Any]) -> bool:
-    """Whether the turn, rendered again with its answer and tokenized, is not the ids the
-    server evaluated and generated (compared over the row's length)."""
+def retokenized(url: str, context: list[dict[str, Any]], row: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether the turn, rendered again with its answer and tokenized, differs from the
+    ids the server evaluated and generated: anywhere, and in the prompt's part."""
     answer = {"role": "assistant", "content": context[-1]["content"]}
     text = post(url, "/apply-template", {"messages": [*context[:-1], answer]})["prompt"]
     again = post(url, "/tokenize", {"content": text, "add_special": True})["tokens"]
-    ids = row["input_ids"]
+    ids, prompt = row["input_ids"], row["loss_mask"].count(0)
     # The template closes the turn after the answer; the model's own end token, if it
     # generated one, is compared as the template's.
-    return again[: len(ids)] != ids
+    return again[: len(ids)] != ids, again[:prompt] != ids[:prompt]
 
 
 def main() -> int:
@@ -102,7 +102,7 @@ def main() -> int:
 def report(url: str, db: Path, work: Path, said: str) -> None:
     lines = {r["id"]: r for r in map(orjson.loads, (work / "m.jsonl").read_bytes().splitlines())}
     tokens = {r["id"]: r for r in map(orjson.loads, (work / "t.jsonl").read_bytes().splitlines())}
-    turns = differs = 0
+    turns = differs = in_prompt = 0
     for key, line in lines.items():
         messages = line["messages"]
         answered = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
@@ -111,7 +111,9 @@ def report(url: str, db: Path, work: Path, said: str) -> None:
             if row is None:
                 continue
             turns += 1
-            differs += retokenized_differs(url, messages[: position + 1], row)
+            anywhere, prompt = retokenized(url, messages[: position + 1], row)
+            differs += anywhere
+            in_prompt += prompt
     with sqlite3.connect(db) as conn:
         # Each turn's ids once: a multi-turn item's in item_turns, a single turn's with
         # its answer.
@@ -133,6 +135,7 @@ def report(url: str, db: Path, work: Path, said: str) -> None:
         [
             ["generated turns exported as token rows", f"{len(tokens):,}"],
             ["re-tokenized text differs from the server's ids", share],
+            ["... of those, in the prompt's ids", f"{in_prompt:,}"],
             ["bytes of ids per 1,000 tokens (prompt + generated)", per_thousand],
             ["left out", left],
         ],

@@ -2,14 +2,17 @@
 
 Every import counts: at the top of a module, inside a function (kept there for start-up
 time or an optional dependency), and under ``TYPE_CHECKING`` for the direction of the
-layers. An import names the module it reaches, so ``from orchestrator.store import
-queue`` is an edge to ``store/queue.py`` and ``from orchestrator.store import Queue`` an
-edge to ``store/__init__.py``. The failures name the importing line.
+layers; an import inside a function says why it is not at the top (the end of this file).
+An import names the module it reaches, so ``from orchestrator.store import queue`` is an
+edge to ``store/queue.py`` and ``from orchestrator.store import Queue`` an edge to
+``store/__init__.py``. The failures name the importing line.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,3 +234,114 @@ def test_the_top_of_the_package_is_its_public_surface() -> None:
     """Few loose modules: the rest lives in the package named for its concern."""
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert loose == ["__init__.py", "__main__.py", "errors.py", "logs.py"], loose
+
+
+# Third-party modules an import inside a function may name without saying why: slow to
+# load, or not always installed. Anything else imported inside a function is either in
+# the command line's start-up code or carries "# lazy: <reason>" on its line: the heavy
+# module it keeps off a fast path (sqlalchemy, asyncio, aiohttp, pyarrow), or start-up.
+LAZY_MODULES = {
+    "alembic": "heavy",
+    "datasets": "optional",
+    "jsonschema": "heavy",
+    "jsonschema_specifications": "heavy",
+    "prometheus_client": "heavy",
+    "pyarrow": "heavy",
+    "referencing": "heavy",
+    "sqlalchemy": "heavy",
+    "structlog": "heavy",
+    "uvloop": "optional",
+}
+# The command line imports what a command needs inside the command: --help stays fast.
+START_UP = ("orchestrator/cli/", "orchestrator/__init__.py", "orchestrator/__main__.py")
+_LAZY = re.compile(r"#\s*lazy:(.*)")
+
+
+@functools.cache
+def _source(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _imported_top(node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.ImportFrom):
+        return {"orchestrator" if node.level else (node.module or "").split(".")[0]}
+    return {alias.name.split(".")[0] for alias in node.names}
+
+
+def unexplained_lazy_imports(source: str, path: str) -> list[str]:
+    """``path:line`` of each import inside a function in ``source`` that names a module
+    outside LAZY_MODULES, outside START_UP, without a non-empty ``# lazy: <reason>``."""
+    if path.startswith(START_UP):
+        return []
+    lines = source.splitlines()  # an import statement holds no string: a "#" opens a comment
+    wrong = []
+    for func in ast.walk(ast.parse(source)):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(func):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            if _imported_top(node) <= LAZY_MODULES.keys():
+                continue
+            reasons = [
+                match.group(1).strip()
+                for line in range(node.lineno, node.end_lineno + 1)
+                if (match := _LAZY.search(lines[line - 1]))
+            ]
+            if not any(reasons):
+                what = "empty '# lazy:' reason" if reasons else "no '# lazy: <reason>'"
+                wrong.append(f"{path}:{node.lineno} {ast.unparse(node)} ({what})")
+    return sorted(set(wrong), key=lambda w: int(w.split(":")[1].split()[0]))
+
+
+def test_imports_inside_functions_say_why() -> None:
+    """An import belongs at the top of its module. Inside a function only for start-up
+    time (the command line; a fast path that must not load a heavy module) or for a
+    heavy or optional third-party module (LAZY_MODULES)."""
+    wrong = []
+    for path in MODULES.values():
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        wrong += unexplained_lazy_imports(_source(path), rel)
+    assert not wrong, (
+        "imports inside functions: move to the top of the module, or end the line with "
+        "'# lazy: <reason>':\n" + "\n".join(wrong)
+    )
+
+
+def test_the_lazy_import_check_catches_what_it_should() -> None:
+    """The check is itself checked, so that it cannot pass by seeing nothing."""
+    source = (
+        "import os\n"
+        "def f():\n"
+        "    import pyarrow.csv as pcsv\n"
+        "    from sqlalchemy import text\n"
+        "    from orchestrator.store import engine  # lazy: sqlalchemy\n"
+        "    from orchestrator.store import queue\n"
+        "    import json  # lazy:\n"
+        "    if os.environ:\n"
+        "        from . import sibling\n"
+        "async def g():\n"
+        "    from orchestrator.store.reader import (  # lazy: start-up\n"
+        "        connect,\n"
+        "    )\n"
+        "    import pyarrow, shlex\n"
+    )
+    assert unexplained_lazy_imports(source, "orchestrator/store/x.py") == [
+        "orchestrator/store/x.py:6 from orchestrator.store import queue (no '# lazy: <reason>')",
+        "orchestrator/store/x.py:7 import json (empty '# lazy:' reason)",
+        "orchestrator/store/x.py:9 from . import sibling (no '# lazy: <reason>')",
+        "orchestrator/store/x.py:14 import pyarrow, shlex (no '# lazy: <reason>')",
+    ]
+    assert unexplained_lazy_imports(source, "orchestrator/cli/x.py") == []
+
+
+def test_the_lazy_modules_are_all_still_imported_lazily() -> None:
+    """The list stays short: a module no function imports any more leaves it."""
+    named: set[str] = set()
+    for path in MODULES.values():
+        for func in ast.walk(ast.parse(_source(path))):
+            if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Import | ast.ImportFrom):
+                        named |= _imported_top(node)
+    assert sorted(LAZY_MODULES.keys() - named) == []

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.api.datasets import check_body
 from orchestrator.api.enqueue import request_body
+from orchestrator.api.running import configs, without_credentials
 from orchestrator.errors import ConfigError
+from orchestrator.formats.options import ExportOptions
+from orchestrator.items.quality import parse_flags
+from orchestrator.items.structured import response_format_for
 from orchestrator.settings.checks import (
     PATH,
     Integer,
@@ -28,7 +33,6 @@ from orchestrator.settings.checks import (
 )
 
 if TYPE_CHECKING:
-    from orchestrator.formats.options import ExportOptions
     from orchestrator.store import Database
 
 DB = OrNone(PathName("a path or a database URL"))
@@ -45,8 +49,6 @@ def enqueue_body(
     json_schema: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The dataset's request body, checked; a schema becomes its ``response_format``."""
-    from orchestrator.items.structured import response_format_for
-
     body = request_body(params, model=model, **named)
     check_body(body, {"model": model, **named})
     if json_schema is not None:
@@ -61,8 +63,6 @@ def listed(name: str, value: str | Sequence[str], rule: Names) -> tuple[str, ...
 
 
 def flag_mask(name: str, value: str | Sequence[str]) -> int:
-    from orchestrator.items.quality import parse_flags
-
     mask = 0
     for spec in listed(name, value, FLAGS):
         try:
@@ -75,8 +75,6 @@ def flag_mask(name: str, value: str | Sequence[str]) -> int:
 def export_options(
     fmt: str, reasoning: str, exclude_flags: str | Sequence[str], provenance: bool, **more: Any
 ) -> ExportOptions:
-    from orchestrator.formats.options import ExportOptions
-
     mask = flag_mask("exclude_flags", exclude_flags)
     return ExportOptions(
         format=fmt, reasoning=reasoning, exclude_flags=mask, provenance=provenance, **more
@@ -86,7 +84,7 @@ def export_options(
 def run_cap(concurrency: int | str) -> int | str:
     """``"8"`` and ``"auto"`` as the command's option takes them; anything else is left
     to ``RunSettings``' rule, which says what it must be."""
-    from orchestrator.inference.servers_file import parse_cap
+    from orchestrator.inference.servers_file import parse_cap  # lazy: aiohttp
 
     if isinstance(concurrency, str):
         with contextlib.suppress(ValueError):
@@ -96,9 +94,7 @@ def run_cap(concurrency: int | str) -> int | str:
 
 def launch_plan(given: dict[str, Any]) -> Any:
     """The launch arguments of a ``run`` call as the command's ``LaunchPlan``."""
-    from dataclasses import fields
-
-    from orchestrator.inference.launch.plan import LaunchPlan
+    from orchestrator.inference.launch.plan import LaunchPlan  # lazy: aiohttp
 
     names = {f.name for f in fields(LaunchPlan)} - {"file_launches"}
     plan = {name: given[name] for name in names if name in given}
@@ -108,7 +104,7 @@ def launch_plan(given: dict[str, Any]) -> Any:
 
 def launch_supervisor(plan: Any, database: Database) -> Any:
     """The supervisor of the servers ``run(launch=...)`` starts; None without any."""
-    from orchestrator.inference.launch.plan import supervisor
+    from orchestrator.inference.launch.plan import supervisor  # lazy: aiohttp
 
     checked("launch", tuple(plan.launch), LAUNCH)
     for name, value in (("replicas", plan.replicas), ("gpus_per_server", plan.gpus_per_server)):
@@ -125,9 +121,8 @@ def run_configs(
     """The worker's and the client's configuration as the command makes them, from the
     servers as given (each through the check of every server source) and those the
     run launches."""
-    from orchestrator._util.urls import api_key as checked_key
-    from orchestrator.api.running import configs, without_credentials
-    from orchestrator.inference.servers_file import ServerSpec, check_server_url
+    from orchestrator._util.urls import api_key as checked_key  # lazy: aiohttp
+    from orchestrator.inference.servers_file import ServerSpec, check_server_url  # lazy: aiohttp
 
     urls = listed("servers", servers, SERVER_URLS)
     checked("api_key", api_key, OrNone(Text()))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import tempfile
 import weakref
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -30,10 +32,22 @@ from orchestrator.api.arguments import (
     run_configs,
 )
 from orchestrator.api.datasets import DatasetCalls
-from orchestrator.api.enqueue import EnqueueOptions, Source, enqueue_source, skipped
+from orchestrator.api.enqueue import (
+    EnqueueOptions,
+    PlanFailed,
+    Source,
+    enqueue_plans,
+    enqueue_source,
+    skipped,
+)
 from orchestrator.api.results import CLOSED, Results, Status, unchanged
 from orchestrator.api.running import RunOutcome, checked_outcome, run_worker
 from orchestrator.errors import ConfigError, InputError
+from orchestrator.formats.export import export_database, line_batches
+from orchestrator.formats.readers.columns import Columns
+from orchestrator.formats.readers.huggingface import INSTALL
+from orchestrator.monitor.status import snapshot
+from orchestrator.runfile import load_run
 from orchestrator.settings.checks import (
     DATASET_NAME,
     FLAG,
@@ -46,7 +60,11 @@ from orchestrator.settings.checks import (
     Text,
     checked,
 )
+from orchestrator.settings.prices import Prices, run_prices, status_cost
 from orchestrator.settings.run import RUN, RunSettings
+from orchestrator.store import access, check_datasets, open_database, set_paused
+from orchestrator.store import requeue as requeues
+from orchestrator.store.item_detail import STATES, checked_selection, inspect_items
 
 if TYPE_CHECKING:
     from orchestrator.formats.options import ExportReport
@@ -82,8 +100,6 @@ class Queue(DatasetCalls):
         self._results: weakref.WeakSet[Results[Any]] = weakref.WeakSet()
 
     async def __aenter__(self) -> Queue:
-        from orchestrator.store import open_database
-
         if self._database is None:
             self._database = await open_database(self._db)
             self._closed = False
@@ -174,8 +190,6 @@ class Queue(DatasetCalls):
         (and the token ids where the server gives them); ``token_ids=True`` keeps the
         server's own prompt and generated ids of every turn (``export --format tokens``).
         """
-        from orchestrator.formats.readers.columns import Columns
-
         checked("skip_invalid", skip_invalid, FLAG)
         named = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         body = enqueue_body(params, model, named, json_schema)
@@ -210,9 +224,6 @@ class Queue(DatasetCalls):
         """Every dataset of a run file (docs/CONFIG.md), as ``enqueue --config``: checked
         as a whole first, then one transaction per file. A file that fails raises its
         error; the datasets before it stay enqueued."""
-        from orchestrator.api.enqueue import PlanFailed, enqueue_plans
-        from orchestrator.runfile import load_run
-
         checked("config", config, PATH)
         checked("update", update, FLAG)
         checked("skip_invalid", skip_invalid, FLAG)
@@ -316,9 +327,6 @@ class Queue(DatasetCalls):
         """Progress, rates, errors, tokens thrown away and ETA: the figures of
         ``orchestrator status --json``; with a price, its ``cost`` (``servers`` of them
         at ``gpu_hour_cost`` each, docs/STATUS.md "Cost")."""
-        from orchestrator.monitor.status import snapshot
-        from orchestrator.settings.prices import Prices, run_prices, status_cost
-
         checked("window", window, WINDOW)
         checked("servers", servers, SERVERS)
         prices = run_prices(Prices(gpu_hour_cost, price_input, price_output), [Prices()] * servers)
@@ -345,8 +353,6 @@ class Queue(DatasetCalls):
     ) -> Results[dict[str, Any]]:
         """Done items as plain dicts, each the line ``export`` would write, in its order:
         an async iterator over one read transaction (:class:`Results`)."""
-        from orchestrator.formats.export import line_batches
-
         names = listed("dataset", dataset, DATASETS)
         more = {"per_turn": per_turn, "parsed": parsed}
         more |= {"logprobs": logprobs, "token_ids": token_ids}
@@ -372,11 +378,6 @@ class Queue(DatasetCalls):
         An async iterator over one read transaction (:class:`Results`). ``id`` picks one
         item by key (``dataset`` says which when several datasets have it); ``sample``
         that many at random among the matching, drawn with ``seed`` (reproducible)."""
-        import functools
-
-        from orchestrator.store import access
-        from orchestrator.store.item_detail import STATES, checked_selection, inspect_items
-
         names = listed("dataset", dataset, DATASETS)
         checked("id", id, OrNone(Text()))
         checked("sample", sample, OrNone(Integer(1)))
@@ -427,8 +428,6 @@ class Queue(DatasetCalls):
         (``orchestrator.items.tokens.row_fields``); ``format="tokens"`` writes each
         generated turn's ``input_ids`` and ``loss_mask`` (``merge_turns``: a conversation
         in one row where its ids chain)."""
-        from orchestrator.formats.export import export_database
-
         checked("out", out, PATH)
         names = listed("datasets", datasets, DATASETS)
         more = {"split": split, "include_failed": include_failed, "per_turn": per_turn}
@@ -454,13 +453,9 @@ class Queue(DatasetCalls):
         turns into Arrow files in its cache (``HF_DATASETS_CACHE``) and maps: memory
         stays bounded by a row group at any size, as the export's does.
         """
-        import tempfile
-
         try:
             import datasets as hf
         except ImportError:
-            from orchestrator.formats.readers.huggingface import INSTALL
-
             raise ConfigError(f"to_dataset needs the datasets library: {INSTALL}") from None
         with tempfile.TemporaryDirectory(prefix="orchestrator-dataset-") as folder:
             out = Path(folder) / "rows.parquet"
@@ -490,9 +485,6 @@ class Queue(DatasetCalls):
         """Send items back to pending, as ``orchestrator requeue``: the number moved, or
         with ``dry_run`` what would move per (dataset, state). Done items need a filter
         or ``all=True``; their answers are kept aside for ``requeue --undo``."""
-        from orchestrator.store import check_datasets
-        from orchestrator.store import requeue as requeues
-
         names = listed("datasets", datasets, DATASETS)
         mask = flag_mask("flags", flags)
         checked("error_class", error_class, OrNone(Text()))
@@ -523,9 +515,6 @@ class Queue(DatasetCalls):
         is None when there is nothing to undo; with ``dry_run`` the report says what would
         be put back. Raises ``UndoConflict`` (an ``OrchestratorError``) when another undo
         took it back meanwhile."""
-        from orchestrator.store import check_datasets
-        from orchestrator.store import requeue as requeues
-
         checked("dry_run", dry_run, FLAG)
         names = listed("datasets", datasets, DATASETS)
         await check_datasets(self.database, names)
@@ -542,8 +531,6 @@ class Queue(DatasetCalls):
         await self._set_paused(dataset, False)
 
     async def _set_paused(self, dataset: str, paused: bool) -> None:
-        from orchestrator.store import set_paused
-
         checked("dataset", dataset, DATASET_NAME)
         if not await set_paused(self.database, dataset, paused):
             raise ConfigError(f"no such dataset: {dataset}")

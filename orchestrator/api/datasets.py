@@ -10,8 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.api.enqueue import request_body
 from orchestrator.errors import ConfigError
+from orchestrator.items.params import problems
 from orchestrator.settings.checks import DATASET_NAME, FLAG, Names, checked
+from orchestrator.store import DatasetSpec
+from orchestrator.store.datasets import change_settings
+from orchestrator.store.deletion import delete_dataset, purge_deleted, undo_delete
 
 if TYPE_CHECKING:
     from orchestrator.store import Database
@@ -24,8 +29,6 @@ _KEYS = Names("a request parameter name")
 def check_body(body: dict[str, Any], named: dict[str, Any]) -> None:
     """The request body through the check every other source gets (``orchestrator.items.params``),
     each refusal under the argument that gave it (``temperature``, ``params['n']``)."""
-    from orchestrator.items.params import problems
-
     found = problems(body)
     if found:
         where = [name if named.get(name) is not None else f"params[{name!r}]" for name, _ in found]
@@ -62,10 +65,6 @@ class DatasetCalls:
         dataset set``: ``params`` are merged over the stored ones, ``unset`` keys
         removed. They apply to its pending items; done ones keep their answers. The
         report lists each change and the pending items it applies to."""
-        from orchestrator.api.enqueue import request_body
-        from orchestrator.store import DatasetSpec
-        from orchestrator.store.datasets import change_settings
-
         checked("name", name, DATASET_NAME)
         checked("unset", unset, _KEYS)
         named = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
@@ -85,8 +84,6 @@ class DatasetCalls:
         aside until :meth:`purge_deleted`, and :meth:`undo_delete` brings them back.
         ``dry_run`` says what would go. Raises ``ConfigError`` (nothing changed) while
         items of it run, and when it holds answers unless ``with_outputs``."""
-        from orchestrator.store.deletion import delete_dataset
-
         checked("name", name, DATASET_NAME)
         checked("dry_run", dry_run, FLAG)
         checked("with_outputs", with_outputs, FLAG)
@@ -94,16 +91,12 @@ class DatasetCalls:
 
     async def undo_delete(self, name: str, *, dry_run: bool = False) -> DeletionReport:
         """Bring back the latest deletion of dataset ``name``, every row as it was."""
-        from orchestrator.store.deletion import undo_delete
-
         checked("name", name, DATASET_NAME)
         checked("dry_run", dry_run, FLAG)
         return await undo_delete(self.database, name, dry_run=dry_run)
 
     async def purge_deleted(self, name: str) -> int:
         """Drop for good what deleting dataset ``name`` kept aside; the deletions purged."""
-        from orchestrator.store.deletion import purge_deleted
-
         checked("name", name, DATASET_NAME)
         return await purge_deleted(self.database, name)
 

@@ -15,12 +15,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import ConfigError, InputError, OrchestratorError
+from orchestrator.formats import iter_prepared
+from orchestrator.items.params import logprob_params, token_id_params
+from orchestrator.settings.checks import DATASET, RECORDS, OrNone, check_all, checked
+from orchestrator.store import DatasetSpec
+from orchestrator.store import enqueue as do_enqueue
+from orchestrator.store.datasets import get_dataset, key_digest, refusals
 
 if TYPE_CHECKING:
     from orchestrator.formats.readers.columns import Columns
     from orchestrator.formats.readers.rows import Reading
     from orchestrator.runfile import DatasetPlan
-    from orchestrator.store import Database, DatasetSpec, EnqueueReport
+    from orchestrator.store import Database, EnqueueReport
 
 #: What ``enqueue`` takes: a path (a JSONL, Parquet, CSV or Arrow file, a folder of them, a
 #: glob, ``-``, ``hf://ORG/NAME``), a table (``datasets``, ``pyarrow``, pandas), or rows
@@ -74,8 +80,6 @@ class EnqueueOptions:
     ``--prompt-column``); the key itself where absent."""
 
     def __post_init__(self) -> None:
-        from orchestrator.settings.checks import DATASET, check_all
-
         check_all({name: getattr(self, name) for name in DATASET}, DATASET)
 
 
@@ -104,8 +108,6 @@ def read(
 ) -> Reading[Any]:
     """``source`` opened and checked for a dataset read this way, its rows not read yet:
     the one reading every enqueue (a command's, the API's, a run file's) goes through."""
-    from orchestrator.formats import iter_prepared
-
     names = spelling or {}
     return iter_prepared(
         source,
@@ -148,8 +150,6 @@ async def store_reading(
     update: bool,
 ) -> EnqueueReport:
     """A reading's rows into the store, in one transaction, named by their places."""
-    from orchestrator.store import enqueue as do_enqueue
-
     records = await _older_keys(database, spec.name, reading)
     return await do_enqueue(
         database,
@@ -171,8 +171,6 @@ async def _older_keys(database: Database, name: str, reading: Reading[Any]) -> I
     (``train.parquet:1``), now by its folder's too (``a/train.parquet:1``). Its first
     row's old key holding the same content says the file is in the dataset under the old
     keys, and enqueuing it again adds nothing."""
-    from orchestrator.store.datasets import get_dataset, key_digest
-
     older = getattr(reading.source, "older", None)
     info = await get_dataset(database, name) if older is not None else None
     if info is None:
@@ -204,11 +202,6 @@ async def enqueue_source(
     progress: Callable[[int], None] | None = None,
 ) -> EnqueueReport:
     """Read ``source`` the way its dataset is made and add its items in one transaction."""
-    from orchestrator.items.params import logprob_params, token_id_params
-    from orchestrator.settings.checks import RECORDS, checked
-    from orchestrator.store import DatasetSpec
-    from orchestrator.store.datasets import get_dataset
-
     checked("records", source, RECORDS)
     name = options.dataset
     info = await get_dataset(database, name)
@@ -268,8 +261,6 @@ def request_body(
 ) -> dict[str, Any]:
     """The request body every item of a dataset is sent with: ``params`` and the named
     fields given (a named field wins over the same key in ``params``)."""
-    from orchestrator.settings.checks import DATASET, OrNone, checked
-
     checked("params", params, OrNone(DATASET["params"]))
     named = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
     return {**(params or {}), **{k: v for k, v in named.items() if v is not None}}
@@ -317,8 +308,6 @@ async def enqueue_plans(
     ``progress(plan)`` gives a file's progress callback; ``each`` hears of every dataset
     enqueued as it is. A dataset that fails stops there: the result says which.
     """
-    from orchestrator.store.datasets import refusals
-
     specs = [_plan_spec(plan) for plan in plans]
     refused = await refusals(database, specs, update=update)
     if refused:
@@ -348,8 +337,6 @@ async def enqueue_plans(
 
 
 def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
-    from orchestrator.store import DatasetSpec
-
     _check_endpoint(plan.name, plan.endpoint, plan.regenerate, plan.passthrough, plan.logprobs)
     return DatasetSpec(
         name=plan.name,

@@ -13,10 +13,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from orchestrator._util import stopsignals
+from orchestrator.errors import ItemsFailed, ItemsLeftPending, RunStopped, ServersLost, StorageError
+from orchestrator.ops.systemd import SystemdNotifier
+from orchestrator.store import check_datasets
+
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from orchestrator.errors import RunStopped
     from orchestrator.inference.client import ClientConfig
     from orchestrator.inference.launch.supervisor import Supervisor
     from orchestrator.inference.servers_file import ServerSpec
@@ -42,7 +46,7 @@ def without_credentials(
     password reaches a log line, a row or a label."""
     import structlog
 
-    from orchestrator._util.urls import server_credentials
+    from orchestrator._util.urls import server_credentials  # lazy: aiohttp
 
     shown, auth = server_credentials([s.url for s in specs], api_key=api_key, shared=shared)
     in_urls = [url for url, spec in zip(shown, specs, strict=True) if url != spec.url.strip()]
@@ -61,8 +65,8 @@ def configs(
 ) -> tuple[WorkerConfig, ClientConfig]:
     """The worker's and the client's configuration for these servers (as
     :func:`without_credentials` left them) and settings."""
-    from orchestrator.inference.client import ClientConfig
-    from orchestrator.worker import WorkerConfig
+    from orchestrator.inference.client import ClientConfig  # lazy: aiohttp
+    from orchestrator.worker import WorkerConfig  # lazy: aiohttp
 
     worker = WorkerConfig(
         servers=tuple(spec.url for spec in specs),
@@ -114,11 +118,8 @@ async def run_worker(
     servers the run starts itself, ready before the first claim and stopped after the
     last answer (orchestrator.inference.launch).
     """
-    from orchestrator.errors import ServersLost
-    from orchestrator.inference.client import InferenceClient
-    from orchestrator.ops.systemd import SystemdNotifier
-    from orchestrator.store import check_datasets
-    from orchestrator.worker import WorkerStats
+    from orchestrator.inference.client import InferenceClient  # lazy: aiohttp
+    from orchestrator.worker import WorkerStats  # lazy: aiohttp
 
     await check_datasets(database, config.datasets)
     # Under systemd (Type=notify): READY=1, STOPPING=1, status and watchdog pings.
@@ -142,8 +143,6 @@ async def _launched(launch: Supervisor | None, client: Any, signals: bool) -> As
         return
     stopping = asyncio.Event()
     if signals:
-        from orchestrator._util import stopsignals
-
         stopsignals.hand_over(asyncio.get_running_loop(), stopping.set)
     try:
         await launch.start(client.session, stopping)
@@ -155,7 +154,6 @@ async def _launched(launch: Supervisor | None, client: Any, signals: bool) -> As
 def _supervised(worker: Any, launch: Supervisor) -> None:
     """Tie the supervisor to the worker's pool: a death takes the server out (its
     in-flight items given back), a server given up on leaves it, the last one halts."""
-    from orchestrator.errors import ServersLost
 
     def given_up(url: str, message: str) -> None:
         worker.pool.retire(url, message)
@@ -181,23 +179,20 @@ async def _work(
     metrics_port: int | None,
 ) -> RunOutcome:
     """The worker itself, from its start to its last write."""
-    from orchestrator.errors import RunStopped
-    from orchestrator.monitor import progress
-    from orchestrator.worker import Worker
+    from orchestrator.monitor import progress  # lazy: aiohttp
+    from orchestrator.worker import Worker  # lazy: aiohttp
 
     outcome: RunOutcome | None = None
     stopped: list[RunStopped] = []
     metrics = None
     if metrics_port is not None:
-        from orchestrator.worker.metrics import WorkerMetrics
+        from orchestrator.worker.metrics import WorkerMetrics  # lazy: aiohttp
 
         metrics = WorkerMetrics()
     worker = Worker(database, client, config, notifier=notifier, metrics=metrics)
     if launch is not None:
         _supervised(worker, launch)
     if signals:  # those that came since the process started included
-        from orchestrator._util import stopsignals
-
         stopsignals.hand_over(asyncio.get_running_loop(), worker.request_stop)
     line = progress.start(database, worker)  # on a terminal only
     try:
@@ -233,7 +228,7 @@ async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int | No
         return await worker.run()
     import structlog
 
-    from orchestrator.worker.metrics import serve_metrics
+    from orchestrator.worker.metrics import serve_metrics  # lazy: aiohttp
 
     def health() -> dict[str, Any]:
         return {
@@ -255,8 +250,6 @@ async def _run_with_metrics(worker: Any, metrics: Any, host: str, port: int | No
 
 def checked_outcome(outcome: RunOutcome) -> RunOutcome:
     """Raise what stopped a run short for a reason to act on; return the rest."""
-    from orchestrator.errors import ItemsFailed, ItemsLeftPending, StorageError
-
     if outcome.stats.dropped:
         raise StorageError(
             f"{outcome.stats.dropped:,} answers could not be written before the stop and "

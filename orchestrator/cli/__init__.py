@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from orchestrator import __version__
+from orchestrator._util import stopsignals
 from orchestrator.cli import (
     datasets,
     db,
@@ -78,8 +79,6 @@ class _Commands(Commands):
 @click.pass_context
 def main(ctx: click.Context, log_level: str, log_json: bool | None) -> None:
     """Durable, resumable batch generation against OpenAI-compatible servers."""
-    from orchestrator._util import stopsignals
-
     if ctx.invoked_subcommand == "run":
         stopsignals.hold()  # a worker stops cleanly on a signal, from now on
     else:

@@ -9,14 +9,13 @@ from typing import Any
 import click
 
 from orchestrator.cli.common import run_async
-from orchestrator.sim.options import sim_options
+from orchestrator.sim.options import sim_config, sim_options
 
 
 @click.command("sim-server")
 @sim_options()
 def sim_server(host: str, port: int, **options: Any) -> None:
     """A simulated OpenAI-compatible inference server for tests, rehearsals, benchmarks."""
-    from orchestrator.sim.options import sim_config
     from orchestrator.sim.server import run_forever
 
     run_forever(sim_config(options), host, port)

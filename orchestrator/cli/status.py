@@ -7,6 +7,7 @@ loads neither SQLAlchemy nor asyncio; anything else goes through the store.
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +133,6 @@ def watch(
 
     Redrawn in place (over ssh too); Ctrl-C leaves it.
     """
-    import time
-
     from rich.console import Console
     from rich.live import Live
 

@@ -107,7 +107,7 @@ def export_rows(
     job = ExportJob(out, options or ExportOptions(), dataset_refs(rows, dataset_names), progress)
     with job:
         if job.options.format in TABLE_FORMATS:
-            from orchestrator.formats.writers.parquet import write_tables
+            from orchestrator.formats.writers.parquet import write_tables  # lazy: pyarrow
 
             write_tables(job, rows)
         else:
@@ -117,7 +117,7 @@ def export_rows(
                 for dataset in group:
                     job.write_failed(fh.write, dataset, failed_rows(rows, dataset.id))
         if job.card is not None:
-            from orchestrator.formats.writers.card import write_card
+            from orchestrator.formats.writers.card import write_card  # lazy: start-up
 
             write_card(job, rows)
     report = job.report()

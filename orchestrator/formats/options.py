@@ -11,6 +11,7 @@ from pathlib import Path
 from orchestrator.errors import ConfigError
 from orchestrator.formats import support
 from orchestrator.formats.writers import specforge, tokens
+from orchestrator.settings.checks import EXPORT, check_all
 from orchestrator.settings.choices import (  # noqa: F401
     EXPORT_FORMATS,
     REASONING_MODES,
@@ -55,8 +56,6 @@ class ExportOptions:
     card: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
-        from orchestrator.settings.checks import EXPORT, check_all
-
         check_all({name: getattr(self, name) for name in EXPORT}, EXPORT)
         support.check(self)  # every option honoured by the format, or refused here
 

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Protocol
 import orjson
 import structlog
 
+from orchestrator.inference import probes, server_metrics
 from orchestrator.inference.autoconcurrency import Sample
+from orchestrator.inference.failures import RequestFailed
 from orchestrator.inference.pacing import LIMITED_REPORT_EVERY, Pacer
 from orchestrator.inference.routing import (
     BALANCE_THRESHOLD,
@@ -286,8 +288,6 @@ class ServerPool:
     async def _probe(self, server: str) -> None:
         """Poll ``/health`` until the server answers. Why it does not is said at once, then
         every ``REPORT_EVERY`` seconds and whenever the reason changes, with since when."""
-        from orchestrator.inference import probes
-
         state = self.states[server]
         delay = self.config.probe_min * min(2 ** max(state.failures - 2, 0), 8)
         started = time.monotonic()
@@ -456,8 +456,6 @@ class ServerPool:
     def _looked(self, state: ServerState) -> tuple[bool, dict[str, float | None] | None]:
         """What the last look at the server's ``/metrics`` gave: (False, None) when its
         controller gets no sample this time, else (True, its figures or None)."""
-        from orchestrator.inference.failures import RequestFailed
-
         task = state.scrape
         if task is None or not task.done():
             return state.blind, None
@@ -509,8 +507,6 @@ class ServerPool:
     async def metrics(self, server: str) -> dict[str, float | None]:
         """The server's queue, running requests, KV-cache usage and retractions (or
         preemptions) from its ``/metrics``; ``RequestFailed`` when it gives none we know."""
-        from orchestrator.inference import probes, server_metrics
-
         text = await probes.metrics_text(self.client.session, server, METRICS_TIMEOUT)
         view = server_metrics.tuning_view(text)
         if view is None:

@@ -23,6 +23,10 @@ import time
 import urllib.error
 from typing import Any
 
+from orchestrator._util.urls import split
+from orchestrator.inference.client import base_url
+from orchestrator.inference.probes import read_metrics
+
 # Our name -> the names SGLang, vLLM (newer, older) and llama.cpp give it.
 _GAUGES: dict[str, tuple[str, ...]] = {
     "running": (
@@ -86,10 +90,6 @@ def view(values: dict[str, float]) -> dict[str, Any]:
 def scrape(server: str, *, timeout: float = 3.0, interval: float = 1.0) -> dict[str, Any]:
     """Two scrapes ``interval`` apart: gauges from the second, generation tok/s from the
     counters' difference when the server has no throughput gauge (vLLM)."""
-    from orchestrator._util.urls import split
-    from orchestrator.inference.client import base_url
-    from orchestrator.inference.probes import read_metrics
-
     server, auth = split(server)  # credentials are sent, never shown
     header = auth.encode() if auth is not None else None
     url = base_url(server) + "/metrics"

@@ -32,7 +32,9 @@ import structlog
 from orchestrator._util.urls import mask, split_on_space, take_userinfo, with_userinfo
 from orchestrator.errors import ConfigError
 from orchestrator.settings import checks
+from orchestrator.settings.checks import problem
 from orchestrator.settings.prices import Prices
+from orchestrator.settings.run import RUN
 
 if TYPE_CHECKING:
     pass
@@ -63,9 +65,6 @@ class ServerSpec:
 
 def parse_per_minute(name: str, text: str) -> int:
     """A ``rpm``/``tpm`` value: a whole number, at least 1."""
-    from orchestrator.settings.checks import problem
-    from orchestrator.settings.run import RUN
-
     try:
         value: object = int(text.strip())
     except ValueError:

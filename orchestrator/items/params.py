@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.items import token_ids
+from orchestrator.items.structured import format_problem
 
 #: Most ``max_tokens`` a request may ask for: the token columns are 32-bit.
 MAX_TOKENS = 2**31 - 1
@@ -164,7 +165,6 @@ def unusable(name: str, value: object) -> str:
     ``$ref``) would fail every answer's check in the worker."""
     if name != "response_format":
         return ""
-    from orchestrator.items.structured import format_problem  # jsonschema: only when asked
 
     return format_problem(value)
 

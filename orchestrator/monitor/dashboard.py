@@ -32,9 +32,10 @@ from aiohttp import web
 
 from orchestrator._util import atomicfile
 from orchestrator.errors import ConfigError, SchemaError
+from orchestrator.inference.server_metrics import scrape
 from orchestrator.monitor import status as status_view
 from orchestrator.settings import checks
-from orchestrator.store import access, samples
+from orchestrator.store import access, open_database, samples
 from orchestrator.store.migrate import check_sqlite
 from orchestrator.store.reader import sqlite_path
 from orchestrator.store.stats import WINDOW_SECONDS
@@ -124,8 +125,6 @@ class EngineSource:
     @classmethod
     async def open(cls, db: str) -> EngineSource:
         """Opened as every read-only command opens a database (``mode="read"``)."""
-        from orchestrator.store import open_database
-
         return cls(await open_database(db, mode="read"))
 
     async def status(self, window: float) -> dict[str, Any]:
@@ -169,8 +168,6 @@ class ServerViews:
             return []
         async with self._lock:
             if time.monotonic() - self._at >= _SCRAPE_EVERY:
-                from orchestrator.inference.server_metrics import scrape
-
                 self._views = list(
                     await asyncio.gather(*(asyncio.to_thread(scrape, s) for s in self.servers))
                 )

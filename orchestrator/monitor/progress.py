@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator import logs
 from orchestrator.monitor.text import duration, percent, servers_down
+from orchestrator.store import crashes
+from orchestrator.store.queue import Queue
 from orchestrator.worker.keeper import servers_view
 
 if TYPE_CHECKING:
@@ -135,9 +137,6 @@ def _width() -> int:
 
 
 async def _read_counts(database: Database, datasets: Sequence[str]) -> Counts:
-    from orchestrator.store import crashes
-    from orchestrator.store.queue import Queue
-
     counts = await Queue(database).counts()
     found = tally([(name, state, n) for (name, state), n in counts.items()], datasets)
     crashed = await crashes.left_after_crash(database, datasets)

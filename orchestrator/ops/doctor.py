@@ -7,6 +7,9 @@ checks only read: nothing is created, upgraded or sent for generation.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import email.utils
 import json
 import os
@@ -20,7 +23,7 @@ import aiohttp
 import structlog
 
 from orchestrator._util.urls import credentials_sent, refused_advice
-from orchestrator.errors import EmptyDatabase, OrchestratorError
+from orchestrator.errors import EmptyDatabase, OrchestratorError, ServersLost
 from orchestrator.inference import probes
 from orchestrator.inference.client import base_url
 from orchestrator.monitor.status import snapshot
@@ -276,11 +279,6 @@ async def run_checks(config: DoctorConfig) -> list[Check]:
 async def run_checks_launched(config: DoctorConfig, supervisor: Any) -> list[Check]:
     """The checks with the servers ``supervisor`` launches for them: started, each a
     ``launch`` line (ready, or why not), checked as any server, then stopped."""
-    import asyncio
-    import contextlib
-    import dataclasses
-
-    from orchestrator.errors import ServersLost
 
     session = probes.plain_session("orchestrator-doctor", config.api_key, config.basic_auth)
     checks: list[Check] = []

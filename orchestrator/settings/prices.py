@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from orchestrator.items.answer_length import BYTES_PER_TOKEN
 from orchestrator.settings import checks
 
 __all__ = ["Prices", "RunPrices", "plan_cost", "run_prices", "status_cost"]
@@ -217,6 +218,4 @@ def plan_cost(plan: Any, prices: RunPrices) -> dict[str, Any] | None:
 
 
 def _bytes_per_token() -> int:
-    from orchestrator.items.answer_length import BYTES_PER_TOKEN
-
     return BYTES_PER_TOKEN

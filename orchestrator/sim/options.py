@@ -27,6 +27,7 @@ from orchestrator.sim.config import (
     parse_outage,
     parse_refusal,
 )
+from orchestrator.sim.ratelimit import parse_rate_limit
 from orchestrator.sim.template import HISTORY_MODES
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -342,13 +343,11 @@ def sim_config(values: dict[str, Any]) -> SimConfig:
         given["required_fields"] = tuple(given.get("required_fields", ()))
         given["model"] = tuple(given.get("model") or ()) or None
         if given.get("rate_limits"):
-            from orchestrator.sim.ratelimit import parse_rate_limit
-
             given["rate_limits"] = tuple(parse_rate_limit(r) for r in given["rate_limits"])
         else:
             given["rate_limits"] = ()
         if given.get("length_model"):
-            from orchestrator.sim.length_model import load_length_model
+            from orchestrator.sim.length_model import load_length_model  # lazy: start-up
 
             given["length_model"] = load_length_model(given["length_model"])
         # From the environment, never the command line, where ps would show it.

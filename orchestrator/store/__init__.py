@@ -14,13 +14,14 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from orchestrator._util.lazy import exports
+from orchestrator.store.migrate import check_open, check_sqlite, database_facts, ensure_schema
 
 if TYPE_CHECKING:
     from orchestrator.store.datasets import DatasetInfo, DatasetSpec, list_datasets, set_paused
     from orchestrator.store.engine import Database, create_database, resolve_url
     from orchestrator.store.leases import Failure, Lease, Output
     from orchestrator.store.loading import EnqueueReport, enqueue
-    from orchestrator.store.migrate import ensure_schema, upgrade
+    from orchestrator.store.migrate import upgrade
     from orchestrator.store.outputs import DoneItem, check_datasets, iter_done
     from orchestrator.store.queue import Queue
 
@@ -80,8 +81,7 @@ async def open_database(
     and upgrades an older schema; ``read`` refuses anything not at this schema and never
     changes the database. See :func:`orchestrator.store.migrate.check_open`.
     """
-    from orchestrator.store.engine import create_database, resolve_url
-    from orchestrator.store.migrate import check_open, check_sqlite, database_facts, ensure_schema
+    from orchestrator.store.engine import create_database, resolve_url  # lazy: sqlalchemy
 
     url = resolve_url(db)
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):

@@ -70,7 +70,7 @@ def read_fast_once(db: str | os.PathLike[str] | None, fn: Callable[[Rows], T]) -
         try:
             return True, fn(reader)
         except sqlite3.Error as exc:
-            from orchestrator.store.engine import resolve_url, storage_error
+            from orchestrator.store.engine import resolve_url, storage_error  # lazy: sqlalchemy
 
             raise storage_error(exc, resolve_url(db)) from exc
 
@@ -81,7 +81,7 @@ async def read(database: Database, fn: Callable[[Rows], T]) -> T:
     On an SQLite file ``fn`` runs on a worker thread (the event loop stays free); on other
     databases inside the async connection's ``run_sync``.
     """
-    import asyncio
+    import asyncio  # lazy: asyncio
 
     def fast() -> tuple[bool, T | None]:
         database.check_file()  # a file deleted or replaced is not read, as on the engine
@@ -133,7 +133,7 @@ class Batches(Generic[T]):
         return self
 
     async def __anext__(self) -> T:
-        import asyncio
+        import asyncio  # lazy: asyncio
 
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
@@ -191,7 +191,7 @@ class _FileRead:
         self.database = database
 
     async def step(self) -> Any:
-        import asyncio
+        import asyncio  # lazy: asyncio
 
         try:
             return await asyncio.to_thread(next, self.produced, _END)
@@ -199,7 +199,7 @@ class _FileRead:
             raise _storage_error(exc, self.database) from exc
 
     async def release(self) -> None:
-        import asyncio
+        import asyncio  # lazy: asyncio
 
         await asyncio.to_thread(self.release_later)
 
@@ -231,7 +231,7 @@ class _EngineRead:
         try:
             return await self.conn.run_sync(lambda _c: next(self.produced, _END))
         except DBAPIError as exc:
-            from orchestrator.store.engine import storage_error
+            from orchestrator.store.engine import storage_error  # lazy: sqlalchemy
 
             raise storage_error(exc, self.database.url) from exc
 
@@ -244,7 +244,7 @@ class _EngineRead:
     def release_later(self) -> None:
         """End the read on its own loop, from whichever thread dropped it; the database
         keeps the task until it is done (and ``Database.close`` waits for it)."""
-        import asyncio
+        import asyncio  # lazy: asyncio
 
         if self.loop.is_closed():
             return
@@ -272,7 +272,7 @@ async def _hold(
     database: Database, fn: Callable[[Rows], Generator[T, None, None]]
 ) -> _FileRead | _EngineRead:
     """One read transaction through whichever adapter fits, and ``fn``'s generator on it."""
-    import asyncio
+    import asyncio  # lazy: asyncio
 
     if database.is_sqlite:
         database.check_file()
@@ -289,6 +289,6 @@ async def _hold(
 
 
 def _storage_error(exc: sqlite3.Error, database: Database) -> Exception:
-    from orchestrator.store.engine import storage_error
+    from orchestrator.store.engine import storage_error  # lazy: sqlalchemy
 
     return storage_error(exc, database.url)

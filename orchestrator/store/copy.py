@@ -24,6 +24,7 @@ Rules:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,8 +119,6 @@ async def copy_database(
 
 def _same(a: sa.URL, b: sa.URL) -> bool:
     if a.get_backend_name() == "sqlite" and b.get_backend_name() == "sqlite":
-        import os
-
         return os.path.abspath(str(a.database)) == os.path.abspath(str(b.database))
     return a.set(drivername="x") == b.set(drivername="x")
 

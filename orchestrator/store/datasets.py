@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -252,8 +253,6 @@ async def declare(
 
 def _set_command(name: str, params: dict[str, Any]) -> str:
     """The ``dataset set`` command that makes the change ``declare`` refused."""
-    import shlex
-
     words = ["orchestrator", "dataset", "set", name]
     for key, value in sorted(params.items()):
         if key in ("model", "max_tokens", "temperature", "top_p") and value is not None:

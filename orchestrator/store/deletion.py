@@ -26,6 +26,7 @@ from orchestrator.store.engine import Database
 from orchestrator.store.schema import (
     DELETED_FROM,
     KEPT,
+    attempt_errors,
     datasets,
     deletions,
     items,
@@ -198,8 +199,6 @@ def _shift(conn: sa.Connection, table: sa.Table, deletion_id: int) -> int:
 def _put_back(conn: sa.Connection, deletion_id: int) -> dict[str, int]:
     """Every kept row of the deletion into its table, parents first; ids moved only where
     rows added since took them. The rows put back, by table."""
-    from orchestrator.store.schema import attempt_errors
-
     shifts = {
         "dataset_id": _shift(conn, datasets, deletion_id),
         "item_id": _shift(conn, items, deletion_id),

@@ -7,9 +7,13 @@ recognised by reading its version row, which keeps them out of every command's s
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sqlite3
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import EmptyDatabase, SchemaError, StorageError
+from orchestrator.store.reader import DEFAULT_DB, connect
 from orchestrator.store.revision import SCHEMA_REVISION
 
 if TYPE_CHECKING:
@@ -25,7 +29,7 @@ _PG_LOCK = 0x6F726368
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
-    from importlib.resources import files
+    from importlib.resources import files  # lazy: start-up
 
     from alembic.config import Config
 
@@ -197,11 +201,6 @@ def sqlite_facts(path: str) -> tuple[str | None, list[str]] | None:
     """(schema revision, table names) of an SQLite file, read without changing it
     (``store.reader.connect``: no WAL switch, no journal, nothing left beside it); None
     when there is no file."""
-    import os
-    import sqlite3
-
-    from orchestrator.store.reader import connect
-
     if not os.path.exists(path):
         return None
     try:
@@ -212,9 +211,6 @@ def sqlite_facts(path: str) -> tuple[str | None, list[str]] | None:
 
 
 def _sqlite_facts(conn: Any, path: str) -> tuple[str | None, list[str]]:
-    import contextlib
-    import sqlite3
-
     try:
         tables = [
             name
@@ -253,10 +249,6 @@ def check_sqlite(path: str, mode: str, *, adopt: bool = False) -> None:
 
 def missing_database(path: str) -> StorageError:
     """A mistyped --db must not start an empty run: say where we looked, and why there."""
-    import os
-
-    from orchestrator.store.reader import DEFAULT_DB
-
     env = os.environ.get("ORCHESTRATOR_DB")
     return StorageError(
         f"no database at {os.path.abspath(path)} (named by --db, else ORCHESTRATOR_DB "
@@ -283,7 +275,7 @@ async def upgrade_database(db: str | None, *, adopt: bool = False) -> tuple[str 
     """``orchestrator db upgrade``: the checks an open for ``create`` makes (``adopt``: into
     a database that holds another application's tables), then the schema brought to head.
     Returns (revision before, revision after, where)."""
-    from orchestrator.store.engine import create_database, resolve_url
+    from orchestrator.store.engine import create_database, resolve_url  # lazy: sqlalchemy
 
     url = resolve_url(db)
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):

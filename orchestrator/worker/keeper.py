@@ -18,6 +18,8 @@ import structlog
 
 from orchestrator._util import procinfo
 from orchestrator.errors import StorageError
+from orchestrator.inference.server_metrics import scrape
+from orchestrator.store import samples
 from orchestrator.store import workers as worker_rows
 from orchestrator.worker.config import stats_fields
 
@@ -156,9 +158,6 @@ async def sample(worker: Worker) -> None:
     Every worker tries; the first past the interval writes. The servers are only
     scraped when a sample is due.
     """
-    from orchestrator.inference.server_metrics import scrape
-    from orchestrator.store import samples
-
     every = worker.config.sample_every
     if not await samples.due(worker.database, every):
         return

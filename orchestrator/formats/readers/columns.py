@@ -34,6 +34,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.formats.readers import lines
 from orchestrator.formats.readers.lines import Mapped, RowError
 from orchestrator.formats.readers.template import Template, TemplateError, ValueProblem, parse
+from orchestrator.settings.checks import COLUMNS, check_all
 
 __all__ = ["Columns", "Mapper", "check", "keyed", "mapper", "problems"]
 
@@ -69,7 +70,6 @@ class Columns:
     def __post_init__(self) -> None:
         # Each value by its rule (``orchestrator.settings.checks.COLUMNS``): the command's options
         # and a run file's keys are checked by the same ones before they get here.
-        from orchestrator.settings.checks import COLUMNS, check_all
 
         check_all(self.given(), COLUMNS)
 

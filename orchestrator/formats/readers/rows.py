@@ -39,6 +39,7 @@ from orchestrator.errors import ConfigError, InputError
 from orchestrator.formats.readers.base import Part, Raw, Source
 from orchestrator.formats.readers.columns import Columns, keyed, template_columns
 from orchestrator.formats.readers.columns import check as check_columns
+from orchestrator.formats.readers.jsonl import RecordsSource
 from orchestrator.formats.readers.lines import (
     ITEM_PARSERS,
     REQUEST_FIELDS,
@@ -207,8 +208,6 @@ def iter_prepared_rows(
     Each row is read as the JSONL line it would be in a file, so it gets the same checks
     and the same errors, naming ``source`` and the row's 1-based position as its line.
     """
-    from orchestrator.formats.readers.jsonl import RecordsSource
-
     records = RecordsSource(rows, name=source)
     return _reading(
         "prepared",

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from orchestrator.errors import ConfigError, InputError
+from orchestrator.formats.readers import tables
 from orchestrator.formats.readers.base import (
     Part,
     Raw,
@@ -32,6 +33,11 @@ from orchestrator.formats.readers.base import (
     Wanted,
     file_error,
 )
+from orchestrator.formats.readers.csv import csv_rows
+from orchestrator.formats.readers.huggingface import HubSource, dataset_source
+from orchestrator.formats.readers.ipc import arrow_rows, saved_files
+from orchestrator.formats.readers.jsonl import RecordsSource, StdinSource, file_lines
+from orchestrator.formats.readers.parquet import parquet_rows
 
 __all__ = [
     "DATA_SUFFIXES",
@@ -95,20 +101,16 @@ def open_source(spec: object, *, split: str | None = None, config: str | None = 
             f"cannot read {type(spec).__name__} as a source: give a path, rows (an "
             "iterable of dicts) or a table"
         )
-    from orchestrator.formats.readers.jsonl import RecordsSource
 
     return RecordsSource(spec)
 
 
 def _path_source(name: str, split: str | None, config: str | None) -> Source:
     if name.startswith("hf://"):
-        from orchestrator.formats.readers.huggingface import HubSource
-
         return HubSource(name.removeprefix("hf://"), split=split, config=config)
     _no_config(config, name)
     if name == "-":
         _no_split(split, "standard input")
-        from orchestrator.formats.readers.jsonl import StdinSource
 
         return StdinSource()
     try:
@@ -193,14 +195,11 @@ def _folder_source(folder: str, split: str | None) -> Source:
             )
         if split not in names:
             raise ConfigError(f"{folder}: no split {split!r} (the folder has: {', '.join(names)})")
-        from orchestrator.formats.readers.ipc import saved_files
 
         files = saved_files(os.path.join(folder, split))
         return Files(folder, [(p, os.path.relpath(p, folder), "ipc") for p in files], keyed=True)
     _no_split(split, folder)
     if os.path.exists(os.path.join(folder, "state.json")):
-        from orchestrator.formats.readers.ipc import saved_files
-
         files = saved_files(folder)
         return Files(folder, [(p, os.path.relpath(p, folder), "ipc") for p in files], keyed=True)
     return Files(folder, _shards(folder), keyed=True)
@@ -271,26 +270,18 @@ class Files:
 
 
 def _jsonl_reader() -> Callable[[str, str, Wanted], Rows]:
-    from orchestrator.formats.readers.jsonl import file_lines
-
     return lambda path, kind, wanted: file_lines(path)
 
 
 def _parquet_reader() -> Callable[[str, str, Wanted], Rows]:
-    from orchestrator.formats.readers.parquet import parquet_rows
-
     return lambda path, kind, wanted: parquet_rows(path, wanted)
 
 
 def _csv_reader() -> Callable[[str, str, Wanted], Rows]:
-    from orchestrator.formats.readers.csv import csv_rows
-
     return lambda path, kind, wanted: csv_rows(path, "\t" if kind == "tsv" else ",", wanted)
 
 
 def _ipc_reader() -> Callable[[str, str, Wanted], Rows]:
-    from orchestrator.formats.readers.ipc import arrow_rows
-
     return lambda path, kind, wanted: arrow_rows(path, wanted)
 
 
@@ -307,8 +298,6 @@ def _table_source(obj: object, split: str | None) -> Any:
     """``obj`` as a table source if it is one (else None): a ``pyarrow`` table, batch or
     reader, a pandas ``DataFrame``, a ``datasets`` dataset (a ``DatasetDict`` with
     ``split``)."""
-    from orchestrator.formats.readers import tables
-
     pa = sys.modules.get("pyarrow")
     if pa is not None:
         if isinstance(obj, pa.Table):
@@ -323,8 +312,6 @@ def _table_source(obj: object, split: str | None) -> Any:
     if pandas is not None and isinstance(obj, pandas.DataFrame):
         return _plain(split, tables.TableSource("<DataFrame>", lambda: tables.frame_batches(obj)))
     if "datasets" in sys.modules:
-        from orchestrator.formats.readers.huggingface import dataset_source
-
         return dataset_source(obj, split)
     return None
 

@@ -31,6 +31,7 @@ from orchestrator.formats.writers.lines import (
     failed_line,
     line_id,
 )
+from orchestrator.formats.writers.stale import drop_unlisted, listed
 from orchestrator.formats.writers.tokens import TokenWriter
 from orchestrator.settings.choices import (  # noqa: F401
     EXPORT_FORMATS,
@@ -348,7 +349,6 @@ class ExportJob:
         not write go (``writers.stale.drop_unlisted``)."""
         if card is None:
             return
-        from orchestrator.formats.writers.stale import drop_unlisted, listed
 
         before = listed(card)
 

@@ -21,6 +21,7 @@ from orchestrator.items import structured
 from orchestrator.items.conversation import assemble, targets
 from orchestrator.items.params import REASONING_KEYS, item_body
 from orchestrator.items.quality import TOOL_MISMATCH, flag_names
+from orchestrator.items.tokens import row_fields, unpack
 from orchestrator.settings.choices import (  # noqa: F401
     EXPORT_FORMATS,
     REASONING_MODES,
@@ -513,8 +514,6 @@ def _parsed(request: dict[str, Any], message_json: str, params_json: str | None)
 def token_fields(packed: bytes | None, options: ExportOptions) -> dict[str, Any]:
     """An answer's token columns as the options ask (``orchestrator.items.tokens.row_fields``):
     the one place a line (or a table's row) gets them."""
-    from orchestrator.items.tokens import row_fields, unpack
-
     tokens = unpack(bytes(packed)) if packed is not None else None
     return row_fields(tokens, logprobs=options.logprobs, token_ids=options.token_ids)
 

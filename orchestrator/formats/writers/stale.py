@@ -10,6 +10,9 @@ from pathlib import Path
 
 import orjson
 
+from orchestrator.formats.writers.lines import errors_path
+from orchestrator.formats.writers.specforge import beside
+
 
 def listed(card: Path) -> list[Path]:
     """The data files an earlier card at ``card`` names in its configs (none when there is
@@ -61,7 +64,5 @@ def _sides(path: Path) -> list[Path]:
     """The files an export writes beside a JSONL file (batch errors, SpecForge's)."""
     if path.suffix != ".jsonl":
         return []
-    from orchestrator.formats.writers.lines import errors_path
-    from orchestrator.formats.writers.specforge import beside
 
     return [errors_path(path), beside(path, "skipped"), beside(path, "error")]

@@ -6,13 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from orchestrator.errors import ConfigError
 from orchestrator.inference.launch.spec import Preset, SuperviseSettings, build_specs
-
-if TYPE_CHECKING:
-    from orchestrator.inference.launch.supervisor import Supervisor
+from orchestrator.inference.launch.state import default_dir
+from orchestrator.inference.launch.supervisor import Supervisor
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +67,6 @@ def supervisor(
 ) -> Supervisor | None:
     """The supervisor of what ``plan`` launches (logs and state beside the SQLite
     database at ``db_path``, unless ``launch_dir``); None when it launches nothing."""
-    from orchestrator.inference.launch.state import default_dir
-    from orchestrator.inference.launch.supervisor import Supervisor
-
     preset = plan.preset()
     commands = [(cmd, None, None) for cmd in plan.launch]
     commands += [(ln.command, ln.concurrency, ln.port) for ln in plan.file_launches]

@@ -27,6 +27,7 @@ import structlog
 
 from orchestrator._util import procinfo
 from orchestrator.errors import ConfigError, ServersLost
+from orchestrator.inference import probes, server_metrics
 from orchestrator.inference.launch.process import (
     ServerProcess,
     describe_exit,
@@ -35,11 +36,11 @@ from orchestrator.inference.launch.process import (
 )
 from orchestrator.inference.launch.spec import LaunchSpec, SuperviseSettings
 from orchestrator.inference.launch.state import STATE_FILE, forget_old
+from orchestrator.inference.servers_file import ServerSpec
 
 if TYPE_CHECKING:
     import aiohttp
 
-    from orchestrator.inference.servers_file import ServerSpec
 
 log = structlog.get_logger("orchestrator.inference.launch")
 
@@ -118,8 +119,6 @@ class Supervisor:
         self._watchers: list[asyncio.Task[None]] = []
 
     def server_specs(self) -> list[ServerSpec]:
-        from orchestrator.inference.servers_file import ServerSpec
-
         return [ServerSpec(s.url, s.spec.concurrency) for s in self.servers]
 
     @property
@@ -185,8 +184,6 @@ class Supervisor:
     async def _until_ready(self, server: Launched, process: ServerProcess) -> str | None:
         """Poll ``/health`` and ``/v1/models`` until both answer, saying how long it has
         been every ``PROGRESS_EVERY`` seconds; None, or why it never got there."""
-        from orchestrator.inference import probes
-
         assert self.session is not None
         limit = self.settings.startup_timeout
         started = time.monotonic()
@@ -248,8 +245,6 @@ class Supervisor:
     async def _until_down(self, server: Launched, process: ServerProcess) -> str | None:
         """Why the server went down (its process exited, or it stopped answering
         ``/health``); None when the run stops first."""
-        from orchestrator.inference import probes
-
         assert self.session is not None
         exited = asyncio.ensure_future(process.wait())
         misses = 0
@@ -355,8 +350,6 @@ async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
 async def look_briefly(supervisor: Supervisor, session: aiohttp.ClientSession) -> dict[str, Any]:
     """Start the first server ``supervisor`` has, read its context length and whose
     metrics it serves, and stop it: what ``plan`` says of a server before the run."""
-    from orchestrator.inference import probes, server_metrics
-
     server = supervisor.servers[0]
     supervisor.servers = [server]
     started = time.monotonic()
