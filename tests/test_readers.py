@@ -924,7 +924,7 @@ def test_declared_format_refuses_other_lines(tmp_path: Path) -> None:
         ({"fmt": "prompt", "passthrough": True}, "prompt lines hold no answer to pass through"),
         ({"fmt": "openai-batch", "passthrough": True}, "openai-batch lines hold no answer"),
         ({"fmt": "csv"}, "format must be one of"),
-        ({"regenerate": "every"}, "regenerate must be last or all"),
+        ({"regenerate": "every"}, "regenerate must be one of last, all, each"),
     ],
 )
 def test_impossible_options(tmp_path: Path, options: dict[str, Any], reason: str) -> None:

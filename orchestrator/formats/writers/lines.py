@@ -289,7 +289,8 @@ class LineWriter:
                     yield group
                 return
         index = self.index.take()
-        if not self.options.per_turn:
+        if not self.options.per_turn or self.dataset.regenerate == "each":
+            # An item of regenerate="each" is one turn already, keyed as per-turn rows are.
             yield line
             return
         count = 0

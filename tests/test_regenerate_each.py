@@ -1,0 +1,162 @@
+"""``regenerate = "each"``: every assistant turn of a conversation asked against the
+original history before it, an item per turn, exported as a row per turn; compared with
+``all`` on simulated agentic traces, whose regenerated calls rarely match the recorded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import sqlalchemy as sa
+
+import orchestrator as orc
+from orchestrator.items.conversation import targets
+from orchestrator.sim import answer_matches
+from orchestrator.sim.traces import swe_traces
+from orchestrator.store import Database, Queue
+from orchestrator.store.schema import items
+from tests.conftest import StartSim
+from tests.helpers import cli, planned, write_jsonl
+from tests.test_training_data import config, run_worker
+
+
+def exported(db_url: str, path: Path, *extra: str) -> list[dict[str, Any]]:
+    result = cli("export", str(path), "--db", db_url, *extra)
+    assert result.returncode == 0, result.stderr
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def enqueued(path: Path, db_url: str, name: str, mode: str, *extra: str) -> str:
+    result = cli("enqueue", str(path), "-d", name, "--regenerate", mode, "--db", db_url, *extra)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+async def test_each_asks_every_turn_against_the_original_history(
+    database: Database, db_url: str, tmp_path: Path, sim: StartSim
+) -> None:
+    """Every assistant turn of every trace is a row, none stopped or flagged, each the
+    server's answer to exactly its original history; ``all`` on the same traces stops
+    at the first call that differs, and keeps far fewer usable turns."""
+    traces = swe_traces(40, seed=3)
+    path = write_jsonl(tmp_path / "traces.jsonl", traces)
+    turns = sum(len(targets(t["messages"])) for t in traces)
+    assert "an item per assistant turn" in enqueued(path, db_url, "each", "each")
+    url = await sim(tool_call_rate=0.5)
+    assert (await run_worker(database, config(url))).completed == turns
+    rows = exported(db_url, tmp_path / "each.jsonl", "--dataset", "each", "--provenance")
+    assert len(rows) == turns
+    by_key = {row["id"]: row for row in rows}
+    for trace in traces:
+        messages = trace["messages"]
+        for k, position in enumerate(targets(messages)):
+            # The system prompt and user task come first: turn k is assistant message k.
+            row = by_key[f"{trace['id']}#turn{k}"]
+            assert row["flags"] == []
+            assert row["messages"][:-1] == messages[:position]
+            assert answer_matches(messages[:position], row["messages"][-1])
+            assert row["tools"] == trace["tools"]
+    # --per-turn rows of such a dataset are its rows: each is one turn already.
+    per_turn = exported(db_url, tmp_path / "per_turn.jsonl", "--dataset", "each", "--per-turn")
+    assert [row["id"] for row in per_turn] == [row["id"] for row in rows]
+
+    # The same traces regenerated in order: a call that differs ends a trace, flagged.
+    enqueued(path, db_url, "all", "all")
+    assert (await run_worker(database, config(url))).completed == len(traces)
+    kept = exported(
+        db_url,
+        tmp_path / "all.jsonl",
+        "--dataset",
+        "all",
+        "--exclude-flag",
+        "tool_mismatch",
+        "--per-turn",
+    )
+    assert len(kept) < turns // 4, (len(kept), turns)
+
+
+async def test_a_file_enqueued_again_adds_nothing_and_plan_counts_every_turn(
+    database: Database, db_url: str, tmp_path: Path
+) -> None:
+    traces = swe_traces(5)
+    path = write_jsonl(tmp_path / "traces.jsonl", traces)
+    turns = sum(len(targets(t["messages"])) for t in traces)
+    enqueued(path, db_url, "each", "each")
+    again = enqueued(path, db_url, "each", "each")
+    assert f"nothing new: all {turns} items" in again
+    async with database.read() as conn:
+        count = (await conn.execute(sa.select(sa.func.count()).select_from(items))).scalar()
+        positions = (await conn.execute(sa.select(items.c.position))).scalars().all()
+    assert count == turns
+    assert sorted(positions) == list(range(1, turns + 1))  # a place of its own each
+
+    folder = tmp_path / "plan"
+    folder.mkdir()
+    write_jsonl(folder / "traces.jsonl", traces)
+    modes = "".join(
+        f'[[dataset]]\nname = "{mode}"\nfile = "traces.jsonl"\nregenerate = "{mode}"\n\n'
+        for mode in ("last", "all", "each")
+    )
+    plans = {d["name"]: d for d in planned(folder, modes)}
+    assert plans["last"]["requests"] == len(traces)
+    assert plans["all"]["requests"] == plans["each"]["requests"] == turns
+    assert plans["each"]["rows"] == len(traces)
+
+
+async def test_rows_without_a_turn_to_ask_and_rows_ending_on_a_user_turn(
+    database: Database, db_url: str, tmp_path: Path, sim: StartSim
+) -> None:
+    """A row with no user message has no turn to regenerate: refused, named by its line.
+    A conversation ending on a user turn has that answer generated too."""
+    open_ended = {
+        "id": "open",
+        "messages": [
+            {"role": "user", "content": "first question"},
+            {"role": "assistant", "content": "first answer"},
+            {"role": "user", "content": "second question"},
+        ],
+    }
+    lone = {"id": "lone", "messages": [{"role": "user", "content": "only a question"}]}
+    no_user = {
+        "id": "nouser",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "assistant", "content": "hello"},
+        ],
+    }
+    path = write_jsonl(tmp_path / "rows.jsonl", [open_ended, no_user, lone])
+    refused = cli("enqueue", str(path), "-d", "e", "--regenerate", "each", "--db", db_url)
+    assert refused.returncode != 0
+    assert "rows.jsonl:2: no user message" in refused.stderr
+    enqueued(path, db_url, "e", "each", "--skip-invalid")
+    url = await sim()
+    assert (await run_worker(database, config(url))).completed == 3
+    rows = {row["id"]: row for row in exported(db_url, tmp_path / "out.jsonl")}
+    assert set(rows) == {"open#turn0", "open#turn1", "lone#turn0"}
+    asked = open_ended["messages"]
+    assert rows["open#turn0"]["messages"][:-1] == asked[:1]
+    assert rows["open#turn1"]["messages"][:-1] == asked
+    assert answer_matches(asked, rows["open#turn1"]["messages"][-1])
+    assert answer_matches(lone["messages"], rows["lone#turn0"]["messages"][-1])
+
+
+async def test_the_python_api_enqueues_an_item_per_turn(database: Database, db_url: str) -> None:
+    """``Queue.enqueue(regenerate="each")``: an item per turn, each one turn long; a
+    duplicate id names the rows, not the items."""
+    traces = swe_traces(3)
+    turns = sum(len(targets(t["messages"])) for t in traces)
+    async with orc.open(db_url) as q:
+        report = await q.enqueue(traces, dataset="api", regenerate="each", max_tokens=64)
+        assert (report.added, report.turns, report.mode) == (turns, turns, "each")
+        twice = await q.enqueue(
+            [traces[0], traces[1], traces[0]], dataset="dup", regenerate="each", skip_invalid=True
+        )
+    assert twice.added == len(targets(traces[0]["messages"])) + len(targets(traces[1]["messages"]))
+    assert twice.invalid
+    assert all(e.line == 3 and "(first on line 1)" in str(e) for e in twice.invalid), [
+        str(e) for e in twice.invalid
+    ]
+    leases = await Queue(database).claim("w", 2 * turns, lease_seconds=60)
+    assert len(leases) == turns + twice.added
+    assert all(lease.turns == 1 for lease in leases)
