@@ -710,7 +710,7 @@ def bad_as(tmp_path: Path, line: Any, **options: Any) -> InputError:
 
 def test_input_format_constants() -> None:
     assert ("auto", *FORMATS, "tokens") == readers.INPUT_FORMATS
-    assert readers.MODES == ("last", "all", "passthrough")
+    assert readers.MODES == ("last", "all", "each", "passthrough")
     assert set(readers.PASSTHROUGH_FORMATS) < set(readers.INPUT_FORMATS)
 
 
