@@ -299,10 +299,8 @@ def test_each_turn_is_asked_against_the_original_history() -> None:
     message before it (an opening one too), as per-turn rows are numbered."""
     opening = [m("system", "s"), m("assistant", "hello"), *AGENTIC[1:], m("user", "thanks")]
     prompts = turn_prompts(opening)
-    assert [k for k, _, _ in prompts] == [1, 2, 3, 4]
-    assert [len(history) for _, history, _ in prompts] == targets(opening)
-    for _, history, original in prompts:
-        assert history == opening[: len(history)]
-        assert original is (opening[len(history)] if len(history) < len(opening) else None)
+    assert [k for k, _ in prompts] == [1, 2, 3, 4]
+    assert [len(history) for _, history in prompts] == targets(opening)
+    assert all(history == opening[: len(history)] for _, history in prompts)
     assert prompts[1][1][-1] == m("tool", "12C", tool_call_id="c1")
     assert turn_prompts([m("system", "s"), m("assistant", "a")]) == []

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 import sqlalchemy as sa
 
 import orchestrator as orc
@@ -17,7 +18,8 @@ from orchestrator.sim.traces import swe_traces
 from orchestrator.store import Database, Queue
 from orchestrator.store.schema import items
 from tests.conftest import StartSim
-from tests.helpers import cli, planned, write_jsonl
+from tests.helpers import cli, planned, query, write_jsonl
+from tests.test_servers import config as server_config
 from tests.test_training_data import config, run_worker
 
 
@@ -160,3 +162,37 @@ async def test_the_python_api_enqueues_an_item_per_turn(database: Database, db_u
     leases = await Queue(database).claim("w", 2 * turns, lease_seconds=60)
     assert len(leases) == turns + twice.added
     assert all(lease.turns == 1 for lease in leases)
+
+
+@pytest.mark.sqlite_only
+async def test_the_turns_of_a_conversation_share_a_server_and_its_cache(
+    database: Database, db_url: str, tmp_path: Path, sim: StartSim
+) -> None:
+    """Independent items, one prefix: a conversation's turns are claimed together, its
+    longest first, and prefix routing sends the rest where that one went, whose cache
+    serves them again."""
+    traces = swe_traces(16)
+    for trace in traces:
+        trace["messages"][1]["content"] += f" Logs of {trace['id']}." * 60  # a long task
+    path = write_jsonl(tmp_path / "traces.jsonl", traces)
+    enqueued(path, db_url, "each", "each")
+    positions = query(db_url, "SELECT key, position FROM items ORDER BY id")
+    first = [key for key, _ in sorted(positions, key=lambda row: row[1])][:2]
+    assert first == ["swe0000#turn6", "swe0000#turn5"]  # the last turn claimed first
+    a = await sim(latency=0.01, prefix_cache=100_000)
+    b = await sim(latency=0.01, prefix_cache=100_000)
+    turns = sum(len(targets(t["messages"])) for t in traces)
+    cfg = server_config((a, b), concurrency=32)
+    assert (await run_worker(database, cfg)).completed == turns
+    rows = query(
+        db_url,
+        "SELECT i.key, o.server, o.prompt_tokens, o.cached_tokens"
+        " FROM outputs AS o JOIN items AS i ON i.id = o.item_id",
+    )
+    servers: dict[str, set[str]] = {}
+    for key, server, _, _ in rows:
+        servers.setdefault(key.split("#")[0], set()).add(server)
+    together = sum(len(s) == 1 for s in servers.values())
+    assert together >= 12, servers
+    assert len(set.union(*servers.values())) == 2  # not all piled on one server
+    assert sum(r[3] for r in rows) >= 0.5 * sum(r[2] for r in rows)

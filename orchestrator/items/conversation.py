@@ -59,18 +59,16 @@ def targets(messages: Sequence[Message]) -> list[int]:
     return found
 
 
-def turn_prompts(messages: Sequence[Message]) -> list[tuple[int, list[Message], Message | None]]:
-    """Each target of ``messages`` as its own prompt: ``(k, history, original)``, where
-    ``k`` counts the assistant messages before it (the ``#turn<k>`` of per-turn rows),
-    ``history`` is every original message before it, and ``original`` the answer it
-    held (None for the answer past a final user or tool message)."""
-    prompts: list[tuple[int, list[Message], Message | None]] = []
+def turn_prompts(messages: Sequence[Message]) -> list[tuple[int, list[Message]]]:
+    """Each target of ``messages`` as its own prompt: ``(k, history)``, where ``k``
+    counts the assistant messages before it (the ``#turn<k>`` of per-turn rows) and
+    ``history`` is every original message before it."""
+    prompts: list[tuple[int, list[Message]]] = []
     k = seen = 0
     for position in targets(messages):
         k += sum(1 for m in messages[seen:position] if m.get("role") == "assistant")
         seen = position
-        original = messages[position] if position < len(messages) else None
-        prompts.append((k, list(messages[:position]), original))
+        prompts.append((k, list(messages[:position])))
     return prompts
 
 

@@ -56,7 +56,6 @@ from orchestrator.formats.readers.lines import (
     too_deep,
 )
 from orchestrator.formats.readers.source import open_source
-from orchestrator.items.answer_length import answer_tokens
 from orchestrator.items.conversation import turn_prompts
 from orchestrator.settings.choices import INPUT_FORMATS, LINE_FORMATS
 from orchestrator.settings.dataset_options import REGENERATE
@@ -112,8 +111,9 @@ class Record:
     """A pass-through row's own ``usage`` counts, if it has them."""
     predicted_tokens: int = 0
     """The length of the answer turns the row holds and the model writes again (the
-    trailing ones dropped, or every target turn for ``all``), in tokens estimated from
-    their text (``orchestrator.items.answer_length.answer_tokens``); 0 when it holds none."""
+    trailing ones dropped, or every target turn for ``all``; for ``each`` every target
+    turn's, shared evenly by its items), in tokens estimated from their text
+    (``orchestrator.items.answer_length.answer_tokens``); 0 when it holds none."""
 
 
 class Prepared(NamedTuple):
@@ -493,6 +493,13 @@ class _TurnItems:
     The items of a read are numbered 1, 2, ... in their own sequence (the store places
     item N at the dataset's next position N, so every turn has a place of its own), and
     :meth:`row` maps an item's number back to its row's, for errors that name it.
+
+    A conversation's turns are claimed together, its last (longest) one first: they
+    share one prediction, the conversation's answer tokens spread evenly (the claim
+    ranks by it, then by position; the plan's sum stays the conversation's), and are
+    numbered last turn first. The server the longest prompt went to then holds every
+    shorter one's prefix, and prefix routing sends them there. They are yielded in
+    turn order, which is the order they are stored and exported in.
     """
 
     def __init__(self) -> None:
@@ -518,22 +525,30 @@ class _TurnItems:
 
         def parse(raw: Raw, number: int) -> list[Any]:
             obj = raw if type(raw) is dict else parse_json(raw)  # type: ignore[arg-type]
-            key, request, fmt, _turns, usage, _predicted = item_parser(obj)
+            key, request, fmt, _turns, usage, predicted = item_parser(obj)
             if only is not None and fmt != only:
                 raise RowError(f'a {fmt} line in a dataset declared format = "{only}"')
             if key is None:
                 key = prefix + str(number)
-            first = self.count + 1
-            out = []
-            for k, history, original in turn_prompts(request["messages"]):
-                self.count += 1
-                predicted = 0 if original is None else answer_tokens([original])
-                asked = {**request, "messages": history}
-                out.append(
-                    build(self.count, f"{key}#turn{k}", asked, fmt, "each", 1, usage, predicted)
+            prompts = turn_prompts(request["messages"])
+            last = self.count + len(prompts)
+            share = -(-predicted // len(prompts))  # rounded up: a known answer stays known
+            out = [
+                build(
+                    last - i,
+                    f"{key}#turn{k}",
+                    {**request, "messages": history},
+                    fmt,
+                    "each",
+                    1,
+                    usage,
+                    share,
                 )
-            self._firsts.append(first)
+                for i, (k, history) in enumerate(prompts)
+            ]
+            self._firsts.append(self.count + 1)
             self._rows.append(offset + number)
+            self.count = last
             return out
 
         return parse
