@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 import orchestrator as orc
 from orchestrator.items.conversation import targets
+from orchestrator.items.params import without_reasoning
 from orchestrator.sim import answer_matches
 from orchestrator.sim.traces import swe_traces
 from orchestrator.store import Database, Queue
@@ -104,6 +105,18 @@ async def test_a_file_enqueued_again_adds_nothing_and_plan_counts_every_turn(
     assert plans["last"]["requests"] == len(traces)
     assert plans["all"]["requests"] == plans["each"]["requests"] == turns
     assert plans["each"]["rows"] == len(traces)
+    # The run file enqueues what it plans: a row per item, an item per turn.
+    db = str(folder / "run.db")
+    result = cli("enqueue", "--config", str(folder / "run.toml"), "--db", db)
+    assert result.returncode == 0, result.stderr
+    counted = dict(
+        query(
+            db,
+            "SELECT d.name, count(*) FROM items AS i JOIN datasets AS d ON d.id = i.dataset_id"
+            " GROUP BY d.name",
+        )
+    )
+    assert counted == {"last": len(traces), "all": len(traces), "each": turns}
 
 
 async def test_rows_without_a_turn_to_ask_and_rows_ending_on_a_user_turn(
@@ -196,3 +209,33 @@ async def test_the_turns_of_a_conversation_share_a_server_and_its_cache(
     assert together >= 12, servers
     assert len(set.union(*servers.values())) == 2  # not all piled on one server
     assert sum(r[3] for r in rows) >= 0.5 * sum(r[2] for r in rows)
+
+
+async def test_the_original_turns_go_with_their_reasoning_unless_the_dataset_drops_it(
+    database: Database, db_url: str, tmp_path: Path, sim: StartSim
+) -> None:
+    """The history is sent as recorded, reasoning included, for a model that thinks in
+    a tool loop; ``--history-reasoning drop`` sends it without."""
+    traces = swe_traces(6)
+    for trace in traces:
+        for k, message in enumerate(trace["messages"]):
+            if message["role"] == "assistant":
+                message["reasoning_content"] = f"recorded thought {k}"
+    path = write_jsonl(tmp_path / "traces.jsonl", traces)
+    enqueued(path, db_url, "keep", "each")
+    enqueued(path, db_url, "drop", "each", "--history-reasoning", "drop")
+    url = await sim(reasoning="field", history_reasoning="render")
+    turns = sum(len(targets(t["messages"])) for t in traces)
+    assert (await run_worker(database, config(url))).completed == 2 * turns
+    for name in ("keep", "drop"):
+        rows = exported(db_url, tmp_path / f"{name}.jsonl", "--dataset", name)
+        assert len(rows) == turns
+        deep = 0
+        for row in rows:
+            history, answer = row["messages"][:-1], row["messages"][-1]
+            sent = without_reasoning(history) if name == "drop" else history
+            assert answer_matches(sent, answer), (name, row["id"])
+            if sent != history:
+                deep += 1
+                assert not answer_matches(history, answer)
+        assert deep == (turns - len(traces) if name == "drop" else 0)
