@@ -60,9 +60,18 @@ async def test_each_asks_every_turn_against_the_original_history(
             assert row["messages"][:-1] == messages[:position]
             assert answer_matches(messages[:position], row["messages"][-1])
             assert row["tools"] == trace["tools"]
-    # --per-turn rows of such a dataset are its rows: each is one turn already.
+    # --per-turn rows of such a dataset are its rows, each one turn already, with the
+    # keys a whole conversation's per-turn rows have.
     per_turn = exported(db_url, tmp_path / "per_turn.jsonl", "--dataset", "each", "--per-turn")
     assert [row["id"] for row in per_turn] == [row["id"] for row in rows]
+    named = [(r["source_id"], r["source_row_index"], r["assistant_turn_index"]) for r in per_turn]
+    expected = [
+        (trace["id"], index, k)
+        for index, trace in enumerate(traces)
+        for k in range(len(targets(trace["messages"])))
+    ]
+    assert named == expected
+    assert all(r["messages"] == by_key[r["id"]]["messages"] for r in per_turn)
 
     # The same traces regenerated in order: a call that differs ends a trace, flagged.
     enqueued(path, db_url, "all", "all")
