@@ -15,6 +15,7 @@ from orchestrator.items.conversation import (
     stops_after,
     targets,
     turn_messages,
+    turn_prompts,
 )
 
 
@@ -290,3 +291,16 @@ def test_turns_are_asked_and_assembled_as_regenerated_in_order(
     assert assemble(messages, generated) == expected
     assert unanswered(expected) == [] and unanswered(assemble(messages, generated)) == []
     assert messages == frozen  # the stored request is never changed in place
+
+
+def test_each_turn_is_asked_against_the_original_history() -> None:
+    """``regenerate = "each"``: every target with the original messages before it, the
+    original tool results answering the original calls; k counts every assistant
+    message before it (an opening one too), as per-turn rows are numbered."""
+    opening = [m("system", "s"), m("assistant", "hello"), *AGENTIC[1:], m("user", "thanks")]
+    prompts = turn_prompts(opening)
+    assert [k for k, _ in prompts] == [1, 2, 3, 4]
+    assert [len(history) for _, history in prompts] == targets(opening)
+    assert all(history == opening[: len(history)] for _, history in prompts)
+    assert prompts[1][1][-1] == m("tool", "12C", tool_call_id="c1")
+    assert turn_prompts([m("system", "s"), m("assistant", "a")]) == []

@@ -710,7 +710,7 @@ def bad_as(tmp_path: Path, line: Any, **options: Any) -> InputError:
 
 def test_input_format_constants() -> None:
     assert ("auto", *FORMATS, "tokens") == readers.INPUT_FORMATS
-    assert readers.MODES == ("last", "all", "passthrough")
+    assert readers.MODES == ("last", "all", "each", "passthrough")
     assert set(readers.PASSTHROUGH_FORMATS) < set(readers.INPUT_FORMATS)
 
 
@@ -924,7 +924,7 @@ def test_declared_format_refuses_other_lines(tmp_path: Path) -> None:
         ({"fmt": "prompt", "passthrough": True}, "prompt lines hold no answer to pass through"),
         ({"fmt": "openai-batch", "passthrough": True}, "openai-batch lines hold no answer"),
         ({"fmt": "csv"}, "format must be one of"),
-        ({"regenerate": "every"}, "regenerate must be last or all"),
+        ({"regenerate": "every"}, "regenerate must be one of last, all, each"),
     ],
 )
 def test_impossible_options(tmp_path: Path, options: dict[str, Any], reason: str) -> None:

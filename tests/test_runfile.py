@@ -292,7 +292,7 @@ BAD = [
     pytest.param(
         GOOD_DATASET + "regenerate = 'every'\n",
         'dataset[1] "d".regenerate',
-        'must be one of last | all, got "every"',
+        'must be one of last | all | each, got "every"',
         id="regenerate-value",
     ),
     pytest.param(

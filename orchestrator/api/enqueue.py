@@ -126,9 +126,10 @@ def read(
 def _check_endpoint(
     name: str, endpoint: str, mode: str, passthrough: bool, logprobs: int | None
 ) -> None:
-    """Raw completions are one prompt, one answer; a conversation's turns keep no logprobs."""
-    if endpoint == "completions" and (passthrough or mode == "all"):
-        kind = "pass-through" if passthrough else "regenerate all"
+    """Raw completions are one prompt, one answer; a conversation's turns keep no logprobs
+    (an item per turn, ``each``, does: each is one answer)."""
+    if endpoint == "completions" and (passthrough or mode != "last"):
+        kind = "pass-through" if passthrough else f"regenerate {mode}"
         raise ConfigError(
             f"dataset {name!r}: --endpoint completions sends one plain prompt per row; "
             f"it does not go with {kind}"

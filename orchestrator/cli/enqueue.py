@@ -154,7 +154,11 @@ _DATASET_OPTIONS: tuple[Row, ...] = (
     (
         "--regenerate",
         "last: generate each conversation's final answer; all: every assistant turn, in "
-        "order. Fixed when the dataset is created (default: the dataset's, else last).",
+        "order, each after the turns generated before it (a turn whose tool calls differ from "
+        "the original's ends the conversation); each: every assistant turn against the "
+        "original history before it, an item per turn (ID#turnK), all side by side: for "
+        "agentic traces, whose tool results answer the original calls. Fixed when the "
+        "dataset is created (default: the dataset's, else last).",
         {"type": click.Choice(allowed.REGENERATE)},
     ),
     (
@@ -535,6 +539,8 @@ def _added(report: EnqueueReport, file: str) -> str:
         )
     if report.mode == "all":
         details += f"; {report.turns:,} turns to generate"
+    elif report.mode == "each":
+        details += "; an item per assistant turn"
     if report.samples > 1:
         details += f"; {report.samples_added:,} samples, {report.samples} per prompt"
     return f"enqueued {report.added:,} items {verb} dataset {name!r} ({details})"

@@ -109,7 +109,7 @@ def plain_rows(options: ExportOptions, dataset: DatasetRef) -> bool:
     plain = options.reasoning == "separate" and not options.exclude_flags
     plain = plain and not options.provenance and not options.per_turn and not options.parsed
     plain = plain and not options.logprobs and not options.token_ids
-    plain = plain and dataset.regenerate == "last" and not dataset.passthrough
+    plain = plain and dataset.regenerate != "all" and not dataset.passthrough
     return plain and dataset.samples == 1
 
 
@@ -118,7 +118,7 @@ def fast_rows(options: ExportOptions, dataset: DatasetRef) -> bool:
     (``writers.lines.write_lines``)."""
     return (
         options.plain
-        and dataset.regenerate == "last"
+        and dataset.regenerate != "all"
         and not dataset.passthrough
         and dataset.endpoint == "chat"
         and dataset.samples == 1

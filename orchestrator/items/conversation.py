@@ -21,6 +21,11 @@ running the tools: the conversation stops after it (:func:`stops_after`), and
 
 Pure functions of the stored request: the worker builds each turn's messages with
 :func:`turn_messages`, and export rebuilds the conversation with :func:`assemble`.
+
+With ``regenerate = "each"`` nothing is replaced: every target is asked against the
+original history before it (:func:`turn_prompts`), as an item of its own. No turn waits
+for another and none can stop a conversation; the tool results are the originals',
+answering the original calls, which is what an agentic trace recorded.
 """
 
 from __future__ import annotations
@@ -52,6 +57,19 @@ def targets(messages: Sequence[Message]) -> list[int]:
     if seen_user and messages and messages[-1].get("role") != "assistant":
         found.append(len(messages))
     return found
+
+
+def turn_prompts(messages: Sequence[Message]) -> list[tuple[int, list[Message]]]:
+    """Each target of ``messages`` as its own prompt: ``(k, history)``, where ``k``
+    counts the assistant messages before it (the ``#turn<k>`` of per-turn rows) and
+    ``history`` is every original message before it."""
+    prompts: list[tuple[int, list[Message]]] = []
+    k = seen = 0
+    for position in targets(messages):
+        k += sum(1 for m in messages[seen:position] if m.get("role") == "assistant")
+        seen = position
+        prompts.append((k, list(messages[:position])))
+    return prompts
 
 
 def call_names(message: Message) -> list[Any]:

@@ -8,7 +8,8 @@ Format::
     temperature = 0.6         # number >= 0
     top_p = 0.95              # number in (0, 1]
     concurrency = 150         # integer >= 1: most requests of the dataset in flight
-    regenerate = "last"       # last | all: the final answer, or every assistant turn
+    regenerate = "last"       # last | all | each: the final answer, every assistant turn
+                              # after the ones generated, or each turn against the original
     on_truncated = "keep"     # keep | retry | fail: what an answer cut at max_tokens does
     on_invalid = "keep"       # keep | retry | fail: structured output that is not the JSON asked
     on_overflow = "fail"      # fail | fit: a prompt and max_tokens longer than the context

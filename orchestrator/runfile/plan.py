@@ -56,12 +56,12 @@ class DatasetEstimate:
     name: str
     format: str
     mode: str
-    """``last``, ``all`` (the dataset's regenerate) or ``passthrough``."""
+    """``last``, ``all``, ``each`` (the dataset's regenerate) or ``passthrough``."""
     rows: int
     """Non-blank lines of the file."""
     requests: int
-    """Requests to send: a row each for ``last``, a row's assistant turns for ``all``, 0 for
-    pass-through."""
+    """Requests to send: a row each for ``last``, a row's assistant turns for ``all`` and
+    ``each``, 0 for pass-through."""
     done: int
     """Answers already done (from ``done_stats``)."""
     max_tokens: int | None
@@ -220,8 +220,12 @@ def _scan(plan: DatasetPlan, scale: float = 1.0, context: int | None = None) -> 
     rows = requests = budget = size = predicted = predicted_tokens = 0
     overflows = too_long = 0
     records = iter_records(plan.source, **plan.reading)
+    last_row = None
     for record in records:
-        rows += 1
+        # An item per turn (regenerate = each) still counts its row once.
+        row = records.row(record.line)
+        rows += row != last_row
+        last_row = row
         size += len(orjson.dumps(record.request))
         if plan.passthrough:
             continue
@@ -476,7 +480,7 @@ def _sample_notes(senders: Sequence[DatasetEstimate]) -> list[str]:
     for d in senders:
         if d.samples <= 1:
             continue
-        if d.sample_requests == "n" and d.mode == "last":
+        if d.sample_requests == "n" and d.mode != "all":
             how = (
                 f"asked with n={d.samples} in one request (the prompt prefilled once), or one "
                 "request each with its own seed where a server answers fewer choices"
@@ -539,6 +543,12 @@ def _assumptions(
             "regenerate = all: one request per assistant turn after the first user turn, "
             "plus the final answer when a row ends on a user or tool turn; the conversation "
             "is stored once, with each generated turn"
+        )
+    if any(d.mode == "each" for d in senders):
+        notes.append(
+            "regenerate = each: one request per assistant turn after the first user turn, "
+            "plus the final answer when a row ends on a user or tool turn, each an item of "
+            "its own holding the original history before its turn"
         )
     notes.extend(_sample_notes(senders))
     if any(d.mode == "passthrough" for d in estimates):

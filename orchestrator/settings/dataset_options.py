@@ -6,8 +6,10 @@ The run file is checked against these before any database is opened (``orchestra
 
 from __future__ import annotations
 
-REGENERATE: tuple[str, ...] = ("last", "all")
-"""``last``: one request per row, for its final answer; ``all``: one per assistant turn."""
+REGENERATE: tuple[str, ...] = ("last", "all", "each")
+"""``last``: one request per row, for its final answer; ``all``: one per assistant turn,
+each after the turns generated before it; ``each``: one per assistant turn, each against
+the original history, as items of their own that run side by side."""
 ON_TRUNCATED: tuple[str, ...] = ("keep", "retry", "fail")
 """What an answer cut at max_tokens becomes: kept, retried, or the item failed."""
 ON_INVALID: tuple[str, ...] = ("keep", "retry", "fail")

@@ -9,8 +9,9 @@ INSERT hits the unique key (a repeated line, a file enqueued again) is sorted ou
 line, and while a file keeps overlapping stored items, batches are checked first.
 
 Datasets that regenerate every assistant turn store the turn count too, bound the same
-way. Pass-through datasets store a done state and an output row per line and take the
-portable path: they are rarely the million-line sets.
+way (``each``: an item per turn, each of one). Pass-through datasets store a done state
+and an output row per line and take the portable path: they are rarely the million-line
+sets.
 """
 
 from __future__ import annotations
@@ -309,11 +310,13 @@ def _prepared(
 _MODE_NAMES = {
     "last": "regenerates the final answer",
     "all": "regenerates every assistant turn",
+    "each": "regenerates each assistant turn on its own",
     "passthrough": "is pass-through",
 }
 _READ_AS = {
     "last": "as prompts",
     "all": 'with regenerate="all"',
+    "each": 'with regenerate="each"',
     "passthrough": "with passthrough=True",
 }
 
@@ -417,7 +420,7 @@ class _Writer:
             rows = [(dataset_id, r[1], base + r[0], r[4], r[3], now, now, r[5]) for r in fresh]
             await insert_many(self.conn, "items", (*_INSERT_COLUMNS, "predicted_tokens"), rows)
             c.report.turns += len(rows)
-        elif c.mode == "all":
+        elif c.mode in _TURNED:
             rows = [
                 (dataset_id, r[1], base + r[0], r[4], r[3], now, now, r[9], r[6]) for r in fresh
             ]
@@ -523,7 +526,7 @@ class _SqliteWriter(_Writer):
 
     async def write(self, batch: list[Any]) -> None:
         await self.flush()
-        if self.context.mode == "all":
+        if self.context.mode in _TURNED:
             # (line, key, fmt, digest, body, predicted_tokens, turns): what it binds.
             batch = [(*r[:5], r[9], r[6]) for r in batch]
         if self.checked:
@@ -562,7 +565,7 @@ class _SqliteWriter(_Writer):
         except sqlite3.Error as exc:
             raise storage_error(exc, self.database.url) from exc
         report.added += len(batch)
-        report.turns += sum(r[6] for r in batch) if self.context.mode == "all" else len(batch)
+        report.turns += sum(r[6] for r in batch) if self.context.mode in _TURNED else len(batch)
 
     async def close(self) -> None:
         pending, self._pending = self._pending, None
@@ -633,8 +636,10 @@ def _insert_sql(n: int, width: int = 6) -> str:
     return f"INSERT INTO items ({columns}) VALUES {values}"
 
 
-_WIDTHS = {"last": 6, "all": 7}
+_WIDTHS = {"last": 6, "all": 7, "each": 7}
 """Parameters bound per line by the SQLite writer, by mode."""
+_TURNED = ("all", "each")
+"""Modes whose rows are ``PreparedItem``s and store their turn count (1 for ``each``)."""
 
 
 # An output row for a pass-through item (the rest stay NULL): message "{}", flags 0,

@@ -130,7 +130,7 @@ class DatasetRef:
 
     id: int
     name: str
-    regenerate: str  # last | all
+    regenerate: str  # last | all | each
     passthrough: bool
     endpoint: str = "chat"  # chat | completions
     samples: int = 1  # per prompt (orchestrator.formats.writers.sample_groups)

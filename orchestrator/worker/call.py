@@ -251,7 +251,7 @@ class Caller:
         return (
             info.samples > 1
             and info.draw_mode == "n"
-            and info.regenerate == "last"
+            and info.regenerate != "all"
             and info.id not in self._fell_back
         )
 

@@ -14,9 +14,9 @@ Accepted shapes (detected per object, so files may mix them):
 
 Conversations that end in assistant turns have those turns dropped: the model is asked to
 regenerate the final answer, which is what re-running a chat dataset through a new model
-means. ``ITEM_PARSERS`` read whole conversations (``regenerate="all"``) and rows that
-already hold their answer (pass-through) instead. Every function here raises ``RowError``
-with the reason only; the reader adds where the row is.
+means. ``ITEM_PARSERS`` read whole conversations (``regenerate="all"`` or ``"each"``)
+and rows that already hold their answer (pass-through) instead. Every function here
+raises ``RowError`` with the reason only; the reader adds where the row is.
 
 A row read for an answer also says how long that answer will likely be: the tokens of the
 answer turns it holds that the model writes again (the trailing ones dropped, or every
@@ -455,6 +455,8 @@ def _usage(obj: dict[str, Any]) -> Usage:
 ITEM_PARSERS: dict[tuple[str, bool], ItemParser] = {
     ("last", False): _parse_last,
     ("all", False): _parse_all,
+    # Whole conversations too: the reader makes one item of each turn (``readers.rows``).
+    ("each", False): _parse_all,
     ("passthrough", False): _parse_passthrough,
     ("passthrough", True): _parse_token_rows,
 }
@@ -717,12 +719,13 @@ def conversation_for(
 ) -> tuple[list[dict[str, Any]], int, int]:
     """``messages`` as a row read for ``mode`` keeps them, the turns to generate and the
     predicted answer tokens: the line formats' rules (trailing answers dropped for
-    ``last``, their length the prediction; every assistant turn for ``all``; the answer
-    required for ``passthrough``, which predicts nothing: it is stored as done)."""
+    ``last``, their length the prediction; every assistant turn for ``all`` and
+    ``each``; the answer required for ``passthrough``, which predicts nothing: it is
+    stored as done)."""
     if mode == "last":
         kept = _finish_messages(messages)
         return kept, 1, _dropped_tokens(messages, kept)
-    if mode == "all":
+    if mode in ("all", "each"):
         turns = targets(messages)
         if not turns:
             raise RowError("no user message")

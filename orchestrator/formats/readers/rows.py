@@ -15,6 +15,10 @@ kinds of dataset:
 ``regenerate="all"``
     The whole conversation is kept, trailing assistant turns included, and each row
     counts the assistant turns the model will write (``orchestrator.items.conversation``).
+``regenerate="each"``
+    Each assistant turn to write becomes an item of its own, keyed ``<key>#turn<k>``,
+    asking it against the original messages before it (``conversation.turn_prompts``):
+    one ordinary prompt per turn, so nothing downstream needs to know.
 ``passthrough=True``
     Rows that already hold the answer and are stored as done: conversations ending with
     the assistant's turn (``messages`` or ``conversations``; the stored row is the line's
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from array import array
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypedDict, TypeVar, Unpack
@@ -51,7 +57,9 @@ from orchestrator.formats.readers.lines import (
     too_deep,
 )
 from orchestrator.formats.readers.source import open_source
+from orchestrator.items.conversation import turn_prompts
 from orchestrator.settings.choices import INPUT_FORMATS, LINE_FORMATS
+from orchestrator.settings.dataset_options import REGENERATE
 
 __all__ = [
     "FORMATS",
@@ -72,8 +80,9 @@ __all__ = [
 FORMATS = LINE_FORMATS
 PASSTHROUGH_FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokens")
 """The formats whose rows can hold an answer to pass through."""
-MODES: tuple[str, ...] = ("last", "all", "passthrough")
-"""How a line was read: its final answer to generate, every assistant turn, or stored as is."""
+MODES: tuple[str, ...] = ("last", "all", "each", "passthrough")
+"""How a line was read: its final answer to generate, every assistant turn (one item, or
+an item per turn), or stored as is."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +112,9 @@ class Record:
     """A pass-through row's own ``usage`` counts, if it has them."""
     predicted_tokens: int = 0
     """The length of the answer turns the row holds and the model writes again (the
-    trailing ones dropped, or every target turn for ``all``), in tokens estimated from
-    their text (``orchestrator.items.answer_length.answer_tokens``); 0 when it holds none."""
+    trailing ones dropped, or every target turn for ``all``; for ``each`` every target
+    turn's, shared evenly by its items), in tokens estimated from their text
+    (``orchestrator.items.answer_length.answer_tokens``); 0 when it holds none."""
 
 
 class Prepared(NamedTuple):
@@ -236,6 +246,8 @@ def _reading(
     """The one way every entry point reads: options checked, the source resolved, then
     the rows, lazily."""
     mode = _mode(fmt, regenerate, passthrough)
+    if mode == "each" and endpoint == "completions":
+        raise ConfigError("the completions endpoint sends plain prompts: it takes no turns")
     mapper = check_columns(columns, fmt=fmt, mode=mode, say=say or _same)
     wanted = template_columns(columns) if mapper is not None and columns is not None else None
     source = spec if _is_source(spec) else open_source(spec, split=split, config=config)
@@ -257,8 +269,8 @@ def _mode(fmt: str, regenerate: str, passthrough: bool) -> str:
     """Which of ``MODES`` the options ask for, or ``ConfigError``."""
     if fmt not in INPUT_FORMATS:
         raise ConfigError(f"format must be one of {', '.join(INPUT_FORMATS)}, got {fmt!r}")
-    if regenerate not in ("last", "all"):
-        raise ConfigError(f"regenerate must be last or all, got {regenerate!r}")
+    if regenerate not in REGENERATE:
+        raise ConfigError(f"regenerate must be one of {', '.join(REGENERATE)}, got {regenerate!r}")
     if passthrough:
         if fmt not in PASSTHROUGH_FORMATS:
             raise ConfigError(
@@ -291,6 +303,7 @@ class Reading(Generic[_T]):
         self.source = source
         self.name = source.name
         self._starts: list[tuple[int, Part]] = []
+        self._turns = parsers.turns
         self._rows: Iterator[_T] = _read(source, parsers, on_invalid, wanted, self._starts)
 
     def __iter__(self) -> Iterator[_T]:
@@ -303,8 +316,15 @@ class Reading(Generic[_T]):
     def sha256(self) -> str | None:
         return self.source.sha256()
 
+    def row(self, line: int) -> int:
+        """The ``line`` of the row an item at ``line`` was read from: itself, unless
+        the row made an item per turn (``regenerate="each"``)."""
+        return line if self._turns is None else self._turns.row(line)
+
     def place(self, line: int) -> tuple[str, int | None, int | None]:
         """(path, line, row) of the row at ``line``: what ``InputError`` takes."""
+        if self._turns is not None:
+            line = self._turns.row(line)
         part = None
         number = line
         for offset, start in self._starts:
@@ -326,6 +346,7 @@ def _read(
     """Each part's rows through its parser; a bad one raises or goes to ``on_invalid``."""
     yielded = invalid = 0
     offset = 0
+    many = parsers.turns is not None
     for part, rows in source.parts(wanted):
         starts.append((offset, part))
         parse = parsers.for_part(part, offset)
@@ -341,6 +362,10 @@ def _read(
                 # writes at most MAX_DEPTH levels of nesting, and JSON types only.
                 reason = _unwritable(raw, exc)
             else:
+                if many:
+                    yielded += len(item)
+                    yield from item
+                    continue
                 yielded += 1
                 yield item
                 continue
@@ -402,6 +427,8 @@ class _Parsers:
         self.mapper = mapper
         self.item_parser = mapper or ITEM_PARSERS[mode, fmt == "tokens"]
         self.id_column = id_column
+        # regenerate="each": a row becomes a list of items, numbered apart.
+        self.turns = _TurnItems() if mode == "each" else None
         if id_column is not None:
             self.item_parser = keyed(self.item_parser, id_column)
 
@@ -421,6 +448,9 @@ class _Parsers:
         build = _BUILDERS[self.kind, self.mode == "last"]
         item_parser = self.item_parser
         mode = self.mode
+        if self.turns is not None:
+            only = self.fmt if self.mapper is None and self.fmt != "auto" else None
+            return self.turns.parser(item_parser, build, prefix, offset, only)
 
         def parse(raw: Raw, number: int) -> Any:
             obj = raw if type(raw) is dict else parse_json(raw)  # type: ignore[arg-type]
@@ -430,6 +460,74 @@ class _Parsers:
             return build(offset + number, key, request, fmt, mode, turns, usage, predicted)
 
         return parse if self.mapper is not None else _only(self.fmt, parse)
+
+
+class _TurnItems:
+    """``regenerate="each"``: a conversation's rows made one item per turn to write, each
+    asking it against the original messages before it, keyed ``<key>#turn<k>``.
+
+    The items of a read are numbered 1, 2, ... in their own sequence (the store places
+    item N at the dataset's next position N, so every turn has a place of its own), and
+    :meth:`row` maps an item's number back to its row's, for errors that name it.
+
+    A conversation's turns are claimed together, its last (longest) one first: they
+    share one prediction, the conversation's answer tokens spread evenly (the claim
+    ranks by it, then by position; the plan's sum stays the conversation's), and are
+    numbered last turn first. The server the longest prompt went to then holds every
+    shorter one's prefix, and prefix routing sends them there. They are yielded in
+    turn order, which is the order they are stored and exported in.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._firsts = array("q")
+        self._rows = array("q")
+
+    def row(self, number: int) -> int:
+        """The row (its ``line``) that item ``number`` came from."""
+        at = bisect_right(self._firsts, number) - 1
+        return self._rows[at] if at >= 0 else number
+
+    def parser(
+        self,
+        item_parser: Callable[[dict], Mapped],
+        build: Callable[..., Any],
+        prefix: str,
+        offset: int,
+        only: str | None,
+    ) -> Callable[[Raw, int], list[Any]]:
+        """The per-row function of a part: its rows' items (``only``: the one format
+        its rows may be in)."""
+
+        def parse(raw: Raw, number: int) -> list[Any]:
+            obj = raw if type(raw) is dict else parse_json(raw)  # type: ignore[arg-type]
+            key, request, fmt, _turns, usage, predicted = item_parser(obj)
+            if only is not None and fmt != only:
+                raise RowError(f'a {fmt} line in a dataset declared format = "{only}"')
+            if key is None:
+                key = prefix + str(number)
+            prompts = turn_prompts(request["messages"])
+            last = self.count + len(prompts)
+            share = -(-predicted // len(prompts))  # rounded up: a known answer stays known
+            out = [
+                build(
+                    last - i,
+                    f"{key}#turn{k}",
+                    {**request, "messages": history},
+                    fmt,
+                    "each",
+                    1,
+                    usage,
+                    share,
+                )
+                for i, (k, history) in enumerate(prompts)
+            ]
+            self._firsts.append(self.count + 1)
+            self._rows.append(offset + number)
+            self.count = last
+            return out
+
+        return parse
 
 
 def _only(fmt: str, parse: Callable[[Any, int], _L]) -> Callable[[Any, int], _L]:

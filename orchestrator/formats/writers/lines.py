@@ -206,10 +206,19 @@ class LineIndex:
 
     def __init__(self) -> None:
         self.next = 0
+        self._source: str | None = None
+        self._current = 0
 
     def take(self) -> int:
         self.next += 1
         return self.next - 1
+
+    def of(self, source_id: str) -> int:
+        """The index of conversation ``source_id``, whose turns (a ``regenerate = "each"``
+        dataset's items) come one after the other: a new one is taken when it changes."""
+        if source_id != self._source:
+            self._source, self._current = source_id, self.take()
+        return self._current
 
 
 class LineWriter:
@@ -289,6 +298,10 @@ class LineWriter:
                     self.extra += 1
                     yield group
                 return
+        if self.dataset.regenerate == "each":
+            # An item of regenerate="each" is one turn already, keyed as per-turn rows are.
+            yield per_turn.named(line, self.index.of) if self.options.per_turn else line
+            return
         index = self.index.take()
         if not self.options.per_turn:
             yield line

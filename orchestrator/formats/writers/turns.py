@@ -16,7 +16,7 @@ other that takes the same rows) expands the same way.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from orchestrator.items.params import REASONING_KEYS
@@ -91,6 +91,22 @@ def expand(
             yield _event(row, key, [*history, message], turn, source_row_index, index == last)
         history.append(_visible(message, content_key, reasoning))
         turn += 1
+
+
+def named(row: dict[str, Any], index_of: Callable[[str], int]) -> dict[str, Any]:
+    """A row that is one turn already (``regenerate = "each"``: its ``id`` is
+    ``<id>#turn<k>``) with the keys ``expand`` gives its rows, so both kinds of per-turn
+    file read alike: ``source_id``, ``source_row_index`` (``index_of(source_id)``) and
+    ``assistant_turn_index``."""
+    source_id, _, turn = str(row.get("id")).rpartition("#turn")
+    event: dict[str, Any] = {
+        "id": row.get("id"),
+        "source_id": source_id,
+        "source_row_index": index_of(source_id),
+        "assistant_turn_index": int(turn) if turn.isdigit() else None,
+    }
+    event.update((name, value) for name, value in row.items() if name not in event)
+    return event
 
 
 def _event(
