@@ -6,7 +6,7 @@ other, so the fields are defined here, below both, once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from orchestrator.items.token_ids import TokenIds
@@ -28,8 +28,9 @@ class Answer:
     model: str | None
     response_id: str | None
     flags: int = 0
-    #: The server's own prompt and generated token ids, where asked for and given.
-    ids: TokenIds | None = None
+    #: The server's own prompt and generated token ids, where asked for and given; by
+    #: keyword, so that the fields of every kind of answer keep their places.
+    ids: TokenIds | None = field(default=None, kw_only=True)
 
 
 ANSWER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Answer))

@@ -222,8 +222,8 @@ def failed_answer(exc: InferenceError) -> Waste | None:
 
 def output(c: Completion, params_hash: str) -> Output:
     """The answer as the store keeps it."""
-    fields = (getattr(c, name) for name in ANSWER_FIELDS)
-    return Output(*fields, params_hash=params_hash, tokens=c.tokens)
+    fields = {name: getattr(c, name) for name in ANSWER_FIELDS}
+    return Output(**fields, params_hash=params_hash, tokens=c.tokens)
 
 
 def stopped(lease: Lease, result: Output) -> Output:
