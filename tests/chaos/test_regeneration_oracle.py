@@ -192,7 +192,7 @@ def verify_run(
     assert refused.returncode != 0 and "--format completions is for" in refused.stderr
     checked: oracle.Verdict | None = None
     conversations: dict[str, list[Row]] = {}
-    for fmt in (f for f in FORMATS if f not in ("completions", "parquet")):
+    for fmt in (f for f in FORMATS if f not in ("completions", "parquet", "tokens")):
         for reasoning in _reasonings(fmt):
             out = tmp_path / f"{fmt}-{reasoning}.jsonl"
             lines = export(db, out, "--format", fmt, "--reasoning", reasoning)
