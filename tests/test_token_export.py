@@ -21,15 +21,8 @@ from orchestrator.items.token_ids import TokenIds
 from orchestrator.sim import logprobs as sim_tokens
 from orchestrator.sim import request_digest
 from orchestrator.sim.prefix import prompt_words
-from tests.helpers import (
-    SimProcess,
-    cli,
-    dialogue,
-    kill_worker_once,
-    query,
-    start_worker,
-    write_jsonl,
-)
+from tests import helpers
+from tests.helpers import SimProcess, cli, dialogue, query, write_jsonl
 from tests.test_training_data import tool_trace
 
 
@@ -45,6 +38,16 @@ def rows(n: int) -> list[dict[str, Any]]:
         else:
             out.append({**tool_trace(i, "open_box"), "id": f"t{i:03d}"})
     return out
+
+
+def enqueue_turns(db: Path, source: list[dict[str, Any]], max_tokens: int) -> None:
+    """``source`` as one dataset regenerated whole, with the server's token ids asked."""
+    data = write_jsonl(db.parent / "in.jsonl", source)
+    made = cli(
+        "enqueue", str(data), "-d", "mixed", "--db", str(db), "--regenerate", "all",
+        "--token-ids", "--max-tokens", str(max_tokens),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
 
 
 def export(db: Path, fmt: str, *extra: str) -> tuple[list[dict[str, Any]], str]:
@@ -94,14 +97,11 @@ def test_token_rows_are_what_the_server_saw_and_generated_after_a_kill(
     server = sim_process("--prompt-ids", prompt_from, "--reasoning", "field", "--latency", "0.02")
     db = tmp_path / "q.db"
     source = rows(90)
-    data = write_jsonl(tmp_path / "in.jsonl", source)
-    made = cli(
-        "enqueue", str(data), "-d", "mixed", "--db", str(db), "--regenerate", "all",
-        "--token-ids", "--max-tokens", "24",
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    worker = start_worker(db, server.url, "--concurrency", "8")
-    kill_worker_once(worker, lambda: query(db, "SELECT count(*) FROM item_turns")[0][0] >= 40)
+    enqueue_turns(db, source, 24)
+    worker = helpers.start_worker(db, server.url, "--concurrency", "8")
+    helpers.kill_worker_once(
+        worker, lambda: query(db, "SELECT count(*) FROM item_turns")[0][0] >= 40
+    )
     assert query(db, "SELECT count(*) FROM items WHERE state = 'done'")[0][0] < len(source)
     result = cli("run", "--server", server.url, "--db", str(db), "--exit-when-done")
     assert result.returncode == 0, result.stderr
@@ -177,12 +177,7 @@ def test_merge_turns_keeps_a_row_per_turn_where_the_ids_do_not_chain(
     server = sim_process()
     db = tmp_path / "q.db"
     source = [r for r in rows(12) if r["id"].startswith("d")]
-    data = write_jsonl(tmp_path / "in.jsonl", source)
-    made = cli(
-        "enqueue", str(data), "-d", "mixed", "--db", str(db), "--regenerate", "all",
-        "--token-ids", "--max-tokens", "8",
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr
+    enqueue_turns(db, source, 8)
     assert cli("run", "--server", server.url, "--db", str(db), "--exit-when-done").returncode == 0
     per_turn, _ = export(db, "tokens")
     kept, said = export(db, "tokens", "--merge-turns")
