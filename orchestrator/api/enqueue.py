@@ -20,7 +20,7 @@ from orchestrator.items.params import logprob_params, token_id_params
 from orchestrator.settings.checks import DATASET, RECORDS, OrNone, check_all, checked
 from orchestrator.store import DatasetSpec
 from orchestrator.store import enqueue as do_enqueue
-from orchestrator.store.datasets import get_dataset, key_digest, refusals
+from orchestrator.store.datasets import KNOBS, get_dataset, key_digest, refusals
 
 if TYPE_CHECKING:
     from orchestrator.formats.readers.columns import Columns
@@ -215,25 +215,10 @@ async def enqueue_source(
     mode = options.regenerate or (info.regenerate if info else "last")
     endpoint = options.endpoint or (info.endpoint if info else "chat")
     _check_endpoint(name, endpoint, mode, passing, options.logprobs)
-    spec = DatasetSpec(
-        name=name,
-        params={
-            **options.params,
-            **logprob_params(endpoint, options.logprobs),
-            **token_id_params(options.token_ids),
-        },
-        concurrency=options.concurrency,
-        priority=options.priority,
-        regenerate=mode,
-        on_truncated=options.on_truncated,
-        on_invalid=options.on_invalid,
-        on_overflow=options.on_overflow,
-        history_reasoning=options.history_reasoning,
-        passthrough=passing,
-        endpoint=options.endpoint,
-        samples=options.samples,
-        seeds=tuple(options.seeds) if options.seeds is not None else None,
-        draw_mode=options.sample_requests,
+    params = {**options.params, **logprob_params(endpoint, options.logprobs)}
+    params |= token_id_params(options.token_ids)
+    spec = _spec(
+        options, name, params, regenerate=mode, passthrough=passing, endpoint=options.endpoint
     )
     reading = read(
         source,
@@ -339,19 +324,25 @@ async def enqueue_plans(
 
 def _plan_spec(plan: DatasetPlan) -> DatasetSpec:
     _check_endpoint(plan.name, plan.endpoint, plan.regenerate, plan.passthrough, plan.logprobs)
-    return DatasetSpec(
-        name=plan.name,
-        params=plan.params,
-        concurrency=plan.concurrency,
-        priority=plan.priority,
+    return _spec(
+        plan,
+        plan.name,
+        plan.params,
         regenerate=plan.regenerate,
-        on_truncated=plan.on_truncated,
-        on_invalid=plan.on_invalid,
-        on_overflow=plan.on_overflow,
-        history_reasoning=plan.history_reasoning,
         passthrough=plan.passthrough,
         endpoint=plan.endpoint,
-        samples=plan.samples,
-        seeds=plan.seeds,
-        draw_mode=plan.sample_requests,
+    )
+
+
+#: The settings of a dataset that ``EnqueueOptions`` and a run file's ``DatasetPlan`` name
+#: alike, as ``DatasetSpec`` takes them: its knobs, and its samples.
+_SHARED = (*KNOBS, "samples")
+
+
+def _spec(given: Any, name: str, params: dict[str, Any], **kind: Any) -> DatasetSpec:
+    """The spec of a dataset from its options or its run file's plan, one way for both."""
+    seeds = tuple(given.seeds) if given.seeds is not None else None
+    shared = {key: getattr(given, key) for key in _SHARED}
+    return DatasetSpec(
+        name=name, params=params, seeds=seeds, draw_mode=given.sample_requests, **shared, **kind
     )

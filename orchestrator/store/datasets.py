@@ -187,7 +187,7 @@ class Change:
         return f"{self.setting} {shown(self.old)} → {shown(self.new)}"
 
 
-_KNOBS = (
+KNOBS = (
     "concurrency",
     "priority",
     "on_truncated",
@@ -237,7 +237,7 @@ async def declare(
             + f"); to change them for the items not done yet: `{_set_command(spec.name, wanted)}` "
             "(or pass --update), or use another dataset name"
         )
-    knobs = {key: getattr(spec, key) for key in _KNOBS}
+    knobs = {key: getattr(spec, key) for key in KNOBS}
     extra: dict[str, Any] = {**source, **_draws(spec, info)}
     if input_format and info.input_format and input_format != info.input_format:
         extra["input_format"] = "mixed"
@@ -439,7 +439,7 @@ async def change_settings(
                 f"dataset {spec.name!r} does not set {', '.join(missing)} (it sets: {held})"
             )
         params = {k: v for k, v in {**info.params, **spec.params}.items() if k not in unset}
-        knobs = {key: getattr(spec, key) for key in _KNOBS}
+        knobs = {key: getattr(spec, key) for key in KNOBS}
         found = await _apply(conn, info, params, knobs, {}, time.time())
         counts = dict(
             (

@@ -627,8 +627,7 @@ def _build_prepared(
     usage: _Usage,
     predicted: int,
 ) -> Prepared:
-    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-    return _new_tuple(Prepared, (line, key, fmt, digest, _dumps(request).decode(), predicted))
+    return _new_tuple(Prepared, (line, key, fmt, *_encoded(request), predicted))
 
 
 def _build_item(
@@ -641,9 +640,13 @@ def _build_item(
     usage: _Usage,
     predicted: int,
 ) -> PreparedItem:
-    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-    body = _dumps(request).decode()
+    digest, body = _encoded(request)
     return PreparedItem(line, key, fmt, digest, body, mode, turns, usage[0], usage[1], predicted)
+
+
+def _encoded(request: dict) -> tuple[str, str]:
+    """A request's digest (keys sorted: the same request, the same digest) and its JSON."""
+    return _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest(), _dumps(request).decode()
 
 
 def _build_record(
