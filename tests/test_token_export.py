@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import orchestrator
 from orchestrator.formats.writers.tokens import merged
 from orchestrator.items.conversation import targets
 from orchestrator.items.token_ids import TokenIds
@@ -183,6 +184,15 @@ def test_merge_turns_keeps_a_row_per_turn_where_the_ids_do_not_chain(
     kept, said = export(db, "tokens", "--merge-turns")
     assert kept == per_turn and len(kept) == 3 * len(source)
     assert f"{len(source)} conversations stay a row per turn" in said, said
+    # The Python API gives the same rows, and says the same of them.
+    queue = orchestrator.open_sync(str(db))
+    try:
+        assert list(queue.results(format="tokens")) == per_turn
+        report = queue.export(db.parent / "api.jsonl", format="tokens", merge_turns=True)
+    finally:
+        queue.close()
+    assert (report.lines, report.unmerged) == (len(per_turn), len(source))
+    assert report.summary is not None and "stay a row per turn" in report.summary
 
 
 def test_ids_the_server_spells_otherwise_than_the_text_are_flagged(
