@@ -63,7 +63,7 @@ SCHEMA_MISMATCH = 128
 #: and the answer was asked again with ``max_tokens`` lowered to what fits.
 MAX_TOKENS_REDUCED = 256
 #: ``--token-ids``: the generated ids, spelled by the server's own ``/detokenize``, do not
-#: hold the stored text (orchestrator.inference.token_ids): ids and text disagree.
+#: hold the stored text (orchestrator.inference.tokenize): ids and text disagree.
 TOKEN_MISMATCH = 512
 
 #: Every flag by the name users type, in bit order.

@@ -11,7 +11,7 @@ model emitted them. The servers say the ids in their own fields:
   ``response_token_ids`` on the choice.
 - llama.cpp (``return_tokens`` with ``verbose``): ``__verbose.tokens``, every generated
   id, and no prompt ids: those are asked of its ``/apply-template`` and ``/tokenize``
-  (``orchestrator.inference.token_ids``), as vLLM's ``/tokenize`` is asked with the
+  (``orchestrator.inference.tokenize``), as vLLM's ``/tokenize`` is asked with the
   messages where an answer carries none. ``prompt_from`` says which way a row got them.
 
 Stored packed (:func:`pack_ids`): int32 ids, byte-shuffled and deflated, as the answer's

@@ -21,7 +21,7 @@ from orchestrator.inference.completions import Completion
 from orchestrator.inference.pacing import request_tokens
 from orchestrator.inference.pool import ServerPool
 from orchestrator.inference.streaming import Streamed
-from orchestrator.inference.token_ids import PromptTokenizer
+from orchestrator.inference.tokenize import PromptTokenizer
 from orchestrator.items import error_classes as ec
 from orchestrator.items.conversation import stops_after, turn_messages
 from orchestrator.items.params import item_body
