@@ -25,7 +25,7 @@ from orchestrator.items.answer import Answer
 from orchestrator.items.quality import UNCLOSED_THINK, flags_of, split_think
 from orchestrator.items.samples import choice_usages
 from orchestrator.items.token_ids import BadIds, TokenIds, generated_ids_of, prompt_ids_of
-from orchestrator.items.tokens import BadTokens, Collector, Tokens
+from orchestrator.items.tokens import CHOICE_ID_FIELDS, BadTokens, Collector, Tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +202,7 @@ def counted(said: Any, *args: Any, **kwargs: Any) -> Completion:
         raise
 
 
-TOKEN_IDS = frozenset(("token_ids", "response_token_ids"))
+TOKEN_IDS = frozenset(CHOICE_ID_FIELDS)
 
 
 def _completion(

@@ -53,9 +53,8 @@ def item_body(
     The history goes with the reasoning of its assistant turns unless the dataset drops
     it: models that think in a tool loop render it from the history, and their template,
     not this code, decides what of it the model sees."""
-    settings = dict(dataset_params)
-    history = settings.pop("history_reasoning", "keep")
-    body = {**settings, **request}
+    body = {**dataset_params, **request}
+    history = body.pop("history_reasoning", "keep")  # a setting, never a body field
     if history == "drop" and isinstance(body.get("messages"), list):
         body["messages"] = without_reasoning(body["messages"])
     if token_ids.asked(body):

@@ -26,7 +26,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.items.tokens import shuffled, unshuffled
+from orchestrator.items.tokens import CHOICE_ID_FIELDS, shuffled, unshuffled
 
 _MAGIC = b"OID1"
 _HEADER = struct.Struct("<4sBII")  # magic, where the prompt ids came from, two counts
@@ -81,7 +81,7 @@ def prompt_ids_of(doc: dict[str, Any], choice: dict[str, Any]) -> tuple[int, ...
 
 def generated_ids_of(doc: dict[str, Any], choice: dict[str, Any]) -> tuple[int, ...] | None:
     """The generated ids an answer (or a stream's chunk) says, in the server's own field."""
-    for name in ("token_ids", "response_token_ids"):
+    for name in CHOICE_ID_FIELDS:
         if choice.get(name) is not None:
             return _ids(choice[name], name)
     verbose = doc.get("__verbose")

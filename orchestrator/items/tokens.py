@@ -36,6 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+#: Where a choice says its generated ids: vLLM's ``token_ids``, SGLang's ``response_token_ids``.
+CHOICE_ID_FIELDS: tuple[str, ...] = ("token_ids", "response_token_ids")
+
 _MAGIC = b"OTK1"
 _HEADER = struct.Struct("<4sBI")  # magic, which sections, positions
 _IDS, _TEXTS, _LOGPROBS, _TOP, _TOP_IDS, _TOP_TEXTS = (1 << i for i in range(6))
@@ -289,7 +292,7 @@ class Collector:
 
     def add(self, choice: dict[str, Any]) -> None:
         """One choice (a streamed chunk's too); ``BadTokens`` when it cannot be read."""
-        for name in ("token_ids", "response_token_ids"):
+        for name in CHOICE_ID_FIELDS:
             ids = choice.get(name)
             if isinstance(ids, list):
                 self.seen.add("choice_ids")

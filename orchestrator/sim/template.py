@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-HISTORY_MODES: tuple[str, ...] = ("render", "ignore", "require", "refuse")
+from orchestrator.sim.config import REASONING_FIELDS as _KEYS
 
-_KEYS = ("reasoning_content", "reasoning")
+HISTORY_MODES: tuple[str, ...] = ("render", "ignore", "require", "refuse")
 
 
 def seen(messages: Any, mode: str = "render") -> Any:

@@ -81,8 +81,12 @@ class TokenWriter:
                 self.extra += written - 1
         return lines
 
+    def _base(self, row: TokenRow) -> str:
+        """A row's id before any ``#turn<k>``: its key, and its sample when it has one."""
+        return row.key if self.dataset.samples <= 1 else f"{row.key}#sample{row.sample}"
+
     def _turns(self, row: TokenRow) -> list[tuple[str, TokenRow]]:
-        base = row.key if self.dataset.samples <= 1 else f"{row.key}#sample{row.sample}"
+        base = self._base(row)
         if self.dataset.regenerate != "all":
             return [(base, row)]
         turns = row.turns or [row]
@@ -103,8 +107,7 @@ class TokenWriter:
         if chain is None:
             self.unmerged += 1
             return None
-        base = row.key if self.dataset.samples <= 1 else f"{row.key}#sample{row.sample}"
-        return self._record(base, turns[-1], found[-1], *chain)  # type: ignore[arg-type]
+        return self._record(self._base(row), turns[-1], found[-1], *chain)  # type: ignore[arg-type]
 
     def _line(self, name: str, turn: TokenRow) -> bytes | None:
         ids, reason = checked(turn)
