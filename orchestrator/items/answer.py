@@ -31,6 +31,9 @@ class Answer:
     #: The server's own prompt and generated token ids, where asked for and given; by
     #: keyword, so that the fields of every kind of answer keep their places.
     ids: TokenIds | None = field(default=None, kw_only=True)
+    #: The provider's batch the answer came back in (a Batch API server), None when it
+    #: was asked online: a batched answer is billed at the batch price.
+    batch: str | None = field(default=None, kw_only=True)
 
 
 ANSWER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Answer))
