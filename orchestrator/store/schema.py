@@ -350,6 +350,50 @@ wasted_tokens = sa.Table(
     sa.Column("updated_at", sa.Float, nullable=False),
 )
 
+# A provider's batches (``--batch-api``, store.batches): each step of each batch written
+# before and after its call, and the lines it asks for, so that a worker that takes the
+# items of a dead one adopts their live batch instead of paying for it again.
+batches = sa.Table(
+    "batches",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    # The run's own id of the batch, sent in the provider's ``metadata``: found by it.
+    sa.Column("key", sa.String(64), nullable=False, unique=True),
+    sa.Column("server", sa.Text, nullable=False),
+    sa.Column("endpoint", sa.String(32), nullable=False),
+    # packing | uploaded | created | collected | closed | abandoned (store.batches)
+    sa.Column("state", sa.String(16), nullable=False),
+    # The provider's own status of the batch, as last seen.
+    sa.Column("status", sa.String(16), nullable=True),
+    *(
+        sa.Column(name, sa.Text, nullable=True)
+        for name in ("input_file_id", "provider_id", "output_file_id", "error_file_id")
+    ),
+    *(
+        sa.Column(name, sa.Integer, nullable=False, server_default="0")
+        for name in ("requests", "bytes", "completed", "failed")
+    ),
+    sa.Column("worker", sa.Text, nullable=True),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=True),
+)
+sa.Index("ix_batches_state", batches.c.state)
+
+# One line of a batch: the item and turn it asks for; ``settled`` once its answer (or
+# error) was written for the item.
+batch_entries = sa.Table(
+    "batch_entries",
+    metadata,
+    _cascading("batch_id", "batches", primary_key=True),
+    sa.Column("custom_id", sa.String(64), primary_key=True),
+    _cascading("item_id", "items", nullable=False),
+    sa.Column("turn", sa.Integer, nullable=False),
+    sa.Column("settled", sa.Integer, nullable=False, server_default="0"),
+)
+sa.Index("ix_batch_entries_item_id", batch_entries.c.item_id)
+
 # Deleted datasets, kept aside until purged (``dataset delete``, migration 0016): each
 # deletion is a row, and every row it took from the tables below is kept as it was in
 # ``deleted_<table>`` under the deletion's id, so that its undo puts them back as they
