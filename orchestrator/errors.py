@@ -20,9 +20,11 @@
         ├── PermanentError       the server rejected the request (400, 401, 403, 404, 422):
         │                        retrying cannot help, the item fails at once
         └── TransientError       timeouts, resets, 429, 500, unparsable bodies: retry later
-            └── ServerUnavailable  the server cannot be reached or is restarting (refused
-                                 connections, 502/503/504): the worker pauses and the
-                                 item's attempt is given back
+            ├── ServerUnavailable  the server cannot be reached or is restarting (refused
+            │                    connections, 502/503/504): the worker pauses and the
+            │                    item's attempt is given back
+            └── BatchUnanswered  a provider's batch ended without answering the request
+                                 (expired, cancelled, lost): asked again in another batch
 
 Each inference error carries an ``error_class``: a short stable name that is stored with
 the item, counted by ``status`` and selected by ``requeue --error-class``.
@@ -166,3 +168,18 @@ class TransientError(InferenceError):
 
 class ServerUnavailable(TransientError):
     error_class = "unavailable"
+
+
+class BatchUnanswered(TransientError):
+    """A provider's batch ended without answering a request. ``released``: no fault of
+    the item's (the batch expired or was cancelled), its attempt given back; else (the
+    batch failed, or was lost with its answers) the attempt counts, so that a provider
+    that keeps failing cannot keep an item for ever."""
+
+    error_class = "batch_unanswered"
+
+    def __init__(
+        self, message: str, *, released: bool = True, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.released = released

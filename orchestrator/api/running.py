@@ -65,13 +65,14 @@ def configs(
 ) -> tuple[WorkerConfig, ClientConfig]:
     """The worker's and the client's configuration for these servers (as
     :func:`without_credentials` left them) and settings."""
+    from orchestrator.inference.batchapi import BatchLimits  # lazy: aiohttp
     from orchestrator.inference.client import ClientConfig  # lazy: aiohttp
     from orchestrator.worker import WorkerConfig  # lazy: aiohttp
 
     worker = WorkerConfig(
         servers=tuple(spec.url for spec in specs),
         concurrency=settings.concurrency,  # type: ignore[arg-type]
-        server_caps={s.url: s.concurrency for s in specs if s.concurrency is not None},
+        server_caps=_caps(specs, settings),
         rpm=settings.rpm,
         tpm=settings.tpm,
         server_budgets={
@@ -87,6 +88,15 @@ def configs(
         backoff_base=settings.retry_backoff,
         grace_seconds=settings.grace,
         give_up_after=settings.give_up_after,
+        batch_servers=frozenset(
+            s.url for s in specs if (settings.batch_api if s.batch_api is None else s.batch_api)
+        ),
+        batch_limits=BatchLimits(
+            requests=settings.batch_requests,
+            bytes=int(settings.batch_mb * 2**20),
+            poll_max=settings.batch_poll,
+            poll_first=min(1.0, settings.batch_poll),
+        ),
     )
     client = ClientConfig(
         request_timeout=settings.request_timeout,
@@ -98,6 +108,19 @@ def configs(
         max_response_bytes=int(settings.max_response_mb * 2**20),
     )
     return worker, client
+
+
+def _caps(specs: list[ServerSpec], settings: RunSettings) -> dict[str, Any]:
+    """Each server's own cap: a batch server's, unless given, is two batches' requests
+    (one filling while the other is out)."""
+    caps: dict[str, Any] = {}
+    for spec in specs:
+        batched = settings.batch_api if spec.batch_api is None else spec.batch_api
+        if spec.concurrency is not None:
+            caps[spec.url] = spec.concurrency
+        elif batched:
+            caps[spec.url] = 2 * settings.batch_requests
+    return caps
 
 
 async def run_worker(

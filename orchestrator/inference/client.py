@@ -339,19 +339,42 @@ class InferenceClient:
                     body_bytes = await _read_capped(resp, limit)
                     choices = parse_answer(body_bytes, resp.headers, server, started, raw=raw)
                 return with_limits(choices, resp.headers)
-        except aiohttp.ClientConnectorError as exc:
-            raise self._failure("connect", server, exc) from exc
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise self._failure("connect_timeout", server, exc) from exc
-        except aiohttp.SocketTimeoutError as exc:
-            kind = "idle" if stream else "timeout"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            kind = _transport_kind(exc, stream=stream)
+            if kind is None:
+                raise
             raise self._failure(kind, server, exc) from exc
-        except TimeoutError as exc:
-            raise self._failure("timeout", server, exc) from exc
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            raise self._failure("closed", server, exc) from exc
-        except (aiohttp.ClientOSError, aiohttp.ClientResponseError) as exc:
-            raise self._failure("broken", server, exc) from exc
+
+    async def api_call(
+        self,
+        method: str,
+        server: str,
+        path: str,
+        *,
+        limit: int,
+        seconds: float | None = None,
+        **kwargs: Any,
+    ) -> bytes:
+        """A request to a server's API beside its answers (the Batch API's files and
+        batches): the body of a 2xx answer, at most ``limit`` bytes, or the error it
+        means, classified as an answer's would be (``seconds``: the whole request's bound,
+        the client's request timeout when None)."""
+        total = seconds if seconds is not None else self.config.request_timeout
+        client_timeout = aiohttp.ClientTimeout(total=total, connect=self.config.connect_timeout)
+        try:
+            resp = await self._send(
+                method, base_url(server) + path, timeout=client_timeout, allow_redirects=False,
+                **kwargs,
+            )  # fmt: skip
+            async with resp:
+                if not 200 <= resp.status < 300:
+                    raise_for_status(resp.status, await _read_prefix(resp), resp.headers)
+                return await _read_capped(resp, limit)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            kind = _transport_kind(exc, stream=False)
+            if kind is None:
+                raise
+            raise self._failure(kind, server, exc) from exc
 
     def _failure(self, kind: str, server: str, exc: BaseException) -> InferenceError:
         """A failure below HTTP, classified (``failures.transport_error``)."""
@@ -438,6 +461,23 @@ class InferenceClient:
         return with_limits(
             parse_answer(resp.body, resp.headers, server, started, raw=raw), resp.headers
         )
+
+
+def _transport_kind(exc: BaseException, *, stream: bool) -> str | None:
+    """The kind ``transport_error`` words an aiohttp failure as (None: not one of them)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "connect_timeout"
+    if isinstance(exc, aiohttp.SocketTimeoutError):
+        return "idle" if stream else "timeout"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError):
+        return "closed"
+    if isinstance(exc, aiohttp.ClientOSError | aiohttp.ClientResponseError):
+        return "broken"
+    return None
 
 
 #: The lean transport's failures by the kind ``transport_error`` words them as.

@@ -61,6 +61,9 @@ class ServerSpec:
     #: Its own prices (``gpu_hour_cost=``, ``price_input=``, ``price_output=``), for the
     #: run's cost (``orchestrator.settings.prices``); none given: the options' prices.
     prices: Prices = field(default_factory=lambda: Prices())
+    #: Whether its requests go through its Batch API (``batch_api=yes|no``); None: as
+    #: the run's ``--batch-api`` says.
+    batch_api: bool | None = None
 
 
 def parse_per_minute(name: str, text: str) -> int:
@@ -193,10 +196,14 @@ def _server_options(
         if url_line and key in PRICE_OPTIONS and sep:
             priced[key] = _price(value, key, where)
             continue
+        if url_line and key == "batch_api" and sep:
+            given[key] = _yes_no(value, key, where)
+            continue
         if key not in keys or not sep:
             prices = ", ".join(f"{k}=USD" for k in PRICE_OPTIONS)
             expected = (
-                f"concurrency=N, concurrency=auto, rpm=N, tpm=N or a price ({prices})"
+                f"concurrency=N, concurrency=auto, rpm=N, tpm=N, batch_api=yes|no or a price "
+                f"({prices})"
                 if url_line
                 else "concurrency=N or concurrency=auto (or port=N on a launch line)"
             )
@@ -212,6 +219,13 @@ def _server_options(
 
 #: A server's own prices in a servers file: ``orchestrator.settings.prices.Prices``' fields.
 PRICE_OPTIONS = tuple(checks.PRICES)
+
+
+def _yes_no(text: str, key: str, where: str) -> bool:
+    said = {"yes": True, "true": True, "1": True, "no": False, "false": False, "0": False}
+    if text.lower() not in said:
+        raise ConfigError(f"{where}: {key}={mask(text)!r}: expected yes or no")
+    return said[text.lower()]
 
 
 def _price(text: str, key: str, where: str) -> float:

@@ -28,6 +28,7 @@ UNAVAILABLE = "unavailable"
 SHUTDOWN = "shutdown"
 LEASE_LOST = "lease_lost"
 INTERNAL = "internal"
+BATCH_UNANSWERED = "batch_unanswered"
 
 #: Every class, with what it means.
 ERROR_CLASSES: dict[str, str] = {
@@ -58,6 +59,9 @@ ERROR_CLASSES: dict[str, str] = {
     SHUTDOWN: "released when the worker stopped before the answer came",
     LEASE_LOST: "taken back from a worker that died or stopped renewing its lease",
     INTERNAL: "an unexpected error in the worker itself, retried",
+    BATCH_UNANSWERED: "a provider's batch ended (expired, cancelled, failed, lost, its "
+    "output cut short) without answering the request: released, asked again in another "
+    "batch",
 }
 
 

@@ -82,6 +82,14 @@ _HELP = {
     "count).",
     "max_response_mb": "Most MiB of one answer's body; a larger one fails the item "
     "(response_too_large) before it fills memory and the database.",
+    "batch_api": "Send every server's requests through its Batch API (/v1/files, /v1/batches; "
+    "per server: batch_api=yes|no in --servers-file): answers within the provider's window, "
+    "at its batch price; a restarted run adopts its live batches, never paying twice.",
+    "batch_requests": "Most requests in one batch (the provider's limit is the most: OpenAI's "
+    "is 50,000). A batch server holds twice this many items in flight.",
+    "batch_mb": "Most MiB of one batch's input file (OpenAI's limit is 200).",
+    "batch_poll": "Most seconds between two looks at a live batch (the first comes after a "
+    "second, then the wait doubles up to this).",
 }
 
 
@@ -110,6 +118,10 @@ class RunSettings:
     stream_usage: bool = _setting(False, FLAG)
     stream_idle_timeout: float = _setting(120.0, Number(minimum=1))
     max_response_mb: float = _setting(64.0, Number(minimum=0.001))
+    batch_api: bool = _setting(False, FLAG)
+    batch_requests: int = _setting(10_000, Integer(1, 50_000), metavar="N")
+    batch_mb: float = _setting(200.0, Number(minimum=0.001), metavar="MIB")
+    batch_poll: float = _setting(60.0, Number(minimum=0.01), metavar=_SECONDS)
 
     def __post_init__(self) -> None:
         check_all({name: getattr(self, name) for name in RUN}, RUN)

@@ -15,7 +15,13 @@ from typing import Any
 
 import structlog
 
-from orchestrator.errors import InferenceError, PermanentError, ServerUnavailable, TransientError
+from orchestrator.errors import (
+    BatchUnanswered,
+    InferenceError,
+    PermanentError,
+    ServerUnavailable,
+    TransientError,
+)
 from orchestrator.inference.client import InferenceClient
 from orchestrator.inference.completions import Completion
 from orchestrator.inference.pacing import request_tokens
@@ -30,6 +36,7 @@ from orchestrator.logs import debug_enabled
 from orchestrator.store import Failure, Lease, Output
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.worker import classify
+from orchestrator.worker.batches import Batches
 from orchestrator.worker.claim import Claimed
 from orchestrator.worker.classify import where
 from orchestrator.worker.config import WorkerConfig
@@ -59,6 +66,8 @@ class Caller:
     #: Called once a server is found to ignore ``n`` for a dataset (its id): the
     #: dataset's samples are asked for one request each from then on.
     ignores_n: Callable[[int], Awaitable[None]] | None = None
+    #: The batch servers' requests (``worker.batches``); None: no server is one.
+    batches: Batches | None = None
     _fell_back: set[int] = field(default_factory=set)
     _tokenizer: PromptTokenizer | None = None
 
@@ -127,7 +136,7 @@ class Caller:
         if server is None:
             return Release(lease, Failure(ec.UNAVAILABLE, "no server reachable"), time.time())
         epoch = self.pool.states[server].epoch
-        asked, sent = await self._fitting(server, info, body, streamed)
+        asked, sent = await self._fitting(server, info, body, streamed, lease)
         if not isinstance(sent, list):
             if self.pool.states[server].epoch != epoch and not isinstance(sent[0], PermanentError):
                 # A launched server died under the request: an outage, not the item's.
@@ -155,32 +164,49 @@ class Caller:
         return result
 
     async def _fitting(
-        self, server: str, info: DatasetInfo, body: dict[str, Any], streamed: Streamed | None
+        self,
+        server: str,
+        info: DatasetInfo,
+        body: dict[str, Any],
+        streamed: Streamed | None,
+        lease: Lease,
     ) -> tuple[dict[str, Any], list[Completion] | tuple[Exception, float | None]]:
         """The body last sent, and what :meth:`_send` made of it: with ``on_overflow =
         "fit"``, a request the server refused as longer than its context is sent again at
         once, with ``max_tokens`` lowered to what fits. It is the same attempt, and no
         failure of the server's: neither the item's attempts nor the breaker hear of the
         refusal."""
-        sent = await self._send(server, body, streamed, info.endpoint)
+        sent = await self._send(server, body, streamed, info.endpoint, lease)
         if isinstance(sent, list) or not isinstance(sent[0], PermanentError):
             return body, sent
         said = classify.overflowed(sent[0], body, self.context_of(server, body.get("model")))
         smaller = classify.fitted(info, body, said) if said is not None else None
         if smaller is None:
             return body, sent
-        return smaller, await self._send(server, smaller, streamed, info.endpoint)
+        return smaller, await self._send(server, smaller, streamed, info.endpoint, lease)
 
     async def _send(
-        self, server: str, body: dict[str, Any], streamed: Streamed | None, endpoint: str
+        self,
+        server: str,
+        body: dict[str, Any],
+        streamed: Streamed | None,
+        endpoint: str,
+        lease: Lease,
     ) -> list[Completion] | tuple[Exception, float | None]:
         """The request, once the server's pacer lets it go: the answer (each of its
         choices), or the error and the seconds the server has answered nothing but 429
-        (past the warning's time). It holds a slot of the server per choice asked."""
+        (past the warning's time). It holds a slot of the server per choice asked. A
+        batch server's request goes in its next batch (``worker.batches``) instead."""
         n = body.get("n")
         sequences = n if isinstance(n, int) and n > 1 else 1
         self.pool.request_started(server, sequences)
         try:
+            if self.batches is not None and self.batches.serves(server):
+                try:
+                    completion = await self.batches.ask(server, lease, body, endpoint)
+                except Exception as exc:
+                    return exc, None
+                return await self.tokenizer.completed(server, body, completion)
             ticket = await self.pool.pace(server, request_tokens(body))
             try:
                 completion = await self.client.chat_choices(
@@ -208,7 +234,7 @@ class Caller:
         if server is None:
             failure = Failure(ec.UNAVAILABLE, "no server reachable")
             return [Release(each, failure, time.time()) for each in leases]
-        asked, sent = await self._fitting(server, info, body, None)
+        asked, sent = await self._fitting(server, info, body, None, lease)
         if not isinstance(sent, list):
             first = await self._failed(lease, info, server, asked, *sent)
             exc = sent[0]
@@ -266,6 +292,9 @@ class Caller:
     ) -> Outcome:
         """Classify a request's failure; the server's accounting hears of it too. A 429
         from a server rate limited past the warning's time says for how long."""
+        if isinstance(exc, BatchUnanswered) and exc.released:
+            failure = Failure(exc.error_class, str(exc), server)
+            return Release(lease, failure, time.time() + (exc.retry_after or 0.0))
         if isinstance(exc, ServerUnavailable):
             self.pool.mark_down(server, str(exc))
             return Release(lease, Failure(exc.error_class, str(exc), server), time.time())

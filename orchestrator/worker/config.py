@@ -11,6 +11,7 @@ from typing import Protocol
 
 from orchestrator.errors import ConfigError
 from orchestrator.inference.autoconcurrency import Limits
+from orchestrator.inference.batchapi import BatchLimits
 from orchestrator.inference.servers_file import Cap
 from orchestrator.settings.checks import check_all, checked
 from orchestrator.settings.run import RUN
@@ -69,6 +70,9 @@ class WorkerConfig:
     breaker_items: int = 5
     # Seconds a dataset's trial request in flight unrefused opens it (orchestrator.worker.guard).
     trial_seconds: float = 2.0
+    # The servers whose requests go through their Batch API (orchestrator.worker.batches).
+    batch_servers: frozenset[str] = frozenset()
+    batch_limits: BatchLimits = dataclasses.field(default_factory=BatchLimits)
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -80,7 +84,8 @@ class WorkerConfig:
             *self.server_budgets.values(),
         ):
             check_all({"rpm": rpm, "tpm": tpm}, RUN)
-        unknown = (set(self.server_caps) | set(self.server_budgets)) - set(self.servers)
+        limited = set(self.server_caps) | set(self.server_budgets) | self.batch_servers
+        unknown = limited - set(self.servers)
         if unknown:
             raise ConfigError(f"a limit is given for servers not in use: {sorted(unknown)}")
         # The settings a run is given, by the rules its options and arguments have.

@@ -26,6 +26,7 @@ from orchestrator._util import procinfo
 from orchestrator._util.urls import credentials_sent
 from orchestrator.errors import RunStopped, ServersUnreachable, StorageError
 from orchestrator.inference.autoconcurrency import Controller
+from orchestrator.inference.batchapi import BatchApi
 from orchestrator.inference.client import InferenceClient
 from orchestrator.inference.pool import ServerPool
 from orchestrator.items import error_classes as ec
@@ -33,6 +34,7 @@ from orchestrator.store import Database, Failure, Lease, Queue
 from orchestrator.store import workers as worker_rows
 from orchestrator.store.datasets import set_draw_mode
 from orchestrator.worker import classify, keeper, stop, summary
+from orchestrator.worker.batches import Batches
 from orchestrator.worker.call import Caller
 from orchestrator.worker.call import seed as call_seed
 from orchestrator.worker.claim import Catalog, Claimed, Claims
@@ -94,6 +96,17 @@ class Worker:
             idle_poll=config.poll_interval,
             unstorable=lambda entry, reason: classify.unstorable(entry, reason, config),
         )
+        self.batches = (
+            Batches(
+                database,
+                BatchApi(client),
+                config.batch_limits,
+                config.batch_servers,
+                self.owner,
+            )
+            if config.batch_servers
+            else None
+        )
         self.caller = Caller(
             self.pool,
             client,
@@ -101,6 +114,7 @@ class Worker:
             self.committer.submit,
             context_of=self.guard.context_of,
             ignores_n=self._ignores_n,
+            batches=self.batches,
         )
         self.claims.joins = self._joins
         self.claims.together = self.caller.asks_together
@@ -125,6 +139,8 @@ class Worker:
         )
         await keeper.reap(self)
         await self.catalog.load()
+        if self.batches is not None:
+            await self.batches.start()
         self.pool.start()
         self.committer.start()
         helpers = [
@@ -230,6 +246,8 @@ class Worker:
         """The committer wrote an outcome (``accepted``: its lease was still ours)."""
         entry.written(accepted)
         lease = entry.lease
+        if self.batches is not None:
+            self.batches.written(lease.item_id, accepted)
         if isinstance(entry, Advance) and accepted:
             self.gate.answered(entry.output.server, lease.dataset_id, entry.output)
             self.stats.turns += 1
@@ -354,6 +372,8 @@ class Worker:
                 await task
         await self.committer.close()
         self.stats.dropped = self.committer.dropped
+        if self.batches is not None:
+            await self.batches.close()
         await self.pool.close()
         with contextlib.suppress(StorageError):
             await worker_rows.mark_stopped(
