@@ -34,6 +34,7 @@ from aiohttp import web
 
 from orchestrator.sim import logprobs as sim_tokens
 from orchestrator.sim.answer import plan_answer
+from orchestrator.sim.batchapi import add_batch_api, batch_api_stats
 from orchestrator.sim.config import SimConfig
 from orchestrator.sim.exposition import Figures, metrics_text
 from orchestrator.sim.faults import fault_response, outage_middleware
@@ -249,16 +250,26 @@ async def _sim_stats(request: web.Request) -> web.Response:
     body = {**state.stats.as_json(), "uptime": state.uptime(), "in_outage": state.in_outage()}
     if state.batcher is not None:
         body["batch"] = state.batcher.as_json()
+    body["batch_api"] = batch_api_stats(request.app)
     return web.Response(body=orjson.dumps(body), content_type=JSON_TYPE)
+
+
+async def _sim_bill(request: web.Request) -> web.Response:
+    """What the answers so far would cost (``orchestrator.sim.bill``)."""
+    bill = request.app[STATE].bill.as_json()
+    return web.Response(body=orjson.dumps(bill), content_type=JSON_TYPE)
 
 
 def build_app(config: SimConfig) -> web.Application:
     """The simulated server as an aiohttp application (outage clock starts at startup)."""
+    # Room for a Batch API input file of --batch-max-bytes (and its multipart framing).
+    largest = max(64 * 1024**2, config.batch_max_bytes + 1024**2)
     app = web.Application(
-        middlewares=[outage_middleware, _auth_middleware], client_max_size=64 * 1024**2
+        middlewares=[outage_middleware, _auth_middleware], client_max_size=largest
     )
     state = State(config)
     app[STATE] = state
+    add_batch_api(app)
 
     async def on_startup(app: web.Application) -> None:
         state.started = time.monotonic()
@@ -293,6 +304,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/sim/stats", _sim_stats)
+    app.router.add_get("/sim/bill", _sim_bill)
     return app
 
 
