@@ -324,7 +324,7 @@ class BatchStore:
             elapsed = time.monotonic() - batch.begun
             if elapsed >= self.config.batch_window:
                 return "expired"
-            due = total if elapsed >= delay else math.ceil(total * elapsed / delay)
+            due = total if elapsed >= delay else math.floor(total * elapsed / delay)
             stop = min(due, batch.answered + _CHUNK)
             while batch.answered < stop:
                 self._answer(batch, batch.lines[batch.answered])
