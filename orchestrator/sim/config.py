@@ -60,6 +60,11 @@ RETRACTIONS: tuple[str, ...] = ("newest", "sglang")
 #: ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions``).
 METRIC_NAMES: tuple[str, ...] = ("sglang", "vllm")
 
+#: Faults of the Batch API (``--batch-fault``), each striking the first batch it can, once:
+#: its output file's content answers 404, its output is cut in the middle of its last
+#: line, or the completed batch is forgotten (404, gone from the list).
+BATCH_FAULTS: tuple[str, ...] = ("missing_output", "truncated_output", "lost_batch")
+
 #: The name ``/v1/models`` lists when no model is pinned.
 DEFAULT_MODEL = "sim-model"
 
@@ -159,6 +164,21 @@ class SimConfig:
             empty gets 429 with ``Retry-After``, and every answer of
             ``/v1/chat/completions`` carries the ``x-ratelimit-*`` headers unless
             ``rate_limit_headers`` is False (a provider that says nothing ahead).
+        batch_api: serve OpenAI's Files and Batch API (``orchestrator.sim.batchapi``);
+            False: those paths answer 404, as a server without them.
+        batch_max_requests, batch_max_bytes: the most lines and bytes of a batch's
+            input file; more fails the batch at validation.
+        batch_fail_rate: fraction of batch lines (drawn from the custom_id) answered
+            with a 500 ``server_error`` in the error file.
+        batch_delay: seconds from a batch's creation to its completion, its lines
+            answered evenly over them.
+        batch_window: seconds after which an unfinished batch expires.
+        batch_token_limit: prompt tokens enqueued across live batches at most (None: no
+            limit); a batch that would pass it fails with ``token_limit_exceeded``.
+        batch_faults: ``BATCH_FAULTS`` to inject, each once.
+        price_input, price_cached_input, price_output: USD per million prompt, cached
+            prompt (None: the prompt price) and completion tokens, for ``/sim/bill``.
+        batch_discount: fraction of the price taken off for batch lines.
     """
 
     model: str | tuple[str, ...] | None = None
@@ -196,6 +216,18 @@ class SimConfig:
     prefix_cache: int = 0
     rate_limits: tuple[BucketSpec, ...] = ()
     rate_limit_headers: bool = True
+    batch_api: bool = True
+    batch_max_requests: int = 50_000
+    batch_max_bytes: int = 200_000_000
+    batch_fail_rate: float = 0.0
+    batch_delay: float = 2.0
+    batch_window: float = 86_400.0
+    batch_token_limit: int | None = None
+    batch_faults: tuple[str, ...] = ()
+    price_input: float = 0.0
+    price_cached_input: float | None = None
+    price_output: float = 0.0
+    batch_discount: float = 0.5
 
     @property
     def served(self) -> tuple[str, ...]:
@@ -267,6 +299,7 @@ class SimConfig:
         total = sum(self.faults.values())
         if total > 1.0 + 1e-9:
             raise ValueError(f"fault rates add up to {total:g}, more than 1")
+        self._check_batch()
         units = [spec.unit for spec in self.rate_limits]
         if len(set(units)) != len(units):
             raise ValueError("one rate limit of each kind (rpm, tpm) at most")
@@ -278,6 +311,29 @@ class SimConfig:
                 raise ValueError(
                     f"outage ({start!r}, {duration!r}) needs start >= 0 and duration > 0"
                 )
+
+    def _check_batch(self) -> None:
+        """The Batch API's and the bill's settings."""
+        for name in ("batch_max_requests", "batch_max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.batch_token_limit is not None and self.batch_token_limit < 1:
+            raise ValueError(f"batch_token_limit must be >= 1, got {self.batch_token_limit!r}")
+        for name in ("batch_fail_rate", "batch_discount"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be within [0, 1], got {getattr(self, name)!r}")
+        prices = ("batch_delay", "price_input", "price_output", "price_cached_input")
+        for name in prices:
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not math.isfinite(self.batch_window) or self.batch_window <= 0:
+            raise ValueError(f"batch_window must be a number > 0, got {self.batch_window!r}")
+        unknown = [f for f in self.batch_faults if f not in BATCH_FAULTS]
+        if unknown:
+            raise ValueError(
+                f"unknown batch fault {unknown[0]!r}; known: {', '.join(BATCH_FAULTS)}"
+            )
 
 
 def parse_fault(spec: str) -> tuple[str, float]:

@@ -21,6 +21,10 @@ from orchestrator.sim.messages import served_model
 from orchestrator.sim.refusals import JSON_TYPE, bad_request, error_response
 from orchestrator.sim.runtime import STATE, State
 
+#: The Batch API's paths: a provider's batches live apart from its online servers, so an
+#: outage of those leaves them be.
+BATCH_API_PATHS = ("/v1/files", "/v1/batches")
+
 
 def client_gone(request: web.Request) -> bool:
     transport = request.transport
@@ -32,7 +36,7 @@ async def outage_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     state = request.app[STATE]
-    if state.in_outage():
+    if state.in_outage() and not request.path.startswith(BATCH_API_PATHS):
         state.stats.outage_rejected += 1
         return error_response(
             503, "server unavailable (simulated outage)", "ServiceUnavailableError"

@@ -17,6 +17,7 @@ import click
 
 from orchestrator.sim.config import (
     ADMISSIONS,
+    BATCH_FAULTS,
     METRIC_NAMES,
     PROMPT_IDS,
     REASONING_FIELDS,
@@ -318,6 +319,99 @@ OPTIONS: tuple[SimOption, ...] = (
         low_open=True,
         help="Batching: multiplies every simulated duration (0.1 runs ten times faster).",
     ),
+    SimOption(
+        "--batch-api/--no-batch-api",
+        "batch_api",
+        bool,
+        help="Serve OpenAI's Files and Batch API (/v1/files, /v1/batches); without it "
+        "they answer 404.",
+    ),
+    SimOption(
+        "--batch-delay",
+        "batch_delay",
+        float,
+        0,
+        help="Batch API: seconds from a batch's creation to its completion.",
+    ),
+    SimOption(
+        "--batch-window",
+        "batch_window",
+        float,
+        0,
+        low_open=True,
+        help="Batch API: seconds after which an unfinished batch expires (OpenAI's 24h).",
+    ),
+    SimOption(
+        "--batch-max-requests",
+        "batch_max_requests",
+        int,
+        1,
+        help="Batch API: most lines of an input file; more fails the batch.",
+    ),
+    SimOption(
+        "--batch-max-bytes",
+        "batch_max_bytes",
+        int,
+        1,
+        help="Batch API: most bytes of an input file; more fails the batch.",
+    ),
+    SimOption(
+        "--batch-token-limit",
+        "batch_token_limit",
+        int,
+        1,
+        show_default=False,
+        help="Batch API: prompt tokens enqueued across live batches at most; a batch "
+        "passing it fails with token_limit_exceeded.",
+    ),
+    SimOption(
+        "--batch-fail-rate",
+        "batch_fail_rate",
+        float,
+        0,
+        1,
+        help="Batch API: fraction of lines (drawn from their custom_id) answered with a "
+        "500 server_error in the error file.",
+    ),
+    SimOption(
+        "--batch-fault",
+        "batch_faults",
+        BATCH_FAULTS,
+        multiple=True,
+        show_default=False,
+        help="Batch API fault, once, on the first batch it can strike: missing_output, "
+        "truncated_output, lost_batch (repeat for several).",
+    ),
+    SimOption(
+        "--price-input",
+        "price_input",
+        float,
+        0,
+        help="/sim/bill: USD per million prompt tokens.",
+    ),
+    SimOption(
+        "--price-cached-input",
+        "price_cached_input",
+        float,
+        0,
+        show_default=False,
+        help="/sim/bill: USD per million cached prompt tokens. Default: --price-input.",
+    ),
+    SimOption(
+        "--price-output",
+        "price_output",
+        float,
+        0,
+        help="/sim/bill: USD per million completion tokens.",
+    ),
+    SimOption(
+        "--batch-discount",
+        "batch_discount",
+        float,
+        0,
+        1,
+        help="/sim/bill: fraction of the price taken off for batch lines.",
+    ),
 )
 
 
@@ -341,6 +435,7 @@ def sim_config(values: dict[str, Any]) -> SimConfig:
         given["outages"] = [parse_outage(o) for o in given.get("outages", ())]
         given["refusals"] = dict(parse_refusal(r) for r in given.get("refusals", ()))
         given["required_fields"] = tuple(given.get("required_fields", ()))
+        given["batch_faults"] = tuple(given.get("batch_faults", ()))
         given["model"] = tuple(given.get("model") or ()) or None
         if given.get("rate_limits"):
             given["rate_limits"] = tuple(parse_rate_limit(r) for r in given["rate_limits"])

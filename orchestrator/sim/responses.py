@@ -15,16 +15,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from orchestrator.sim.answer import Plan, answer_document
 from orchestrator.sim.config import SimConfig
 from orchestrator.sim.faults import client_gone, hang
 from orchestrator.sim.generation import SimAnswer
-from orchestrator.sim.messages import (
-    Shape,
-    served_model,
-    stream_deltas,
-    usage_counts,
-    whole_message,
-)
+from orchestrator.sim.messages import Shape, served_model, stream_deltas, usage_counts
 from orchestrator.sim.refusals import JSON_TYPE
 from orchestrator.sim.runtime import State
 
@@ -35,45 +30,24 @@ async def _sleep(seconds: float) -> None:
 
 
 async def whole_answer(
-    request: web.Request,
-    state: State,
-    body: dict[str, Any],
-    answers: list[SimAnswer],
-    completion_id: str,
-    prompt_tokens: int,
-    limit: int,
-    fault: str | None,
-    cached: int | None = None,
-    *,
-    shapes: list[Shape],
+    request: web.Request, state: State, plan: Plan, fault: str | None
 ) -> web.StreamResponse:
     """The answer in one body, once the time it takes to generate has passed (the
     longest choice's: a request's choices are generated side by side)."""
-    config, n = state.config, max(a.tokens for a in answers)
+    config, n = state.config, max(a.tokens for a in plan.answers)
+    prompt_tokens, cached = plan.prompt_tokens, plan.cached
     if state.batcher is not None:
-        await state.batcher.generate(prompt_tokens, n, limit, cached or 0)
+        await state.batcher.generate(prompt_tokens, n, plan.limit, cached or 0)
     else:
         await _sleep(config.latency + config.per_token * n + _prefill(state, prompt_tokens, cached))
     if client_gone(request):
         state.stats.aborted += 1
         return web.Response(status=499)
     if fault == "malformed":
+        completion_id = plan.completion_id
         truncated = f'{{"id": "{completion_id}", "object": "chat.completion", "choices": [{{'
         return web.Response(status=200, body=truncated.encode(), content_type=JSON_TYPE)
-    doc = {
-        "id": completion_id,
-        "object": "text_completion" if shapes[0].plain else "chat.completion",
-        "created": int(time.time()),
-        "model": served_model(body, config),
-        "choices": [
-            {
-                **shape.choice(whole_message(each, config), 0, len(shape.texts), index=i),
-                "finish_reason": each.finish_reason,
-            }
-            for i, (each, shape) in enumerate(zip(answers, shapes, strict=True))
-        ],
-        "usage": usage_counts(prompt_tokens, sum(a.tokens for a in answers), cached),
-    }
+    doc = answer_document(state, plan)
     return web.Response(body=orjson.dumps(doc), content_type=JSON_TYPE)
 
 

@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from orchestrator.sim.batching import BatchModel, Seq
+from orchestrator.sim.bill import Bill
 from orchestrator.sim.config import FAULT_KINDS, SimConfig
 from orchestrator.sim.prefix import PrefixCache
 from orchestrator.sim.ratelimit import Limiter
@@ -209,6 +210,7 @@ class State:
         self.batcher = Batcher(config) if config.batching else None
         self.prefix = PrefixCache(config.prefix_cache) if config.prefix_cache else None
         self.limiter = Limiter(config.rate_limits) if config.rate_limits else None
+        self.bill = Bill(config)  # what the answers would cost (/sim/bill)
         self.fault_rng = random.Random(config.seed)
         self.started = time.monotonic()
         self.closing = asyncio.Event()

@@ -33,15 +33,15 @@ import orjson
 from aiohttp import web
 
 from orchestrator.sim import logprobs as sim_tokens
-from orchestrator.sim import template
+from orchestrator.sim.answer import plan_answer
+from orchestrator.sim.batchapi import add_batch_api, batch_api_stats
 from orchestrator.sim.config import SimConfig
 from orchestrator.sim.exposition import Figures, metrics_text
 from orchestrator.sim.faults import fault_response, outage_middleware
-from orchestrator.sim.generation import choice_seeds, count_prompt_tokens, generate, request_digest
-from orchestrator.sim.messages import Shape, served_model, spelling
+from orchestrator.sim.messages import served_model, usage_counts
 from orchestrator.sim.options import sim_config, sim_options
 from orchestrator.sim.prefix import prompt_words
-from orchestrator.sim.refusals import JSON_TYPE, error_response, rate_limited, refusal, validate
+from orchestrator.sim.refusals import JSON_TYPE, error_response, validate
 from orchestrator.sim.responses import stream_answer, whole_answer
 from orchestrator.sim.runtime import LATENCY_BUCKETS, STATE, State
 
@@ -50,6 +50,9 @@ __all__ = ["build_app", "main", "run_forever", "serve"]
 
 #: KV-cache size the ``sglang:token_usage`` gauge is measured against.
 _KV_CAPACITY_TOKENS = 262_144
+
+#: The faults whose answers are still whole answers, billed as any (None: no fault).
+BILLED_FAULTS = (None, "empty", "bad_ids")
 
 
 @web.middleware
@@ -125,40 +128,10 @@ async def _answer_chat(
         if faulty is not None:
             return faulty
 
-    messages: list[Any] = body["messages"]
-    choices = 1 if config.ignore_n else body.get("n", 1)
-    asked = body["prompt"] if plain else template.seen(messages, config.history_reasoning)
-    answers = [
-        generate(body, request_digest(asked, seed), config, empty=fault == "empty", plain=plain)
-        for seed in choice_seeds(body, choices)
-    ]
-    answer = answers[0]
-    digest = answer.digest
-    n = sum(a.tokens for a in answers)
-    prompt_tokens = count_prompt_tokens(messages)
-    refused = refusal(state, body, prompt_tokens, n)
-    if refused is not None:
-        stats.invalid += 1
-        return refused
-    limited = rate_limited(state, prompt_tokens + n)
-    if limited is not None:
-        return limited
-    limit = body.get("max_completion_tokens") or body.get("max_tokens") or 2 * config.mean_tokens
-    cached = state.prefix.serve(prompt_words(messages), answer.words) if state.prefix else None
-    state.next_id += 1
-    completion_id = f"{'cmpl' if plain else 'chatcmpl'}-{digest}{state.next_id:08x}"
-    said = body.get("return_token_ids") is True and config.prompt_ids == "response"
-    ids = sim_tokens.prompt_ids(prompt_words(messages)) if said else None
-    if body.get("return_token_ids") is True:
-        for a in answers:
-            state.remember_spelling(sim_tokens.answer_ids(a.digest, a.tokens), spelling(a, config))
-    # A bad_ids fault: the ids said are another answer's, the text this one's.
-    bad = ":bad-ids" if fault == "bad_ids" else ""
-    shapes = [
-        Shape(body, a.digest + bad, plain, sim_tokens.texts_of([a.reasoning, a.words]), ids)
-        for a in answers
-    ]
-
+    plan = plan_answer(state, body, plain=plain, fault=fault)
+    if isinstance(plan, web.Response):
+        return plan
+    prompt_tokens, n = plan.prompt_tokens, plan.tokens
     response: web.StreamResponse
     stats.running_tokens += prompt_tokens + n
     try:
@@ -167,20 +140,20 @@ async def _answer_chat(
             include_usage = isinstance(options, dict) and options.get("include_usage") is True
             continuous = include_usage and options.get("continuous_usage_stats") is True
             response = await stream_answer(
-                request, state, completion_id=completion_id, answers=answers,
-                prompt_tokens=prompt_tokens, cached=cached, include_usage=include_usage,
+                request, state, completion_id=plan.completion_id, answers=plan.answers,
+                prompt_tokens=prompt_tokens, cached=plan.cached, include_usage=include_usage,
                 continuous=continuous, cut=fault == "malformed", stall=fault == "stall",
-                limit=limit, model=served_model(body, config), shapes=shapes,
+                limit=plan.limit, model=served_model(body, config), shapes=plan.shapes,
             )  # fmt: skip
         else:
-            response = await whole_answer(
-                request, state, body, answers, completion_id, prompt_tokens, limit, fault,
-                cached, shapes=shapes,
-            )  # fmt: skip
+            response = await whole_answer(request, state, plan, fault)
     finally:
         stats.running_tokens -= prompt_tokens + n
     if fault is None and response.status != 499:  # 499: the client left before the answer
         stats.record_completion(prompt_tokens, n, time.monotonic() - begun)
+    if response.status == 200 and fault in BILLED_FAULTS:
+        asked = {k: v for k, v in body.items() if k != "messages"} if plain else body
+        state.bill.charge(asked, usage_counts(prompt_tokens, n, plan.cached), batch=False)
     return response
 
 
@@ -277,16 +250,26 @@ async def _sim_stats(request: web.Request) -> web.Response:
     body = {**state.stats.as_json(), "uptime": state.uptime(), "in_outage": state.in_outage()}
     if state.batcher is not None:
         body["batch"] = state.batcher.as_json()
+    body["batch_api"] = batch_api_stats(request.app)
     return web.Response(body=orjson.dumps(body), content_type=JSON_TYPE)
+
+
+async def _sim_bill(request: web.Request) -> web.Response:
+    """What the answers so far would cost (``orchestrator.sim.bill``)."""
+    bill = request.app[STATE].bill.as_json()
+    return web.Response(body=orjson.dumps(bill), content_type=JSON_TYPE)
 
 
 def build_app(config: SimConfig) -> web.Application:
     """The simulated server as an aiohttp application (outage clock starts at startup)."""
+    # Room for a Batch API input file of --batch-max-bytes (and its multipart framing).
+    largest = max(64 * 1024**2, config.batch_max_bytes + 1024**2)
     app = web.Application(
-        middlewares=[outage_middleware, _auth_middleware], client_max_size=64 * 1024**2
+        middlewares=[outage_middleware, _auth_middleware], client_max_size=largest
     )
     state = State(config)
     app[STATE] = state
+    add_batch_api(app)
 
     async def on_startup(app: web.Application) -> None:
         state.started = time.monotonic()
@@ -321,6 +304,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/sim/stats", _sim_stats)
+    app.router.add_get("/sim/bill", _sim_bill)
     return app
 
 
