@@ -216,7 +216,7 @@ class BatchStore:
     async def _run(self, batch: SimBatch) -> None:
         problems = await self._validate(batch)
         if batch.status == "cancelling":
-            self._finish(batch, "cancelled")
+            await self._finish(batch, "cancelled")
             return
         if not problems:
             problems = self._over_token_limit(batch)
@@ -236,7 +236,7 @@ class BatchStore:
             await asyncio.sleep(_TICK)
             if batch.status == "cancelling":
                 ended = "cancelled"
-        self._finish(batch, ended)
+        await self._finish(batch, ended)
 
     async def _validate(self, batch: SimBatch) -> list[dict[str, Any]]:
         """Read the input file; the problems that fail the batch (none: its lines kept)."""
@@ -372,7 +372,7 @@ class BatchStore:
         draw = int(_digest(self.config.seed, "batch-fail", custom_id)[:13], 16) / 16**13
         return draw < rate
 
-    def _finish(self, batch: SimBatch, ended: str) -> None:
+    async def _finish(self, batch: SimBatch, ended: str) -> None:
         """Write the batch's files and give it its last status."""
         if ended == "expired":
             for line in batch.lines[batch.answered :]:
@@ -383,7 +383,7 @@ class BatchStore:
             if not entries:
                 continue
             rng.shuffle(entries)
-            content = b"".join(orjson.dumps(e) + b"\n" for e in entries)
+            content = await _written(entries)
             made = self.add_file(f"{batch.id}_{kind}.jsonl", f"batch_{kind}", content)
             setattr(batch, f"{kind}_file_id", made.id)
         batch.status = ended
@@ -407,6 +407,15 @@ class BatchStore:
                 start = body.rfind(b"\n") + 1
                 output.content = body[: start + (len(body) - start) // 2]
             self.faults.remove(fault)
+
+
+async def _written(entries: list[dict[str, Any]]) -> bytes:
+    """The JSON lines of a file, the event loop let go between chunks."""
+    parts: list[bytes] = []
+    for start in range(0, len(entries), 2000):
+        parts += [orjson.dumps(e) + b"\n" for e in entries[start : start + 2000]]
+        await asyncio.sleep(0)
+    return b"".join(parts)
 
 
 def _error_doc(message: str, param: str | None = None, code: int = 500) -> dict[str, Any]:
