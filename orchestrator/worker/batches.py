@@ -132,6 +132,9 @@ class Batches:
         self._lookup_task: asyncio.Task[None] | None = None
         self._delivered: dict[int, tuple[str, str]] = {}
         self._settled: list[tuple[str, str]] = []
+        #: Lines settled here: not wanted any more, whatever the store says until the
+        #: settling is written.
+        self._spent: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cut: dict[str, int] = {}  # files read cut short, by id: how many times
 
@@ -159,7 +162,7 @@ class Batches:
             with contextlib.suppress(BaseException):
                 await task
         with contextlib.suppress(Exception):
-            await self._write_settled()
+            await self._tidy()
 
     # ------------------------------------------------------------------ requests
 
@@ -170,6 +173,8 @@ class Batches:
         asks it, or from the next batch of ``server``; or the error it stands for."""
         started = time.monotonic()
         wanted = await self._lookup(lease.item_id)
+        if wanted is not None and (wanted.batch_key, wanted.custom_id) in self._spent:
+            wanted = None  # answered here already, its settling not yet written
         if wanted is not None and wanted.turn == lease.turn:
             batch, line = self._adopt(wanted.batch_key, server, endpoint), wanted.custom_id
         else:
@@ -192,6 +197,7 @@ class Batches:
         delivered = self._delivered.pop(item_id, None)
         if delivered is not None and accepted:
             self._settled.append(delivered)
+            self._spent.add(delivered)
 
     async def _lookup(self, item_id: int) -> records.Wanted | None:
         """The item's live line, if any: the lookups of one round go in one query."""
@@ -457,12 +463,16 @@ class Batches:
         while True:
             await asyncio.sleep(_HOUSEKEEPING)
             try:
-                await self._write_settled()
-                for key in await records.close_finished(self.database):
-                    self._batches.pop(key, None)
-                    log.info("batch_closed", batch=key)
+                await self._tidy()
             except Exception as exc:
                 log.warning("batch_records_not_kept", error=str(exc))
+
+    async def _tidy(self) -> None:
+        """Write the lines settled since the last time; close the batches done with."""
+        await self._write_settled()
+        for key in await records.close_finished(self.database):
+            self._batches.pop(key, None)
+            log.info("batch_closed", batch=key)
 
     async def _write_settled(self) -> None:
         settled, self._settled = self._settled, []
@@ -471,6 +481,7 @@ class Batches:
         except BaseException:
             self._settled = settled + self._settled
             raise
+        self._spent.difference_update(settled)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)

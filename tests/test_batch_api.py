@@ -1,0 +1,253 @@
+"""``run --batch-api``: a provider's Batch API through the real command, against the
+simulated provider, which counts on its side every request submitted and billed.
+
+The oracle: the simulator's answers are a function of the request, so a batch run's
+export must equal, byte for byte, an online run's of the same prompts; and the provider's
+count of requests submitted must equal the number of prompts (never one twice), whatever
+happened to the worker in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    Heard,
+    SimProcess,
+    check_export,
+    cli,
+    done_count,
+    enqueue_prompts,
+    query,
+    start_worker,
+    wait_for,
+    write_jsonl,
+)
+
+FAST = ("--batch-delay", "0.6")
+RUN = ("--exit-when-done", "--batch-api", "--batch-poll", "0.2")
+
+
+def _batch_stats(server: SimProcess) -> dict[str, int]:
+    return server.stats()["batch_api"]
+
+
+def _online_export(tmp_path: Path, server: SimProcess, n: int) -> bytes:
+    """The export of an online run of the same ``n`` prompts."""
+    db = tmp_path / "online.db"
+    enqueue_prompts(db, tmp_path / "online.jsonl", n)
+    result = cli("run", "--server", server.url, "--db", str(db), "--exit-when-done")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "online.out.jsonl"
+    check_export(db, out, [f"p{i:06d}" for i in range(n)])
+    return out.read_bytes()
+
+
+def _batch_export(db: Path, tmp_path: Path, n: int) -> bytes:
+    out = tmp_path / "batch.out.jsonl"
+    check_export(db, out, [f"p{i:06d}" for i in range(n)])
+    return out.read_bytes()
+
+
+def test_a_batch_run_exports_what_an_online_run_does(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    server = sim_process(*FAST)
+    db = tmp_path / "q.db"
+    enqueue_prompts(db, tmp_path / "in.jsonl", 120)
+    result = cli("run", "--server", server.url, "--db", str(db), *RUN, "--batch-requests", "50")
+    assert result.returncode == 0, result.stderr
+    stats = _batch_stats(server)
+    assert stats["requests_submitted"] == 120 and stats["duplicate_requests"] == 0
+    batches = query(db, "SELECT requests, state FROM batches ORDER BY id")
+    assert all(requests <= 50 and state == "closed" for requests, state in batches), batches
+    assert sum(requests for requests, _ in batches) == 120
+    assert _batch_export(db, tmp_path, 120) == _online_export(tmp_path, server, 120)
+
+
+def test_sigkilled_ten_times_it_never_pays_twice(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """The worker SIGKILLed ten times, at each step in turn (a batch packed and written
+    down, its file uploaded, created, polled, collected) and at random moments: each
+    restart adopts the live batches; in the end every prompt was submitted once, none
+    lost, and the export is the online run's."""
+    n = 400
+    server = sim_process("--batch-delay", "1.5")
+    db = tmp_path / "q.db"
+    enqueue_prompts(db, tmp_path / "in.jsonl", n)
+    rng = random.Random(20261207)
+    extra = (*RUN, "--batch-requests", "40", "--lease-seconds", "2")
+    steps = ["worker_started", "batch_created", "batch_collected", "batch_closed", None]
+    for kill in range(10):
+        worker = start_worker(db, server.url, *extra)
+        heard = Heard(worker)
+        step = steps[kill % len(steps)]
+        with contextlib.suppress(AssertionError):  # the run may end first
+            heard.wait_for(step or "worker_started", deadline=60)
+        time.sleep(rng.uniform(0.0, 0.3) if step else rng.uniform(0.5, 3.0))
+        worker.send_signal(signal.SIGKILL)
+        heard.text()
+    result = cli("run", "--server", server.url, "--db", str(db), *extra)
+    assert result.returncode == 0, result.stderr
+    assert done_count(db) == n
+    stats = _batch_stats(server)
+    assert stats["duplicate_requests"] == 0, stats
+    assert stats["requests_answered"] == n, stats
+    adopted = query(db, "SELECT count(*) FROM batches WHERE worker IS NOT NULL")[0][0]
+    assert adopted >= 10
+    assert _batch_export(db, tmp_path, n) == _online_export(tmp_path, server, n)
+
+
+def test_an_expired_batch_keeps_its_answers_and_asks_the_rest_again(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """A provider that answers part of a batch within its window: the answers are kept,
+    the rest asked again (attempts given back). Then the provider gets its act together
+    (restarted on the same port with a long window) and the run ends: every prompt was
+    answered once, across both."""
+    slow = sim_process("--batch-delay", "2", "--batch-window", "1.3")
+    db = tmp_path / "q.db"
+    enqueue_prompts(db, tmp_path / "in.jsonl", 40)
+    worker = start_worker(db, slow.url, *RUN)
+    wait_for(lambda: done_count(db) > 0, "answers of an expired batch written")
+    wait_for(
+        lambda: query(db, "SELECT count(*) FROM batches WHERE status = 'expired'")[0][0] >= 2,
+        "two expired batches",
+    )
+    worker.send_signal(signal.SIGTERM)
+    worker.communicate(timeout=120)
+    first = _batch_stats(slow)
+    slow.stop()
+    assert first["duplicate_requests"] == 0, first
+    assert 0 < first["requests_answered"] < 40
+    assert done_count(db) == first["requests_answered"]
+    # Released, not retried: none is past its first attempt, none failed.
+    assert query(db, "SELECT max(attempts), count(*) FROM items WHERE state != 'done'")[0][0] <= 1
+    good = sim_process(*FAST, port=slow.port)
+    result = cli("run", "--server", good.url, "--db", str(db), *RUN)
+    assert result.returncode == 0, result.stderr
+    assert done_count(db) == 40
+    assert first["requests_answered"] + _batch_stats(good)["requests_answered"] == 40
+
+
+def test_a_cancelled_batch_sends_its_unanswered_lines_back(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """A batch cancelled on the provider's side (by a person, say) while the run
+    waits: what it answered is kept, the rest asked again."""
+    server = sim_process("--batch-delay", "4")
+    db = tmp_path / "q.db"
+    enqueue_prompts(db, tmp_path / "in.jsonl", 30)
+    worker = start_worker(db, server.url, *RUN)
+    provider_id = wait_for(
+        lambda: query(db, "SELECT provider_id FROM batches WHERE requests > 1 AND provider_id "
+                      "IS NOT NULL"),
+        "a batch created",
+    )[0][0]  # fmt: skip
+    time.sleep(1.0)
+    import urllib.request
+
+    req = urllib.request.Request(f"{server.url}/v1/batches/{provider_id}/cancel", method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert json.loads(resp.read())["status"] in ("cancelling", "cancelled")
+    worker.communicate(timeout=120)
+    assert worker.returncode == 0
+    assert done_count(db) == 30
+    stats = _batch_stats(server)
+    assert stats["requests_answered"] == 30 and stats["duplicate_requests"] == 0, stats
+
+
+def test_a_request_the_provider_refuses_fails_that_item_alone(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    server = sim_process(*FAST, "--max-model-len", "200")
+    db = tmp_path / "q.db"
+    rows = [
+        {"id": f"p{i:06d}", "messages": [{"role": "user", "content": f"question {i}"}]}
+        for i in range(20)
+    ]
+    rows[7]["messages"][0]["content"] = "long " * 400
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    assert cli("enqueue", str(tmp_path / "in.jsonl"), "-d", "d", "--db", str(db),
+               "--max-tokens", "16").returncode == 0  # fmt: skip
+    result = cli("run", "--server", server.url, "--db", str(db), *RUN)
+    assert result.returncode == 6, result.stderr  # finished, one item failed
+    failed = query(db, "SELECT key, error_class FROM items WHERE state = 'failed'")
+    assert failed == [("p000007", "context_overflow")]
+    assert done_count(db) == 19
+
+
+def test_without_the_batch_api_the_run_says_so_and_takes_nothing(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    server = sim_process("--no-batch-api")
+    db = tmp_path / "q.db"
+    enqueue_prompts(db, tmp_path / "in.jsonl", 5)
+    result = cli("run", "--server", server.url, "--db", str(db), *RUN)
+    assert result.returncode == 2, result.stderr
+    assert "does not offer the Batch API" in result.stderr and "--batch-api" in result.stderr
+    assert query(db, "SELECT state, count(*) FROM items GROUP BY state") == [("pending", 5)]
+
+
+@pytest.mark.parametrize(
+    ("fault", "event", "words"),
+    [
+        ("truncated_output", "batch_file_cut", "unreadable"),
+        ("missing_output", "batch_output_unreadable", "problems"),
+        ("lost_batch", "batch_abandoned", "no longer at"),
+    ],
+)
+def test_output_files_missing_or_cut_and_a_lost_batch(
+    tmp_path: Path,
+    sim_process: Callable[..., SimProcess],
+    fault: str,
+    event: str,
+    words: str,
+) -> None:
+    """A cut output file (read again, then its whole lines kept), a missing one, a lost
+    batch: each is named with its batch, and the requests it did not answer are asked
+    again. Nothing lost; only what the provider lost is paid again."""
+    server = sim_process(*FAST, "--batch-fault", fault)
+    db = tmp_path / "q.db"
+    enqueue_prompts(db, tmp_path / "in.jsonl", 30)
+    result = cli(
+        "--log-json", "run", "--server", server.url, "--db", str(db), *RUN,
+        "--batch-requests", "10",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert done_count(db) == 30
+    said = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    named = [e for e in said if e["event"] == event]
+    assert len(named) == 1 and named[0]["batch"].startswith("orch-"), named
+    assert words in json.dumps(named[0])
+    stats = _batch_stats(server)
+    struck = query(db, "SELECT requests FROM batches WHERE key = ?", named[0]["batch"])[0][0]
+    paid_again = 1 if fault == "truncated_output" else struck
+    assert stats["duplicate_requests"] == paid_again, stats
+    assert _batch_export(db, tmp_path, 30) == _online_export(tmp_path, server, 30)
+
+
+def test_servers_file_batch_api_per_server(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    server = sim_process(*FAST)
+    db = tmp_path / "q.db"
+    enqueue_prompts(db, tmp_path / "in.jsonl", 10)
+    servers = tmp_path / "servers.txt"
+    servers.write_text(f"{server.url} batch_api=maybe\n")
+    result = cli("run", "--servers-file", str(servers), "--db", str(db), "--exit-when-done")
+    assert result.returncode == 2 and "batch_api='maybe': expected yes or no" in result.stderr
+    servers.write_text(f"{server.url} batch_api=yes\n")
+    result = cli("run", "--servers-file", str(servers), "--db", str(db), "--exit-when-done",
+                 "--batch-poll", "0.2")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert _batch_stats(server)["requests_submitted"] == 10
