@@ -14,6 +14,7 @@ import json
 import random
 import signal
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,6 +71,10 @@ def test_a_batch_run_exports_what_an_online_run_does(
     batches = query(db, "SELECT requests, state FROM batches ORDER BY id")
     assert all(requests <= 50 and state == "closed" for requests, state in batches), batches
     assert sum(requests for requests, _ in batches) == 120
+    status = json.loads(cli("status", "--json", "--db", str(db)).stdout)
+    assert status["batches"]["by_state"] == {"closed": {"batches": len(batches), "requests": 120}}
+    assert status["batches"]["live"] == []
+    assert f"closed {len(batches)} (120 requests)" in cli("status", "--db", str(db)).stdout
     assert _batch_export(db, tmp_path, 120) == _online_export(tmp_path, server, 120)
 
 
@@ -144,7 +149,7 @@ def test_a_cancelled_batch_sends_its_unanswered_lines_back(
 ) -> None:
     """A batch cancelled on the provider's side (by a person, say) while the run
     waits: what it answered is kept, the rest asked again."""
-    server = sim_process("--batch-delay", "4")
+    server = sim_process("--batch-delay", "10")
     db = tmp_path / "q.db"
     enqueue_prompts(db, tmp_path / "in.jsonl", 30)
     worker = start_worker(db, server.url, *RUN)
@@ -154,7 +159,9 @@ def test_a_cancelled_batch_sends_its_unanswered_lines_back(
         "a batch created",
     )[0][0]  # fmt: skip
     time.sleep(1.0)
-    import urllib.request
+    live = json.loads(cli("status", "--json", "--db", str(db)).stdout)["batches"]["live"]
+    shown = next(b for b in live if b["provider_id"] == provider_id)
+    assert shown["status"] in ("validating", "in_progress") and shown["window_left_s"] > 80000
 
     req = urllib.request.Request(f"{server.url}/v1/batches/{provider_id}/cancel", method="POST")
     with urllib.request.urlopen(req, timeout=10) as resp:

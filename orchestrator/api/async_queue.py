@@ -273,6 +273,10 @@ class Queue(DatasetCalls):
         tpm: int | None = None,
         rate_limited_warn_after: float = 600.0,
         stream_usage: bool = False,
+        batch_api: bool = False,
+        batch_requests: int = 10_000,
+        batch_mb: float = 200.0,
+        batch_poll: float = 60.0,
     ) -> RunOutcome:
         """Work on the queue as ``orchestrator run`` does, until every item is done or
         failed (``until_done``) or the task running it is cancelled.
@@ -291,6 +295,9 @@ class Queue(DatasetCalls):
         ``max_server_deaths`` and ``server_death_window`` as the command's options.
         ``rpm``/``tpm`` pace each server under a hosted API's requests and tokens a
         minute (``--rpm``/``--tpm``); without them its ``x-ratelimit-*`` headers do.
+        ``batch_api`` sends the requests through the servers' Batch API in batches of
+        at most ``batch_requests`` requests and ``batch_mb`` MiB, looked at at most
+        every ``batch_poll`` seconds, as ``run --batch-api`` does.
         """
         checked("until_done", until_done, RUN["exit_when_done"])
         given = {**locals(), "exit_when_done": until_done, "concurrency": run_cap(concurrency)}

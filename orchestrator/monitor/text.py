@@ -223,6 +223,7 @@ def render_status(snap: dict[str, Any]) -> str:
     lines.extend(_flag_lines(snap))
     lines.extend(_structured_lines(snap))
     lines.extend(_worker_lines(snap))
+    lines.extend(_batch_lines(snap.get("batches")))
     lines.extend(_limited_lines(snap.get("rate_limited") or []))
     lines.extend(_server_lines(snap.get("servers") or []))
     lines.extend(_launched_lines(snap.get("launched") or []))
@@ -282,6 +283,26 @@ def _worker_lines(snap: dict[str, Any]) -> list[str]:
             f" last heartbeat {duration(w['heartbeat_age_s'])} ago" + (f"  {note}" if note else "")
         )
     return _section("workers:", rows)
+
+
+def _batch_lines(batches: dict[str, Any] | None) -> list[str]:
+    """A provider's batches: how many in each state, and each live one."""
+    if not batches:
+        return []
+    states = ", ".join(
+        f"{state} {b['batches']:,} ({b['requests']:,} requests)"
+        for state, b in sorted(batches["by_state"].items())
+    )
+    rows = [f"  {states}"]
+    for b in batches["live"]:
+        window = b["window_left_s"]
+        left = f", {duration(window)} left of its window" if window is not None else ""
+        rows.append(
+            f"  {b['provider_id'] or b['key']}: {b['status'] or b['state']}, "
+            f"{b['completed']:,}/{b['requests']:,} answered, {b['failed']:,} failed, "
+            f"{duration(b['age_s'])} old{left}"
+        )
+    return _section("batches:", rows)
 
 
 def _crash_lines(after: dict[str, int] | None) -> list[str]:

@@ -19,7 +19,7 @@ from orchestrator.items.answer_length import MEASURED_AFTER
 from orchestrator.items.error_classes import limited_for
 from orchestrator.items.quality import ALL_FLAGS
 from orchestrator.items.structured import INVALID_FLAGS, expected_format
-from orchestrator.store import crashes, liveness
+from orchestrator.store import batches, crashes, liveness
 
 if TYPE_CHECKING:
     from orchestrator.store.reader import Rows
@@ -113,6 +113,8 @@ _QUERIES: dict[str, str] = {
         f"SELECT {liveness.COLUMNS} FROM workers"
         " WHERE stopped_at IS NULL OR stopped_at >= :since ORDER BY started_at"
     ),
+    # A provider's batches (migration 0021): the live ones, and a count by state.
+    **batches.STATUS_SQL,
 }
 
 # Completion lengths of a dataset's latest answers, for p50/p90: newest first along
@@ -358,6 +360,9 @@ def _document(
         "datasets": entries,
         "workers": workers,
     }
+    shown = batches.status_section(rows["batches"], rows["batch_states"], now)
+    if shown is not None:
+        document["batches"] = shown
     ids = [row[0] for row in rows["datasets"]]
     return Snapshot(document, ids, [_work(**w, busy=busy) for w in work], live)
 
