@@ -263,10 +263,19 @@ async def settle(database: Database, lines: Sequence[tuple[str, str]]) -> None:
     await database.run_write(write)
 
 
-async def close_finished(database: Database) -> list[str]:
-    """Close each collected batch none of whose lines is wanted any more (each written
-    for its item, or its item no longer pending or running); the keys closed."""
-    still_wanted = (
+def settle_items(conn: sa.Connection, item_ids: Sequence[int]) -> None:
+    """The lines of these items settled, in the caller's transaction: they are asked
+    anew (a requeue), never answered from a batch made for what they were."""
+    conn.execute(
+        batch_entries.update()
+        .where(batch_entries.c.item_id.in_(item_ids), batch_entries.c.settled == 0)
+        .values(settled=1)
+    )
+
+
+def _still_wanted() -> sa.Exists:
+    """A line of the batch in the outer query still waits to be written for its item."""
+    return (
         sa.select(batch_entries.c.batch_id)
         .join(items, items.c.id == batch_entries.c.item_id)
         .where(
@@ -276,6 +285,22 @@ async def close_finished(database: Database) -> list[str]:
         )
         .exists()
     )
+
+
+async def unwanted(database: Database, keys: Sequence[str]) -> list[str]:
+    """Of these batches, those none of whose lines is wanted any more (their items
+    requeued, deleted, or ended otherwise): worth cancelling where still running."""
+    if not keys:
+        return []
+    query = sa.select(batches.c.key).where(batches.c.key.in_(keys), ~_still_wanted())
+    async with database.read() as conn:
+        return list((await conn.execute(query)).scalars())
+
+
+async def close_finished(database: Database) -> list[str]:
+    """Close each collected batch none of whose lines is wanted any more (each written
+    for its item, or its item no longer pending or running); the keys closed."""
+    still_wanted = _still_wanted()
 
     def write(conn: sa.Connection) -> list[str]:
         keys = list(

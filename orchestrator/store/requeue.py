@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.items.error_classes import is_known, unknown
 from orchestrator.items.params import expected, shown
+from orchestrator.store import batches
 from orchestrator.store.engine import Database
 from orchestrator.store.schema import datasets, items, outputs, requeued_items, requeues
 from orchestrator.store.transitions import RESTORABLE, hold, reopen, restore
@@ -227,6 +228,7 @@ async def requeue(
             chunk = chosen[start : start + _CHUNK]
             ids = [item_id for item_id, _ in chunk]
             _record(conn, requeue_id, ids, max_tokens is not None)
+            batches.settle_items(conn, ids)
             reopen(conn, ids, selection.state, values, requeue_id=requeue_id)
             if max_tokens is not None:
                 _set_max_tokens(conn, chunk, max_tokens)

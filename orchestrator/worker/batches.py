@@ -75,6 +75,7 @@ class _Batch:
     provider_id: str | None = None
     results: dict[str, LineResult] | None = None
     failed: Exception | None = None
+    cancelled: bool = False
     waiting: dict[str, list[asyncio.Future[LineResult]]] = field(default_factory=dict)
 
     def wait_for(self, line: str) -> asyncio.Future[LineResult]:
@@ -151,6 +152,13 @@ class Batches:
                     f"{missing}; run without --batch-api (or with batch_api=no for this "
                     "server in the servers file)"
                 )
+        # Follow every created batch of these servers left live by an earlier life of the
+        # run: its answers are collected before its items are claimed, and one nobody
+        # wants any more is cancelled. (One not yet created may be another live worker's,
+        # about to be: it is looked at only once one of its items is claimed here.)
+        for row in await records.listing(self.database, live=True, limit=10_000):
+            if row.provider_id and row.server in self.servers:
+                self._adopt(row.key, row.server, row.endpoint)
         self._spawn(self._keep())
 
     async def close(self) -> None:
@@ -468,11 +476,25 @@ class Batches:
                 log.warning("batch_records_not_kept", error=str(exc))
 
     async def _tidy(self) -> None:
-        """Write the lines settled since the last time; close the batches done with."""
+        """Write the lines settled since the last time; close the batches done with;
+        cancel, at the provider, a running batch none of whose lines is wanted any more
+        (its items requeued, say): it would be paid for, for nothing."""
         await self._write_settled()
         for key in await records.close_finished(self.database):
             self._batches.pop(key, None)
             log.info("batch_closed", batch=key)
+        running = [
+            b.key
+            for b in self._batches.values()
+            if b.provider_id and b.results is None and b.failed is None and not b.cancelled
+        ]
+        for key in await records.unwanted(self.database, running):
+            batch = self._batches[key]
+            batch.cancelled = True
+            with contextlib.suppress(Exception):
+                await self.api.cancel(batch.server, batch.provider_id or "")
+                log.warning("batch_cancelled", batch=key, provider_id=batch.provider_id,
+                            reason="none of its requests is wanted any more")  # fmt: skip
 
     async def _write_settled(self) -> None:
         settled, self._settled = self._settled, []
