@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator.cli.common import Commands, run_sync, split_servers
-from orchestrator.cli.options import Row, shown, table
+from orchestrator.cli.options import POSITIVE, Row, shown, table
 
 
 @click.group(cls=Commands)
@@ -57,7 +57,6 @@ def deploy_systemd(
     click.echo(run_sync(lambda: render_unit(spec)), nl=False)
 
 
-_POSITIVE = {"type": click.IntRange(min=1)}
 _SLURM: tuple[Row, ...] = (
     (
         "--db",
@@ -85,11 +84,11 @@ _SLURM: tuple[Row, ...] = (
         "Tasks of an array job, one node and one worker each.",
         shown(1, click.IntRange(min=1)),
     ),
-    ("--nodes", "One job over N nodes instead, one worker per node under srun.", _POSITIVE),
+    ("--nodes", "One job over N nodes instead, one worker per node under srun.", POSITIVE),
     ("--time", "The time limit, as sbatch takes it (30:00:00).", {"metavar": "LIMIT"}),
     ("--partition", "The partition to run in.", {}),
-    ("--gpus-per-node", "GPUs each node needs.", _POSITIVE),
-    ("--cpus-per-task", "CPUs each task needs.", _POSITIVE),
+    ("--gpus-per-node", "GPUs each node needs.", POSITIVE),
+    ("--cpus-per-task", "CPUs each task needs.", POSITIVE),
     ("--mem", "Memory per node, as sbatch takes it (e.g. 200G).", {"metavar": "SIZE"}),
     ("--job-name", "The job's name.", shown("orchestrator")),
     (

@@ -9,9 +9,8 @@ from typing import Any
 import click
 
 from orchestrator.cli.common import run_sync, usage_errors
-from orchestrator.cli.options import Row, shown, table
+from orchestrator.cli.options import POSITIVE, Row, shown, table
 
-_POSITIVE = {"type": click.IntRange(min=1)}
 _OPTIONS: tuple[Row, ...] = (
     (
         "--launch",
@@ -50,9 +49,9 @@ _OPTIONS: tuple[Row, ...] = (
         "--gpus-per-server",
         "One replica of each launched server per this many GPUs (from "
         "CUDA_VISIBLE_DEVICES, else nvidia-smi -L), each with its own CUDA_VISIBLE_DEVICES.",
-        _POSITIVE,
+        POSITIVE,
     ),
-    ("--replicas", "Copies of each launched server, for CPU engines (llama.cpp).", _POSITIVE),
+    ("--replicas", "Copies of each launched server, for CPU engines (llama.cpp).", POSITIVE),
     (
         "--startup-timeout",
         "Seconds a launched server may take to load and answer (a 600 GB model "

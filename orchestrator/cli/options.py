@@ -25,6 +25,9 @@ Row = tuple[str | tuple[str, ...], str | None, Mapping[str, Any]]
 #: The keywords of an on/off option.
 FLAG: Mapping[str, Any] = {"is_flag": True}
 
+#: The keywords of a count that must be 1 or more, with no default.
+POSITIVE: Mapping[str, Any] = {"type": click.IntRange(min=1)}
+
 
 def stacked(command: F, options: list[Callable[..., Any]]) -> F:
     """``command`` with ``options`` in the order listed (as stacked decorators would be)."""

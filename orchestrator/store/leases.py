@@ -48,6 +48,11 @@ class Lease:
     # Which of its prompt's samples the item is (``items.sample``; 0 when one).
     sample: int = 0
 
+    @property
+    def log_fields(self) -> dict[str, Any]:
+        """How every log line names the item: its id, and its key to find its row."""
+        return {"item": self.item_id, "key": self.key}
+
 
 @dataclass(frozen=True, slots=True)
 class Output(Answer):

@@ -149,8 +149,7 @@ class Caller:
         if debug_enabled():  # per request: not even built at the usual levels
             log.debug(
                 "answered",
-                item=lease.item_id,
-                key=lease.key,
+                **lease.log_fields,
                 dataset=info.name,
                 turn=lease.turn,
                 server=server,

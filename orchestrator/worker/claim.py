@@ -320,7 +320,7 @@ class Claims:
             entry.cancel_reason = "lease_lost"
             entry.task.cancel()
         self.stats.lost += 1
-        log.warning("lease_lost", item=item_id, key=entry.lease.key)
+        log.warning("lease_lost", **entry.lease.log_fields)
 
 
 class _Rate:

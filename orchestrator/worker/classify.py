@@ -59,8 +59,7 @@ def retry_or_fail(
         if retry_after is not None and retry_after > config.backoff_cap:
             log.warning(
                 "retry_after_capped",
-                item=lease.item_id,
-                key=lease.key,
+                **lease.log_fields,
                 server=server,
                 retry_after_s=round(retry_after, 3) if math.isfinite(retry_after) else "inf",
                 wait_s=round(delay, 2),
@@ -75,8 +74,7 @@ def retry_or_fail(
     )
     log.warning(
         "item_retry",
-        item=lease.item_id,
-        key=lease.key,
+        **lease.log_fields,
         attempt=lease.attempt,
         error_class=exc.error_class,
         delay_s=round(delay, 2),
@@ -93,8 +91,7 @@ def crashed(
     if not isinstance(exc, InferenceError):
         log.error(
             "item_crashed",
-            item=lease.item_id,
-            key=lease.key,
+            **lease.log_fields,
             server=server,
             error_type=type(exc).__name__,
             exc_info=exc,
@@ -194,8 +191,7 @@ def reduced(result: Output, lease: Lease, body: dict[str, Any]) -> Output:
     """An answer asked with ``max_tokens`` lowered to fit the context: flagged."""
     log.info(
         "max_tokens_reduced",
-        item=lease.item_id,
-        key=lease.key,
+        **lease.log_fields,
         turn=lease.turn,
         max_tokens=sent_max_tokens(body),
     )
@@ -231,8 +227,7 @@ def stopped(lease: Lease, result: Output) -> Output:
     another way than the original's, whose results would answer calls never made."""
     log.info(
         "conversation_stopped",
-        item=lease.item_id,
-        key=lease.key,
+        **lease.log_fields,
         turn=lease.turn,
         turns=lease.turns,
         reason="tool_mismatch",

@@ -183,8 +183,7 @@ class Committer:
         reason = f"{type(error).__name__}: {error}"
         log.error(
             "outcome_unstorable",
-            item=entry.lease.item_id,
-            key=entry.lease.key,
+            **entry.lease.log_fields,
             kind=entry.kind,
             error=reason[:500],
         )

@@ -186,8 +186,7 @@ class RunGuard:
         if _refused_again(lease.last_failure, failure):
             log.info(
                 "refused_again",
-                item=lease.item_id,
-                key=lease.key,
+                **lease.log_fields,
                 error_class=failure.error_class,
                 note="held when an earlier run stopped, refused the same way again: its own",
             )

@@ -261,9 +261,7 @@ class Worker:
             if held is None:
                 return  # the keeper found the lease gone first, and counted it
             self.stats.lost += 1
-            log.warning(
-                "result_dropped_lease_lost", item=lease.item_id, key=lease.key, kind=entry.kind
-            )
+            log.warning("result_dropped_lease_lost", **lease.log_fields, kind=entry.kind)
             return
         if self.metrics is not None:
             summary.observe(self.metrics, self.catalog.name(lease.dataset_id), entry)

@@ -457,7 +457,8 @@ class _Parsers:
             key, request, fmt, turns, usage, predicted = item_parser(obj)
             if key is None:
                 key = prefix + str(number)
-            return build(offset + number, key, request, fmt, mode, turns, usage, predicted)
+            item = (offset + number, key, request, fmt, mode, turns, usage, predicted)
+            return build(_new_tuple(_Item, item))
 
         return parse if self.mapper is not None else _only(self.fmt, parse)
 
@@ -491,7 +492,7 @@ class _TurnItems:
     def parser(
         self,
         item_parser: Callable[[dict], Mapped],
-        build: Callable[..., Any],
+        build: Callable[[_Item], Any],
         prefix: str,
         offset: int,
         only: str | None,
@@ -511,14 +512,16 @@ class _TurnItems:
             share = -(-predicted // len(prompts))  # rounded up: a known answer stays known
             out = [
                 build(
-                    last - i,
-                    f"{key}#turn{k}",
-                    {**request, "messages": history},
-                    fmt,
-                    "each",
-                    1,
-                    usage,
-                    share,
+                    _Item(
+                        last - i,
+                        f"{key}#turn{k}",
+                        {**request, "messages": history},
+                        fmt,
+                        "each",
+                        1,
+                        usage,
+                        share,
+                    )
                 )
                 for i, (k, history) in enumerate(prompts)
             ]
@@ -574,11 +577,9 @@ def _as_prompt(parse: Callable[[Raw, int], Any]) -> Callable[[Raw, int], Any]:
         item = parse(raw, number)
         if isinstance(item, Record):
             request = prompt_request(item.request)
-            digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-            return dataclasses.replace(item, request=request, digest=digest)
-        request = prompt_request(orjson.loads(item.body))
-        digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-        return item._replace(digest=digest, body=_dumps(request).decode())
+            return dataclasses.replace(item, request=request, digest=_digest(request))
+        digest, body = _encoded(prompt_request(orjson.loads(item.body)))
+        return item._replace(digest=digest, body=body)
 
     return parse_prompt
 
@@ -605,8 +606,7 @@ def _prepare_row(prefix: str, offset: int, lines: bool) -> Callable[[Raw, int], 
         key, request, fmt, predicted = parse_object(obj)
         if key is None:
             key = prefix + str(number)
-        digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-        body = _dumps(request).decode()
+        digest, body = _encoded(request)
         return _new_tuple(Prepared, (offset + number, key, fmt, digest, body, predicted))
 
     if not lines:
@@ -614,56 +614,47 @@ def _prepare_row(prefix: str, offset: int, lines: bool) -> Callable[[Raw, int], 
     return lambda raw, number: prepare(parse_json(raw), number)  # type: ignore[arg-type]
 
 
-_Usage = tuple[int | None, int | None]
+class _Item(NamedTuple):
+    """An item as read from its row, before it is built into what the read yields."""
+
+    line: int
+    key: str
+    request: dict
+    fmt: str
+    mode: str
+    turns: int
+    usage: tuple[int | None, int | None]
+    predicted: int
 
 
-def _build_prepared(
-    line: int,
-    key: str,
-    request: dict,
-    fmt: str,
-    mode: str,
-    turns: int,
-    usage: _Usage,
-    predicted: int,
-) -> Prepared:
+def _build_prepared(item: _Item) -> Prepared:
+    line, key, request, fmt, _, _, _, predicted = item
     return _new_tuple(Prepared, (line, key, fmt, *_encoded(request), predicted))
 
 
-def _build_item(
-    line: int,
-    key: str,
-    request: dict,
-    fmt: str,
-    mode: str,
-    turns: int,
-    usage: _Usage,
-    predicted: int,
-) -> PreparedItem:
+def _build_item(item: _Item) -> PreparedItem:
+    line, key, request, fmt, mode, turns, (prompt, completion), predicted = item
     digest, body = _encoded(request)
-    return PreparedItem(line, key, fmt, digest, body, mode, turns, usage[0], usage[1], predicted)
+    return PreparedItem(line, key, fmt, digest, body, mode, turns, prompt, completion, predicted)
+
+
+def _build_record(item: _Item) -> Record:
+    line, key, request, fmt, mode, turns, (prompt, completion), predicted = item
+    digest = _digest(request)
+    return Record(line, key, request, digest, fmt, mode, turns, prompt, completion, predicted)
+
+
+def _digest(request: dict) -> str:
+    """A request's digest: its JSON with the keys sorted, so the same request has one."""
+    return _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
 
 
 def _encoded(request: dict) -> tuple[str, str]:
-    """A request's digest (keys sorted: the same request, the same digest) and its JSON."""
-    return _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest(), _dumps(request).decode()
+    """A request's digest and its JSON."""
+    return _digest(request), _dumps(request).decode()
 
 
-def _build_record(
-    line: int,
-    key: str,
-    request: dict,
-    fmt: str,
-    mode: str,
-    turns: int,
-    usage: _Usage,
-    predicted: int,
-) -> Record:
-    digest = _sha256(_dumps(request, option=_SORT_KEYS)).hexdigest()
-    return Record(line, key, request, digest, fmt, mode, turns, usage[0], usage[1], predicted)
-
-
-_BUILDERS: dict[tuple[str, bool], Callable[..., Any]] = {
+_BUILDERS: dict[tuple[str, bool], Callable[[_Item], Any]] = {
     ("prepared", True): _build_prepared,
     ("prepared", False): _build_item,
     ("record", True): _build_record,
