@@ -157,3 +157,18 @@ def test_clock_skew() -> None:
     behind = _check_clock("http://s", email.utils.formatdate(now + 300, usegmt=True), now, 60)
     assert behind.ok is False and "behind the server" in behind.line and "NTP" in behind.line
     assert _check_clock("http://s", None, now, 60).ok is None
+
+
+def test_the_batch_api_offered_or_not(tmp_path: Path, sim_process: SimFactory) -> None:
+    db = tmp_path / "q.db"
+    enqueue(tmp_path, db)
+    offers, lacks = sim_process(), sim_process("--no-batch-api")
+    code, lines = doctor(db, "--server", offers.url, "--batch-api")
+    assert code == 0, lines
+    assert "PASS  batch API" in lines[f"batch API {offers.url}"]
+    code, lines = doctor(db, "--server", lacks.url, "--batch-api")
+    assert code == 1
+    said = lines[f"batch API {lacks.url}"]
+    assert said.startswith("FAIL") and "answered 404" in said and "without --batch-api" in said
+    code, lines = doctor(db, "--server", lacks.url)  # not asked: not checked
+    assert code == 0 and f"batch API {lacks.url}" not in lines

@@ -27,6 +27,11 @@ from orchestrator.cli.options import (
     help="Bytes each remaining answer adds to the database (default: measured).",
 )
 @click.option("--clock-tolerance", type=click.FloatRange(min=0), default=60.0, show_default=True)
+@click.option(
+    "--batch-api",
+    is_flag=True,
+    help="Check that each server offers the Batch API, as run --batch-api needs.",
+)
 @launch_commands_options
 @api_key_file_option
 @basic_auth_file_option

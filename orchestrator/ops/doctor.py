@@ -70,6 +70,8 @@ class DoctorConfig:
     clock_tolerance: float = 60.0
     bytes_per_item: int | None = None  # None: measured from done items, else the default
     timeout: float = 10.0
+    #: Check that each server offers the Batch API (``run --batch-api``).
+    batch_api: bool = False
 
 
 @dataclass(slots=True)
@@ -166,7 +168,26 @@ async def check_server(
         await _check_models(session, url, wanted, config.timeout, _sent(server, config)),
         _check_clock(url, date, received, config.clock_tolerance),
     ]
+    if config.batch_api:
+        checks.append(await _check_batch_api(session, url, config.timeout))
     return checks
+
+
+async def _check_batch_api(session: aiohttp.ClientSession, url: str, seconds: float) -> Check:
+    """The server lists its batches (``GET /v1/batches``): it offers the Batch API."""
+    name = f"batch API {url}"
+    try:
+        reply = await probes.get(session, url + "/v1/batches?limit=1", seconds)
+    except probes.RequestFailed as exc:
+        return Check(name, False, f"/v1/batches: {exc}")
+    if reply.status == 200:
+        return Check(name, True, "offers the Batch API (/v1/files, /v1/batches)")
+    return Check(
+        name,
+        False,
+        f"GET /v1/batches answered {reply.status}: it does not offer the Batch API; "
+        "run without --batch-api",
+    )
 
 
 def _sent(server: str, config: DoctorConfig) -> str:
