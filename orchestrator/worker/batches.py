@@ -244,7 +244,7 @@ class Batches:
         if batch is None:
             batch = _Batch(f"orch-{uuid.uuid4().hex}", server, endpoint)
             self._packing[slot] = self._batches[batch.key] = batch
-            self._spawn(self._linger(slot, batch))
+            self._spawn(self._guarded(batch, self._linger(slot, batch)))
         batch.lines.append(records.Line(line, lease.item_id, lease.turn))
         batch.data.append(data)
         batch.size += len(data)
@@ -267,7 +267,7 @@ class Batches:
 
     def _send(self, slot: tuple[str, str]) -> None:
         batch = self._packing.pop(slot)
-        self._spawn(self._submit(batch))
+        self._spawn(self._guarded(batch, self._submit(batch)))
 
     async def _submit(self, batch: _Batch) -> None:
         """Write the batch down, upload it, create it, each step recorded; then follow it.
@@ -351,8 +351,21 @@ class Batches:
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = _Batch(key, server, endpoint)
-            self._spawn(self._resume(batch))
+            self._spawn(self._guarded(batch, self._resume(batch)))
         return batch
+
+    async def _guarded(self, batch: _Batch, step: Awaitable[None]) -> None:
+        """A batch's task; one that breaks (a bug, the database gone) must not leave its
+        requests waiting for ever: they end with its error, their attempt counted, and the
+        batch's record stays as it was, for whoever asks them next to adopt it."""
+        try:
+            await step
+        except Exception as exc:
+            log.exception("batch_task_failed", batch=batch.key)
+            said = f"{batch.describe()}: {type(exc).__name__}: {exc}"
+            batch.fail(BatchUnanswered(said, released=False))
+            if self._batches.get(batch.key) is batch:
+                del self._batches[batch.key]
 
     async def _resume(self, batch: _Batch) -> None:
         """Follow a batch recorded by another life of the run: from its provider id, from
