@@ -67,7 +67,10 @@ def run_killed(db: Path, url: str, run_args: list[str], kills: int, seed: int) -
         time.sleep(rng.uniform(1.0, 8.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    orch("run", *run_args)
+    with open(db.parent / "final.log", "w") as log:
+        done = subprocess.run([*ORCH, "--log-json", "run", *run_args], stderr=log)
+    if done.returncode != 0:
+        raise SystemExit(f"the last run failed: see {db.parent / 'final.log'}")
     return time.monotonic() - started
 
 
@@ -124,9 +127,7 @@ def main() -> None:
                 " WHERE provider_id IS NOT NULL"
             ).fetchall()
         delays = answer_delays(batch_db, batches)
-        lives = [b["completed_at"] - b["created_at"] for b in batches.values()
-                 if b.get("completed_at")]  # fmt: skip
-        polls_per_hour = _polls_per_hour(lives, args.poll)
+        made, hours = looks(work)
         print_table(
             ["figure", "value"],
             [
@@ -141,23 +142,26 @@ def main() -> None:
                 ["requests per batch (mean, max)",
                  f"{statistics.mean(s[0] for s in sizes):,.0f}, {max(s[0] for s in sizes):,}"],
                 ["bytes per batch (mean)", f"{statistics.mean(s[1] for s in sizes):,.0f}"],
-                ["looks per batch-hour (24 h batch)", f"{polls_per_hour:,.1f}"],
+                ["looks at a batch per hour followed (last run)",
+                 f"{made / hours:,.0f} ({made} in {hours * 3600:,.0f} s)" if hours else "-"],
+                [f"  steady state, --batch-poll {args.poll:g}", f"{3600 / args.poll:,.0f}"],
+                ["  steady state, --batch-poll 60 (default)", "60"],
                 ["completion → answers written, s (median, max)",
                  f"{statistics.median(delays):.2f}, {max(delays):.2f}" if delays else "-"],
             ],
         )  # fmt: skip
 
 
-def _polls_per_hour(lives: list[float], poll_max: float) -> float:
-    """The looks the worker makes at one batch per hour of a 24-hour batch: every
-    ``poll_max`` seconds once the wait has doubled up to it (1, 2, 4, ... seconds)."""
-    del lives
-    looks, waited, wait = 0, 0.0, min(1.0, poll_max)
-    while waited < 86_400:
-        looks += 1
-        waited += wait
-        wait = min(wait * 2, poll_max)
-    return looks / 24
+def looks(work: Path) -> tuple[int, float]:
+    """The looks at batches the final run's worker made, and the hours it followed them
+    (its ``batch_collected`` events)."""
+    n, seconds = 0, 0.0
+    for line in (work / "final.log").read_text().splitlines():
+        if '"batch_collected"' in line:
+            event = json.loads(line)
+            n += event["looks"]
+            seconds += event["followed_s"]
+    return n, seconds / 3600
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ class _Batch:
     results: dict[str, LineResult] | None = None
     failed: Exception | None = None
     cancelled: bool = False
+    looks: int = 0  # at the provider's batch object, by this worker
     waiting: dict[str, list[asyncio.Future[LineResult]]] = field(default_factory=dict)
 
     def wait_for(self, line: str) -> asyncio.Future[LineResult]:
@@ -401,6 +402,7 @@ class Batches:
             if doc is not None:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.limits.poll_max)
+            batch.looks += 1
             try:
                 assert batch.provider_id is not None
                 doc = await _tried(lambda: self.api.get(batch.server, batch.provider_id or ""))
@@ -455,7 +457,8 @@ class Batches:
         log.info(
             "batch_collected", batch=batch.key, provider_id=batch.provider_id, status=status,
             answered=sum(r.choices is not None for r in results.values()),
-            lines=len(await self._lines(batch)),
+            lines=len(await self._lines(batch)), looks=batch.looks,
+            followed_s=round(time.monotonic() - batch.first, 1),
         )  # fmt: skip
         batch.answer(results)
 
