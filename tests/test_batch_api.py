@@ -258,3 +258,28 @@ def test_servers_file_batch_api_per_server(
                  "--batch-poll", "0.2")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert _batch_stats(server)["requests_submitted"] == 10
+
+
+async def test_the_report_shows_the_batches(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """The dashboard's page (here as ``report``'s static file) shows the batches by
+    state, and each live one; none live once the run is over."""
+    from tests.browser import Browser
+
+    server = sim_process(*FAST)
+    db = tmp_path / "q.db"
+    enqueue_prompts(db, tmp_path / "in.jsonl", 12)
+    result = cli("run", "--server", server.url, "--db", str(db), *RUN)
+    assert result.returncode == 0, result.stderr
+    made = query(db, "SELECT count(*) FROM batches")[0][0]
+    out = tmp_path / "report.html"
+    assert cli("report", str(out), "--db", str(db)).returncode == 0
+    async with Browser() as browser:
+        await browser.open(out.as_uri())
+        await browser.wait_for("!document.querySelector('#batches').hidden")
+        said = await browser.evaluate("document.querySelector('#batch-states').textContent")
+        rows = await browser.evaluate("document.querySelector('#batches tbody').textContent")
+        assert browser.errors == []
+    assert said == f"closed {made} (12 requests)"
+    assert rows == "no live batch"
