@@ -75,6 +75,11 @@ def test_a_batch_run_exports_what_an_online_run_does(
     assert status["batches"]["by_state"] == {"closed": {"batches": len(batches), "requests": 120}}
     assert status["batches"]["live"] == []
     assert f"closed {len(batches)} (120 requests)" in cli("status", "--db", str(db)).stdout
+    shown = json.loads(cli("inspect", "--id", "p000005", "--json", "--db", str(db)).stdout)
+    (line,) = shown["batches"]
+    assert line["state"] == "closed" and line["settled"] and line["provider_id"]
+    wide = cli("inspect", "--id", "p000005", "--db", str(db), env={"COLUMNS": "200"}).stdout
+    assert f"in batch {line['provider_id']} (turn 0): completed, answer written" in wide
     assert _batch_export(db, tmp_path, 120) == _online_export(tmp_path, server, 120)
 
 

@@ -312,6 +312,10 @@ def _history(r: ItemRecord) -> list[RenderableType]:
     for q in r.requeues:
         what = Text(f"requeue #{q.requeue}: sent back from {q.state}", "cyan")
         rows.append((q.at, [_event(None, what, None, q.at)]))
+    for b in r.batches:
+        said = f"in batch {b.provider_id or b.batch} (turn {b.turn}): {b.status or b.state}"
+        what = Text(said + (", answer written" if b.settled else ""), "blue")
+        rows.append((b.at, [_event(None, what, b.server, b.at)]))
     if not rows:
         return []
     without = Text(f"{len(r.errors)} without an answer", "red") if r.errors else None

@@ -83,6 +83,11 @@ _ERRORS = (
     "SELECT item_id, attempt, error_class, message, outcome, server, created_at"
     " FROM attempt_errors WHERE item_id IN {ids} ORDER BY id"
 )
+_BATCH_LINES = (
+    "SELECT e.item_id, b.key, b.provider_id, b.server, b.state, b.status, e.turn, e.settled,"
+    " b.created_at FROM batch_entries AS e JOIN batches AS b ON b.id = e.batch_id"
+    " WHERE e.item_id IN {ids} ORDER BY e.item_id, b.id"
+)
 _REQUEUES = (
     "SELECT r.item_id, r.requeue_id, q.created_at, r.state, r.attempts, r.error_class,"
     " r.last_error, r.finished_at, r.request FROM requeued_items AS r"
@@ -108,6 +113,22 @@ _PARAMS = "SELECT hash, params FROM param_sets WHERE hash IN {ids}"
 
 
 # ---------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLineRecord:
+    """A line that asked for the item in a provider's batch (``run --batch-api``):
+    the batch (the run's key, the provider's id), its state and the provider's status,
+    the turn asked, and whether its answer was written for the item (``settled``)."""
+
+    batch: str
+    provider_id: str | None
+    server: str
+    state: str
+    status: str | None
+    turn: int
+    settled: bool
+    at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +239,8 @@ class ItemRecord:
     choice: int | None = None
     """Which choice of the request its answer came in, when that request asked for
     several of its prompt's samples (``request`` holds the request's ``n`` and seed)."""
+    batches: tuple[BatchLineRecord, ...] = ()
+    """The provider batches that asked for it (``run --batch-api``), oldest first."""
 
 
 # -------------------------------------------------------------------------- selection
@@ -505,6 +528,7 @@ class _Found:
     set_aside: dict[tuple[int, int], AnswerRecord] = field(default_factory=dict)
     set_aside_turns: dict[tuple[int, int], list[TurnRecord]] = field(default_factory=dict)
     params: dict[str, Json] = field(default_factory=dict)
+    batches: dict[int, list[BatchLineRecord]] = field(default_factory=dict)
 
 
 def _read(rows: Rows, ids: Sequence[int]) -> _Found:
@@ -517,6 +541,8 @@ def _read(rows: Rows, ids: Sequence[int]) -> _Found:
         found.errors.setdefault(item_id, []).append(
             AttemptRecord(attempt, cls, message, outcome, server, at)
         )
+    for item_id, *line in _fetch_in(rows, _BATCH_LINES, ids):
+        found.batches.setdefault(item_id, []).append(BatchLineRecord(*line))
     for row in _fetch_in(rows, _REQUEUES, ids):
         found.requeues.setdefault(row[0], []).append(row[1:])
     for item_id, requeue_id, *rest in _fetch_in(rows, _SET_ASIDE, ids):
@@ -571,6 +597,7 @@ def _record(row: Sequence[Any], found: _Found, datasets: Mapping[int, _Dataset])
         not_before=not_before if state == "pending" and not_before else None,
         draw=draw,
         choice=choice[0] if choice is not None else None,
+        batches=tuple(found.batches.get(item_id, ())),
     )
 
 
