@@ -173,7 +173,7 @@ async def test_completions_endpoint_and_streams_refused(
 async def test_expired_batch_answers_some_and_expires_the_rest(
     sim: StartSim, session: aiohttp.ClientSession
 ) -> None:
-    base = await sim(batch_delay=30, batch_window=0.6)
+    base = await sim(batch_delay=30, batch_window=1.5)
     batch = await submit(session, base, jsonl([line(f"e{i}", chat_body(i)) for i in range(400)]))
     batch = await wait(session, base, batch["id"])
     assert batch["status"] == "expired" and batch["expired_at"] is not None
