@@ -288,3 +288,22 @@ async def test_the_report_shows_the_batches(
         assert browser.errors == []
     assert said == f"closed {made} (12 requests)"
     assert rows == "no live batch"
+
+
+def test_batches_past_the_providers_token_limit_wait_and_go_again(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """The provider refuses a batch whose tokens, with the live batches', pass its limit
+    (``token_limit_exceeded``): its requests go back, attempts given back, and go in a
+    later batch once the live ones ended; nothing paid twice."""
+    server = sim_process("--batch-delay", "1", "--batch-token-limit", "30")
+    db = tmp_path / "q.db"
+    enqueue_prompts(db, tmp_path / "in.jsonl", 40)
+    result = cli("run", "--server", server.url, "--db", str(db), *RUN, "--batch-requests", "10")
+    assert result.returncode == 0, result.stderr
+    assert done_count(db) == 40
+    refused = query(db, "SELECT count(*) FROM batches WHERE status = 'failed'")[0][0]
+    assert refused >= 1
+    stats = _batch_stats(server)
+    assert stats["requests_answered"] == 40 and stats["duplicate_requests"] == 0, stats
+    assert query(db, "SELECT max(attempts) FROM items")[0][0] == 1

@@ -50,8 +50,6 @@ T = TypeVar("T")
 _TRIES = 4
 #: Seconds between two housekeeping rounds: settled lines written, finished batches closed.
 _HOUSEKEEPING = 2.0
-#: How long a token-limit refusal makes a batch's requests wait before they go again.
-_TOKEN_LIMIT_WAIT = 60.0
 
 
 def custom_id(lease: Lease) -> str:
@@ -443,7 +441,9 @@ class Batches:
             error = BatchUnanswered(
                 f"{batch.describe()} failed: {said}",
                 released=released,
-                retry_after=_TOKEN_LIMIT_WAIT if released else None,
+                # Refused for the tokens the live batches hold: asked again once one of
+                # them may have ended (the longest wait between two looks).
+                retry_after=self.limits.poll_max if released else None,
             )
             results = {ln: LineResult(ln, error=error) for ln in await self._lines(batch)}
         elif problems:
