@@ -109,6 +109,11 @@ _QUERIES: dict[str, str] = {
     "after_crash": crashes.AFTER_CRASH_SQL,
     # Tokens thrown away (migration 0013): a row per dataset and cause, read whole.
     "wasted": "SELECT dataset_id, cause, requests, tokens, unknown FROM wasted_tokens",
+    # What the providers billed (migration 0022, store.spend): a handful of rows a dataset.
+    "spend": (
+        "SELECT dataset_id, server, model, batched, kind, requests, prompt_tokens,"
+        " cached_tokens, completion_tokens FROM spend ORDER BY dataset_id, kind, server, model"
+    ),
     "workers": (
         f"SELECT {liveness.COLUMNS} FROM workers"
         " WHERE stopped_at IS NULL OR stopped_at >= :since ORDER BY started_at"
@@ -297,6 +302,7 @@ def _document(
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
     cache_by = {r[0]: tuple(r[1:]) for r in rows["cache"]}
     wasted_by = _wasted_by(rows)
+    billed_by = _billed_by(rows)
     names = {row[0]: row[1] for row in rows["datasets"]}
     entries = []
     work: list[dict[str, Any]] = []
@@ -311,6 +317,7 @@ def _document(
         entry["completion_tokens"].update(_percentiles(lengths.get(ds_id, [])))
         entry["prompt_tokens"] = _cache_figures(*cache_by.get(ds_id, (0, 0, 0)))
         entry["wasted"] = wasted_figures(wasted_by[ds_id], entry["completion_tokens"]["total"])
+        entry["billed"] = billed_by.get(ds_id, [])
         if not passthrough:  # stored done at enqueue: no answer time to learn from
             work.append(
                 {"dataset_id": ds_id, "entry": entry, "cost": costs.get(ds_id), "params": ds_params}
@@ -548,6 +555,21 @@ def wasted_figures(by_cause: dict[str, tuple[int, int, int]], stored: int) -> di
         "share": share(tokens),
         "by_cause": causes,
     }
+
+
+def _billed_by(rows: Found) -> dict[int, list[dict[str, Any]]]:
+    """The ledger's rows by dataset, as ``datasets[].billed`` shows them."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for ds_id, server, model, batched, kind, *counts in rows["spend"]:
+        by.setdefault(ds_id, []).append(
+            {"server": server or None, "model": model or None, "batched": bool(batched)}
+            | {"kind": kind}
+            | dict(zip(_BILLED, (int(c) for c in counts), strict=True))
+        )
+    return by
+
+
+_BILLED = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 def _wasted_by(rows: Found) -> dict[int, dict[str, tuple[int, int, int]]]:
