@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from orchestrator._util import stopsignals
 from orchestrator.errors import ItemsFailed, ItemsLeftPending, RunStopped, ServersLost, StorageError
 from orchestrator.ops.systemd import SystemdNotifier
+from orchestrator.settings.prices import Prices, run_prices
+from orchestrator.settings.run import TOKEN_PRICES
 from orchestrator.store import check_datasets
 
 if TYPE_CHECKING:
@@ -87,6 +89,8 @@ def configs(
         backoff_base=settings.retry_backoff,
         grace_seconds=settings.grace,
         give_up_after=settings.give_up_after,
+        budget=settings.budget,
+        prices=_token_prices(specs, settings),
     )
     client = ClientConfig(
         request_timeout=settings.request_timeout,
@@ -98,6 +102,13 @@ def configs(
         max_response_bytes=int(settings.max_response_mb * 2**20),
     )
     return worker, client
+
+
+def _token_prices(specs: list[ServerSpec], settings: RunSettings) -> Any:
+    """The run's token prices (``orchestrator.settings.prices.RunPrices``), for its budget:
+    the settings' for every server, a servers file's own for its servers."""
+    default = Prices(**{name: getattr(settings, name) for name in TOKEN_PRICES})
+    return run_prices(default, {spec.url: spec.prices for spec in specs})
 
 
 async def run_worker(

@@ -33,6 +33,7 @@ from orchestrator.settings import checks
 __all__ = [
     "BATCH_DISCOUNT",
     "KEPT",
+    "PRICE_HELP",
     "Prices",
     "RunPrices",
     "budget_room",
@@ -45,6 +46,18 @@ MILLION = 1_000_000
 
 #: What a provider's Batch API takes off its online prices when no price says otherwise.
 BATCH_DISCOUNT = 0.5
+
+#: Each price's help, by its field's name: the options of ``status``, ``plan`` and ``run``
+#: (``--price-input``, ...) and ``Queue.run``'s arguments say the same.
+PRICE_HELP = {
+    "gpu_hour_cost": "Price of one server-hour (a GPU server's rent), for the run's cost.",
+    "price_input": "Price per million prompt tokens (a hosted API's input price).",
+    "price_cached_input": "Price per million cached prompt tokens (a provider's prompt-cache "
+    "price); the input price when not given.",
+    "price_output": "Price per million completion tokens (a hosted API's output price).",
+    "batch_discount": "Share taken off the token prices of answers that came from a provider's "
+    "Batch API (0.5 when not given).",
+}
 
 #: The ledger's kind of the answers kept (the others are ``store.waste`` causes).
 KEPT = "kept"
@@ -131,7 +144,7 @@ class RunPrices:
     def of(self, server: str | None) -> Prices:
         """The prices a server's answers are billed at: its own, else the default."""
         if server is not None:
-            own = self.servers.get(server.rstrip("/"))
+            own = self.servers.get(server_key(server))
             if own is not None:
                 return own
         return self.default
@@ -171,8 +184,16 @@ def run_prices(default: Prices, servers: Sequence[Prices] | Mapping[str, Prices]
         price_cached_input=mean([p.price_cached_input for p in tokened]),
         batch_discount=mean([p.batch_discount for p in tokened]),
         default=default,
-        servers={url.rstrip("/"): own.over(default) for url, own in named.items()},
+        servers={server_key(url): own.over(default) for url, own in named.items()},
     )
+
+
+def server_key(url: str) -> str:
+    """A server's URL as its answers name it: no userinfo (never stored), no last '/'."""
+    head, sep, rest = url.strip().partition("://")
+    if sep and "@" in rest:
+        rest = rest.rpartition("@")[2]  # as ``_util.urls.take_userinfo`` takes it
+    return f"{head}{sep}{rest}".rstrip("/")
 
 
 def _tokens_cost(prices: RunPrices, prompt: float, completion: float) -> float:

@@ -13,6 +13,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.inference.autoconcurrency import Limits
 from orchestrator.inference.servers_file import Cap
 from orchestrator.settings.checks import check_all, checked
+from orchestrator.settings.prices import RunPrices
 from orchestrator.settings.run import RUN
 
 
@@ -69,6 +70,10 @@ class WorkerConfig:
     breaker_items: int = 5
     # Seconds a dataset's trial request in flight unrefused opens it (orchestrator.worker.guard).
     trial_seconds: float = 2.0
+    # Most USD to spend at the token prices (run --budget; orchestrator.worker.budget), and
+    # the prices each server's answers are billed at. None: no budget.
+    budget: float | None = None
+    prices: RunPrices | None = None
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -92,6 +97,12 @@ class WorkerConfig:
             raise ConfigError("failure_limit must be at least 1")
         if self.breaker_items < 1:
             raise ConfigError("breaker_items must be at least 1")
+        check_all({"budget": self.budget}, RUN)
+        if self.budget is not None and (self.prices is None or not self.prices.by_token):
+            raise ConfigError(
+                "--budget counts what the providers bill by the token: give a token price "
+                "(--price-input, --price-output, or price_input= in the servers file)"
+            )
 
 
 class Notifier(Protocol):
