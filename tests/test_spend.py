@@ -16,13 +16,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.errors import NEEDS_A_PERSON, BudgetSpent
 from orchestrator.items.answer import Answer
 from orchestrator.items.samples import as_choice
+from orchestrator.monitor.dashboard import SqliteSource, make_app
 from orchestrator.settings.prices import KEPT, Prices, budget_room, run_prices, status_cost
 from orchestrator.store.spend import Bill, bill_of, tally
 from tests.helpers import SimProcess, cli, query, write_jsonl
@@ -254,6 +257,31 @@ def test_ledger_is_what_the_simulator_answered_with_waste(
     assert doc["cost"]["datasets"]["d"]["so_far"] == doc["cost"]["so_far"]
     text = cli("status", "--db", db_url, *OPTIONS).stdout
     assert f"${doc['cost']['so_far']:,.2f} so far" in text
+    _check_report_and_card(tmp_path, db_url, doc)
+
+
+def _check_report_and_card(tmp_path: Path, db: str, doc: dict[str, Any]) -> None:
+    """The report embeds the status's cost; the dataset card says the tokens billed."""
+    out = tmp_path / "report.html"
+    result = cli("report", str(out), "--db", db, *OPTIONS)
+    assert result.returncode == 0, result.stderr
+    html = out.read_text()
+    embedded = html.split('<script id="embedded" type="application/json">', 1)[1]
+    data = json.loads(embedded.split("</script>", 1)[0])
+    assert data["status"]["cost"]["so_far"] == doc["cost"]["so_far"]
+    assert data["status"]["cost"]["datasets"] == doc["cost"]["datasets"]
+    card = tmp_path / "README.md"
+    result = cli("export", str(tmp_path / "out.jsonl"), "--db", db, "--card", str(card))
+    assert result.returncode == 0, result.stderr
+    kept = query(
+        db, "SELECT requests, prompt_tokens, completion_tokens FROM spend WHERE kind = 'kept'"
+    )
+    requests, prompt, completion = (sum(int(r[i]) for r in kept) for i in range(3))
+    text = card.read_text()
+    assert (
+        f"| billed for answers kept | {requests:,} requests: {prompt:,} prompt tokens "
+        f"(0 cached), {completion:,} completion tokens |"
+    ) in text
 
 
 def test_status_cost_is_the_provider_bill_with_cached_tokens(
@@ -383,3 +411,36 @@ def test_a_budget_needs_a_token_price(tmp_path: Path, db_url: str) -> None:
     result = cli("run", "--server", "http://127.0.0.1:9", "--db", db_url, "--budget", "5")
     assert result.returncode == 2
     assert "token price" in result.stderr
+
+
+async def test_dashboard_serves_the_cost_per_dataset(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """The dashboard's status JSON carries the same cost block as ``status --json``, and
+    its page has a cost column to show it in."""
+    db = str(tmp_path / "run.db")
+    server = sim_process("--mean-tokens", "16", "--seed", "2")
+    _enqueue(tmp_path, db, _prompts(12), "--max-tokens", "40")
+    result = cli("run", "--server", server.url, "--db", db, "--exit-when-done")
+    assert result.returncode == 0, result.stderr
+    expected = _status(db)["cost"]
+    source = SqliteSource(db)
+    source.check()
+    prices = run_prices(Prices(**PRICES))
+    runner = web.AppRunner(make_app(source, prices=prices))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "api/status") as resp:
+                served = (await resp.json())["cost"]
+            async with http.get(url) as resp:
+                page = await resp.text()
+    finally:
+        await runner.cleanup()
+        await source.close()
+    assert served["so_far"] == expected["so_far"] > 0
+    assert served["datasets"] == expected["datasets"]
+    assert 'data-field="cost"' in page and 'id="total-cost"' in page

@@ -696,6 +696,9 @@ def _totals(entries: list[dict[str, Any]], *, now: float, window: float) -> dict
 # percentiles are exact at any size; the flag and failure counts are over every answer.
 _CARD_MASK = " AND (flags & :mask) = 0"
 _CARD: dict[str, str] = {
+    # What the providers billed (migration 0022): for the answers kept, and thrown away.
+    "billed": "SELECT kind = 'kept', sum(requests), sum(prompt_tokens), sum(cached_tokens),"
+    " sum(completion_tokens) FROM spend WHERE dataset_id = :d GROUP BY kind = 'kept'",
     "states": "SELECT state, count(*) FROM items WHERE dataset_id = :d GROUP BY state",
     "failed": (
         "SELECT error_class, count(*) FROM items WHERE dataset_id = :d AND state = 'failed'"
@@ -751,6 +754,7 @@ def card_figures(rows: Rows, dataset_id: int, *, exclude_flags: int = 0) -> dict
         models[key] = models.get(key, 0) + n
     first, last = found["times"][0]
     return {
+        "billed": _card_billed(found["billed"]),
         "counts": {**dict.fromkeys(STATES, 0), **dict(found["states"])},
         "failed_by_class": {(c or "unknown"): n for c, n in sorted(found["failed"], key=_name)},
         "flags": flags,
@@ -765,6 +769,14 @@ def card_figures(rows: Rows, dataset_id: int, *, exclude_flags: int = 0) -> dict
         "first_answer_at": first,
         "last_answer_at": last,
     }
+
+
+def _card_billed(found: Sequence[Sequence[Any]]) -> dict[str, dict[str, int]]:
+    """The ledger's sums, ``kept`` and ``thrown_away``, for the card."""
+    out = {kind: dict.fromkeys(_BILLED, 0) for kind in ("kept", "thrown_away")}
+    for kept, *sums in found:
+        out["kept" if kept else "thrown_away"] = dict(zip(_BILLED, map(int, sums), strict=True))
+    return out
 
 
 def _name(row: Sequence[Any]) -> str:
