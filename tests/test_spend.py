@@ -28,7 +28,7 @@ from orchestrator.items.samples import as_choice
 from orchestrator.monitor.dashboard import SqliteSource, make_app
 from orchestrator.settings.prices import KEPT, Prices, budget_room, run_prices, status_cost
 from orchestrator.store.spend import Bill, bill_of, tally
-from tests.helpers import SimProcess, cli, query, write_jsonl
+from tests.helpers import SimProcess, cli, dialogue, kill_worker_after, query, write_jsonl
 
 PRICES = {"price_input": 3.0, "price_cached_input": 0.3, "price_output": 15.0}
 OPTIONS = [f"--{k.replace('_', '-')}={v}" for k, v in PRICES.items()]
@@ -444,3 +444,53 @@ async def test_dashboard_serves_the_cost_per_dataset(
     assert served["so_far"] == expected["so_far"] > 0
     assert served["datasets"] == expected["datasets"]
     assert 'data-field="cost"' in page and 'id="total-cost"' in page
+
+
+@pytest.mark.parametrize("shape", ["turns", "samples"])
+def test_every_request_is_billed_once(
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess], shape: str
+) -> None:
+    """A conversation regenerated turn by turn bills each turn's request as it is kept;
+    samples asked with ``n`` bill their request and its prompt once, each choice its own
+    completion tokens: the ledger is the simulator's requests and tokens either way."""
+    server = sim_process("--mean-tokens", "20", "--seed", "9")
+    if shape == "turns":
+        rows = [
+            {"id": f"c{i}", "messages": dialogue(f"hello {i}", "hi", f"and then {i}", "ok")}
+            for i in range(10)
+        ]
+        _enqueue(tmp_path, db_url, rows, "--regenerate", "all", "--max-tokens", "64")
+    else:
+        _enqueue(tmp_path, db_url, _prompts(10), "--samples", "4", "--max-tokens", "64")
+    result = cli("run", "--server", server.url, "--db", db_url, "--exit-when-done")
+    assert result.returncode == 0, result.stderr
+    stats = server.stats()
+    requests, prompt, _, completion = _ledger(db_url)
+    assert requests == stats["chat_requests"] == (20 if shape == "turns" else 10)
+    assert (prompt, completion) == (stats["prompt_tokens"], stats["generation_tokens"])
+    if shape == "samples":
+        stored = query(db_url, "SELECT coalesce(sum(completion_tokens), 0) FROM outputs")
+        assert completion == int(stored[0][0])
+
+
+def test_a_sigkill_neither_loses_nor_doubles_a_bill(
+    tmp_path: Path, db_url: str, sim_process: Callable[..., SimProcess]
+) -> None:
+    """A worker killed mid-run and a second one that finishes: every answer kept is
+    billed once, in the transaction that wrote it; the requests the kill cut are not
+    billed (no usage came back to bill from)."""
+    server = sim_process("--mean-tokens", "30", "--latency", "0.05", "--seed", "6")
+    _enqueue(tmp_path, db_url, _prompts(80), "--max-tokens", "64")
+    kill_worker_after(db_url, server.url, 20, "--concurrency", "8")
+    result = cli("run", "--server", server.url, "--db", db_url, "--exit-when-done")
+    assert result.returncode == 0, result.stderr
+    kept = query(
+        db_url,
+        "SELECT sum(requests), sum(prompt_tokens), sum(completion_tokens) FROM spend"
+        " WHERE kind = 'kept'",
+    )[0]
+    stored = query(
+        db_url, "SELECT count(*), sum(prompt_tokens), sum(completion_tokens) FROM outputs"
+    )[0]
+    assert tuple(int(v) for v in kept) == tuple(int(v) for v in stored)
+    assert int(stored[0]) == 80
