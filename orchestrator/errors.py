@@ -14,8 +14,10 @@
     │   ├── ItemsFailed          ``--exit-when-done``: finished, some items failed (6)
     │   ├── ItemsLeftPending     ``--exit-when-done``: finished, items of paused datasets
     │                            are still pending (7)
-    │   └── ServersLost          ``--launch``: no launched server started, or every one
+    │   ├── ServersLost          ``--launch``: no launched server started, or every one
     │                            died too often and was given up on (8)
+    │   └── BudgetSpent          ``--budget``: the money left pays for no more items; the
+    │                            work in flight was written, the rest left pending (9)
     └── InferenceError           an inference request did not give a usable answer
         ├── PermanentError       the server rejected the request (400, 401, 403, 404, 422):
         │                        retrying cannot help, the item fails at once
@@ -114,11 +116,19 @@ class ServersLost(RunStopped):
     exit_code = 8
 
 
+class BudgetSpent(RunStopped):
+    """The run spent what its budget allows (``run --budget``): nothing more is claimed,
+    the items not claimed stay pending, and a run with a higher budget goes on."""
+
+    exit_code = 9
+
+
 #: The exit codes a restart cannot fix, where a person has to act first: a bad option or
 #: setting (2), a database that refuses (3: missing, of a newer schema, read-only, full,
 #: replaced), a setting every request is refused for (5), items failed (6: requeue them)
 #: or left in paused datasets (7: resume them), launched servers that would not stay up
-#: (8: their logs say why). A service manager must not restart on
+#: (8: their logs say why), a budget spent (9: a restart would spend no more, so
+#: stop at once, again and again). A service manager must not restart on
 #: these (the systemd unit's ``RestartPreventExitStatus=``): a restart would refuse the
 #: same way, or retry the trial items, every few seconds for ever. A crash (1, a
 #: signal) and servers that stayed unreachable (4) are restarted.
@@ -132,6 +142,7 @@ NEEDS_A_PERSON: tuple[int, ...] = tuple(
             ItemsFailed.exit_code,
             ItemsLeftPending.exit_code,
             ServersLost.exit_code,
+            BudgetSpent.exit_code,
         }
     )
 )

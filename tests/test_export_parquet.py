@@ -248,7 +248,20 @@ def _expected_figures(db: str, name: str, mask: int) -> dict[str, str]:
         "completion tokens p50 / p90": pair(1),
         "first answer": _when(min(o[4] for o in outputs)),
         "last answer": _when(max(o[4] for o in outputs)),
+        "billed for answers kept": _billed(db, dataset_id, "="),
+        "billed for answers thrown away": _billed(db, dataset_id, "!="),
     }
+
+
+def _billed(db: str, dataset_id: int, kept: str) -> str:
+    """The card's line of the tokens billed (the ``spend`` ledger), kept or not."""
+    sql = (
+        "SELECT coalesce(sum(requests), 0), coalesce(sum(prompt_tokens), 0),"
+        " coalesce(sum(cached_tokens), 0), coalesce(sum(completion_tokens), 0) FROM spend"
+        f" WHERE dataset_id = ? AND kind {kept} 'kept'"
+    )
+    r, p, c, t = (int(v) for v in query(db, sql, dataset_id)[0])
+    return f"{r:,} requests: {p:,} prompt tokens ({c:,} cached), {t:,} completion tokens"
 
 
 def _models_line(db: str, name: str, mask: int) -> str:

@@ -277,6 +277,11 @@ class Queue(DatasetCalls):
         batch_requests: int = 10_000,
         batch_mb: float = 200.0,
         batch_poll: float = 60.0,
+        budget: float | None = None,
+        price_input: float | None = None,
+        price_cached_input: float | None = None,
+        price_output: float | None = None,
+        batch_discount: float | None = None,
     ) -> RunOutcome:
         """Work on the queue as ``orchestrator run`` does, until every item is done or
         failed (``until_done``) or the task running it is cancelled.
@@ -298,6 +303,9 @@ class Queue(DatasetCalls):
         ``batch_api`` sends the requests through the servers' Batch API in batches of
         at most ``batch_requests`` requests and ``batch_mb`` MiB, looked at at most
         every ``batch_poll`` seconds, as ``run --batch-api`` does.
+        ``budget``: most USD to spend at the token prices (``price_input``, ...), as
+        ``run --budget``: the run stops claiming before it would pass it and raises
+        ``BudgetSpent`` once the work in flight is written.
         """
         checked("until_done", until_done, RUN["exit_when_done"])
         given = {**locals(), "exit_when_done": until_done, "concurrency": run_cap(concurrency)}
@@ -329,6 +337,8 @@ class Queue(DatasetCalls):
         gpu_hour_cost: float | None = None,
         price_input: float | None = None,
         price_output: float | None = None,
+        price_cached_input: float | None = None,
+        batch_discount: float | None = None,
         servers: int = 1,
     ) -> Status:
         """Progress, rates, errors, tokens thrown away and ETA: the figures of
@@ -336,7 +346,10 @@ class Queue(DatasetCalls):
         at ``gpu_hour_cost`` each, docs/STATUS.md "Cost")."""
         checked("window", window, WINDOW)
         checked("servers", servers, SERVERS)
-        prices = run_prices(Prices(gpu_hour_cost, price_input, price_output), [Prices()] * servers)
+        default = Prices(
+            gpu_hour_cost, price_input, price_output, price_cached_input, batch_discount
+        )
+        prices = run_prices(default, [Prices()] * servers)
         document = await snapshot(self.database, window=window)
         cost = status_cost(document, prices)
         if cost is not None:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from orchestrator._util import stopsignals
 from orchestrator.errors import ItemsFailed, ItemsLeftPending, RunStopped, ServersLost, StorageError
 from orchestrator.ops.systemd import SystemdNotifier
+from orchestrator.settings.prices import Prices, run_prices
+from orchestrator.settings.run import TOKEN_PRICES
 from orchestrator.store import check_datasets
 
 if TYPE_CHECKING:
@@ -97,6 +99,8 @@ def configs(
             poll_max=settings.batch_poll,
             poll_first=min(1.0, settings.batch_poll),
         ),
+        budget=settings.budget,
+        prices=_token_prices(specs, settings),
     )
     client = ClientConfig(
         request_timeout=settings.request_timeout,
@@ -121,6 +125,13 @@ def _caps(specs: list[ServerSpec], settings: RunSettings) -> dict[str, Any]:
         elif batched:
             caps[spec.url] = 2 * settings.batch_requests
     return caps
+
+
+def _token_prices(specs: list[ServerSpec], settings: RunSettings) -> Any:
+    """The run's token prices (``orchestrator.settings.prices.RunPrices``), for its budget:
+    the settings' for every server, a servers file's own for its servers."""
+    default = Prices(**{name: getattr(settings, name) for name in TOKEN_PRICES})
+    return run_prices(default, {spec.url: spec.prices for spec in specs})
 
 
 async def run_worker(

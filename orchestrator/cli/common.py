@@ -138,17 +138,14 @@ class Checked(click.ParamType):
 
 
 def run_prices(
-    gpu_hour_cost: float | None,
-    price_input: float | None,
-    price_output: float | None,
-    servers_file: Path | None,
-    servers: tuple[str, ...] = (),
+    servers_file: Path | None, servers: tuple[str, ...] = (), **given: float | None
 ) -> Any:
-    """The run's pooled prices (``orchestrator.settings.prices.RunPrices``) from the options and the
-    servers of ``--server`` and the servers file."""
+    """The run's prices (``orchestrator.settings.prices.RunPrices``) from the options
+    (``given``, by the price's name) and the servers of ``--server`` and the servers file,
+    each by its URL."""
     from orchestrator.settings.prices import Prices, run_prices
 
-    default = Prices(gpu_hour_cost, price_input, price_output)
+    default = Prices(**given)
     listed = []
     if servers_file is not None:
         # Only then: the servers module loads the HTTP and logging libraries, which the
@@ -156,8 +153,8 @@ def run_prices(
         from orchestrator.inference.servers_file import parse_servers_file
 
         listed = run_sync(lambda: parse_servers_file(servers_file))
-    seen = {spec.url for spec in listed}
-    own = [spec.prices for spec in listed] + [Prices() for url in servers if url not in seen]
+    own = {spec.url: spec.prices for spec in listed}
+    own |= {url: Prices() for url in servers if url not in own}
     return run_prices(default, own)
 
 

@@ -15,6 +15,7 @@ import click
 
 from orchestrator.cli.common import Checked, split_servers
 from orchestrator.settings import checks
+from orchestrator.settings.prices import PRICE_HELP
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -98,25 +99,25 @@ window_option = click.option(
 )
 
 
-_PRICES = {
-    "--gpu-hour-cost": "Price of one server-hour (a GPU server's rent), for the run's cost.",
-    "--price-input": "Price per million prompt tokens (a hosted API's input price).",
-    "--price-output": "Price per million completion tokens (a hosted API's output price).",
-}
-
-
 def prices_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--gpu-hour-cost``, ``--price-input``, ``--price-output`` and ``--servers-file``:
-    what the run costs (``orchestrator.settings.prices``), per server where the file says."""
+    """``--gpu-hour-cost``, the token prices (``--price-input``, ...) and
+    ``--servers-file``: what the run costs (``orchestrator.settings.prices``), per server
+    where the file says."""
     options = [
-        click.option(name, type=Checked(checks.PRICE), metavar="USD", help=text)
-        for name, text in _PRICES.items()
+        click.option(
+            "--" + name.replace("_", "-"),
+            type=Checked(checks.PRICES[name]),
+            metavar="FRACTION" if name == "batch_discount" else "USD",
+            help=text,
+        )
+        for name, text in PRICE_HELP.items()
     ]
     servers_file = click.option(
         "--servers-file",
         type=click.Path(path_type=Path, dir_okay=False),
-        help="The run's servers file: its servers' own prices (gpu_hour_cost=, "
-        "price_input=, price_output=), the options above for the others.",
+        help="The run's servers file: its servers' own prices (gpu_hour_cost=, price_input=, "
+        "price_cached_input=, price_output=, batch_discount=), the options above for the "
+        "others.",
     )
     return stacked(command, [*options, servers_file])
 

@@ -125,7 +125,9 @@ def run(
     launch = take_launch_options(settings)
     files = (servers_file, api_key_file, basic_auth_file)
     specs, basic_auth, api_key, supervisor = _servers(servers, *files, launch, db)
-    config, client_config = configs(specs, basic_auth, api_key, RunSettings(**settings))
+    config, client_config = run_sync(
+        lambda: configs(specs, basic_auth, api_key, RunSettings(**settings))
+    )
     extra = {"metrics_port": metrics_port, "metrics_host": metrics_host, "launch": supervisor}
     try:
         outcome = on_database(

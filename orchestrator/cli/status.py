@@ -80,6 +80,15 @@ def status(
         click.echo(render_status(snap))
 
 
+def _prices(given: dict[str, Any]) -> Any:
+    """The run's prices from the price options among ``given`` (taken out of it), and
+    its ``servers``."""
+    from orchestrator.settings.prices import PRICE_HELP
+
+    named = {name: given.pop(name) for name in (*PRICE_HELP, "servers_file")}
+    return run_prices(**named, servers=given.get("servers", ()))
+
+
 def _items_left(snap: dict[str, Any], names: tuple[str, ...]) -> int:
     """Items pending or running in the datasets not paused (of ``names``, when given)."""
     rows = [d for d in snap["datasets"] if not d["paused"]]
@@ -170,12 +179,16 @@ def watch(
 )
 @window_option
 @servers_option
+@prices_options
 @db_option
 def dashboard(db: str | None, **served: Any) -> None:
     """A web page of the run that updates itself: progress, throughput and errors over
-    the whole run, completion lengths, servers, ETA. Only reads the database."""
+    the whole run, completion lengths, servers, ETA; with a price, the cost. Only reads
+    the database."""
     configure_logs()
     from orchestrator.monitor.dashboard import serve
+
+    served["prices"] = _prices(served)
 
     def ready(url: str) -> None:
         click.echo(f"dashboard on {url} (Ctrl-C stops it)", err=True)
@@ -188,13 +201,18 @@ def dashboard(db: str | None, **served: Any) -> None:
 @click.argument("out", type=click.Path(path_type=Path, dir_okay=False))
 @window_option
 @servers_option
+@prices_options
 @db_option
-def report(out: Path, window: float, servers: tuple[str, ...], db: str | None) -> None:
-    """The dashboard's page as one static HTML file, data included (no network needed)."""
+def report(
+    out: Path, window: float, servers: tuple[str, ...], db: str | None, **prices: Any
+) -> None:
+    """The dashboard's page as one static HTML file, data included (no network needed);
+    with a price, the cost."""
     configure_logs()
     from orchestrator._util.atomicfile import is_stdout
     from orchestrator.monitor.dashboard import gather_report, write_report
 
-    data = run_async(gather_report(db, servers=servers, window=window))
+    pooled = _prices({**prices, "servers": servers})
+    data = run_async(gather_report(db, servers=servers, window=window, prices=pooled))
     run_sync(lambda: write_report(out, data))
     click.echo(f"wrote {out}", err=is_stdout(out))

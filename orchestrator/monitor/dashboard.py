@@ -35,6 +35,7 @@ from orchestrator.errors import ConfigError, SchemaError
 from orchestrator.inference.server_metrics import scrape
 from orchestrator.monitor import status as status_view
 from orchestrator.settings import checks
+from orchestrator.settings.prices import Prices, RunPrices, run_prices, status_cost
 from orchestrator.store import access, open_database, samples
 from orchestrator.store.migrate import check_sqlite
 from orchestrator.store.reader import sqlite_path
@@ -181,6 +182,7 @@ _UNIX_TIME = checks.Number()
 _SOURCE = web.AppKey("source", Source)
 _SERVERS = web.AppKey("servers", ServerViews)
 _WINDOW = web.AppKey("window", float)
+_PRICES = web.AppKey("prices", RunPrices)
 
 
 def make_app(
@@ -189,12 +191,15 @@ def make_app(
     servers: tuple[str, ...] = (),
     window: float = WINDOW_SECONDS,
     hosts: Iterable[str] = (),
+    prices: RunPrices | None = None,
 ) -> web.Application:
-    """``hosts``: names (besides loopback and IP addresses) the Host header may give."""
+    """``hosts``: names (besides loopback and IP addresses) the Host header may give;
+    ``prices``: the run's, for the status's ``cost`` (none: no cost shown)."""
     app = web.Application(middlewares=[_host_check(hosts), _errors])
     app[_SOURCE] = source
     app[_SERVERS] = ServerViews(servers)
     app[_WINDOW] = window
+    app[_PRICES] = prices or run_prices(Prices())
     app.router.add_get("/", _page)
     app.router.add_get("/api/status", _status)
     app.router.add_get("/api/samples", _samples)
@@ -296,9 +301,17 @@ async def _page(request: web.Request) -> web.Response:
 
 async def _status(request: web.Request) -> web.Response:
     window = _number(request, "window", request.app[_WINDOW], checks.WINDOW)
-    snap = await request.app[_SOURCE].status(window)
+    snap = priced(await request.app[_SOURCE].status(window), request.app[_PRICES])
     snap["servers"] = await request.app[_SERVERS].get()
     return _json(snap)
+
+
+def priced(snap: dict[str, Any], prices: RunPrices | None) -> dict[str, Any]:
+    """The status document with its ``cost`` at ``prices`` (as ``status`` has it)."""
+    cost = status_cost(snap, prices) if prices is not None else None
+    if cost is not None:
+        snap["cost"] = cost
+    return snap
 
 
 async def _samples(request: web.Request) -> web.Response:
@@ -319,6 +332,7 @@ async def serve(
     window: float = WINDOW_SECONDS,
     ready: Callable[[str], None] | None = None,
     allow_hosts: tuple[str, ...] = (),
+    prices: RunPrices | None = None,
 ) -> None:
     """Serve the dashboard until cancelled. It answers to loopback names, IP addresses,
     ``host`` and ``allow_hosts`` (and this machine's names when bound to all addresses)."""
@@ -326,7 +340,7 @@ async def serve(
     hosts = [host, *allow_hosts]
     if host in ("", "0.0.0.0", "::"):
         hosts += [socket.gethostname(), socket.getfqdn()]
-    app = make_app(source, servers=servers, window=window, hosts=hosts)
+    app = make_app(source, servers=servers, window=window, hosts=hosts, prices=prices)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
@@ -350,12 +364,16 @@ async def serve(
 
 
 async def gather_report(
-    db: str | None, *, servers: tuple[str, ...] = (), window: float = WINDOW_SECONDS
+    db: str | None,
+    *,
+    servers: tuple[str, ...] = (),
+    window: float = WINDOW_SECONDS,
+    prices: RunPrices | None = None,
 ) -> dict[str, Any]:
-    """Everything the page shows, read once."""
+    """Everything the page shows, read once (its cost at ``prices``, when given)."""
     source = await open_source(db)
     try:
-        status = await source.status(window)
+        status = priced(await source.status(window), prices)
         status["servers"] = await ServerViews(servers).get()
         return {
             "status": status,

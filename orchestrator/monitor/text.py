@@ -141,16 +141,33 @@ def _waste_lines(snap: dict[str, Any]) -> list[str]:
 
 
 def _cost_lines(cost: dict[str, Any] | None) -> list[str]:
-    """The run's cost at the prices given (``orchestrator.settings.prices``)."""
+    """The run's cost at the prices given (``orchestrator.settings.prices``): in total,
+    the tokens billed, and each dataset's share when there are several."""
     if not cost:
         return []
+    lines = ["", "cost: " + _cost_figures(cost) + f" ({cost['basis']})"]
+    billed = cost.get("billed")
+    if billed and billed["requests"]:
+        lines.append(
+            f"  billed: {billed['requests']:,} requests, {billed['prompt_tokens']:,} prompt "
+            f"tokens ({billed['cached_tokens']:,} cached), {billed['completion_tokens']:,} "
+            "completion tokens"
+        )
+    by_cause = {c: usd for c, usd in (cost.get("wasted_by_cause") or {}).items() if usd}
+    if by_cause:
+        lines.append(
+            "  wasted by cause: " + ", ".join(f"{c} ${usd:,.2f}" for c, usd in by_cause.items())
+        )
+    datasets = cost.get("datasets") or {}
+    if len(datasets) > 1:
+        lines += [f"  {name}: {_cost_figures(figures)}" for name, figures in datasets.items()]
+    return lines
+
+
+def _cost_figures(cost: dict[str, Any]) -> str:
     to_go = cost.get("to_go")
     left = f"${to_go:,.2f}" if to_go is not None else "?"
-    line = (
-        f"cost: ${cost['so_far']:,.2f} so far, {left} to go,"
-        f" ${cost['wasted']:,.2f} wasted ({cost['basis']})"
-    )
-    return ["", line]
+    return f"${cost['so_far']:,.2f} so far, {left} to go, ${cost['wasted']:,.2f} wasted"
 
 
 def _sample_lines(snap: dict[str, Any]) -> list[str]:

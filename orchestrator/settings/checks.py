@@ -62,12 +62,15 @@ class Number:
 
     minimum: float | None = None
     above: bool = False
+    maximum: float | None = None
 
     def expected(self, value: object) -> str:
         if not isinstance(value, int | float) or isinstance(value, bool):
             return "a number"
         if isinstance(value, float) and not math.isfinite(value):
             return "a finite number"
+        if self.maximum is not None and value > self.maximum:
+            return f"at most {_bound(self.maximum)}"
         if self.minimum is None:
             return ""
         if self.above and value <= self.minimum:
@@ -249,15 +252,22 @@ RECORDS = Records()
 WINDOW = Number(minimum=1)
 
 
-#: Prices (``orchestrator.settings.prices``): USD per server-hour, and per million prompt and
-#: completion tokens; by the field names of ``orchestrator.settings.prices.Prices``, which are also
-#: the servers file's option names.
+#: Prices (``orchestrator.settings.prices``): USD per server-hour, and per million prompt,
+#: completion and cached prompt tokens, and the share a provider's Batch API takes off;
+#: by the field names of ``orchestrator.settings.prices.Prices``, which are also the
+#: servers file's option names and a run file's ``[prices]`` keys.
 PRICE = OrNone(Number(minimum=0))
+DISCOUNT = OrNone(Number(minimum=0, maximum=1))
 PRICES: dict[str, Rule] = {
     "gpu_hour_cost": PRICE,
     "price_input": PRICE,
     "price_output": PRICE,
+    "price_cached_input": PRICE,
+    "batch_discount": DISCOUNT,
 }
+
+#: Most USD a run may spend at its token prices (``run --budget``).
+BUDGET = OrNone(Number(minimum=0, above=True))
 
 #: How many servers a price per server-hour is paid for (``Queue.status``).
 SERVERS = Integer(minimum=1)

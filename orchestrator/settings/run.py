@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.settings import checks
 from orchestrator.settings.checks import (
     FLAG,
     INT_MAX,
@@ -24,6 +25,7 @@ from orchestrator.settings.checks import (
     Rule,
     check_all,
 )
+from orchestrator.settings.prices import PRICE_HELP
 
 _KEEP = object()
 
@@ -51,6 +53,10 @@ def _setting(default: Any, rule: Rule, **shape: Any) -> Any:
 
 
 _SECONDS = "SECONDS"
+
+#: The token prices a run takes (for ``budget``): ``orchestrator.settings.prices.Prices``'
+#: fields, the servers file's own ones winning for its servers.
+TOKEN_PRICES = ("price_input", "price_cached_input", "price_output", "batch_discount")
 
 # Each setting's help, shown by ``orchestrator run --help`` and documented for ``Queue.run``.
 _HELP = {
@@ -90,6 +96,11 @@ _HELP = {
     "batch_mb": "Most MiB of one batch's input file (OpenAI's limit is 200).",
     "batch_poll": "Most seconds between two looks at a live batch (the first comes after a "
     "second, then the wait doubles up to this).",
+    "budget": "Most USD to spend at the token prices (what the providers billed, answers thrown "
+    "away included): no item is claimed that the money left would not pay for at the mean "
+    "billed so far, counting those in flight; in-flight work is written, then the run exits 9. "
+    "Needs a token price (--price-input, ... or a servers file's).",
+    **{name: PRICE_HELP[name] for name in TOKEN_PRICES},
 }
 
 
@@ -122,6 +133,11 @@ class RunSettings:
     batch_requests: int = _setting(10_000, Integer(1, 50_000), metavar="N")
     batch_mb: float = _setting(200.0, Number(minimum=0.001), metavar="MIB")
     batch_poll: float = _setting(60.0, Number(minimum=0.01), metavar=_SECONDS)
+    budget: float | None = _setting(None, checks.BUDGET, metavar="USD")
+    price_input: float | None = _setting(None, checks.PRICE, metavar="USD")
+    price_cached_input: float | None = _setting(None, checks.PRICE, metavar="USD")
+    price_output: float | None = _setting(None, checks.PRICE, metavar="USD")
+    batch_discount: float | None = _setting(None, checks.DISCOUNT, metavar="FRACTION")
 
     def __post_init__(self) -> None:
         check_all({name: getattr(self, name) for name in RUN}, RUN)

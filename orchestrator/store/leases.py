@@ -15,6 +15,7 @@ from orchestrator.items.answer import Answer
 from orchestrator.items.answer_length import Expected
 from orchestrator.items.tokens import Tokens
 from orchestrator.store import waste as wasted
+from orchestrator.store.spend import Budget
 from orchestrator.store.statements import Expr
 
 
@@ -134,3 +135,6 @@ class Claim:
     #: samples per prompt: a prompt's pending samples are claimed together, one after
     #: another, so that no claim cuts a request in two.
     together: Mapping[int, int] = field(default_factory=dict)
+    #: The run's budget (``run --budget``): the claim takes no more items than the money
+    #: left pays for, read from the ledger in the claim's transaction; None: no budget.
+    budget: Budget | None = None

@@ -29,6 +29,7 @@ The SQL lives beside it: the claim in ``store.claims``, the outcomes of a round 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import sqlalchemy as sa
 import structlog
 
-from orchestrator.store import claims, crashes, rounds
+from orchestrator.store import claims, crashes, rounds, spend
 from orchestrator.store import waste as wasted
 from orchestrator.store.engine import Database
 from orchestrator.store.leases import CLEAR_LEASE, LEASE_LOST, Claim, Failure, Lease, Output
@@ -80,8 +81,14 @@ class Queue:
                 failed = [(lease, failure, 0.0) for lease, failure in work.fail]
                 accepted["fail"] = rounds.settle(conn, failed, "failed", at)
             wasted.add(conn, rounds.thrown_away(work, accepted), at)
-            if work.claim is not None and work.claim.want > 0:
-                leases = claims.claim_leases(conn, work.claim, at)
+            spend.add(conn, rounds.billed(work, accepted), at)
+            claim = work.claim
+            if claim is not None and claim.want > 0 and claim.budget is not None:
+                # Read after this round's bills: the money left is what the claim may take.
+                room = claim.budget.standing(conn, claim.want).room
+                claim = dataclasses.replace(claim, want=room)
+            if claim is not None and claim.want > 0:
+                leases = claims.claim_leases(conn, claim, at)
             return RoundResult(accepted, leases)
 
         return await self.db.run_write(run)

@@ -2,4 +2,4 @@
 (a test keeps the two equal). Apart from ``migrate`` so that the plain-``sqlite3``
 reader can check a file's revision without loading Alembic or SQLAlchemy."""
 
-SCHEMA_REVISION = "0021"
+SCHEMA_REVISION = "0022"

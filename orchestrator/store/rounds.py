@@ -18,6 +18,7 @@ import structlog
 
 from orchestrator.items.token_ids import pack_ids
 from orchestrator.items.tokens import pack
+from orchestrator.store import spend
 from orchestrator.store import waste as wasted
 from orchestrator.store.engine import insert_rows
 from orchestrator.store.leases import CLEAR_LEASE, PUT_BACK, Claim, Failure, Lease, Output
@@ -338,3 +339,32 @@ def thrown_away(work: Round, accepted: Mapping[str, set[int]]) -> list[wasted.Wa
             if failure.waste is not None and lease.item_id in took:
                 entries.append((lease.dataset_id, failure.waste))
     return wasted.tally(entries)
+
+
+def billed(work: Round, accepted: Mapping[str, set[int]]) -> list[spend.Spent]:
+    """What the round's answers were billed, kept or thrown away: each answer written
+    (done, or a turn kept) as ``kept``, each one thrown away under its cause (fenced out,
+    or carried by an accepted failure). Written in the round's transaction, so a bill is
+    counted exactly when its answer's fate is."""
+    entries: list[tuple[int, str, spend.Bill]] = []
+    for kind, results in (("complete", work.complete), ("advance", work.advance)):
+        took = accepted.get(kind, set())
+        for lease, out in results:
+            bill = spend.bill_of(out)
+            if bill is None:
+                continue
+            entries.append(
+                (lease.dataset_id, spend.KEPT if lease.item_id in took else wasted.FENCED, bill)
+            )
+    failing = [
+        ("retry", work.retry),
+        ("release", work.release),
+        ("fail", [(lease, failure, 0.0) for lease, failure in work.fail]),
+    ]
+    for kind, outcomes in failing:
+        took = accepted.get(kind, set())
+        for lease, failure, _ in outcomes:
+            waste = failure.waste
+            if waste is not None and waste.bill is not None and lease.item_id in took:
+                entries.append((lease.dataset_id, waste.cause, waste.bill))
+    return spend.tally(entries)

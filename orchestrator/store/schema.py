@@ -350,6 +350,24 @@ wasted_tokens = sa.Table(
     sa.Column("updated_at", sa.Float, nullable=False),
 )
 
+# What the providers billed (store.spend): a row per dataset, server, model, batched or
+# not, and kind (``kept`` or the cause an answer was thrown away for), added to in the
+# transaction that writes or throws away each answer; status prices it, a budget reads it.
+spend = sa.Table(
+    "spend",
+    metadata,
+    _cascading("dataset_id", "datasets", primary_key=True),
+    sa.Column("server", sa.Text, primary_key=True),
+    sa.Column("model", sa.Text, primary_key=True),
+    sa.Column("batched", sa.Integer, primary_key=True),
+    sa.Column("kind", sa.String(32), primary_key=True),
+    sa.Column("requests", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
 # A provider's batches (``--batch-api``, store.batches): each step of each batch written
 # before and after its call, and the lines it asks for, so that a worker that takes the
 # items of a dead one adopts their live batch instead of paying for it again.
@@ -421,6 +439,7 @@ DELETED_FROM = (
     superseded_outputs,
     superseded_turns,
     wasted_tokens,
+    spend,
 )
 """The tables a dataset's rows are in, parents first (the order an undo inserts in)."""
 

@@ -109,6 +109,11 @@ _QUERIES: dict[str, str] = {
     "after_crash": crashes.AFTER_CRASH_SQL,
     # Tokens thrown away (migration 0013): a row per dataset and cause, read whole.
     "wasted": "SELECT dataset_id, cause, requests, tokens, unknown FROM wasted_tokens",
+    # What the providers billed (migration 0022, store.spend): a handful of rows a dataset.
+    "spend": (
+        "SELECT dataset_id, server, model, batched, kind, requests, prompt_tokens,"
+        " cached_tokens, completion_tokens FROM spend ORDER BY dataset_id, kind, server, model"
+    ),
     "workers": (
         f"SELECT {liveness.COLUMNS} FROM workers"
         " WHERE stopped_at IS NULL OR stopped_at >= :since ORDER BY started_at"
@@ -299,6 +304,7 @@ def _document(
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
     cache_by = {r[0]: tuple(r[1:]) for r in rows["cache"]}
     wasted_by = _wasted_by(rows)
+    billed_by = _billed_by(rows)
     names = {row[0]: row[1] for row in rows["datasets"]}
     entries = []
     work: list[dict[str, Any]] = []
@@ -313,6 +319,7 @@ def _document(
         entry["completion_tokens"].update(_percentiles(lengths.get(ds_id, [])))
         entry["prompt_tokens"] = _cache_figures(*cache_by.get(ds_id, (0, 0, 0)))
         entry["wasted"] = wasted_figures(wasted_by[ds_id], entry["completion_tokens"]["total"])
+        entry["billed"] = billed_by.get(ds_id, [])
         if not passthrough:  # stored done at enqueue: no answer time to learn from
             work.append(
                 {"dataset_id": ds_id, "entry": entry, "cost": costs.get(ds_id), "params": ds_params}
@@ -555,6 +562,21 @@ def wasted_figures(by_cause: dict[str, tuple[int, int, int]], stored: int) -> di
     }
 
 
+def _billed_by(rows: Found) -> dict[int, list[dict[str, Any]]]:
+    """The ledger's rows by dataset, as ``datasets[].billed`` shows them."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for ds_id, server, model, batched, kind, *counts in rows["spend"]:
+        by.setdefault(ds_id, []).append(
+            {"server": server or None, "model": model or None, "batched": bool(batched)}
+            | {"kind": kind}
+            | dict(zip(_BILLED, (int(c) for c in counts), strict=True))
+        )
+    return by
+
+
+_BILLED = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
+
+
 def _wasted_by(rows: Found) -> dict[int, dict[str, tuple[int, int, int]]]:
     """(requests, tokens, unknown) thrown away, per dataset id and cause."""
     by: dict[int, dict[str, tuple[int, int, int]]] = defaultdict(dict)
@@ -679,6 +701,9 @@ def _totals(entries: list[dict[str, Any]], *, now: float, window: float) -> dict
 # percentiles are exact at any size; the flag and failure counts are over every answer.
 _CARD_MASK = " AND (flags & :mask) = 0"
 _CARD: dict[str, str] = {
+    # What the providers billed (migration 0022): for the answers kept, and thrown away.
+    "billed": "SELECT kind = 'kept', sum(requests), sum(prompt_tokens), sum(cached_tokens),"
+    " sum(completion_tokens) FROM spend WHERE dataset_id = :d GROUP BY kind = 'kept'",
     "states": "SELECT state, count(*) FROM items WHERE dataset_id = :d GROUP BY state",
     "failed": (
         "SELECT error_class, count(*) FROM items WHERE dataset_id = :d AND state = 'failed'"
@@ -734,6 +759,7 @@ def card_figures(rows: Rows, dataset_id: int, *, exclude_flags: int = 0) -> dict
         models[key] = models.get(key, 0) + n
     first, last = found["times"][0]
     return {
+        "billed": _card_billed(found["billed"]),
         "counts": {**dict.fromkeys(STATES, 0), **dict(found["states"])},
         "failed_by_class": {(c or "unknown"): n for c, n in sorted(found["failed"], key=_name)},
         "flags": flags,
@@ -748,6 +774,14 @@ def card_figures(rows: Rows, dataset_id: int, *, exclude_flags: int = 0) -> dict
         "first_answer_at": first,
         "last_answer_at": last,
     }
+
+
+def _card_billed(found: Sequence[Sequence[Any]]) -> dict[str, dict[str, int]]:
+    """The ledger's sums, ``kept`` and ``thrown_away``, for the card."""
+    out = {kind: dict.fromkeys(_BILLED, 0) for kind in ("kept", "thrown_away")}
+    for kept, *sums in found:
+        out["kept" if kept else "thrown_away"] = dict(zip(_BILLED, map(int, sums), strict=True))
+    return out
 
 
 def _name(row: Sequence[Any]) -> str:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
+from orchestrator.store.spend import Bill
+
 #: In-flight requests lost with a worker killed (SIGKILL, a crash, a power cut): found
 #: when another worker takes the dead one's leases back; their tokens are not known.
 KILLED = "killed"
@@ -35,10 +37,12 @@ CAUSES = (KILLED, STOPPED, FENCED, TRUNCATED, INVALID, BAD_RESPONSE, REQUEUED)
 
 @dataclass(frozen=True, slots=True)
 class Waste:
-    """One attempt's work thrown away: why, and its completion tokens (None: not known)."""
+    """One attempt's work thrown away: why, its completion tokens (None: not known), and
+    what its provider billed for it (``store.spend``; None: no usage to bill from)."""
 
     cause: str
     tokens: int | None = None
+    bill: Bill | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -243,12 +243,13 @@ class Caller:
         self.pool.succeeded(server, tokens, choices[0].latency)
         outcomes = []
         for choice, (each, answer) in enumerate(zip(leases, choices, strict=False)):
+            # Marked as a choice before it is judged: kept or thrown away, the request
+            # and its prompt are billed once, with choice 0 (store.spend).
+            usage = as_choice(answer.usage, choice, len(leases))
+            answer = dataclasses.replace(answer, usage=usage)
             result = classify.answered(each, info, asked, answer, self.config)
-            if isinstance(result, Output):
-                if asked is not body:
-                    result = classify.reduced(result, each, asked)
-                usage = as_choice(result.usage, choice, len(leases))
-                result = dataclasses.replace(result, usage=usage)
+            if isinstance(result, Output) and asked is not body:
+                result = classify.reduced(result, each, asked)
             outcomes.append(_done(each, result))
         if len(choices) < len(leases):
             await self._n_ignored(info, server, len(leases), len(choices))

@@ -27,6 +27,7 @@ from orchestrator.store import Database, Lease, list_datasets
 from orchestrator.store.datasets import DatasetInfo
 from orchestrator.store.leases import Claim
 from orchestrator.store.length_stats import length_stats
+from orchestrator.store.spend import Budget
 from orchestrator.worker.config import WorkerConfig, WorkerStats
 from orchestrator.worker.guard import RunGuard
 
@@ -143,6 +144,8 @@ class Claims:
         #: Whether a dataset's samples of a prompt go out in one request
         #: (``Caller.asks_together``): they are then claimed, and started, together.
         self.together: Callable[[DatasetInfo], bool] = lambda info: False
+        #: The run's budget (``orchestrator.worker.budget``): every claim is held to it.
+        self.budget: Budget | None = None
 
     @property
     def in_flight(self) -> int:
@@ -171,7 +174,7 @@ class Claims:
             lease_seconds = self.config.lease_seconds
             return Claim(
                 self.owner, 1, lease_seconds, (trial.name,), None, fresh_first=True,
-                together=together,
+                together=together, budget=self.budget,
             )  # fmt: skip
         if now < self._next_claim:
             return None
@@ -197,6 +200,7 @@ class Claims:
             started=self._started,
             lengths=self.catalog.lengths,
             together=together,
+            budget=self.budget,
         )
 
     def deliver(self, leases: list[Lease], claim: Claim) -> None:

@@ -19,6 +19,7 @@ from orchestrator.items.quality import INVALID_JSON, MAX_TOKENS_REDUCED, TOOL_MI
 from orchestrator.store import Failure, Lease, Output
 from orchestrator.store import waste as wasted
 from orchestrator.store.datasets import DatasetInfo
+from orchestrator.store.spend import bill_of
 from orchestrator.store.waste import Waste
 from orchestrator.worker import overflow
 from orchestrator.worker.config import WorkerConfig, backoff_delay
@@ -114,7 +115,7 @@ def answered(
         truncated = TransientError(
             f"the answer was cut at max_tokens={limit}", error_class=ec.TRUNCATED
         )
-        thrown = Waste(wasted.TRUNCATED, completion_tokens(completion.usage))
+        thrown = Waste(wasted.TRUNCATED, completion_tokens(completion.usage), bill_of(completion))
         return _act(lease, info.on_truncated, truncated, completion.server, config, thrown)
     result = output(completion, info.params_hash)
     fmt = structured.expected_format(body)
@@ -127,7 +128,7 @@ def answered(
         return dataclasses.replace(result, flags=result.flags | checked.flags)
     error_class = ec.INVALID_JSON if checked.flags & INVALID_JSON else ec.SCHEMA_MISMATCH
     invalid = TransientError(checked.reason, error_class=error_class)
-    thrown = Waste(wasted.INVALID, completion_tokens(completion.usage))
+    thrown = Waste(wasted.INVALID, completion_tokens(completion.usage), bill_of(completion))
     return _act(lease, info.on_invalid, invalid, completion.server, config, thrown)
 
 
@@ -259,7 +260,8 @@ def unstorable(entry: Outcome, reason: str, config: WorkerConfig) -> Outcome | N
         error = TransientError(
             f"the answer could not be stored: {reason}", error_class=ec.BAD_RESPONSE
         )
-        thrown = Waste(wasted.BAD_RESPONSE, completion_tokens(entry.output.usage))
+        output = entry.output
+        thrown = Waste(wasted.BAD_RESPONSE, completion_tokens(output.usage), bill_of(output))
         return retry_or_fail(lease, error, None, config, server=entry.output.server, waste=thrown)
     assert isinstance(entry, Retry | Release | Failed)
     failure = entry.failure

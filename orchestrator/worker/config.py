@@ -14,6 +14,7 @@ from orchestrator.inference.autoconcurrency import Limits
 from orchestrator.inference.batchapi import BatchLimits
 from orchestrator.inference.servers_file import Cap
 from orchestrator.settings.checks import check_all, checked
+from orchestrator.settings.prices import RunPrices
 from orchestrator.settings.run import RUN
 
 
@@ -73,6 +74,10 @@ class WorkerConfig:
     # The servers whose requests go through their Batch API (orchestrator.worker.batches).
     batch_servers: frozenset[str] = frozenset()
     batch_limits: BatchLimits = dataclasses.field(default_factory=BatchLimits)
+    # Most USD to spend at the token prices (run --budget; orchestrator.worker.budget), and
+    # the prices each server's answers are billed at. None: no budget.
+    budget: float | None = None
+    prices: RunPrices | None = None
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -97,6 +102,12 @@ class WorkerConfig:
             raise ConfigError("failure_limit must be at least 1")
         if self.breaker_items < 1:
             raise ConfigError("breaker_items must be at least 1")
+        check_all({"budget": self.budget}, RUN)
+        if self.budget is not None and (self.prices is None or not self.prices.by_token):
+            raise ConfigError(
+                "--budget counts what the providers bill by the token: give a token price "
+                "(--price-input, --price-output, or price_input= in the servers file)"
+            )
 
 
 class Notifier(Protocol):

@@ -33,7 +33,7 @@ from orchestrator.items import error_classes as ec
 from orchestrator.store import Database, Failure, Lease, Queue
 from orchestrator.store import workers as worker_rows
 from orchestrator.store.datasets import set_draw_mode
-from orchestrator.worker import classify, keeper, stop, summary
+from orchestrator.worker import budget, classify, keeper, stop, summary
 from orchestrator.worker.batches import Batches
 from orchestrator.worker.call import Caller
 from orchestrator.worker.call import seed as call_seed
@@ -117,6 +117,7 @@ class Worker:
             batches=self.batches,
         )
         self.claims.joins = self._joins
+        self.claims.budget = budget.of(config)
         self.claims.together = self.caller.asks_together
         self.gate = Gate(self.guard, self.committer, self.catalog, client, self._halt)
         self.pool.vet = self.gate.vet
@@ -294,6 +295,12 @@ class Worker:
             # A claim being written is evidence on its way too: a slow round between
             # two datasets' trials must not decide what is held.
             self.gate.quiet(bool(self.claims.in_flight) or self.claims.claiming)
+            spent = budget.spent(self.claims.budget)
+            if spent is not None and not self.claims.held and not self.committer.backlog:
+                left = await self.queue.remaining(self.config.datasets or None)
+                if left:
+                    self._halt(budget.stopped(spent, left))
+                    return
             if (
                 self.config.exit_when_done
                 and not self.claims.held

@@ -171,4 +171,14 @@ def _section(dataset: DatasetRef, f: dict[str, Any], rows: int, excluded: dict[i
         models="\n".join(models) or "- none yet",
         flags=flags,
         failures=failures,
+        billed=_billed(f["billed"]["kept"]),
+        billed_away=_billed(f["billed"]["thrown_away"]),
+    )
+
+
+def _billed(b: dict[str, int]) -> str:
+    """Tokens billed, as a provider's invoice counts them (``store.spend``)."""
+    return (
+        f"{b['requests']:,} requests: {b['prompt_tokens']:,} prompt tokens "
+        f"({b['cached_tokens']:,} cached), {b['completion_tokens']:,} completion tokens"
     )
