@@ -307,3 +307,44 @@ def test_batches_past_the_providers_token_limit_wait_and_go_again(
     stats = _batch_stats(server)
     assert stats["requests_answered"] == 40 and stats["duplicate_requests"] == 0, stats
     assert query(db, "SELECT max(attempts) FROM items")[0][0] == 1
+
+
+def test_a_batch_runs_cost_is_the_providers_bill_and_its_budget_holds(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """The cost ``status`` shows of a batch run, at the batch discount, equals the
+    provider's bill to the cent, SIGKILLs and all; and ``--budget`` stops a batch run
+    within a claim of its budget, exit 9, the rest left pending."""
+    prices = ["--price-input=3", "--price-cached-input=0.3", "--price-output=15"]
+    server = sim_process(*FAST, "--mean-tokens", "40", *prices, "--batch-discount=0.5")
+    db = tmp_path / "q.db"
+    enqueue_prompts(db, tmp_path / "in.jsonl", 60)
+    worker = start_worker(db, server.url, *RUN, "--batch-requests", "20", "--lease-seconds", "2")
+    wait_for(lambda: done_count(db) > 0, "answers written")
+    worker.send_signal(signal.SIGKILL)
+    worker.communicate()
+    result = cli("run", "--server", server.url, "--db", str(db), *RUN, "--lease-seconds", "2")
+    assert result.returncode == 0, result.stderr
+    with urllib.request.urlopen(server.url + "/sim/bill", timeout=10) as resp:
+        bill = json.loads(resp.read())
+    assert bill["online"]["requests"] == 0 and bill["batch"]["requests"] == 60
+    status = json.loads(
+        cli("status", "--json", "--db", str(db), *prices, "--batch-discount=0.5").stdout
+    )
+    assert round(status["cost"]["so_far"], 2) == round(bill["usd"], 2) > 0
+    # A budget: a fresh dataset, a third of what it would cost.
+    enqueue_prompts(db, tmp_path / "more.jsonl", 60, dataset="more", prefix="m")
+    budget = round(bill["usd"] / 3, 6)
+    result = cli(
+        "run", "--server", server.url, "--db", str(db), *RUN, "--batch-requests", "5",
+        "--dataset", "more", "--budget", str(budget), *prices, "--batch-discount=0.5",
+    )  # fmt: skip
+    assert result.returncode == 9, result.stderr
+    left = query(db, "SELECT count(*) FROM items WHERE state = 'pending' AND key LIKE 'm%'")
+    assert 0 < left[0][0] < 60
+    status = json.loads(
+        cli("status", "--json", "--db", str(db), *prices, "--batch-discount=0.5").stdout
+    )
+    spent = status["cost"]["datasets"]["more"]["so_far"]
+    per_item = spent / (60 - left[0][0])
+    assert spent <= budget + 2 * 10 * per_item  # within a claim (a batch server's cap: 10)
