@@ -19,7 +19,7 @@ from orchestrator.items.answer_length import MEASURED_AFTER
 from orchestrator.items.error_classes import limited_for
 from orchestrator.items.quality import ALL_FLAGS
 from orchestrator.items.structured import INVALID_FLAGS, expected_format
-from orchestrator.store import batches, crashes, liveness
+from orchestrator.store import batches, crashes, liveness, spend
 
 if TYPE_CHECKING:
     from orchestrator.store.reader import Rows
@@ -110,10 +110,7 @@ _QUERIES: dict[str, str] = {
     # Tokens thrown away (migration 0013): a row per dataset and cause, read whole.
     "wasted": "SELECT dataset_id, cause, requests, tokens, unknown FROM wasted_tokens",
     # What the providers billed (migration 0022, store.spend): a handful of rows a dataset.
-    "spend": (
-        "SELECT dataset_id, server, model, batched, kind, requests, prompt_tokens,"
-        " cached_tokens, completion_tokens FROM spend ORDER BY dataset_id, kind, server, model"
-    ),
+    "spend": spend.STATUS_SQL,
     "workers": (
         f"SELECT {liveness.COLUMNS} FROM workers"
         " WHERE stopped_at IS NULL OR stopped_at >= :since ORDER BY started_at"
@@ -304,7 +301,7 @@ def _document(
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
     cache_by = {r[0]: tuple(r[1:]) for r in rows["cache"]}
     wasted_by = _wasted_by(rows)
-    billed_by = _billed_by(rows)
+    billed_by = spend.billed_by(rows["spend"])
     names = {row[0]: row[1] for row in rows["datasets"]}
     entries = []
     work: list[dict[str, Any]] = []
@@ -348,15 +345,7 @@ def _document(
     workers = [liveness.worker(row, now) for row in rows["workers"]]
     live = sum(w["in_flight"] for w in workers if liveness.is_live(w))
     busy = _busy(entries, now, window)
-    totals = _totals(entries, now=now, window=window)
-    totals["eta_slots"] = None  # with eta_seconds, filled by the forecast
-    totals["prompt_tokens"] = _cache_figures(
-        *(sum(e["prompt_tokens"][k] for e in entries) for k in ("total", "cached", "said"))
-    )
-    totals["completion_tokens"].update(
-        _percentiles([n for sample in lengths.values() for n in sample])
-    )
-    totals["error_messages"] = _error_messages(totals["errors"], _by_class(messages), names)
+    totals = _all_totals(entries, lengths, messages, names, now=now, window=window)
     totals.update(liveness.outage(workers))
     document = {
         "version": STATUS_VERSION,
@@ -372,6 +361,28 @@ def _document(
         document["batches"] = shown
     ids = [row[0] for row in rows["datasets"]]
     return Snapshot(document, ids, [_work(**w, busy=busy) for w in work], live)
+
+
+def _all_totals(
+    entries: list[dict[str, Any]],
+    lengths: dict[int, list[int]],
+    messages: Messages,
+    names: dict[int, str],
+    *,
+    now: float,
+    window: float,
+) -> dict[str, Any]:
+    """The run's totals over its datasets' figures."""
+    totals = _totals(entries, now=now, window=window)
+    totals["eta_slots"] = None  # with eta_seconds, filled by the forecast
+    totals["prompt_tokens"] = _cache_figures(
+        *(sum(e["prompt_tokens"][k] for e in entries) for k in ("total", "cached", "said"))
+    )
+    totals["completion_tokens"].update(
+        _percentiles([n for sample in lengths.values() for n in sample])
+    )
+    totals["error_messages"] = _error_messages(totals["errors"], _by_class(messages), names)
+    return totals
 
 
 def _count_prompts(entries: list[dict[str, Any]], rows: Found) -> None:
@@ -560,21 +571,6 @@ def wasted_figures(by_cause: dict[str, tuple[int, int, int]], stored: int) -> di
         "share": share(tokens),
         "by_cause": causes,
     }
-
-
-def _billed_by(rows: Found) -> dict[int, list[dict[str, Any]]]:
-    """The ledger's rows by dataset, as ``datasets[].billed`` shows them."""
-    by: dict[int, list[dict[str, Any]]] = {}
-    for ds_id, server, model, batched, kind, *counts in rows["spend"]:
-        by.setdefault(ds_id, []).append(
-            {"server": server or None, "model": model or None, "batched": bool(batched)}
-            | {"kind": kind}
-            | dict(zip(_BILLED, (int(c) for c in counts), strict=True))
-        )
-    return by
-
-
-_BILLED = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 def _wasted_by(rows: Found) -> dict[int, dict[str, tuple[int, int, int]]]:
@@ -778,9 +774,10 @@ def card_figures(rows: Rows, dataset_id: int, *, exclude_flags: int = 0) -> dict
 
 def _card_billed(found: Sequence[Sequence[Any]]) -> dict[str, dict[str, int]]:
     """The ledger's sums, ``kept`` and ``thrown_away``, for the card."""
-    out = {kind: dict.fromkeys(_BILLED, 0) for kind in ("kept", "thrown_away")}
+    out = {kind: dict.fromkeys(spend.BILLED, 0) for kind in ("kept", "thrown_away")}
     for kept, *sums in found:
-        out["kept" if kept else "thrown_away"] = dict(zip(_BILLED, map(int, sums), strict=True))
+        kind = "kept" if kept else "thrown_away"
+        out[kind] = dict(zip(spend.BILLED, map(int, sums), strict=True))
     return out
 
 
