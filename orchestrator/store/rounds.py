@@ -8,7 +8,7 @@ follows it: these are the writes and their row builders, with nothing of the cla
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -328,6 +328,17 @@ def thrown_away(work: Round, accepted: Mapping[str, set[int]]) -> list[wasted.Wa
                 tokens = (out.usage or {}).get("completion_tokens")
                 fenced = wasted.Waste(wasted.FENCED, tokens if isinstance(tokens, int) else None)
                 entries.append((lease.dataset_id, fenced))
+    for lease, failure in _failed_written(work, accepted):
+        if failure.waste is not None:
+            entries.append((lease.dataset_id, failure.waste))
+    return wasted.tally(entries)
+
+
+def _failed_written(
+    work: Round, accepted: Mapping[str, set[int]]
+) -> Iterator[tuple[Lease, Failure]]:
+    """Each failure of the round (retried, released, failed) whose write was accepted:
+    its lease and its failure."""
     failing = [
         ("retry", work.retry),
         ("release", work.release),
@@ -336,9 +347,8 @@ def thrown_away(work: Round, accepted: Mapping[str, set[int]]) -> list[wasted.Wa
     for kind, outcomes in failing:
         took = accepted.get(kind, set())
         for lease, failure, _ in outcomes:
-            if failure.waste is not None and lease.item_id in took:
-                entries.append((lease.dataset_id, failure.waste))
-    return wasted.tally(entries)
+            if lease.item_id in took:
+                yield lease, failure
 
 
 def billed(work: Round, accepted: Mapping[str, set[int]]) -> list[spend.Spent]:
@@ -356,15 +366,8 @@ def billed(work: Round, accepted: Mapping[str, set[int]]) -> list[spend.Spent]:
             entries.append(
                 (lease.dataset_id, spend.KEPT if lease.item_id in took else wasted.FENCED, bill)
             )
-    failing = [
-        ("retry", work.retry),
-        ("release", work.release),
-        ("fail", [(lease, failure, 0.0) for lease, failure in work.fail]),
-    ]
-    for kind, outcomes in failing:
-        took = accepted.get(kind, set())
-        for lease, failure, _ in outcomes:
-            waste = failure.waste
-            if waste is not None and waste.bill is not None and lease.item_id in took:
-                entries.append((lease.dataset_id, waste.cause, waste.bill))
+    for lease, failure in _failed_written(work, accepted):
+        waste = failure.waste
+        if waste is not None and waste.bill is not None:
+            entries.append((lease.dataset_id, waste.cause, waste.bill))
     return spend.tally(entries)
