@@ -25,6 +25,7 @@ from tests.helpers import (
     SimProcess,
     check_export,
     cli,
+    dialogue,
     done_count,
     enqueue_prompts,
     query,
@@ -348,3 +349,37 @@ def test_a_batch_runs_cost_is_the_providers_bill_and_its_budget_holds(
     spent = status["cost"]["datasets"]["more"]["so_far"]
     per_item = spent / (60 - left[0][0])
     assert spent <= budget + 2 * 10 * per_item  # within a claim (a batch server's cap: 10)
+
+
+def test_conversations_and_samples_go_through_batches_as_online(
+    tmp_path: Path, sim_process: Callable[..., SimProcess]
+) -> None:
+    """Every assistant turn regenerated (each next turn in a later batch) and several
+    samples of a prompt asked with ``n``: the export is the online run's."""
+    server = sim_process(*FAST)
+    rows = [
+        {"id": f"c{i:03d}", "messages": dialogue(f"hi {i}", "a", f"and then {i}?", "b")}
+        for i in range(8)
+    ]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    exports = []
+    for name, extra in (("online", ()), ("batch", ("--batch-api", "--batch-poll", "0.2"))):
+        db = tmp_path / f"{name}.db"
+        for dataset, more in (("talk", ("--regenerate", "all")), ("draws", ("--samples", "3"))):
+            result = cli("enqueue", str(tmp_path / "in.jsonl"), "-d", dataset, "--db", str(db),
+                         "--max-tokens", "12", *more)  # fmt: skip
+            assert result.returncode == 0, result.stderr
+        result = cli("run", "--server", server.url, "--db", str(db), "--exit-when-done", *extra)
+        assert result.returncode == 0, result.stderr
+        out = tmp_path / f"{name}.jsonl"
+        assert cli("export", str(out), "--db", str(db)).returncode == 0
+        exports.append(out.read_bytes())
+    assert exports[0] == exports[1]
+    batch_db = tmp_path / "batch.db"
+    # A second turn is asked only once the first is written: in a later batch.
+    turns = query(batch_db, "SELECT e.item_id, max(b.id) > min(b.id) FROM batch_entries e"
+                  " JOIN batches b ON b.id = e.batch_id JOIN items i ON i.id = e.item_id"
+                  " JOIN datasets d ON d.id = i.dataset_id WHERE d.name = 'talk'"
+                  " GROUP BY e.item_id")  # fmt: skip
+    assert len(turns) == 8 and all(later for _, later in turns)
+    assert len(exports[0].splitlines()) == 8 + 24
