@@ -35,39 +35,6 @@ ABANDONED = "abandoned"
 #: The states of a batch whose lines may still answer their items.
 LIVE = (PACKING, UPLOADED, CREATED, COLLECTED)
 
-#: What status reads of the batches: those live, and how many there were in each state.
-STATUS_SQL = {
-    "batches": (
-        "SELECT key, provider_id, server, state, status, requests, completed, failed,"
-        " created_at, expires_at, error FROM batches"
-        " WHERE state IN ('packing', 'uploaded', 'created', 'collected') ORDER BY id"
-    ),
-    "batch_states": (
-        "SELECT state, count(*), coalesce(sum(requests), 0) FROM batches GROUP BY state"
-    ),
-}
-
-
-def status_section(
-    live: Sequence[Sequence[Any]], states: Sequence[Sequence[Any]], now: float
-) -> dict[str, Any] | None:
-    """The status document's ``batches``: each live batch (its age and the time left in
-    the provider's window) and the batches by state; None when the run made none."""
-    if not states:
-        return None
-    names = ("key", "provider_id", "server", "state", "status", "requests", "completed",
-             "failed", "created_at", "expires_at", "error")  # fmt: skip
-    shown = []
-    for row in live:
-        entry = dict(zip(names, row, strict=True))
-        entry["age_s"] = round(now - entry["created_at"], 1)
-        expires = entry.pop("expires_at")
-        entry["window_left_s"] = None if expires is None else round(expires - now, 1)
-        shown.append(entry)
-    by_state = {state: {"batches": n, "requests": int(r)} for state, n, r in states}
-    return {"live": shown, "by_state": by_state}
-
-
 #: The columns a step may write.
 _STEP_FIELDS = frozenset(
     {

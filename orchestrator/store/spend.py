@@ -213,24 +213,3 @@ class Budget:
         if where:
             sql += " AND" + where.removeprefix(" WHERE")
         return int(conn.execute(sa.text(sql), params).scalar_one())
-
-
-#: What status reads of the ledger: a handful of rows a dataset.
-STATUS_SQL = (
-    "SELECT dataset_id, server, model, batched, kind, requests, prompt_tokens,"
-    " cached_tokens, completion_tokens FROM spend ORDER BY dataset_id, kind, server, model"
-)
-BILLED = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
-
-
-def billed_by(rows: Iterable[Sequence[Any]]) -> dict[int, list[dict[str, Any]]]:
-    """The ledger's rows (:data:`STATUS_SQL`) by dataset, as ``datasets[].billed`` shows
-    them."""
-    by: dict[int, list[dict[str, Any]]] = {}
-    for ds_id, server, model, batched, kind, *counts in rows:
-        by.setdefault(ds_id, []).append(
-            {"server": server or None, "model": model or None, "batched": bool(batched)}
-            | {"kind": kind}
-            | dict(zip(BILLED, (int(c) for c in counts), strict=True))
-        )
-    return by

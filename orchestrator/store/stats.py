@@ -19,7 +19,7 @@ from orchestrator.items.answer_length import MEASURED_AFTER
 from orchestrator.items.error_classes import limited_for
 from orchestrator.items.quality import ALL_FLAGS
 from orchestrator.items.structured import INVALID_FLAGS, expected_format
-from orchestrator.store import batches, crashes, liveness, spend
+from orchestrator.store import crashes, hosted, liveness
 
 if TYPE_CHECKING:
     from orchestrator.store.reader import Rows
@@ -110,13 +110,13 @@ _QUERIES: dict[str, str] = {
     # Tokens thrown away (migration 0013): a row per dataset and cause, read whole.
     "wasted": "SELECT dataset_id, cause, requests, tokens, unknown FROM wasted_tokens",
     # What the providers billed (migration 0022, store.spend): a handful of rows a dataset.
-    "spend": spend.STATUS_SQL,
+    "spend": hosted.SPEND_SQL,
     "workers": (
         f"SELECT {liveness.COLUMNS} FROM workers"
         " WHERE stopped_at IS NULL OR stopped_at >= :since ORDER BY started_at"
     ),
     # A provider's batches (migration 0021): the live ones, and a count by state.
-    **batches.STATUS_SQL,
+    **hosted.BATCH_SQL,
 }
 
 # Completion lengths of a dataset's latest answers, for p50/p90: newest first along
@@ -301,7 +301,7 @@ def _document(
     recent_by = {r[0]: tuple(r[1:]) for r in rows["recent"]}
     cache_by = {r[0]: tuple(r[1:]) for r in rows["cache"]}
     wasted_by = _wasted_by(rows)
-    billed_by = spend.billed_by(rows["spend"])
+    billed_by = hosted.billed_by(rows["spend"])
     names = {row[0]: row[1] for row in rows["datasets"]}
     entries = []
     work: list[dict[str, Any]] = []
@@ -356,7 +356,7 @@ def _document(
         "datasets": entries,
         "workers": workers,
     }
-    shown = batches.status_section(rows["batches"], rows["batch_states"], now)
+    shown = hosted.batch_section(rows["batches"], rows["batch_states"], now)
     if shown is not None:
         document["batches"] = shown
     ids = [row[0] for row in rows["datasets"]]
@@ -774,10 +774,10 @@ def card_figures(rows: Rows, dataset_id: int, *, exclude_flags: int = 0) -> dict
 
 def _card_billed(found: Sequence[Sequence[Any]]) -> dict[str, dict[str, int]]:
     """The ledger's sums, ``kept`` and ``thrown_away``, for the card."""
-    out = {kind: dict.fromkeys(spend.BILLED, 0) for kind in ("kept", "thrown_away")}
+    out = {kind: dict.fromkeys(hosted.BILLED, 0) for kind in ("kept", "thrown_away")}
     for kept, *sums in found:
         kind = "kept" if kept else "thrown_away"
-        out[kind] = dict(zip(spend.BILLED, map(int, sums), strict=True))
+        out[kind] = dict(zip(hosted.BILLED, map(int, sums), strict=True))
     return out
 
 
