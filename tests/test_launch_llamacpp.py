@@ -166,8 +166,9 @@ def test_a_killed_worker_leaves_no_server_and_the_next_run_resumes(
 
 def test_sigterm_lets_answers_finish_then_stops_the_servers(command: str, tmp_path: Path) -> None:
     db = tmp_path / "q.db"
-    # Long answers, so that requests are in flight when the signal comes.
-    enqueue(db, 200, 300)
+    # Long answers, so that requests are still in flight when the worker, loaded as it
+    # may be, gets to its drain after the signal (300 tokens were done within it).
+    enqueue(db, 200, 1000)
     proc = start_run(db, *run_args(command, "--grace", "60"))
     wait_for(lambda: done_count(db) >= 20, "20 items done")
     pids = launched_pids(db)
