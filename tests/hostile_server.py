@@ -5,6 +5,7 @@
                                    [--stream-end HOW] [--rate-limit NAME=VALUE]
                                    [--answer-delay S] [--metrics-slots N]
                                    [--metrics-fail N] [--metrics-delay S]
+                                   [--metrics-waiting N]
 
 --basic         every route wants these HTTP Basic credentials (401 otherwise)
 --redirect      chat requests are answered with a redirect to URL (its path kept)
@@ -20,6 +21,9 @@
                 flight beyond N are its queue
 --metrics-fail  ... the worker's first N looks at it (not status's) are answered 503
 --metrics-delay ... the worker's first look after those takes S seconds to answer
+--metrics-waiting ... the server is full (N slots running) with a queue of N, whatever
+                the worker has in flight: a server other clients keep busy, whose figures
+                do not hang on how fast a loaded machine turns its answers around
 
 Every route answers GET as well as POST, as a misconfigured proxy may; ``/stats`` counts
 the requests seen by method and path, and the Authorization headers received.
@@ -146,11 +150,14 @@ def _metrics(args: argparse.Namespace) -> Any:
             if looks["tuner"] == args.metrics_fail + 1:
                 await asyncio.sleep(args.metrics_delay)
         running = min(_IN_FLIGHT["chat"], args.metrics_slots)
+        waiting = _IN_FLIGHT["chat"] - running
+        if args.metrics_waiting is not None:
+            running, waiting = args.metrics_slots, args.metrics_waiting
         text = (
             "# TYPE vllm:num_requests_running gauge\n"
             f'vllm:num_requests_running{{model_name="m"}} {running}\n'
             "# TYPE vllm:num_requests_waiting gauge\n"
-            f'vllm:num_requests_waiting{{model_name="m"}} {_IN_FLIGHT["chat"] - running}\n'
+            f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
         )
         return web.Response(text=text)
 
@@ -195,6 +202,7 @@ async def main() -> None:
     parser.add_argument("--rate-limit")
     parser.add_argument("--answer-delay", type=float, default=0.0)
     parser.add_argument("--metrics-slots", type=int, default=0)
+    parser.add_argument("--metrics-waiting", type=int, default=None)
     parser.add_argument("--metrics-fail", type=int, default=0)
     parser.add_argument("--metrics-delay", type=float, default=0.0)
     args = parser.parse_args()

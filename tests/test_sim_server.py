@@ -94,12 +94,16 @@ async def stats(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
 async def wait_for_stats(
     session: aiohttp.ClientSession, base: str, check: Callable[[dict[str, Any]], bool]
 ) -> dict[str, Any]:
-    for _ in range(100):
+    # Polled until a deadline far past what an idle machine needs, so that a loaded one
+    # passes too; a check that never holds still fails.
+    deadline = asyncio.get_running_loop().time() + 20
+    while True:
         current = await stats(session, base)
         if check(current):
             return current
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"stats never matched: {current}")
         await asyncio.sleep(0.02)
-    raise AssertionError(f"stats never matched: {current}")
 
 
 async def test_answer_shape_and_provenance(start_sim: StartSim, session: aiohttp.ClientSession):
@@ -485,14 +489,18 @@ async def test_client_leaving_during_latency_counts_as_aborted(
     start_sim: StartSim, session: aiohttp.ClientSession
 ):
     base = await start_sim(latency=5.0)
-    with pytest.raises(asyncio.TimeoutError):
-        await session.post(
-            f"{base}/v1/chat/completions",
-            json={"messages": MESSAGES},
-            timeout=aiohttp.ClientTimeout(total=0.2),
-        )
+    # The client leaves only once the server holds its request: a fixed client timeout
+    # could expire, on a loaded machine, before the request ever reached the handler.
+    request = asyncio.ensure_future(
+        session.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES})
+    )
+    await wait_for_stats(session, base, lambda s: s["running"] == 1)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
     current = await wait_for_stats(session, base, lambda s: s["aborted"] == 1)
     assert current["running"] == 0
+    assert current["chat_requests"] == 1
 
 
 async def test_latency_is_applied(start_sim: StartSim, session: aiohttp.ClientSession):

@@ -162,8 +162,12 @@ def test_a_failed_or_slow_look_at_metrics_holds_the_cap_until_they_come(
 ) -> None:
     """Two looks answered 503, or one that takes 8 s (past the 5 s a look is waited for
     in a tick): the cap holds until the metrics come, and the first change is the one
-    they call for (a queue of 6 on 2 slots: down to 4), not a ramp in the dark."""
-    server = hostile("--metrics-slots", "2", "--answer-delay", "0.25", *trouble)
+    they call for (a queue of 6 on 2 slots: down to 4), not a ramp in the dark. The
+    server reports that queue whatever is in flight: figures counted from the requests
+    it holds would hang on how fast a loaded machine sends the next one."""
+    server = hostile(
+        "--metrics-slots", "2", "--metrics-waiting", "6", "--answer-delay", "0.25", *trouble
+    )
     db = str(tmp_path / "q.db")
     enqueue(db, 500, tmp_path)
     code, stderr = run(db, server, "--concurrency", "auto")
