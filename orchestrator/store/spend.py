@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from orchestrator.items.answer import Answer
 from orchestrator.items.samples import sent_as
 from orchestrator.settings.prices import KEPT, RunPrices, budget_room
+from orchestrator.store.statements import add_counts
 
 __all__ = ["KEPT", "Bill", "Budget", "Spent", "Standing", "add", "bill_of", "read", "tally"]
 
@@ -102,41 +103,9 @@ def tally(entries: Iterable[tuple[int, str, Bill]]) -> list[Spent]:
     return [Spent(d, s, m, b, k, *sums[(d, k, s, m, b)]) for d, k, s, m, b in sorted(sums)]
 
 
-_ADD = (
-    "INSERT INTO spend (dataset_id, server, model, batched, kind, requests, prompt_tokens,"
-    " cached_tokens, completion_tokens, updated_at) VALUES (:dataset, :server, :model,"
-    " :batched, :kind, :requests, :prompt, :cached, :completion, :now)"
-    " ON CONFLICT (dataset_id, server, model, batched, kind) DO UPDATE SET"
-    " requests = spend.requests + excluded.requests,"
-    " prompt_tokens = spend.prompt_tokens + excluded.prompt_tokens,"
-    " cached_tokens = spend.cached_tokens + excluded.cached_tokens,"
-    " completion_tokens = spend.completion_tokens + excluded.completion_tokens,"
-    " updated_at = excluded.updated_at"
-)
-
-
 def add(conn: sa.Connection, rows: Sequence[Spent], now: float) -> None:
     """Add to the ledger, in the caller's write transaction."""
-    if not rows:
-        return
-    conn.execute(
-        sa.text(_ADD),
-        [
-            {
-                "dataset": r.dataset_id,
-                "server": r.server,
-                "model": r.model,
-                "batched": int(r.batched),
-                "kind": r.kind,
-                "requests": r.requests,
-                "prompt": r.prompt_tokens,
-                "cached": r.cached_tokens,
-                "completion": r.completion_tokens,
-                "now": now,
-            }
-            for r in rows
-        ],
-    )
+    add_counts(conn, "spend", ("dataset_id", "server", "model", "batched", "kind"), rows, now)
 
 
 #: The ledger as a budget reads it (``store.stats`` reads it too, for status).

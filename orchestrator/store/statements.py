@@ -8,6 +8,7 @@ requeue moves all build on one gate and one way of running a statement.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sqlite3
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -129,3 +130,32 @@ def fenced_update(
         sql = f"UPDATE items SET {assignments} WHERE {where} RETURNING id"
         changed.update(row[0] for row in st.rows(sql, bound | params))
     return changed
+
+
+def add_counts(
+    conn: sa.Connection, table: str, keys: Sequence[str], rows: Sequence[Any], now: float
+) -> None:
+    """Add ``rows`` (dataclasses whose fields are the table's columns: ``keys``, then
+    counters) to a table of counters, in the caller's write transaction: one upsert that
+    SQLite and PostgreSQL both take, so that concurrent writers add rather than overwrite."""
+    if not rows:
+        return
+    columns = [f.name for f in dataclasses.fields(rows[0])]
+    counters = [c for c in columns if c not in keys]
+    sql = (
+        f"INSERT INTO {table} ({', '.join(columns)}, updated_at)"
+        f" VALUES ({', '.join(':' + c for c in columns)}, :updated_at)"
+        f" ON CONFLICT ({', '.join(keys)}) DO UPDATE SET "
+        + "".join(f"{c} = {table}.{c} + excluded.{c}, " for c in counters)
+        + "updated_at = excluded.updated_at"
+    )
+    params = [
+        {**{c: _plain(getattr(r, c)) for c in columns}, "updated_at": now}
+        for r in sorted(rows, key=lambda r: tuple(getattr(r, k) for k in keys))
+    ]
+    conn.execute(sa.text(sql), params)
+
+
+def _plain(value: Any) -> Any:
+    """A bool as the integer column that holds it."""
+    return int(value) if isinstance(value, bool) else value

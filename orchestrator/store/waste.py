@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from orchestrator.store.spend import Bill
+from orchestrator.store.statements import add_counts
 
 #: In-flight requests lost with a worker killed (SIGKILL, a crash, a power cut): found
 #: when another worker takes the dead one's leases back; their tokens are not known.
@@ -81,35 +82,9 @@ def _count(tokens: object) -> int | None:
     return None
 
 
-_ADD = (
-    "INSERT INTO wasted_tokens (dataset_id, cause, requests, tokens, unknown, updated_at)"
-    " VALUES (:dataset, :cause, :requests, :tokens, :unknown, :now)"
-    " ON CONFLICT (dataset_id, cause) DO UPDATE SET"
-    " requests = wasted_tokens.requests + excluded.requests,"
-    " tokens = wasted_tokens.tokens + excluded.tokens,"
-    " unknown = wasted_tokens.unknown + excluded.unknown,"
-    " updated_at = excluded.updated_at"
-)
-
-
 def add(conn: sa.Connection, rows: Sequence[Wasted], now: float) -> None:
     """Add to the table, in the caller's write transaction."""
-    if not rows:
-        return
-    conn.execute(
-        sa.text(_ADD),
-        [
-            {
-                "dataset": r.dataset_id,
-                "cause": r.cause,
-                "requests": r.requests,
-                "tokens": r.tokens,
-                "unknown": r.unknown,
-                "now": now,
-            }
-            for r in sorted(rows, key=lambda r: (r.dataset_id, r.cause))
-        ],
-    )
+    add_counts(conn, "wasted_tokens", ("dataset_id", "cause"), rows, now)
 
 
 _READ = "SELECT dataset_id, cause, requests, tokens, unknown FROM wasted_tokens"
