@@ -70,7 +70,7 @@ def test_formats_constant() -> None:
 
 
 def test_request_fields_all_checked() -> None:
-    assert set(readers.REQUEST_FIELDS) == set(lines._FIELD_CHECKS)
+    assert set(lines.REQUEST_FIELDS) == set(lines._FIELD_CHECKS)
 
 
 def test_messages_format_keeps_request_fields_only(tmp_path: Path) -> None:

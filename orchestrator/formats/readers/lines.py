@@ -235,11 +235,16 @@ def json_reason(raw: bytes, exc: orjson.JSONDecodeError) -> str:
     return f"invalid JSON: {exc.msg} at column {exc.colno}"
 
 
-def kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, dict):
-        return "object"
+#: How a message about a JSON line names a value's type (``kind``).
+JSON_KINDS: tuple[tuple[Any, str], ...] = ((type(None), "null"), (dict, "object"))
+
+
+def kind(value: object, names: tuple[tuple[Any, str], ...] = JSON_KINDS) -> str:
+    """How a message names the type of ``value``: by the first of ``names`` whose types it
+    is an instance of, else by its Python type's name."""
+    for types, name in names:
+        if isinstance(value, types):
+            return name
     return type(value).__name__
 
 

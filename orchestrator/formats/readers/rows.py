@@ -48,7 +48,6 @@ from orchestrator.formats.readers.columns import check as check_columns
 from orchestrator.formats.readers.jsonl import RecordsSource
 from orchestrator.formats.readers.lines import (
     ITEM_PARSERS,
-    REQUEST_FIELDS,
     Mapped,
     RowError,
     parse_json,
@@ -60,22 +59,6 @@ from orchestrator.formats.readers.source import open_source
 from orchestrator.items.conversation import turn_prompts
 from orchestrator.settings.choices import INPUT_FORMATS, LINE_FORMATS
 from orchestrator.settings.dataset_options import REGENERATE
-
-__all__ = [
-    "FORMATS",
-    "INPUT_FORMATS",
-    "MODES",
-    "PASSTHROUGH_FORMATS",
-    "REQUEST_FIELDS",
-    "Columns",
-    "Prepared",
-    "PreparedItem",
-    "Reading",
-    "Record",
-    "iter_prepared",
-    "iter_prepared_rows",
-    "iter_records",
-]
 
 FORMATS = LINE_FORMATS
 PASSTHROUGH_FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokens")

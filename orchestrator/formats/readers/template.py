@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.formats.readers.lines import kind
+
 __all__ = ["Template", "TemplateError", "ValueProblem", "escape", "parse"]
 
 
@@ -147,15 +149,15 @@ def _has(value: Mapping[str, Any], depth: int) -> str:
     return f" (the {'row' if depth == 0 else 'struct'} has: {shown})"
 
 
+#: How a message about a table's value names its type (``lines.kind``).
+_TABLE_KINDS: tuple[tuple[Any, str], ...] = (
+    (type(None), "null"),
+    (bool, "a boolean"),
+    (Mapping, "a struct"),
+    (list | tuple, "a list"),
+    (str, "text"),
+)
+
+
 def _kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, Mapping):
-        return "a struct"
-    if isinstance(value, list | tuple):
-        return "a list"
-    if isinstance(value, str):
-        return "text"
-    return type(value).__name__
+    return kind(value, _TABLE_KINDS)
