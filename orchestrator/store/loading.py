@@ -29,7 +29,7 @@ from functools import partial
 from itertools import chain, islice
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import aiosqlite
 import orjson
@@ -37,6 +37,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from orchestrator.errors import ConfigError, InputError
+from orchestrator.items.records import Prepared, PreparedItem, Record
 from orchestrator.store.datasets import Change, DatasetInfo, DatasetSpec, declare, pending_count
 from orchestrator.store.engine import Database, insert_many, storage_error
 from orchestrator.store.schema import items
@@ -46,43 +47,6 @@ T = TypeVar("T")
 BATCH = 2000
 """Lines per statement: big enough that a statement's fixed costs and the hand-over to the
 driver's thread vanish per line, small enough to keep memory flat."""
-
-
-class RecordLike(Protocol):
-    """What the store needs of an input record (``orchestrator.formats.Record``)."""
-
-    @property
-    def line(self) -> int: ...
-    @property
-    def key(self) -> str: ...
-    @property
-    def request(self) -> dict: ...
-    @property
-    def digest(self) -> str: ...
-    @property
-    def fmt(self) -> str: ...
-    @property
-    def mode(self) -> str: ...
-    @property
-    def turns(self) -> int: ...
-    @property
-    def prompt_tokens(self) -> int | None: ...
-    @property
-    def completion_tokens(self) -> int | None: ...
-    @property
-    def predicted_tokens(self) -> int: ...
-
-
-Prepared = tuple[int, str, str, str, str, int]
-"""A record with its request already encoded: ``(line, key, fmt, digest, body,
-predicted_tokens)`` (``orchestrator.formats.Prepared``). The order is part of the
-contract: batches are bound to the INSERT as they come, without building another tuple
-per line."""
-
-PreparedItem = tuple[int, str, str, str, str, str, int, int | None, int | None, int]
-"""The first five of ``Prepared``, then ``(mode, turns, prompt_tokens,
-completion_tokens, predicted_tokens)`` (``orchestrator.formats.PreparedItem``): lines
-read for ``regenerate="all"`` or pass-through."""
 
 
 @dataclass(slots=True)
@@ -119,7 +83,7 @@ def file_sha256(path: str | Path) -> str:
 async def enqueue(
     database: Database,
     spec: DatasetSpec,
-    records: Iterable[RecordLike] | Iterable[Prepared] | Iterable[PreparedItem],
+    records: Iterable[Record] | Iterable[Prepared] | Iterable[PreparedItem],
     *,
     path: str,
     on_invalid: Callable[[InputError], None] | None = None,
@@ -275,7 +239,7 @@ async def _add_samples(
 
 
 def _prepared(
-    records: Iterable[RecordLike] | Iterable[Prepared] | Iterable[PreparedItem],
+    records: Iterable[Record] | Iterable[Prepared] | Iterable[PreparedItem],
 ) -> Iterator[Any]:
     """The records as ``Prepared`` (or ``PreparedItem``) tuples, encoding each request once
     if need be."""
