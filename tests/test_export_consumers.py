@@ -86,17 +86,7 @@ def _specforge_rows(path: str) -> Iterator[dict[str, Any]]:
     """What SpecForge's offline loader yields per line: conversations and tools, as JSON text."""
     with open(path, encoding="utf-8") as fh:
         for line in fh:
-            row = json.loads(line)
-            turns = [
-                {k: json.dumps(v) if isinstance(v, list | dict) else v for k, v in turn.items()}
-                for turn in row.get("conversations", [])
-                if isinstance(turn, dict)
-            ]
-            out: dict[str, Any] = {"conversations": turns}
-            if "tools" in row:
-                tools = row["tools"]
-                out["tools"] = json.dumps(tools) if tools is not None else []
-            yield out
+            yield specforge_parser.offline_row(json.loads(line))
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,10 @@ BATCH_STORE = web.AppKey("sim_batch_store", BatchStore)
 _METADATA_PAIRS, _KEY_CHARS, _VALUE_CHARS = 16, 64, 512
 
 
+#: OpenAI's Files and Batch endpoints, each declared beside its handler.
+ROUTES = web.RouteTableDef()
+
+
 def _json(doc: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(doc), content_type=JSON_TYPE)
 
@@ -43,6 +47,7 @@ def _no_batch(batch_id: str) -> web.Response:
     return _error(404, f"No batch found with id '{batch_id}'.", "batch_id")
 
 
+@ROUTES.post("/v1/files")
 async def _upload(request: web.Request) -> web.Response:
     """``POST /v1/files``: a multipart ``file`` and its ``purpose``."""
     store = request.app[BATCH_STORE]
@@ -59,11 +64,13 @@ async def _upload(request: web.Request) -> web.Response:
     return _json(made.as_json())
 
 
+@ROUTES.get("/v1/files/{file_id}")
 async def _file(request: web.Request) -> web.Response:
     found = request.app[BATCH_STORE].files.get(request.match_info["file_id"])
     return _json(found.as_json()) if found else _no_file(request.match_info["file_id"])
 
 
+@ROUTES.get("/v1/files/{file_id}/content")
 async def _file_content(request: web.Request) -> web.Response:
     found = request.app[BATCH_STORE].files.get(request.match_info["file_id"])
     if found is None or found.missing:
@@ -71,6 +78,7 @@ async def _file_content(request: web.Request) -> web.Response:
     return web.Response(body=found.content, content_type="application/octet-stream")
 
 
+@ROUTES.delete("/v1/files/{file_id}")
 async def _delete_file(request: web.Request) -> web.Response:
     file_id = request.match_info["file_id"]
     if request.app[BATCH_STORE].files.pop(file_id, None) is None:
@@ -94,6 +102,7 @@ def _metadata_problem(metadata: Any) -> str | None:
     return None
 
 
+@ROUTES.post("/v1/batches")
 async def _create(request: web.Request) -> web.Response:
     """``POST /v1/batches``."""
     store = request.app[BATCH_STORE]
@@ -126,11 +135,13 @@ def _found(request: web.Request) -> SimBatch | None:
     return request.app[BATCH_STORE].find(request.match_info["batch_id"])
 
 
+@ROUTES.get("/v1/batches/{batch_id}")
 async def _batch(request: web.Request) -> web.Response:
     batch = _found(request)
     return _json(batch.as_json()) if batch else _no_batch(request.match_info["batch_id"])
 
 
+@ROUTES.post("/v1/batches/{batch_id}/cancel")
 async def _cancel(request: web.Request) -> web.Response:
     batch = _found(request)
     if batch is None:
@@ -141,6 +152,7 @@ async def _cancel(request: web.Request) -> web.Response:
     return _json(batch.as_json())
 
 
+@ROUTES.get("/v1/batches")
 async def _list(request: web.Request) -> web.Response:
     """``GET /v1/batches?limit=&after=``: newest first, ``after`` an id of the list."""
     try:
@@ -182,11 +194,4 @@ def add_batch_api(app: web.Application) -> None:
     app.on_cleanup.append(on_cleanup)
     if not state.config.batch_api:
         return
-    app.router.add_post("/v1/files", _upload)
-    app.router.add_get("/v1/files/{file_id}", _file)
-    app.router.add_get("/v1/files/{file_id}/content", _file_content)
-    app.router.add_delete("/v1/files/{file_id}", _delete_file)
-    app.router.add_post("/v1/batches", _create)
-    app.router.add_get("/v1/batches", _list)
-    app.router.add_get("/v1/batches/{batch_id}", _batch)
-    app.router.add_post("/v1/batches/{batch_id}/cancel", _cancel)
+    app.add_routes(ROUTES)

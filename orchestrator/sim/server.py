@@ -55,6 +55,10 @@ _KV_CAPACITY_TOKENS = 262_144
 BILLED_FAULTS = (None, "empty", "bad_ids")
 
 
+#: The endpoints, each declared beside its handler.
+ROUTES = web.RouteTableDef()
+
+
 @web.middleware
 async def _auth_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -66,11 +70,13 @@ async def _auth_middleware(
     return await handler(request)
 
 
+@ROUTES.post("/v1/completions")
 async def _completions(request: web.Request) -> web.StreamResponse:
     """``/v1/completions``: a plain prompt, answered as a base model would (text only)."""
     return await _chat_completions(request, plain=True)
 
 
+@ROUTES.post("/v1/chat/completions")
 async def _chat_completions(request: web.Request, *, plain: bool = False) -> web.StreamResponse:
     state = request.app[STATE]
     stats = state.stats
@@ -157,6 +163,7 @@ async def _answer_chat(
     return response
 
 
+@ROUTES.post("/tokenize")
 async def _tokenize(request: web.Request) -> web.Response:
     """vLLM's ``/tokenize``: a prompt's or a chat's messages' ids, as the answers count them."""
     state = request.app[STATE]
@@ -176,6 +183,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(doc), content_type=JSON_TYPE)
 
 
+@ROUTES.post("/detokenize")
 async def _detokenize(request: web.Request) -> web.Response:
     """``/detokenize``: the text of an answer the server gave with these ids (llama.cpp's
     ``content`` and vLLM's ``prompt``); ids of no recent answer spell ``" t<id>"`` each."""
@@ -195,10 +203,13 @@ async def _detokenize(request: web.Request) -> web.Response:
     )
 
 
+@ROUTES.get("/health")
+@ROUTES.get("/health_generate")
 async def _health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
+@ROUTES.get("/v1/models")
 async def _models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     created = int(time.time() - state.uptime())
@@ -240,11 +251,13 @@ def _metrics_text(state: State) -> str:
     return metrics_text(config.metric_names, config.served[0], figures)
 
 
+@ROUTES.get("/metrics")
 async def _metrics(request: web.Request) -> web.Response:
     text = _metrics_text(request.app[STATE])
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
+@ROUTES.get("/sim/stats")
 async def _sim_stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = {**state.stats.as_json(), "uptime": state.uptime(), "in_outage": state.in_outage()}
@@ -254,6 +267,7 @@ async def _sim_stats(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(body), content_type=JSON_TYPE)
 
 
+@ROUTES.get("/sim/bill")
 async def _sim_bill(request: web.Request) -> web.Response:
     """What the answers so far would cost (``orchestrator.sim.bill``)."""
     bill = request.app[STATE].bill.as_json()
@@ -295,16 +309,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/tokenize", _tokenize)
-    app.router.add_post("/detokenize", _detokenize)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/health_generate", _health)
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/sim/stats", _sim_stats)
-    app.router.add_get("/sim/bill", _sim_bill)
+    app.add_routes(ROUTES)
     return app
 
 
