@@ -111,7 +111,10 @@ async def test_a_worker_dead_after_a_step_leaves_its_batch_to_the_next(
         row = (await records.listing(database))[0]
         assert row.provider_id is None if step in ("upload", "create") else row.provider_id
         # The next life of the worker asks the same items.
-        alive = Batches(database, BatchApi(client), LIMITS, frozenset({url}), "w2")
+        # A create whose answer w1 never wrote down is waited out for as long as the
+        # call could take (here 1 s, plus a margin) before w2 looks for it.
+        api = BatchApi(client, request_seconds=1)
+        alive = Batches(database, api, LIMITS, frozenset({url}), "w2")
         await alive.start()
         answers = await _ask_all(alive, url, leases)
         await alive.close()
@@ -124,3 +127,72 @@ async def test_a_worker_dead_after_a_step_leaves_its_batch_to_the_next(
         assert states == ["abandoned", "collected"]
     else:  # adopted: the one batch the provider made
         assert states == ["collected"]
+
+
+class StallingApi(BatchApi):
+    """The provider's API, through which a live worker stalls: after its upload returned,
+    or with its create asked but not yet at the provider, until ``go`` is set."""
+
+    def __init__(self, client: InferenceClient, step: str) -> None:
+        super().__init__(client)
+        self.step = step
+        self.stalled = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def _stall(self) -> None:
+        self.stalled.set()
+        await self.go.wait()
+
+    async def upload(self, server: str, name: str, data: bytes) -> dict[str, Any]:
+        done = await super().upload(server, name, data)
+        if self.step == "upload":
+            await self._stall()
+        return done
+
+    async def create(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if self.step == "create":
+            await self._stall()
+        return await super().create(*args, **kwargs)
+
+
+@pytest.mark.parametrize("step", ["upload", "create"])
+async def test_a_live_worker_that_lost_its_items_mid_batch_never_makes_it_twice(
+    database: Database, tmp_path: Path, sim: StartSim, step: str
+) -> None:
+    """w1 stalls with its batch uploaded (or its create on the way) while w2 takes its
+    items. Uploaded: w2 takes the batch over and asks anew; w1, going on, creates nothing.
+    Creating: w2 waits the create out, then adopts the batch it made."""
+    url = await sim(batch_delay=0.3)
+    leases = await _leases(database, tmp_path, 5)
+    async with InferenceClient() as client:
+        api = StallingApi(client, step)
+        stalled = Batches(database, api, LIMITS, frozenset({url}), "w1")
+        await stalled.start()
+        first = asyncio.gather(
+            *(stalled.ask(url, lease, _body(lease), "chat") for lease in leases),
+            return_exceptions=True,
+        )
+        await asyncio.wait_for(api.stalled.wait(), 60)
+        alive = Batches(
+            database, BatchApi(client, request_seconds=2), LIMITS, frozenset({url}), "w2"
+        )
+        await alive.start()
+        second = asyncio.ensure_future(_ask_all(alive, url, leases))
+        await asyncio.sleep(1.0)  # w2 has looked at the batch meanwhile
+        api.go.set()
+        answers = await asyncio.wait_for(second, 60)
+        said = await asyncio.wait_for(first, 60)
+        await alive.close()
+        await stalled.close()
+        stats = await _stats(client, url)
+    assert [len(a) for a in answers] == [1] * 5
+    assert stats["requests_submitted"] == 5, stats
+    assert stats["duplicate_requests"] == 0, stats
+    rows = await records.listing(database, live=False)
+    if step == "upload":  # w2's own batch answered; w1's was given up, by w2
+        assert all(isinstance(s, BatchUnanswered) for s in said), said
+        assert sorted((r.state, r.worker) for r in rows) == [
+            ("abandoned", "w2"), ("collected", "w2"),
+        ]  # fmt: skip
+    else:  # the one batch w1 made, followed to the end by w2
+        assert [(r.state, r.worker) for r in rows] == [("collected", "w2")]

@@ -28,12 +28,15 @@ from orchestrator.store.schema import batch_entries, batches, items
 
 PACKING = "packing"
 UPLOADED = "uploaded"
+#: A create asked of the provider and not yet answered: it may land until the call's
+#: time is up, so nobody else gives the batch up before then.
+CREATING = "creating"
 CREATED = "created"
 COLLECTED = "collected"
 CLOSED = "closed"
 ABANDONED = "abandoned"
 #: The states of a batch whose lines may still answer their items.
-LIVE = (PACKING, UPLOADED, CREATED, COLLECTED)
+LIVE = (PACKING, UPLOADED, CREATING, CREATED, COLLECTED)
 
 #: The columns a step may write.
 _STEP_FIELDS = frozenset(
@@ -142,14 +145,44 @@ async def open_batch(
     await database.run_write(write)
 
 
-async def record(database: Database, key: str, **values: Any) -> None:
-    """A step's outcome: the ids and status the provider gave, the batch's new state."""
+async def record(database: Database, key: str, holder: str, **values: Any) -> bool:
+    """A step's outcome: the ids and status the provider gave, the batch's new state;
+    written only while ``holder`` holds the batch (False when another worker took it)."""
     unknown = set(values) - _STEP_FIELDS
     if unknown:
         raise ValueError(f"not a batch step's field: {sorted(unknown)}")
     values["updated_at"] = time.time()
-    statement = batches.update().where(batches.c.key == key).values(**values)
-    await database.run_write(lambda conn: conn.execute(statement))
+    held = sa.and_(batches.c.key == key, batches.c.worker == holder)
+    return await _changed(database, batches.update().where(held).values(**values))
+
+
+async def mark_creating(database: Database, key: str, holder: str) -> bool:
+    """Say a create is about to be asked: only while ``holder`` holds the uploaded batch,
+    so that a worker that took it over (and may create it anew) is never raced."""
+    held = sa.and_(
+        batches.c.key == key,
+        batches.c.worker == holder,
+        batches.c.state.in_((UPLOADED, CREATING)),
+    )
+    statement = batches.update().where(held).values(state=CREATING, updated_at=time.time())
+    return await _changed(database, statement)
+
+
+async def take_over(database: Database, row: BatchRow, holder: str) -> bool:
+    """Make ``holder`` the batch's worker, only if its record is still as ``row`` read it:
+    the previous holder's later steps are then not written, and it creates nothing."""
+    same = sa.and_(
+        batches.c.key == row.key,
+        batches.c.state == row.state,
+        batches.c.worker.is_not_distinct_from(row.worker),
+        batches.c.updated_at == row.updated_at,
+    )
+    statement = batches.update().where(same).values(worker=holder, updated_at=time.time())
+    return await _changed(database, statement)
+
+
+async def _changed(database: Database, statement: sa.Update) -> bool:
+    return bool(await database.run_write(lambda conn: conn.execute(statement).rowcount))
 
 
 async def get(database: Database, key: str) -> BatchRow | None:

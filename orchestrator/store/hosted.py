@@ -36,7 +36,8 @@ BATCH_SQL = {
     "batches": (
         "SELECT key, provider_id, server, state, status, requests, completed, failed,"
         " created_at, expires_at, error FROM batches"
-        " WHERE state IN ('packing', 'uploaded', 'created', 'collected') ORDER BY id"
+        " WHERE state IN ('packing', 'uploaded', 'creating', 'created', 'collected')"
+        " ORDER BY id"
     ),
     "batch_states": (
         "SELECT state, count(*), coalesce(sum(requests), 0) FROM batches GROUP BY state"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from orchestrator._util import procinfo
 from orchestrator.errors import BatchUnanswered, ConfigError, PermanentError, TransientError
 from orchestrator.inference.batchapi import (
     ENDED,
@@ -48,6 +50,8 @@ T = TypeVar("T")
 
 #: Tries at a step that costs nothing (an upload, a look, a download) before giving up.
 _TRIES = 4
+#: Seconds past a create call's own limit after which it surely did not land.
+_DOUBT_MARGIN = 5.0
 #: Seconds between two housekeeping rounds: settled lines written, finished batches closed.
 _HOUSEKEEPING = 2.0
 
@@ -278,9 +282,10 @@ class Batches:
                 self.database, key, server, batch.endpoint, batch.lines, len(data), self.owner
             )
             upload = await _tried(lambda: self.api.upload(server, f"{key}.jsonl", data))
-            await records.record(
-                self.database, key, state=records.UPLOADED, input_file_id=upload["id"]
-            )
+            if not await records.record(
+                self.database, key, self.owner, state=records.UPLOADED, input_file_id=upload["id"]
+            ):
+                raise self._taken(batch)
             doc = await self._create(batch, upload["id"])
         except Exception as exc:
             await self._abandon(batch, exc)
@@ -295,6 +300,8 @@ class Batches:
         """Create the batch; a create whose answer was lost (a timeout, a reset) may have
         happened: it is looked for by its key before it is tried again."""
         for attempt in range(_TRIES):
+            if not await records.mark_creating(self.database, batch.key, self.owner):
+                raise self._taken(batch)
             try:
                 doc = await self.api.create(
                     batch.server, file_id, batch.endpoint, batch.key, self.limits.window
@@ -316,11 +323,18 @@ class Batches:
         since = row.created_at if row is not None else time.time() - 86400
         return await self.api.find(batch.server, batch.key, since)
 
+    def _taken(self, batch: _Batch) -> BatchUnanswered:
+        """Another worker took the batch over (this one's leases ran out): it creates
+        nothing more of it and writes none of its steps."""
+        said = f"{batch.describe()} was taken over by another worker"
+        return BatchUnanswered(said, released=False)
+
     async def _created(self, batch: _Batch, doc: dict[str, Any]) -> None:
         batch.provider_id = str(doc["id"])
         await records.record(
             self.database,
             batch.key,
+            self.owner,
             state=records.CREATED,
             provider_id=batch.provider_id,
             status=doc.get("status"),
@@ -337,8 +351,9 @@ class Batches:
         log.error("batch_abandoned", batch=batch.key, server=batch.server, error=str(error))
         with contextlib.suppress(Exception):
             await records.record(
-                self.database, batch.key, state=records.ABANDONED, error=str(error)[:500]
-            )
+                self.database, batch.key, self.owner, state=records.ABANDONED,
+                error=str(error)[:500],
+            )  # fmt: skip
         batch.fail(error)
         self._batches.pop(batch.key, None)
 
@@ -370,7 +385,8 @@ class Batches:
         """Follow a batch recorded by another life of the run: from its provider id, from
         its key in the provider's list, or given up where it never was created."""
         row = await _tried(lambda: records.get(self.database, batch.key))
-        if row is None or row.state not in records.LIVE:
+        row = await self._take_over(batch, row)
+        if row is None:
             await self._abandon(batch, BatchUnanswered(f"{batch.describe()} is gone"))
             return
         batch.server, batch.endpoint = row.server, row.endpoint
@@ -391,6 +407,36 @@ class Batches:
             log.info("batch_found", batch=batch.key, provider_id=batch.provider_id)
         log.info("batch_adopted", batch=batch.key, provider_id=batch.provider_id)
         await self._follow(batch, None)
+
+    async def _take_over(
+        self, batch: _Batch, row: records.BatchRow | None
+    ) -> records.BatchRow | None:
+        """Hold the batch's record before acting on it (None: it is gone). A create its
+        worker may still have in flight is waited out first: given up before it lands, the
+        batch would be made twice and paid twice."""
+        while row is not None and row.state in records.LIVE:
+            if row.worker == self.owner:
+                return row
+            wait = self._in_doubt(row)
+            if wait > 0:
+                log.info(
+                    "batch_create_in_doubt", batch=batch.key, worker=row.worker,
+                    wait_s=round(wait, 1),
+                )  # fmt: skip
+                await asyncio.sleep(wait)
+            elif await _tried(functools.partial(records.take_over, self.database, row, self.owner)):
+                return row
+            row = await _tried(lambda: records.get(self.database, batch.key))
+        return None
+
+    def _in_doubt(self, row: records.BatchRow) -> float:
+        """Seconds until a create the row's worker may have asked is surely over (its
+        call's time is up); 0 when none can be in flight (or its worker died here)."""
+        if row.state != records.CREATING or row.worker is None:
+            return 0.0
+        if procinfo.is_dead_local(row.worker):
+            return 0.0
+        return row.updated_at + self.api.seconds + _DOUBT_MARGIN - time.time()
 
     async def _follow(self, batch: _Batch, doc: dict[str, Any] | None) -> None:
         """Look at the batch, with backoff, until it ends; then collect its answers."""
@@ -415,7 +461,7 @@ class Batches:
             now = _seen(doc)
             if now != seen:
                 seen = now
-                await records.record(self.database, batch.key, **_progress(doc))
+                await records.record(self.database, batch.key, self.owner, **_progress(doc))
         await self._collect(batch, doc)
 
     async def _collect(self, batch: _Batch, doc: dict[str, Any]) -> None:
@@ -453,7 +499,7 @@ class Batches:
             )
             for line in await self._lines(batch):
                 results.setdefault(line, LineResult(line, error=error))
-        await records.record(self.database, batch.key, state=records.COLLECTED)
+        await records.record(self.database, batch.key, self.owner, state=records.COLLECTED)
         log.info(
             "batch_collected", batch=batch.key, provider_id=batch.provider_id, status=status,
             answered=sum(r.choices is not None for r in results.values()),
