@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from orchestrator.errors import ConfigError
-from orchestrator.inference.failures import RateLimits, parse_duration, rate_limits
+from orchestrator.inference.failures import Allowance, RateLimits, parse_duration, rate_limits
 from orchestrator.inference.servers_file import parse_servers_file
 from orchestrator.items import error_classes as ec
 from orchestrator.sim.ratelimit import duration, parse_rate_limit
@@ -83,11 +83,11 @@ def test_headers_of_either_kind_are_read(
     )
     found = rate_limits(headers)
     assert found is not None
-    assert getattr(found, f"limit_{unit}") == limit
-    assert getattr(found, f"remaining_{unit}") == remaining
-    assert getattr(found, f"reset_{unit}") == pytest.approx(reset, abs=1e-3)
+    said = getattr(found, unit)
+    assert (said.limit, said.remaining) == (limit, remaining)
+    assert said.reset == pytest.approx(reset, abs=1e-3)
     other = "tokens" if unit == "requests" else "requests"
-    assert getattr(found, f"limit_{other}") is None
+    assert getattr(found, other) == Allowance()
 
 
 def test_no_headers_no_limits_and_garbage_is_left_out() -> None:
@@ -96,7 +96,7 @@ def test_no_headers_no_limits_and_garbage_is_left_out() -> None:
     found = rate_limits(
         CIMultiDict({"x-ratelimit-remaining-tokens": "-3", "x-ratelimit-limit-tokens": "9e3"})
     )
-    assert found == RateLimits(limit_tokens=9000)
+    assert found == RateLimits(tokens=Allowance(limit=9000))
 
 
 def test_the_simulated_provider_names_its_buckets() -> None:
@@ -123,13 +123,14 @@ async def test_the_client_reads_the_headers_of_answers_and_429s(
         with pytest.raises(TransientError) as limited:
             await client.chat(url, body)
     assert first.rate_limits is not None and second.rate_limits is not None
-    assert first.rate_limits.limit_requests == second.rate_limits.limit_requests == 60
-    assert (first.rate_limits.remaining_requests, second.rate_limits.remaining_requests) == (1, 0)
-    assert 0 < second.rate_limits.reset_requests <= 2  # one a second refills two
+    said = first.rate_limits.requests, second.rate_limits.requests
+    assert said[0].limit == said[1].limit == 60
+    assert (said[0].remaining, said[1].remaining) == (1, 0)
+    assert said[1].reset is not None and 0 < said[1].reset <= 2  # one a second refills two
     assert limited.value.error_class == ec.RATE_LIMITED
     assert limited.value.retry_after is not None and 0 < limited.value.retry_after <= 1
     found = limited.value.rate_limits
-    assert isinstance(found, RateLimits) and found.remaining_requests == 0
+    assert isinstance(found, RateLimits) and found.requests.remaining == 0
 
 
 async def test_a_pacer_with_a_cap_holds_what_the_budget_has_no_room_for() -> None:
@@ -158,7 +159,7 @@ async def test_a_pacer_learns_the_bucket_from_the_headers() -> None:
     await asyncio.sleep(0)
     assert not second.done()  # the first goes alone until it is heard of
     # 60 a minute, 4 left, full again in 1 s: a bucket of 5, one a second.
-    pacer.answered(first, RateLimits(60, 4, 1.0), used=12)
+    pacer.answered(first, RateLimits(Allowance(60, 4, 1.0)), used=12)
     assert await asyncio.wait_for(second, 1) == 1
     assert pacer.requests.rate == 1.0 and pacer.requests.size == pytest.approx(5.0)
     # 4 left, less the reserve of one: the second and two more go at once.

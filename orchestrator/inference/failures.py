@@ -55,17 +55,22 @@ _RETRYABLE_4XX = {408, 409, 425}
 
 
 @dataclass(frozen=True, slots=True)
+class Allowance:
+    """What a provider said of one of its budgets: the limit a minute, what is left of
+    it, and seconds until it is whole again. None: that header was absent or unreadable."""
+
+    limit: int | None = None
+    remaining: int | None = None
+    reset: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RateLimits:
     """What a provider's ``x-ratelimit-*`` headers said (OpenAI's names, which many
-    providers copy): per minute limits, what is left of them, and seconds until they are
-    whole again. None: that header was absent or unreadable."""
+    providers copy), of its request budget and of its token budget."""
 
-    limit_requests: int | None = None
-    remaining_requests: int | None = None
-    reset_requests: float | None = None
-    limit_tokens: int | None = None
-    remaining_tokens: int | None = None
-    reset_tokens: float | None = None
+    requests: Allowance = Allowance()
+    tokens: Allowance = Allowance()
 
 
 #: One term of a Go-style duration as providers send it: ``6m0s``, ``1.5s``, ``120ms``.
@@ -117,15 +122,16 @@ def _count(text: str | None) -> int | None:
 
 def rate_limits(headers: Any) -> RateLimits | None:
     """The ``x-ratelimit-*`` headers of an answer or a 429; None when it sent none."""
-    found = RateLimits(
-        limit_requests=_count(headers.get("x-ratelimit-limit-requests")),
-        remaining_requests=_count(headers.get("x-ratelimit-remaining-requests")),
-        reset_requests=parse_duration(headers.get("x-ratelimit-reset-requests")),
-        limit_tokens=_count(headers.get("x-ratelimit-limit-tokens")),
-        remaining_tokens=_count(headers.get("x-ratelimit-remaining-tokens")),
-        reset_tokens=parse_duration(headers.get("x-ratelimit-reset-tokens")),
-    )
+    found = RateLimits(_allowance(headers, "requests"), _allowance(headers, "tokens"))
     return None if found == _NO_LIMITS else found
+
+
+def _allowance(headers: Any, kind: str) -> Allowance:
+    return Allowance(
+        limit=_count(headers.get(f"x-ratelimit-limit-{kind}")),
+        remaining=_count(headers.get(f"x-ratelimit-remaining-{kind}")),
+        reset=parse_duration(headers.get(f"x-ratelimit-reset-{kind}")),
+    )
 
 
 _NO_LIMITS = RateLimits()

@@ -12,7 +12,7 @@ import orjson
 import structlog
 
 if TYPE_CHECKING:
-    from orchestrator.inference.failures import RateLimits
+    from orchestrator.inference.failures import Allowance, RateLimits
 
 
 log = structlog.get_logger("orchestrator.inference.pacing")
@@ -72,16 +72,15 @@ class _Bucket:
         short = min(need, self.size) - self.level
         return max(0.0, short / self.rate)
 
-    def learn(
-        self, limit: int | None, remaining: int | None, reset: float | None, since: float
-    ) -> None:
+    def learn(self, said: Allowance, since: float) -> None:
         """The provider's account: its limit a minute, what is left, and the seconds
         until its bucket is full again; ``since``: what is in flight beside it."""
-        if limit and not self.given:
-            self.rate = limit / 60
+        if said.limit and not self.given:
+            self.rate = said.limit / 60
+        remaining = said.remaining
         if self.rate is None or remaining is None:
             return
-        full = remaining + self.rate * reset if reset is not None else remaining
+        full = remaining + self.rate * said.reset if said.reset is not None else remaining
         self.size = max(self.size, 1.0, full)
         # A little is kept back: requests reach the provider in another order, and a
         # moment later or earlier, than they were sent.
@@ -200,15 +199,5 @@ class Pacer:
         now = time.monotonic()
         self.requests.refill(now)
         self.tokens.refill(now)
-        self.requests.learn(
-            limits.limit_requests,
-            limits.remaining_requests,
-            limits.reset_requests,
-            len(self._flying),
-        )
-        self.tokens.learn(
-            limits.limit_tokens,
-            limits.remaining_tokens,
-            limits.reset_tokens,
-            self._flying_tokens,
-        )
+        self.requests.learn(limits.requests, len(self._flying))
+        self.tokens.learn(limits.tokens, self._flying_tokens)
