@@ -7,27 +7,25 @@ vLLM publishes no throughput gauge and says preemptions where SGLang says retrac
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from orchestrator.sim.runtime import LATENCY_BUCKETS, Stats
 
 __all__ = ["Figures", "metrics_text"]
 
 
 @dataclass(frozen=True, slots=True)
 class Figures:
-    """What the server publishes, whatever the names."""
+    """What the server publishes, whatever the names: the engine's gauges now, and the
+    server's counters (requests, tokens, the latency histogram) since it started."""
 
     running: int
     queued: int
     usage: float
     throughput: float
-    prompt_tokens: int
-    generation_tokens: int
-    completed: int
-    aborted: int
     retracted: int
-    latency: Sequence[tuple[float, int]]  # (upper bound, count) of the latency histogram
-    latency_sum: float
+    counts: Stats
 
 
 class _Writer:
@@ -51,11 +49,12 @@ class _Writer:
     def counter(self, name: str, help_text: str, value: float) -> None:
         self.metric(name, "counter", help_text, [(f"{name}_total{{{self.labels}}}", value)])
 
-    def histogram(self, name: str, help_text: str, f: Figures) -> None:
-        samples = [(f'{name}_bucket{{{self.labels},le="{b!r}"}}', n) for b, n in f.latency]
-        samples.append((f'{name}_bucket{{{self.labels},le="+Inf"}}', f.completed))
-        samples.append((f"{name}_sum{{{self.labels}}}", f.latency_sum))
-        samples.append((f"{name}_count{{{self.labels}}}", f.completed))
+    def histogram(self, name: str, help_text: str, counts: Stats) -> None:
+        latency = zip(LATENCY_BUCKETS, counts.latency_buckets, strict=True)
+        samples = [(f'{name}_bucket{{{self.labels},le="{b!r}"}}', n) for b, n in latency]
+        samples.append((f'{name}_bucket{{{self.labels},le="+Inf"}}', counts.completed))
+        samples.append((f"{name}_sum{{{self.labels}}}", counts.latency_sum))
+        samples.append((f"{name}_count{{{self.labels}}}", counts.completed))
         self.metric(name, "histogram", help_text, samples)
 
     def text(self) -> str:
@@ -63,17 +62,20 @@ class _Writer:
 
 
 def _sglang(w: _Writer, f: Figures) -> None:
+    c = f.counts
     w.gauge("sglang:num_running_reqs", "The number of running requests.", f.running)
     w.gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", f.queued)
     w.gauge("sglang:token_usage", "The token usage.", f.usage)
     w.gauge("sglang:gen_throughput", "The generation throughput (token/s).", f.throughput)
     w.gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", 0)
-    w.counter("sglang:prompt_tokens", "Number of prefill tokens processed.", f.prompt_tokens)
+    w.counter("sglang:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
     w.counter(
-        "sglang:generation_tokens", "Number of generation tokens processed.", f.generation_tokens
+        "sglang:generation_tokens",
+        "Number of generation tokens processed.",
+        c.generation_tokens,
     )
-    w.counter("sglang:num_requests", "Number of requests processed.", f.completed)
-    w.counter("sglang:num_aborted_requests", "Number of requests aborted.", f.aborted)
+    w.counter("sglang:num_requests", "Number of requests processed.", c.completed)
+    w.counter("sglang:num_aborted_requests", "Number of requests aborted.", c.aborted)
     w.counter(
         "sglang:num_retracted_requests",
         "Number of requests retracted (the KV cache overflowed).",
@@ -82,20 +84,21 @@ def _sglang(w: _Writer, f: Figures) -> None:
     w.histogram(
         "sglang:e2e_request_latency_seconds",
         "Histogram of End-to-end request latency in seconds",
-        f,
+        c,
     )
 
 
 def _vllm(w: _Writer, f: Figures) -> None:
+    c = f.counts
     w.gauge("vllm:num_requests_running", "Number of requests in model execution.", f.running)
     w.gauge("vllm:num_requests_waiting", "Number of requests waiting.", f.queued)
     w.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.", f.usage)
     w.counter("vllm:num_preemptions", "Cumulative number of preemptions.", f.retracted)
-    w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", f.prompt_tokens)
-    w.counter("vllm:generation_tokens", "Number of generation tokens.", f.generation_tokens)
-    w.counter("vllm:request_success", "Count of successfully processed requests.", f.completed)
+    w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
+    w.counter("vllm:generation_tokens", "Number of generation tokens.", c.generation_tokens)
+    w.counter("vllm:request_success", "Count of successfully processed requests.", c.completed)
     w.histogram(
-        "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", f
+        "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", c
     )
 
 

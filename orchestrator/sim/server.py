@@ -43,7 +43,7 @@ from orchestrator.sim.options import sim_config, sim_options
 from orchestrator.sim.prefix import prompt_words
 from orchestrator.sim.refusals import JSON_TYPE, error_response, validate
 from orchestrator.sim.responses import stream_answer, whole_answer
-from orchestrator.sim.runtime import LATENCY_BUCKETS, STATE, State
+from orchestrator.sim.runtime import STATE, State
 
 __all__ = ["build_app", "main", "run_forever", "serve"]
 
@@ -234,19 +234,8 @@ def _metrics_text(state: State) -> str:
         running, queued = stats.running, 0
         usage = min(1.0, stats.running_tokens / _KV_CAPACITY_TOKENS)
         throughput = stats.throughput(state.uptime())
-    figures = Figures(
-        running=running,
-        queued=queued,
-        usage=usage,
-        throughput=throughput,
-        prompt_tokens=stats.prompt_tokens,
-        generation_tokens=stats.generation_tokens,
-        completed=stats.completed,
-        aborted=stats.aborted,
-        retracted=batcher.model.retracted if batcher is not None else 0,
-        latency=list(zip(LATENCY_BUCKETS, stats.latency_buckets, strict=True)),
-        latency_sum=stats.latency_sum,
-    )
+    retracted = batcher.model.retracted if batcher is not None else 0
+    figures = Figures(running, queued, usage, throughput, retracted, stats)
     config = state.config
     return metrics_text(config.metric_names, config.served[0], figures)
 
