@@ -62,20 +62,19 @@ class _Writer:
 
 
 def _sglang(w: _Writer, f: Figures) -> None:
-    c = f.counts
     w.gauge("sglang:num_running_reqs", "The number of running requests.", f.running)
     w.gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", f.queued)
     w.gauge("sglang:token_usage", "The token usage.", f.usage)
     w.gauge("sglang:gen_throughput", "The generation throughput (token/s).", f.throughput)
     w.gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", 0)
-    w.counter("sglang:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
+    w.counter("sglang:prompt_tokens", "Number of prefill tokens processed.", f.counts.prompt_tokens)
     w.counter(
         "sglang:generation_tokens",
         "Number of generation tokens processed.",
-        c.generation_tokens,
+        f.counts.generation_tokens,
     )
-    w.counter("sglang:num_requests", "Number of requests processed.", c.completed)
-    w.counter("sglang:num_aborted_requests", "Number of requests aborted.", c.aborted)
+    w.counter("sglang:num_requests", "Number of requests processed.", f.counts.completed)
+    w.counter("sglang:num_aborted_requests", "Number of requests aborted.", f.counts.aborted)
     w.counter(
         "sglang:num_retracted_requests",
         "Number of requests retracted (the KV cache overflowed).",
@@ -84,21 +83,22 @@ def _sglang(w: _Writer, f: Figures) -> None:
     w.histogram(
         "sglang:e2e_request_latency_seconds",
         "Histogram of End-to-end request latency in seconds",
-        c,
+        f.counts,
     )
 
 
 def _vllm(w: _Writer, f: Figures) -> None:
-    c = f.counts
     w.gauge("vllm:num_requests_running", "Number of requests in model execution.", f.running)
     w.gauge("vllm:num_requests_waiting", "Number of requests waiting.", f.queued)
     w.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.", f.usage)
     w.counter("vllm:num_preemptions", "Cumulative number of preemptions.", f.retracted)
-    w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
-    w.counter("vllm:generation_tokens", "Number of generation tokens.", c.generation_tokens)
-    w.counter("vllm:request_success", "Count of successfully processed requests.", c.completed)
+    w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", f.counts.prompt_tokens)
+    w.counter("vllm:generation_tokens", "Number of generation tokens.", f.counts.generation_tokens)
+    w.counter(
+        "vllm:request_success", "Count of successfully processed requests.", f.counts.completed
+    )
     w.histogram(
-        "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", c
+        "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", f.counts
     )
 
 
