@@ -72,6 +72,51 @@ class StoredDataset:
         return self.completion_tokens / self.answer_turns if self.answer_turns else 0.0
 
 
+_LEFT = items.c.turns - items.c.turn
+_HAS_PREDICTION = items.c.predicted_tokens > 0
+
+#: Per dataset and state: items, their turns, the turns done and left, request bytes.
+_BY_STATE = sa.select(
+    items.c.dataset_id,
+    items.c.state,
+    sa.func.count(),
+    sa.func.sum(items.c.turns),
+    sa.func.sum(items.c.turn),
+    sa.func.sum(_LEFT),
+    sa.func.sum(sa.func.length(items.c.request)),
+).group_by(items.c.dataset_id, items.c.state)
+
+#: Per dataset, of the answers with a token count: how many, their tokens, their items'
+#: turns; of those whose item had a prediction, how many, their tokens, the predictions.
+_ANSWERS = (
+    sa.select(
+        outputs.c.dataset_id,
+        sa.func.count(),
+        sa.func.sum(outputs.c.completion_tokens),
+        sa.func.sum(items.c.turns),
+        sa.func.count(sa.case((_HAS_PREDICTION, 1))),
+        sa.func.sum(sa.case((_HAS_PREDICTION, outputs.c.completion_tokens))),
+        sa.func.sum(sa.case((_HAS_PREDICTION, items.c.predicted_tokens))),
+    )
+    .select_from(outputs.join(items, items.c.id == outputs.c.item_id))
+    .where(outputs.c.completion_tokens.is_not(None))
+    .group_by(outputs.c.dataset_id)
+)
+
+#: Per dataset, of the items left with a prediction: how many, the predicted tokens, and
+#: the turns they still have.
+_PREDICTED = (
+    sa.select(
+        items.c.dataset_id,
+        sa.func.count(),
+        sa.func.sum(items.c.predicted_tokens),
+        sa.func.sum(_LEFT),
+    )
+    .where(items.c.state.in_(("pending", "running")), _HAS_PREDICTION)
+    .group_by(items.c.dataset_id)
+)
+
+
 async def stored_datasets(database: Database) -> list[StoredDataset]:
     """Every dataset, by name: its requests by state, request bytes and answer tokens.
 
@@ -79,50 +124,10 @@ async def stored_datasets(database: Database) -> list[StoredDataset]:
     seconds for a million items): planning is occasional, and nothing cheaper tells how
     much of the file is requests.
     """
-    left = items.c.turns - items.c.turn
-    has_prediction = items.c.predicted_tokens > 0
     async with database.read() as conn:
-        by_state = (
-            await conn.execute(
-                sa.select(
-                    items.c.dataset_id,
-                    items.c.state,
-                    sa.func.count(),
-                    sa.func.sum(items.c.turns),
-                    sa.func.sum(items.c.turn),
-                    sa.func.sum(left),
-                    sa.func.sum(sa.func.length(items.c.request)),
-                ).group_by(items.c.dataset_id, items.c.state)
-            )
-        ).all()
-        answers = (
-            await conn.execute(
-                sa.select(
-                    outputs.c.dataset_id,
-                    sa.func.count(),
-                    sa.func.sum(outputs.c.completion_tokens),
-                    sa.func.sum(items.c.turns),
-                    sa.func.count(sa.case((has_prediction, 1))),
-                    sa.func.sum(sa.case((has_prediction, outputs.c.completion_tokens))),
-                    sa.func.sum(sa.case((has_prediction, items.c.predicted_tokens))),
-                )
-                .select_from(outputs.join(items, items.c.id == outputs.c.item_id))
-                .where(outputs.c.completion_tokens.is_not(None))
-                .group_by(outputs.c.dataset_id)
-            )
-        ).all()
-        predicted = (
-            await conn.execute(
-                sa.select(
-                    items.c.dataset_id,
-                    sa.func.count(),
-                    sa.func.sum(items.c.predicted_tokens),
-                    sa.func.sum(left),
-                )
-                .where(items.c.state.in_(("pending", "running")), items.c.predicted_tokens > 0)
-                .group_by(items.c.dataset_id)
-            )
-        ).all()
+        by_state = (await conn.execute(_BY_STATE)).all()
+        answers = (await conn.execute(_ANSWERS)).all()
+        predicted = (await conn.execute(_PREDICTED)).all()
         rows = (await conn.execute(sa.select(datasets).order_by(datasets.c.name))).all()
 
     counts: dict[int, dict[str, Any]] = {}
