@@ -23,11 +23,15 @@ import urllib.request
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from orchestrator.sim import answer_matches
+
+if TYPE_CHECKING:
+    from orchestrator.inference.client import InferenceClient
+    from orchestrator.inference.completions import Completion
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -426,3 +430,10 @@ def check_export(db: Path | str, out: Path, expected_keys: list[str]) -> list[di
         assert answer["role"] == "assistant"
         assert answer_matches(prompt, answer["content"]), line["id"]
     return lines
+
+
+async def chat(
+    client: InferenceClient, server: str, body: dict[str, Any], **options: Any
+) -> Completion:
+    """One request's first choice, read as the worker reads its answers (``chat_choices``)."""
+    return (await client.chat_choices(server, body, **options))[0]

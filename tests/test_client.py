@@ -20,6 +20,7 @@ from orchestrator.items.quality import (
 )
 from orchestrator.sim import answer_matches, request_digest
 from tests.conftest import StartSim
+from tests.helpers import chat
 
 MESSAGES = [{"role": "user", "content": "What is a lease?"}]
 
@@ -40,7 +41,7 @@ def free_port() -> int:
 async def test_answer_is_parsed(sim: StartSim, stream: bool) -> None:
     url = await sim(mean_tokens=20)
     async with InferenceClient(ClientConfig(stream=stream)) as client:
-        got = await client.chat(url, {"messages": MESSAGES, "max_tokens": 5})
+        got = await chat(client, url, {"messages": MESSAGES, "max_tokens": 5})
     assert answer_matches(MESSAGES, got.content)
     assert got.finish_reason == "length"
     assert got.usage and got.usage["completion_tokens"] == 5
@@ -70,7 +71,7 @@ async def test_faults_are_classified(
 ) -> None:
     url = await sim(faults={fault: 1.0}, retry_after=7)
     with pytest.raises(error) as info:
-        await client.chat(url, {"messages": MESSAGES})
+        await chat(client, url, {"messages": MESSAGES})
     assert type(info.value) is error
     assert info.value.error_class == error_class
     if fault == "429":
@@ -81,18 +82,18 @@ async def test_stream_faults(sim: StartSim) -> None:
     async with InferenceClient(ClientConfig(stream=True, stream_idle_timeout=1)) as client:
         cut = await sim(faults={"malformed": 1.0})
         with pytest.raises(TransientError) as info:
-            await client.chat(cut, {"messages": MESSAGES})
+            await chat(client, cut, {"messages": MESSAGES})
         assert info.value.error_class == "stream_cut"
         stalled = await sim(faults={"hang": 1.0})
         with pytest.raises(TransientError) as info:
-            await client.chat(stalled, {"messages": MESSAGES})
+            await chat(client, stalled, {"messages": MESSAGES})
         assert info.value.error_class == "stream_idle"
 
 
 async def test_wrong_model_is_permanent_with_reason(sim: StartSim, client: InferenceClient) -> None:
     url = await sim(model="sim-model")  # pinned: by default it answers to any name
     with pytest.raises(PermanentError) as info:
-        await client.chat(url, {"messages": MESSAGES, "model": "nope"})
+        await chat(client, url, {"messages": MESSAGES, "model": "nope"})
     assert info.value.error_class == "http_404"
     assert "nope" in str(info.value)
 
@@ -102,7 +103,7 @@ async def test_a_fastapi_422_reads_as_its_errors_without_the_echoed_body(
 ) -> None:
     url = await sim(required_fields=("model", "max_tokens"))
     with pytest.raises(PermanentError) as info:
-        await client.chat(url, {"messages": [{"role": "user", "content": "a secret prompt"}]})
+        await chat(client, url, {"messages": [{"role": "user", "content": "a secret prompt"}]})
     assert info.value.error_class == "http_422"
     assert str(info.value) == (
         "HTTP 422: body.model: Field required; body.max_tokens: Field required"
@@ -112,7 +113,7 @@ async def test_a_fastapi_422_reads_as_its_errors_without_the_echoed_body(
 async def test_refused_connection_is_an_outage(client: InferenceClient) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerUnavailable) as info:
-        await client.chat(url, {"messages": MESSAGES})
+        await chat(client, url, {"messages": MESSAGES})
     assert info.value.error_class == "connect"
     assert await client.health(url) is False
 
@@ -125,10 +126,10 @@ async def test_outage_window_is_unavailable_then_healthy(
     url = await sim(outages=[(0.0, 0.5)])
     assert await client.health(url) is False
     with pytest.raises(ServerUnavailable):
-        await client.chat(url, {"messages": MESSAGES})
+        await chat(client, url, {"messages": MESSAGES})
     await asyncio.sleep(0.6)
     assert await client.health(url) is True
-    assert (await client.chat(url, {"messages": MESSAGES})).content
+    assert (await chat(client, url, {"messages": MESSAGES})).content
 
 
 # ------------------------------------------------------------ reasoning, tool calls, flags
@@ -140,7 +141,7 @@ ALL_FOUR = TRUNCATED | EMPTY_CONTENT | UNCLOSED_THINK | REASONING_ONLY
 
 async def ask(url: str, stream: bool, **extra: Any) -> Completion:
     async with InferenceClient(ClientConfig(stream=stream)) as client:
-        return await client.chat(url, {"messages": MESSAGES, **extra})
+        return await chat(client, url, {"messages": MESSAGES, **extra})
 
 
 async def reference(sim: StartSim, **extra: Any) -> Completion:

@@ -17,6 +17,7 @@ import pytest
 
 from orchestrator.errors import TransientError
 from orchestrator.inference.client import ClientConfig, InferenceClient
+from tests.helpers import chat
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -101,7 +102,7 @@ async def test_request_on_a_closed_pooled_connection_is_resent(
 ) -> None:
     async with InferenceClient(ClientConfig(stream=stream, request_timeout=5)) as client:
         for _ in range(6):
-            answer = await client.chat(closer.url, {"messages": MESSAGES})
+            answer = await chat(client, closer.url, {"messages": MESSAGES})
             assert answer.content == "hi"
     if stream:
         # The first found its pooled connection closed and went again on a new one; the
@@ -124,7 +125,7 @@ async def test_health_on_a_closed_pooled_connection_is_resent(closer: Closer) ->
 async def test_failure_on_a_new_connection_is_an_error_not_resent(closer: Closer) -> None:
     async with InferenceClient(ClientConfig(request_timeout=5)) as client:
         with pytest.raises(TransientError) as caught:
-            await client.chat(closer.url, {"messages": MESSAGES})
+            await chat(client, closer.url, {"messages": MESSAGES})
     assert caught.value.error_class == "disconnect"
     assert (closer.connections, closer.dropped, client.stale_resends) == (1, 1, 0)
 
@@ -134,5 +135,5 @@ async def test_failure_on_a_new_connection_is_an_error_not_resent(closer: Closer
 async def test_connection_close_header_is_honoured(closer: Closer, stream: bool) -> None:
     async with InferenceClient(ClientConfig(stream=stream, request_timeout=5)) as client:
         for _ in range(3):
-            assert (await client.chat(closer.url, {"messages": MESSAGES})).content == "hi"
+            assert (await chat(client, closer.url, {"messages": MESSAGES})).content == "hi"
     assert (closer.connections, closer.reused, client.stale_resends) == (3, 0, 0)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from orchestrator.errors import PermanentError, TransientError
 from orchestrator.inference.client import ClientConfig, InferenceClient
 from orchestrator.inference.http1 import Http1Pool, TimedOut
+from tests.helpers import chat
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -182,10 +183,10 @@ async def test_an_answer_over_the_limit_costs_its_request_only(
     )
     async with await client(max_response_bytes=1000) as inference:
         with pytest.raises(PermanentError) as caught:
-            await inference.chat(server.url, {"messages": MESSAGES})
+            await chat(inference, server.url, {"messages": MESSAGES})
         assert caught.value.error_class == "response_too_large"
         assert ("declared" in str(caught.value)) == (how == "length")
-        assert (await inference.chat(server.url, {"messages": MESSAGES})).content == "ok"
+        assert (await chat(inference, server.url, {"messages": MESSAGES})).content == "ok"
     assert server.connections == 2
 
 
@@ -203,10 +204,10 @@ async def test_an_error_with_an_endless_body_keeps_its_reason_and_drops_the_conn
     )
     async with await client() as inference:
         with pytest.raises(TransientError) as caught:
-            await inference.chat(server.url, {"messages": MESSAGES})
+            await chat(inference, server.url, {"messages": MESSAGES})
         assert caught.value.error_class == "http_500"
         assert "model is loading" in str(caught.value)
-        assert (await inference.chat(server.url, {"messages": MESSAGES})).content == "ok"
+        assert (await chat(inference, server.url, {"messages": MESSAGES})).content == "ok"
     assert server.connections == 2
 
 
@@ -224,9 +225,9 @@ async def test_bytes_that_are_not_an_http_answer_cost_their_request_only(
     server = await raw(lambda n, _: [reply] if n == 1 else [framed(answer_json("ok"), "length")])
     async with await client() as inference:
         with pytest.raises(TransientError) as caught:
-            await inference.chat(server.url, {"messages": MESSAGES})
+            await chat(inference, server.url, {"messages": MESSAGES})
         assert caught.value.error_class == "disconnect"
-        assert (await inference.chat(server.url, {"messages": MESSAGES})).content == "ok"
+        assert (await chat(inference, server.url, {"messages": MESSAGES})).content == "ok"
 
 
 async def test_a_cancelled_request_closes_its_connection(raw: Callable[[Script], Raw]) -> None:
@@ -234,13 +235,13 @@ async def test_a_cancelled_request_closes_its_connection(raw: Callable[[Script],
     generating), and no late answer is left on a pooled connection."""
     server = await raw(lambda n, _: [] if n == 1 else [framed(answer_json("ok"), "length")])
     async with await client() as inference:
-        task = asyncio.ensure_future(inference.chat(server.url, {"messages": MESSAGES}))
+        task = asyncio.ensure_future(chat(inference, server.url, {"messages": MESSAGES}))
         await asyncio.wait_for(server.asked.wait(), 5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.wait_for(server.lost.wait(), 5)
-        assert (await inference.chat(server.url, {"messages": MESSAGES})).content == "ok"
+        assert (await chat(inference, server.url, {"messages": MESSAGES})).content == "ok"
     assert server.connections == 2
 
 
@@ -250,7 +251,7 @@ async def test_a_request_that_gets_no_answer_in_time_is_a_timeout(
     server = await raw(lambda n, _: [])
     async with InferenceClient(ClientConfig(request_timeout=0.3)) as inference:
         with pytest.raises(TransientError) as caught:
-            await inference.chat(server.url, {"messages": MESSAGES})
+            await chat(inference, server.url, {"messages": MESSAGES})
     assert caught.value.error_class == "timeout"
     await asyncio.wait_for(server.lost.wait(), 5)
 
@@ -279,7 +280,7 @@ async def test_a_refused_connection_is_the_server_unavailable() -> None:
 
     async with await client() as inference:
         with pytest.raises(ServerUnavailable) as caught:
-            await inference.chat("http://127.0.0.1:9", {"messages": MESSAGES})
+            await chat(inference, "http://127.0.0.1:9", {"messages": MESSAGES})
     assert caught.value.error_class == "connect"
     assert "cannot connect to http://127.0.0.1:9" in str(caught.value)
 
@@ -293,7 +294,7 @@ async def test_the_request_says_its_host_agent_key_and_length(raw: Callable[[Scr
 
     server = await raw(script)
     async with await client(api_key="sk-test") as inference:
-        await inference.chat(server.url + "/v1", {"messages": MESSAGES})
+        await chat(inference, server.url + "/v1", {"messages": MESSAGES})
     lines = heads[0].decode().split("\r\n")
     port = server.url.rsplit(":", 1)[1]
     assert lines[0] == "POST /v1/chat/completions HTTP/1.1"
@@ -320,5 +321,5 @@ async def test_a_connection_reset_at_once_is_a_disconnect_not_a_wait() -> None:
     async with tcp, InferenceClient(ClientConfig(request_timeout=30)) as inference:
         for _ in range(5):
             with pytest.raises(TransientError) as caught:
-                await asyncio.wait_for(inference.chat(url, {"messages": MESSAGES}), 10)
+                await asyncio.wait_for(chat(inference, url, {"messages": MESSAGES}), 10)
             assert caught.value.error_class == "disconnect"

@@ -20,7 +20,7 @@ from orchestrator.inference.failures import Allowance, RateLimits, parse_duratio
 from orchestrator.inference.servers_file import parse_servers_file
 from orchestrator.items import error_classes as ec
 from orchestrator.sim.ratelimit import duration, parse_rate_limit
-from tests.helpers import SimProcess, check_export, cli, events, prompts, query, write_jsonl
+from tests.helpers import SimProcess, chat, check_export, cli, events, prompts, query, write_jsonl
 
 # ------------------------------------------------------------------------ headers
 
@@ -118,10 +118,10 @@ async def test_the_client_reads_the_headers_of_answers_and_429s(
     url = await sim(rate_limits=(parse_rate_limit("rpm=60,burst=2"),), mean_tokens=4)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     async with InferenceClient(ClientConfig(stream=stream)) as client:
-        first = await client.chat(url, body)
-        second = await client.chat(url, body)
+        first = await chat(client, url, body)
+        second = await chat(client, url, body)
         with pytest.raises(TransientError) as limited:
-            await client.chat(url, body)
+            await chat(client, url, body)
     assert first.rate_limits is not None and second.rate_limits is not None
     said = first.rate_limits.requests, second.rate_limits.requests
     assert said[0].limit == said[1].limit == 60

@@ -275,18 +275,6 @@ class InferenceClient:
         except (aiohttp.ClientError, TimeoutError, OSError, PermanentError):
             return False
 
-    async def chat(
-        self,
-        server: str,
-        body: dict[str, Any],
-        progress: Streamed | None = None,
-        *,
-        endpoint: str = "chat",
-    ) -> Completion:
-        """POST one chat completion (``endpoint="completions"``: one raw completion of
-        ``body["prompt"]``) and return it, or raise a classified error."""
-        return (await self.chat_choices(server, body, progress, endpoint=endpoint))[0]
-
     async def chat_choices(
         self,
         server: str,
