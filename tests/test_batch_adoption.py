@@ -78,6 +78,13 @@ def _body(lease: Lease) -> dict[str, Any]:
     return {**lease.request, "model": "sim-model", "max_tokens": 8}
 
 
+async def _started(database: Database, api: BatchApi, url: str, owner: str) -> Batches:
+    """A worker's batches, for the server at ``url``, started as a run starts them."""
+    batches = Batches(database, api, LIMITS, frozenset({url}), owner)
+    await batches.start()
+    return batches
+
+
 async def _ask(batches: Batches, url: str, lease: Lease) -> Any:
     """As the worker asks: a request its batch did not answer goes again (released)."""
     while True:
@@ -100,8 +107,7 @@ async def test_a_worker_dead_after_a_step_leaves_its_batch_to_the_next(
     leases = await _leases(database, tmp_path, 5)
     async with InferenceClient() as client:
         api = DyingApi(client, step)
-        dying = Batches(database, api, LIMITS, frozenset({url}), "w1")
-        await dying.start()
+        dying = await _started(database, api, url, "w1")
         asking = asyncio.ensure_future(_ask_all(dying, url, leases))
         await asyncio.wait_for(api.died.wait(), 60)
         await asyncio.sleep(0.1)
@@ -113,9 +119,7 @@ async def test_a_worker_dead_after_a_step_leaves_its_batch_to_the_next(
         # The next life of the worker asks the same items.
         # A create whose answer w1 never wrote down is waited out for as long as the
         # call could take (here 1 s, plus a margin) before w2 looks for it.
-        api = BatchApi(client, request_seconds=1)
-        alive = Batches(database, api, LIMITS, frozenset({url}), "w2")
-        await alive.start()
+        alive = await _started(database, BatchApi(client, request_seconds=1), url, "w2")
         answers = await _ask_all(alive, url, leases)
         await alive.close()
         stats = await _stats(client, url)
@@ -166,17 +170,13 @@ async def test_a_live_worker_that_lost_its_items_mid_batch_never_makes_it_twice(
     leases = await _leases(database, tmp_path, 5)
     async with InferenceClient() as client:
         api = StallingApi(client, step)
-        stalled = Batches(database, api, LIMITS, frozenset({url}), "w1")
-        await stalled.start()
+        stalled = await _started(database, api, url, "w1")
         first = asyncio.gather(
             *(stalled.ask(url, lease, _body(lease), "chat") for lease in leases),
             return_exceptions=True,
         )
         await asyncio.wait_for(api.stalled.wait(), 60)
-        alive = Batches(
-            database, BatchApi(client, request_seconds=2), LIMITS, frozenset({url}), "w2"
-        )
-        await alive.start()
+        alive = await _started(database, BatchApi(client, request_seconds=2), url, "w2")
         second = asyncio.ensure_future(_ask_all(alive, url, leases))
         await asyncio.sleep(1.0)  # w2 has looked at the batch meanwhile
         api.go.set()
