@@ -133,14 +133,26 @@ def fenced_update(
 
 
 def add_counts(
-    conn: sa.Connection, table: str, keys: Sequence[str], rows: Sequence[Any], now: float
+    conn: sa.Connection, table: str, keys: tuple[str, ...], rows: Sequence[Any], now: float
 ) -> None:
     """Add ``rows`` (dataclasses whose fields are the table's columns: ``keys``, then
     counters) to a table of counters, in the caller's write transaction: one upsert that
     SQLite and PostgreSQL both take, so that concurrent writers add rather than overwrite."""
     if not rows:
         return
-    columns = [f.name for f in dataclasses.fields(rows[0])]
+    sql, columns = _counts_upsert(table, keys, type(rows[0]))
+    params = [
+        {**{c: _plain(getattr(r, c)) for c in columns}, "updated_at": now}
+        for r in sorted(rows, key=lambda r: tuple(getattr(r, k) for k in keys))
+    ]
+    conn.execute(sql, params)
+
+
+@functools.cache
+def _counts_upsert(table: str, keys: tuple[str, ...], row: type) -> tuple[sa.TextClause, list[str]]:
+    """The upsert of ``add_counts`` and its columns, built once per table (a write round
+    runs it)."""
+    columns = [f.name for f in dataclasses.fields(row)]
     counters = [c for c in columns if c not in keys]
     sql = (
         f"INSERT INTO {table} ({', '.join(columns)}, updated_at)"
@@ -149,11 +161,7 @@ def add_counts(
         + "".join(f"{c} = {table}.{c} + excluded.{c}, " for c in counters)
         + "updated_at = excluded.updated_at"
     )
-    params = [
-        {**{c: _plain(getattr(r, c)) for c in columns}, "updated_at": now}
-        for r in sorted(rows, key=lambda r: tuple(getattr(r, k) for k in keys))
-    ]
-    conn.execute(sa.text(sql), params)
+    return sa.text(sql), columns
 
 
 def _plain(value: Any) -> Any:
